@@ -1,0 +1,27 @@
+"""multihead: multi-head attention on PyTorch, exactly right, fast, and able to
+show and cut its heads.
+
+    >>> import torch, multihead
+    >>> mha = multihead.MultiHeadAttention(num_hiddens=100, num_heads=5)
+    >>> X = torch.ones(2, 4, 100)
+    >>> mha(X, valid_lens=torch.tensor([3, 2])).shape
+    torch.Size([2, 4, 100])
+"""
+
+from multihead import backends, masks
+from multihead.functional import attention, attention_weights, explain, reference_attention
+from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiHeadAttention",
+    "attention",
+    "attention_weights",
+    "backends",
+    "explain",
+    "masks",
+    "reference_attention",
+    "transpose_output",
+    "transpose_qkv",
+]

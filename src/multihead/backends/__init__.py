@@ -1,0 +1,25 @@
+"""Ways of computing attention, one file each, behind one registry.
+
+``register(name, run, supports=..., priority=...)``, ``available()``,
+``use(name)`` (a context manager), ``get(name)``; :func:`multihead.explain`
+reports which backend runs a call and why the others do not.
+
+Shipped: ``sdpa`` (torch's fused kernel, chosen by "auto") and ``reference``
+(the float64 spec).
+"""
+
+from multihead.backends import reference, sdpa  # noqa: E402,F401  (registers the built-ins)
+from multihead.backends.registry import (  # noqa: F401
+    Backend,
+    Explanation,
+    Request,
+    available,
+    explain_request,
+    get,
+    register,
+    select,
+    unregister,
+    use,
+)
+
+__all__ = ["Backend", "Explanation", "Request", "available", "get", "register", "select", "unregister", "use"]

@@ -1,0 +1,478 @@
+"""What may attend to what: small immutable mask values.
+
+One convention everywhere: a boolean *keep* mask, True = may attend (as
+``F.scaled_dot_product_attention``, Keras and Flax). Float masks are *additive
+biases* (added to the scores before the softmax; ``-inf`` = may not attend).
+
+Every mask answers the same questions for given sizes (B, H, Lq, Lk):
+
+- ``keep(B, H, Lq, Lk, device)``: a bool tensor broadcastable to (B, H, Lq, Lk);
+- ``bias(B, H, Lq, Lk, device, dtype)``: a float tensor to add, or None;
+- ``validate(B, H, Lq, Lk, device)``: raise ValueError before any computation;
+- ``to_string(Lq, Lk)``: a text grid for one (batch, head), 1 = may attend.
+
+Masks compose with ``&``: ``ValidLens(lens) & Causal()``.
+
+Other libraries' conventions are converted once, at the boundary, by named
+functions: :func:`from_torch` (torch.nn: True = ignored), :func:`from_keras`
+(1 = attend) and :func:`blocked` (the Keras tutorial's 1 = blocked).
+
+A query row with nothing to attend to gives zeros (and zero weights) on every
+backend, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Mask",
+    "ValidLens",
+    "KeyPadding",
+    "Padding",
+    "Causal",
+    "SlidingWindow",
+    "Dense",
+    "And",
+    "from_torch",
+    "from_keras",
+    "blocked",
+    "as_mask",
+]
+
+Align = Literal["top-left", "bottom-right"]
+
+
+def _as_tensor(x, what: str) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, (np.ndarray, list, tuple)):
+        return torch.as_tensor(np.asarray(x))
+    raise TypeError(f"{what} must be a torch.Tensor (or array-like); got {type(x).__name__}.")
+
+
+def _full(keep: Tensor, B: int, H: int, Lq: int, Lk: int) -> Tensor:
+    """Broadcast a keep mask of up to 4 dims to (B, H, Lq, Lk)."""
+    while keep.dim() < 4:
+        keep = keep.unsqueeze(0)
+    return keep.expand(B, H, Lq, Lk)
+
+
+class Mask:
+    """Base class of all masks. Subclasses implement :meth:`keep`; they may
+    implement :meth:`bias` (additive float) and :meth:`validate`."""
+
+    #: batch size the mask is tied to (None when it broadcasts over any batch)
+    batch_size: int | None = None
+
+    def keep(self, B: int, H: int, Lq: int, Lk: int, device=None) -> Tensor:
+        """Bool tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
+        raise NotImplementedError
+
+    def bias(self, B: int, H: int, Lq: int, Lk: int, device=None, dtype=None) -> Tensor | None:
+        """Float tensor broadcastable to (B, H, Lq, Lk) added to the scores, or None."""
+        return None
+
+    def validate(self, B: int, H: int, Lq: int, Lk: int, device=None) -> None:
+        """Raise ValueError if the mask cannot apply to scores of shape (B, H, Lq, Lk)."""
+
+    def parts(self) -> tuple[Mask, ...]:
+        """The masks this one is the conjunction of (itself when it is not an :class:`And`)."""
+        return (self,)
+
+    def __and__(self, other: Mask) -> Mask:
+        if other is None:
+            return self
+        if not isinstance(other, Mask):
+            raise TypeError(f"can only combine a mask with another Mask; got {type(other).__name__}.")
+        return And(self.parts() + other.parts())
+
+    def __rand__(self, other):
+        if other is None:
+            return self
+        return NotImplemented
+
+    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0) -> str:
+        """Draw the keep mask for one (batch, head) as a grid: rows are queries
+        (Lq), columns keys (Lk); ``1`` = may attend, ``0`` = masked.
+
+        >>> print(Causal().to_string(3, 5))
+        Causal(align='top-left')  [batch 0, head 0, Lq=3, Lk=5]
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+        """
+        B = max(self.batch_size or 1, batch + 1)
+        keep = _full(self.keep(B, head + 1, Lq, Lk, device="cpu"), B, head + 1, Lq, Lk)[batch, head]
+        rows = [" ".join("1" if x else "0" for x in row.tolist()) for row in keep]
+        return "\n".join([f"{self!r}  [batch {batch}, head {head}, Lq={Lq}, Lk={Lk}]", *rows])
+
+
+@dataclass(frozen=True, eq=False)
+class ValidLens(Mask):
+    """Valid lengths, exactly the course's ``valid_lens``: for sequence b, keys at
+    positions >= lens[b] (or >= lens[b, i] for query i) are ignored.
+
+    lens: integer tensor of shape (B,) or (B, Lq), 0 <= lens <= Lk.
+    Every query row is computed; a row with length 0 comes out as zeros.
+    """
+
+    lens: Tensor
+
+    def __post_init__(self):
+        lens = _as_tensor(self.lens, "valid_lens")
+        if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
+            raise TypeError(
+                f"valid_lens must hold integers; got dtype {lens.dtype}. Use lens.long() "
+                "(a length counts keys, it is never fractional)."
+            )
+        if lens.dim() not in (1, 2):
+            raise ValueError(
+                f"valid_lens must have shape (B,) or (B, Lq); got shape {tuple(lens.shape)}."
+            )
+        if lens.numel() and lens.device.type != "meta" and int(lens.min()) < 0:
+            raise ValueError(f"valid_lens must be >= 0; got minimum {int(lens.min())}.")
+        object.__setattr__(self, "lens", lens)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lens.shape[0]
+
+    def validate(self, B, H, Lq, Lk, device=None):
+        lens = self.lens
+        if device is not None and lens.device != torch.device(device):
+            raise ValueError(
+                f"valid_lens is on {lens.device} but the inputs are on {device}; "
+                f"move it with valid_lens.to({str(device)!r})."
+            )
+        if lens.shape[0] != B:
+            raise ValueError(
+                f"valid_lens has batch size {lens.shape[0]} (shape {tuple(lens.shape)}) but the "
+                f"inputs have B={B}; give one length per sequence: shape ({B},) or ({B}, {Lq})."
+            )
+        if lens.dim() == 2 and lens.shape[1] != Lq:
+            raise ValueError(
+                f"valid_lens of shape (B, Lq) must have Lq={Lq}; got shape {tuple(lens.shape)}."
+            )
+        if lens.numel() and int(lens.max()) > Lk:
+            raise ValueError(
+                f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {int(lens.max())}."
+            )
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        lens = self.lens if device is None else self.lens.to(device)
+        pos = torch.arange(Lk, device=lens.device)  # (Lk,)
+        if lens.dim() == 1:
+            return pos < lens[:, None, None, None]  # (B, 1, 1, Lk)
+        return pos < lens[:, None, :, None]  # (B, 1, Lq, Lk)
+
+    def __repr__(self):
+        return f"ValidLens({self.lens.tolist()})"
+
+
+@dataclass(frozen=True, eq=False)
+class KeyPadding(Mask):
+    """Key padding: ``keep`` is bool (B, Lk), True = a real token (may be attended to)."""
+
+    keep_mask: Tensor
+
+    def __post_init__(self):
+        keep = _as_tensor(self.keep_mask, "KeyPadding keep")
+        if keep.dtype != torch.bool:
+            raise TypeError(
+                f"KeyPadding needs a bool (B, Lk) tensor, True = real token; got dtype {keep.dtype}. "
+                "Convert with `mask.bool()`, or `masks.from_torch(key_padding_mask=...)` for torch.nn's "
+                "True = padding."
+            )
+        if keep.dim() != 2:
+            raise ValueError(f"KeyPadding needs shape (B, Lk); got shape {tuple(keep.shape)}.")
+        object.__setattr__(self, "keep_mask", keep)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keep_mask.shape[0]
+
+    def validate(self, B, H, Lq, Lk, device=None):
+        if tuple(self.keep_mask.shape) != (B, Lk):
+            raise ValueError(
+                f"KeyPadding mask must have shape (B, Lk) = ({B}, {Lk}); got {tuple(self.keep_mask.shape)}."
+            )
+        if device is not None and self.keep_mask.device != torch.device(device):
+            raise ValueError(
+                f"KeyPadding mask is on {self.keep_mask.device} but the inputs are on {device}; move it."
+            )
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        k = self.keep_mask if device is None else self.keep_mask.to(device)
+        return k[:, None, None, :]  # (B, 1, 1, Lk)
+
+    def __repr__(self):
+        return f"KeyPadding(lens={self.keep_mask.sum(-1).tolist()})"
+
+
+@dataclass(frozen=True, eq=False)
+class Padding(ValidLens):
+    """Self-attention padding of queries *and* keys: sequence b has lens[b] real
+    tokens (lens of shape (B,)). Keys at positions >= lens[b] are ignored and the
+    padded query rows come out as zeros (they have nothing to attend to)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lens.dim() != 1:
+            raise ValueError(f"Padding lens must have shape (B,); got {tuple(self.lens.shape)}.")
+
+    def validate(self, B, H, Lq, Lk, device=None):
+        super().validate(B, H, Lq, Lk, device)
+        if Lq != Lk:
+            raise ValueError(
+                f"Padding is for self-attention (Lq == Lk); got Lq={Lq}, Lk={Lk}. "
+                "For cross-attention use ValidLens (keys only)."
+            )
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        lens = self.lens if device is None else self.lens.to(device)
+        pos = torch.arange(Lk, device=lens.device)  # (Lk,)
+        real = pos < lens[:, None]  # (B, L)
+        return real[:, None, :, None] & real[:, None, None, :]  # (B, 1, Lq, Lk)
+
+    def __repr__(self):
+        return f"Padding({self.lens.tolist()})"
+
+
+def _check_align(align):
+    if align not in ("top-left", "bottom-right"):
+        raise ValueError(f"align must be 'top-left' or 'bottom-right'; got {align!r}.")
+
+
+def _diagonal_offset(align: Align, Lq: int, Lk: int) -> int:
+    return 0 if align == "top-left" else Lk - Lq
+
+
+@dataclass(frozen=True)
+class Causal(Mask):
+    """Look-ahead mask: query i may attend to key j when j <= i + offset.
+
+    ``align`` matters only when Lq != Lk. With Lq=3, Lk=5 (1 = may attend)::
+
+        top-left (offset 0,       bottom-right (offset Lk-Lq = 2,
+        SDPA's is_causal)         flash-attn, KV-cache decoding)
+        1 0 0 0 0                 1 1 1 0 0
+        1 1 0 0 0                 1 1 1 1 0
+        1 1 1 0 0                 1 1 1 1 1
+
+    With Lq=5, Lk=3 bottom-right leaves the first two query rows empty: those
+    rows come out as zeros::
+
+        top-left      bottom-right
+        1 0 0         0 0 0
+        1 1 0         0 0 0
+        1 1 1         1 0 0
+        1 1 1         1 1 0
+        1 1 1         1 1 1
+    """
+
+    align: Align = "top-left"
+
+    def __post_init__(self):
+        _check_align(self.align)
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        off = _diagonal_offset(self.align, Lq, Lk)
+        i = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
+        j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
+        return (j <= i + off)[None, None]  # (1, 1, Lq, Lk)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """Local attention: query i may attend to key j when
+    ``i + offset - left <= j <= i + offset + right`` (offset as in :class:`Causal`).
+
+    SlidingWindow(2) with Lq = Lk = 5 (causal, the last 3 tokens)::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+        0 1 1 1 0
+        0 0 1 1 1
+    """
+
+    left: int
+    right: int = 0
+    align: Align = "top-left"
+
+    def __post_init__(self):
+        for name in ("left", "right"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"SlidingWindow {name} must be an integer >= 0; got {v!r}.")
+        _check_align(self.align)
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        off = _diagonal_offset(self.align, Lq, Lk)
+        i = torch.arange(Lq, device=device)[:, None] + off  # (Lq, 1)
+        j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
+        return ((j >= i - self.left) & (j <= i + self.right))[None, None]  # (1, 1, Lq, Lk)
+
+
+@dataclass(frozen=True, eq=False)
+class Dense(Mask):
+    """An explicit mask broadcastable to (B, H, Lq, Lk): bool = keep mask (True =
+    may attend), float = additive bias (``-inf`` = may not attend)."""
+
+    mask: Tensor
+
+    def __post_init__(self):
+        m = _as_tensor(self.mask, "Dense mask")
+        if m.dtype != torch.bool and not m.dtype.is_floating_point:
+            raise TypeError(
+                f"Dense mask must be bool (True = may attend) or floating (additive bias); got dtype "
+                f"{m.dtype}. For 0/1 integers use masks.from_keras (1 = attend) or masks.blocked "
+                "(1 = blocked)."
+            )
+        if m.dim() > 4:
+            raise ValueError(f"Dense mask must have at most 4 dims (B, H, Lq, Lk); got shape {tuple(m.shape)}.")
+        object.__setattr__(self, "mask", m)
+
+    @property
+    def batch_size(self):
+        return self.mask.shape[0] if self.mask.dim() == 4 and self.mask.shape[0] > 1 else None
+
+    def validate(self, B, H, Lq, Lk, device=None):
+        shape = (1,) * (4 - self.mask.dim()) + tuple(self.mask.shape)
+        if any(s not in (1, t) for s, t in zip(shape, (B, H, Lq, Lk))):
+            raise ValueError(
+                f"mask of shape {tuple(self.mask.shape)} is not broadcastable to the scores' "
+                f"(B, H, Lq, Lk) = ({B}, {H}, {Lq}, {Lk}); each dim must be 1 or equal."
+            )
+        if device is not None and self.mask.device != torch.device(device):
+            raise ValueError(f"mask is on {self.mask.device} but the inputs are on {device}; move it.")
+
+    def _4d(self, device):
+        m = self.mask if device is None else self.mask.to(device)
+        return m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (B|1, H|1, Lq|1, Lk|1)
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        m = self._4d(device)
+        return m if m.dtype == torch.bool else m != float("-inf")
+
+    def bias(self, B, H, Lq, Lk, device=None, dtype=None):
+        if self.mask.dtype == torch.bool:
+            return None
+        m = self._4d(device)
+        return m if dtype is None else m.to(dtype)
+
+    def __repr__(self):
+        kind = "bool" if self.mask.dtype == torch.bool else "bias"
+        return f"Dense({kind}, shape={tuple(self.mask.shape)})"
+
+
+@dataclass(frozen=True, eq=False)
+class And(Mask):
+    """Conjunction: may attend where every part may; biases add up."""
+
+    masks: tuple[Mask, ...]
+
+    @property
+    def batch_size(self):
+        sizes = [m.batch_size for m in self.masks if m.batch_size is not None]
+        return max(sizes) if sizes else None
+
+    def parts(self):
+        return self.masks
+
+    def validate(self, B, H, Lq, Lk, device=None):
+        for m in self.masks:
+            m.validate(B, H, Lq, Lk, device)
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        out = None
+        for m in self.masks:
+            k = m.keep(B, H, Lq, Lk, device)
+            out = k if out is None else out & k
+        return out
+
+    def bias(self, B, H, Lq, Lk, device=None, dtype=None):
+        out = None
+        for m in self.masks:
+            b = m.bias(B, H, Lq, Lk, device, dtype)
+            if b is not None:
+                out = b if out is None else out + b
+        return out
+
+    def __repr__(self):
+        return " & ".join(repr(m) for m in self.masks)
+
+
+def as_mask(mask) -> Mask | None:
+    """None, a :class:`Mask`, or a bool/float tensor (wrapped in :class:`Dense`)."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, Tensor):
+        return Dense(mask)
+    raise TypeError(
+        f"mask must be a multihead.masks.Mask, a bool/float tensor or None; got {type(mask).__name__}. "
+        "Convert other conventions with masks.from_torch, masks.from_keras or masks.blocked."
+    )
+
+
+# --- converters: other libraries' conventions, applied once at the boundary ---
+
+
+def from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int | None = None) -> Mask | None:
+    """torch.nn.MultiheadAttention's masks as a :class:`Mask`.
+
+    attn_mask: (Lq, Lk), or (B*H, Lq, Lk) with ``num_heads`` given; bool True = *not*
+        allowed to attend, float = added to the scores.
+    key_padding_mask: (B, Lk); bool True = padding (ignored), float = added.
+    """
+    out = None
+    if attn_mask is not None:
+        am = _as_tensor(attn_mask, "attn_mask")
+        if am.dim() == 3:
+            if num_heads is None:
+                raise ValueError(
+                    f"attn_mask of shape {tuple(am.shape)} is (B*H, Lq, Lk): pass num_heads=H to split it."
+                )
+            if am.shape[0] % num_heads:
+                raise ValueError(
+                    f"attn_mask's first dim {am.shape[0]} is not a multiple of num_heads={num_heads}."
+                )
+            am = am.reshape(-1, num_heads, am.shape[1], am.shape[2])  # (B*H, Lq, Lk) -> (B, H, Lq, Lk)
+        elif am.dim() != 2:
+            raise ValueError(f"attn_mask must be (Lq, Lk) or (B*H, Lq, Lk); got shape {tuple(am.shape)}.")
+        out = Dense(~am) if am.dtype == torch.bool else Dense(am)
+    if key_padding_mask is not None:
+        kpm = _as_tensor(key_padding_mask, "key_padding_mask")
+        if kpm.dim() != 2:
+            raise ValueError(f"key_padding_mask must be (B, Lk); got shape {tuple(kpm.shape)}.")
+        m = KeyPadding(~kpm) if kpm.dtype == torch.bool else Dense(kpm[:, None, None, :])  # (B, 1, 1, Lk)
+        out = m if out is None else out & m
+    return out
+
+
+def from_keras(attention_mask) -> Mask | None:
+    """Keras' ``attention_mask``: (B, Lq, Lk), 1/True = may attend, 0 = masked."""
+    if attention_mask is None:
+        return None
+    m = _as_tensor(attention_mask, "attention_mask")
+    if m.dim() != 3:
+        raise ValueError(f"attention_mask must be (B, Lq, Lk); got shape {tuple(m.shape)}.")
+    return Dense(m.bool()[:, None])  # (B, 1, Lq, Lk)
+
+
+def blocked(mask) -> Mask | None:
+    """The Keras tutorial's mask, 1 = blocked, 0 = may attend (it adds ``-1e9 * mask``
+    to the scores), broadcastable to (B, H, Lq, Lk): e.g. a look-ahead mask (Lq, Lk)
+    or a padding mask (B, 1, 1, Lk). Values must be 0 or 1."""
+    if mask is None:
+        return None
+    m = _as_tensor(mask, "mask")
+    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("blocked(mask) takes 0/1 values (1 = blocked); got other values.")
+    return Dense(m == 0)

@@ -1,0 +1,102 @@
+"""Shared helpers: random inputs with awkward sizes, and the tolerance rule.
+
+The rule (as flash-attention's tests): a backend's error against the float64
+reference is at most K times the error of the plain computation in the same
+dtype, for outputs and for gradients.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from multihead import reference_attention
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# flash-attention uses 2 and 3; SDPA's CPU backward at Lq = 1 with MQA measured 4.4x on one
+# gradient entry at the ulp level (errors ~3e-7 in fp32), so gradients get 5.
+K_OUT, K_GRAD = 2.0, 5.0
+
+# (B, H, Hkv, Lq, Lk, D, Dv): all different, odd sizes, Lq != Lk, GQA and MQA, length 1
+AWKWARD = [
+    (3, 6, 2, 5, 7, 13, 11),
+    (2, 4, 4, 59, 97, 16, 16),
+    (2, 3, 1, 1, 13, 7, 5),
+    (1, 2, 2, 17, 1, 9, 3),
+    (2, 5, 5, 11, 11, 8, 8),
+]
+
+
+def qkv(B, H, Hkv, Lq, Lk, D, Dv, *, dtype=torch.float32, contiguous=True, requires_grad=False, seed=0):
+    """Random query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); with
+    contiguous=False they are transposed views of (B, L, H, D) storage, as a module makes them."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(b, h, n, d):
+        if contiguous:
+            t = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        else:
+            t = torch.randn(b, n, h, d, generator=g, dtype=torch.float64).transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
+        t = t.to(dtype)
+        return t.requires_grad_(requires_grad) if requires_grad else t
+
+    return make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+
+
+def plain(q, k, v, mask=None, **kw):
+    """The plain computation in the inputs' own dtype (the error baseline)."""
+    return reference_attention(q, k, v, mask, compute_dtype=None, **kw)
+
+
+def err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def rounding(ref, dtype) -> float:
+    """The error of merely rounding the reference to ``dtype`` (flash-attention's
+    ``(ref + 0.3 - 0.3 - ref)`` floor), so exact-zero baselines do not fail on noise."""
+    r = ref.detach().to(dtype)
+    floor = err((r + 0.3) - 0.3, ref.detach())
+    if dtype == torch.float64:  # the reference is the plain computation: allow summation-order noise
+        floor += 8 * torch.finfo(dtype).eps * ref.detach().abs().max().item()
+    return floor
+
+
+def assert_close_to_reference(run, q, k, v, mask=None, *, grads=True, seed=1, **kw):
+    """Compare run(q, k, v, mask) with the float64 reference, outputs and gradients,
+    against the plain same-dtype computation's error."""
+    dtype = q.dtype
+    leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
+    ref_leaves = [t.detach().double().requires_grad_(grads) for t in (q, k, v)]
+    plain_leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
+    out = run(*leaves, mask, **kw)
+    ref = reference_attention(*ref_leaves, mask, **kw)
+    base = plain(*plain_leaves, mask, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    e, e0 = err(out, ref), err(base, ref)
+    bound = K_OUT * e0 + 2 * rounding(ref, dtype)
+    assert e <= bound, f"output error {e:.3g} > {K_OUT} x plain {e0:.3g} + rounding"
+    if not grads:
+        return
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    gs = torch.autograd.grad(out, leaves, dout.to(dtype))
+    grs = torch.autograd.grad(ref, ref_leaves, dout)
+    g0s = torch.autograd.grad(base, plain_leaves, dout.to(dtype))
+    for name, a, r, b in zip("qkv", gs, grs, g0s):
+        assert torch.isfinite(a).all(), f"d{name} not finite"
+        ea, eb = err(a, r), err(b, r)
+        assert ea <= K_GRAD * eb + 2 * rounding(r, dtype), f"d{name} error {ea:.3g} > {K_GRAD} x plain {eb:.3g} + rounding"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
