@@ -27,7 +27,7 @@ demo: $(VENV)/.demo
 	$(BIN)/multihead demo
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests $(wildcard bench)
 
 test: $(VENV)/.test lint
 	$(BIN)/python -m pytest -q

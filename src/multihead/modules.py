@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from multihead import backends, masks
 from multihead.functional import attention
 
-__all__ = ["MultiHeadAttention", "transpose_qkv", "transpose_output"]
+__all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
 
 def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
@@ -50,7 +50,19 @@ def _in_features(lin: nn.Module) -> int | None:
     return None if isinstance(lin, nn.modules.lazy.LazyModuleMixin) and lin.has_uninitialized_params() else lin.in_features
 
 
-class MultiHeadAttention(nn.Module):
+class AttentionCore:
+    """The one place every multihead module attends: :class:`MultiHeadAttention`,
+    the course's compat modules and the torch.nn drop-in all call :meth:`_attend`
+    with (B, H, L, D) tensors. Needs the attributes ``dropout`` (float), ``scale``
+    (float or None), ``backend`` and ``training``."""
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
+        p = self.dropout if self.training else 0.0
+        return attention(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
+
+
+class MultiHeadAttention(AttentionCore, nn.Module):
     """Multi-head attention (Vaswani et al. 2017), as the course builds it.
 
     ``h`` learned projections of queries, keys and values, scaled dot-product
@@ -207,8 +219,3 @@ class MultiHeadAttention(nn.Module):
         out = self._attend(q, k, v, m)  # (B, H, Lq, Dv)
         out = out.transpose(1, 2).reshape(B, Lq, H * Dv)  # (B, H, Lq, Dv) -> (B, Lq, H*Dv)
         return o_proj(out)  # (B, Lq, out_features)
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
-        p = self.dropout if self.training else 0.0
-        return attention(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
