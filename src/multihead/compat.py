@@ -6,6 +6,7 @@ the import.
   dropout, bias=False)``; a course state_dict loads as is.
 - :class:`KerasTutorialMultiHeadAttention`: the Keras from-scratch tutorial's
   ``MultiHeadAttention(h, d_k, d_v, d_model)``, mask 1 = blocked.
+- :class:`TorchMultiheadAttention`: a drop-in for ``torch.nn.MultiheadAttention``.
 - The ViT notebook's ``MultiHeadAttention(d_model, num_head, d_k)`` is
   ``multihead.MultiHeadAttention(num_hiddens=d_model, num_heads=num_head,
   head_dim=d_k, bias=True, out_features=d_model)`` (scores scaled by
@@ -22,13 +23,14 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks
 from multihead.functional import attention_weights
-from multihead.modules import MultiHeadAttention
+from multihead.modules import AttentionCore, MultiHeadAttention
 
-__all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights"]
+__all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights", "TorchMultiheadAttention"]
 
 
 class LastWeights(nn.Module):
@@ -117,3 +119,96 @@ class KerasTutorialMultiHeadAttention(MultiHeadAttention):
         return super().forward(q, k, v, mask=masks.blocked(mask))
 
     call = forward
+
+
+class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
+    """A drop-in for ``torch.nn.MultiheadAttention`` that computes with multihead.
+
+    Same constructor, parameters (``in_proj_weight`` or ``q/k/v_proj_weight``,
+    ``in_proj_bias``, ``out_proj``), state_dict, forward signature and return
+    values ``(attn_output, attn_weights or None)``, so ``nn.TransformerEncoderLayer``,
+    ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` run on it. Differences:
+
+    - a query row with nothing to attend to gives zeros, never NaN;
+    - the returned weights are the softmax weights before dropout;
+    - ``add_bias_kv`` and ``add_zero_attn`` are refused;
+    - ``is_causal=True`` applies the causal mask even without ``attn_mask``;
+    - it reports ``_qkv_same_embed_dim = False`` (its packed layout is in
+      ``_packed``) so that torch's fused encoder fast path, which would bypass
+      this module, is never taken.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None):
+        if add_bias_kv or add_zero_attn:
+            raise ValueError(
+                "TorchMultiheadAttention does not support add_bias_kv=True or add_zero_attn=True (they append "
+                "learned or zero key/value positions); keep torch.nn.MultiheadAttention for such modules."
+            )
+        if not isinstance(dropout, float | int) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}.")
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+                         batch_first, device=device, dtype=dtype)
+        self._packed = self._qkv_same_embed_dim
+        self._qkv_same_embed_dim = False
+        self.num_kv_heads, self.value_head_dim = self.num_heads, self.head_dim
+        self.scale, self.backend = None, "auto"
+
+    @classmethod
+    def from_module(cls, module: nn.MultiheadAttention) -> TorchMultiheadAttention:
+        """The drop-in with ``module``'s configuration and weights."""
+        w = module.out_proj.weight
+        new = cls(module.embed_dim, module.num_heads, module.dropout, module.in_proj_bias is not None,
+                  module.bias_k is not None, module.add_zero_attn, module.kdim, module.vdim, module.batch_first,
+                  device=w.device, dtype=w.dtype)
+        new.load_state_dict(module.state_dict())
+        new.train(module.training)
+        return new
+
+    def projection_weights(self):
+        """(w_q, w_k, w_v, b_q, b_k, b_v): (E, E), (E, kdim), (E, vdim) and (E,) or None."""
+        if self._packed:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b = self.in_proj_bias
+        b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)  # (3E,) -> 3 x (E,)
+        return w_q, w_k, w_v, b_q, b_k, b_v
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        unbatched = query.dim() == 2
+        if unbatched:  # (L, E) -> (1, L, E)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)  # (Lk,) -> (1, Lk)
+        elif not self.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        if query.dim() != 3:
+            raise ValueError(f"query must be (L, E), (L, B, E) or (B, L, E); got shape {tuple(query.shape)}.")
+        B, Lq, E = query.shape
+        Lk = key.shape[1]
+        H, D = self.num_heads, self.head_dim
+        mask = masks.from_torch(None if is_causal else attn_mask, key_padding_mask, num_heads=H)
+        if is_causal:  # the hint: attn_mask is the causal mask
+            mask = masks.Causal() if mask is None else masks.Causal() & mask
+        if mask is not None:
+            mask.validate(B, H, Lq, Lk, query.device)
+        w_q, w_k, w_v, b_q, b_k, b_v = self.projection_weights()
+        q = F.linear(query, w_q, b_q).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, E) -> (B, H, Lq, D)
+        k = F.linear(key, w_k, b_k).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
+        v = F.linear(value, w_v, b_v).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
+        out = self._attend(q, k, v, mask)  # (B, H, Lq, D)
+        out = out.transpose(1, 2).reshape(B, Lq, E)  # (B, H, Lq, D) -> (B, Lq, E)
+        out = self.out_proj(out)
+        weights = None
+        if need_weights:
+            weights = attention_weights(q, k, mask)  # (B, H, Lq, Lk)
+            if average_attn_weights:
+                weights = weights.mean(1)  # (B, Lq, Lk)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        elif not self.batch_first:
+            out = out.transpose(0, 1)  # (B, Lq, E) -> (Lq, B, E)
+        return out, weights
