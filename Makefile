@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +16,19 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.demo: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz]'
+	$(BIN)/pip install -q -e '.[viz,train]'
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz,dev,keras,hf,pretrained]'
+	$(BIN)/pip install -q -e '.[viz,train,dev,keras,hf,pretrained,browser]'
 	touch $@
+
+# the explorer's browser tests drive Debian's Chromium (never a browser download);
+# installed when missing and we are root (CI), skipped cleanly elsewhere
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
+	  echo "chromium not installed: the browser tests will skip"
 
 demo: $(VENV)/.demo
 	$(BIN)/multihead demo
@@ -29,7 +36,7 @@ demo: $(VENV)/.demo
 lint: $(VENV)/.test
 	$(BIN)/ruff check src tests $(wildcard bench)
 
-test: $(VENV)/.test lint
+test: $(VENV)/.test chromium lint
 	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 clean:

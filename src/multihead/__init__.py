@@ -9,6 +9,7 @@ show and cut its heads.
 """
 
 from multihead import backends, masks
+from multihead.capture import capture
 from multihead.functional import attention, attention_weights, explain, reference_attention
 from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
 
@@ -19,6 +20,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "backends",
+    "capture",
     "explain",
     "masks",
     "reference_attention",

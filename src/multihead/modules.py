@@ -11,6 +11,7 @@ import numbers
 from torch import Tensor, nn
 
 from multihead import backends, masks
+from multihead.capture import ACTIVE as _CAPTURING
 from multihead.functional import attention
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
@@ -58,6 +59,9 @@ class AttentionCore:
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
         """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
+        if _CAPTURING:  # empty unless inside multihead.capture()
+            for rec in _CAPTURING:
+                rec.record(self, q, k, mask)
         p = self.dropout if self.training else 0.0
         return attention(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
 

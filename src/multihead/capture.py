@@ -1,0 +1,121 @@
+"""Opt-in recording of every head's attention weights, from any model.
+
+    with multihead.capture(model) as captured:
+        model(x)
+    captured["encoder.layers.0.attn"]        # (B, H, Lq, Lk), the last call's weights
+
+Inside the block every multihead attention module (``MultiHeadAttention``, the
+course's compat modules, ``TorchMultiheadAttention`` and so patched torch.nn
+models) records its weights, computed by :func:`multihead.attention_weights`
+under the same mask, keyed by the module's qualified name in ``model``. Return
+values never change. Outside the block nothing is recorded and the fused path
+runs: the only cost is one check of an empty list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["capture", "Captured"]
+
+#: the recorders now active (innermost last); AttentionCore checks this list
+ACTIVE: list[Captured] = []
+
+
+class Captured(Mapping):
+    """Name -> weights (B, H, Lq, Lk) of the module's last call, in the order the
+    modules first ran. ``calls(name)`` gives every call's weights; ``skipped``
+    says which calls were not kept and why."""
+
+    def __init__(self, model: nn.Module | None, include, detach: bool, to_cpu: bool, max_elements: int | None):
+        self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self._include = include
+        self.detach, self.to_cpu, self.max_elements = detach, to_cpu, max_elements
+        self._calls: dict[str, list[Tensor]] = {}
+        self.skipped: dict[str, str] = {}
+        self._anon: dict[int, str] = {}
+
+    def _name(self, module) -> str | None:
+        name = self._names.get(id(module))
+        if name is None:
+            if self._names:  # a model was given and this module is not in it
+                return None
+            name = self._anon.setdefault(id(module), f"{type(module).__name__}#{len(self._anon)}")
+        return name if name else type(module).__name__
+
+    def _wanted(self, name: str, module) -> bool:
+        inc = self._include
+        if inc is None:
+            return True
+        if callable(inc):
+            return bool(inc(name, module))
+        return any(fnmatch.fnmatchcase(name, pat) for pat in inc)
+
+    def record(self, module, q: Tensor, k: Tensor, mask) -> None:
+        from multihead.functional import attention_weights
+
+        name = self._name(module)
+        if name is None or not self._wanted(name, module):
+            return
+        B, H, Lq, _ = q.shape
+        n = B * H * Lq * k.shape[2]
+        if self.max_elements is not None and n > self.max_elements:
+            self.skipped[name] = f"weights of {n} elements (B={B}, H={H}, Lq={Lq}, Lk={k.shape[2]}) > max_elements"
+            return
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach):
+            w = attention_weights(q, k, mask, scale=getattr(module, "scale", None))  # (B, H, Lq, Lk)
+        if self.to_cpu:
+            w = w.cpu()
+        self._calls.setdefault(name, []).append(w)
+
+    def calls(self, name: str) -> list[Tensor]:
+        return list(self._calls[name])
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._calls[name][-1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._calls)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{n}: {tuple(w.shape)}" for n, w in self.items())
+        return f"Captured({{{items}}})"
+
+
+@contextlib.contextmanager
+def capture(
+    model: nn.Module | None = None,
+    *,
+    include: list[str] | Callable[[str, nn.Module], bool] | None = None,
+    detach: bool = True,
+    to_cpu: bool = False,
+    max_elements: int | None = None,
+):
+    """Record every multihead attention module's per-head weights inside the block.
+
+    Args:
+        model: names the modules (their qualified names in it); modules outside it
+            are ignored. None: every module, named ``ClassName#i`` in order of first call.
+        include: glob patterns over names (``["encoder.*"]``) or a predicate
+            ``(name, module) -> bool``; None = all.
+        detach: record without autograd history (default); False keeps the graph
+            so a loss can be taken of the weights.
+        to_cpu: move each record to the CPU.
+        max_elements: skip (and list in ``captured.skipped``) weights larger than this.
+
+    Yields a :class:`Captured` mapping.
+    """
+    rec = Captured(model, include, detach, to_cpu, max_elements)
+    ACTIVE.append(rec)
+    try:
+        yield rec
+    finally:
+        ACTIVE.remove(rec)

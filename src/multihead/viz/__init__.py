@@ -1,0 +1,8 @@
+"""See the heads: heatmaps (matplotlib), attention rollout, and a self-contained
+HTML explorer."""
+
+from multihead.viz.explorer import explorer
+from multihead.viz.heatmaps import heatmaps
+from multihead.viz.rollout import rollout
+
+__all__ = ["explorer", "heatmaps", "rollout"]

@@ -1,0 +1,103 @@
+"""Heatmaps of attention weights: a grid of layers x heads, one colour scale."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+
+def as_grid(weights, *, batch: int = 0, num_heads: int | None = None) -> tuple[Tensor, list[str]]:
+    """Weights in any of the accepted forms -> (rows, cols, Lq, Lk) on the CPU and row labels.
+
+    - a mapping name -> (B, H, Lq, Lk) (what :func:`multihead.capture` gives):
+      rows are the modules (layers), sequence ``batch`` of each;
+    - a 4-D tensor (rows, cols, Lq, Lk), drawn as it is (the course's ``show_heatmaps``);
+    - a 3-D tensor (B*H, Lq, Lk), the course module's ``attention.attention_weights``,
+      with ``num_heads`` given: rows are the sequences, columns the heads;
+    - a 2-D tensor (Lq, Lk): one map.
+    """
+    if isinstance(weights, Mapping):
+        if not weights:
+            raise ValueError("no weights to draw: the capture is empty (did the model run inside capture()?).")
+        names = list(weights)
+        mats = [weights[n] for n in names]
+        shapes = {tuple(m.shape[1:]) for m in mats}
+        if len(shapes) > 1:
+            raise ValueError(f"modules have different (H, Lq, Lk) shapes {sorted(shapes)}; draw them one at a time "
+                             "with heatmaps({name: captured[name]}).")
+        for n, m in zip(names, mats):
+            if m.dim() != 4 or not 0 <= batch < m.shape[0]:
+                raise ValueError(f"{n}: expected (B, H, Lq, Lk) with B > batch={batch}; got {tuple(m.shape)}.")
+        return torch.stack([m[batch].detach().float().cpu() for m in mats]), names  # (layers, H, Lq, Lk)
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"weights must be a tensor or a mapping of tensors; got {type(weights).__name__}.")
+    w = weights.detach().float().cpu()
+    if w.dim() == 2:
+        return w[None, None], [""]
+    if w.dim() == 3:
+        if num_heads is None:
+            raise ValueError(f"weights of shape {tuple(w.shape)} are (B*H, Lq, Lk): pass num_heads=H.")
+        if w.shape[0] % num_heads:
+            raise ValueError(f"weights' first dim {w.shape[0]} is not a multiple of num_heads={num_heads}.")
+        w = w.reshape(-1, num_heads, w.shape[1], w.shape[2])  # (B*H, Lq, Lk) -> (B, H, Lq, Lk)
+        return w, [f"sequence {i}" for i in range(w.shape[0])]
+    if w.dim() == 4:
+        return w, [f"row {i}" for i in range(w.shape[0])]
+    raise ValueError(f"weights must be 2-D, 3-D (with num_heads), 4-D or a mapping; got shape {tuple(w.shape)}.")
+
+
+def heatmaps(
+    weights,
+    *,
+    queries: Sequence[str] | None = None,
+    keys: Sequence[str] | None = None,
+    batch: int = 0,
+    num_heads: int | None = None,
+    xlabel: str = "Keys",
+    ylabel: str = "Queries",
+    titles: Sequence[str] | None = None,
+    cmap: str = "Reds",
+    cell: float = 2.2,
+    max_labels: int = 40,
+):
+    """A matplotlib Figure: one heatmap per (row, head), rows = layers (or what the
+    first dim of a 4-D tensor is), one shared colour scale with a colour bar.
+
+    ``queries``/``keys``: token labels for the axes (shown when at most
+    ``max_labels``). Save with ``fig.savefig("heads.png")`` (or .svg, .pdf).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    grid, row_names = as_grid(weights, batch=batch, num_heads=num_heads)  # (rows, cols, Lq, Lk)
+    R, C, Lq, Lk = grid.shape
+    for name, labels, n in (("queries", queries, Lq), ("keys", keys, Lk)):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"{name} has {len(labels)} labels but the weights have {n} {name}.")
+    fig, axes = plt.subplots(R, C, figsize=(cell * C + 1.2, cell * R + 0.4), squeeze=False, sharex=True, sharey=True)
+    vmax = float(grid.max()) if grid.numel() else 1.0
+    im = None
+    for r in range(R):
+        for c in range(C):
+            ax = axes[r, c]
+            im = ax.imshow(grid[r, c].numpy(), cmap=cmap, vmin=0.0, vmax=vmax or 1.0, aspect="auto",
+                           interpolation="nearest")
+            if titles is not None:
+                ax.set_title(titles[c] if len(titles) == C else titles[r * C + c], fontsize=8)
+            elif r == 0:
+                ax.set_title(f"head {c}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"{row_names[r]}\n{ylabel}" if row_names[r] else ylabel, fontsize=7)
+            if r == R - 1:
+                ax.set_xlabel(xlabel, fontsize=7)
+            if keys is not None and Lk <= max_labels:
+                ax.set_xticks(range(Lk), labels=list(keys), rotation=90, fontsize=6)
+            if queries is not None and Lq <= max_labels:
+                ax.set_yticks(range(Lq), labels=list(queries), fontsize=6)
+            ax.tick_params(length=0, labelsize=6)
+    fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
+    return fig

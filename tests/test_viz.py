@@ -1,0 +1,173 @@
+"""Heatmaps, rollout and the HTML explorer (in a real headless Chromium)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import multihead
+from multihead import MultiHeadAttention, masks
+from multihead.compat import D2LMultiHeadAttention
+from multihead.viz import explorer, heatmaps, rollout
+
+pytest.importorskip("matplotlib")
+
+
+def captured_stack(L=6, layers=2, H=3, B=2):
+    torch.manual_seed(0)
+    mods = torch.nn.ModuleList([MultiHeadAttention(12, H) for _ in range(layers)])
+    x = torch.randn(B, L, 12)
+    with multihead.capture(mods) as c:
+        for m in mods:
+            x = x + m(x, mask=masks.Causal())
+    return c
+
+
+def test_heatmaps_grid_of_layers_by_heads(tmp_path):
+    c = captured_stack()
+    fig = heatmaps(c, queries=list("abcdef"), keys=list("abcdef"))
+    axes = [a for a in fig.axes if a.get_label() != "<colorbar>"]
+    assert len(axes) == 2 * 3 and len(fig.axes) == 2 * 3 + 1  # 6 maps + the colour bar
+    images = [a.images[0] for a in axes if a.images]
+    assert len(images) == 6 and len({im.get_clim() for im in images}) == 1  # one shared colour scale
+    assert images[0].get_array().shape == (6, 6)
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == list("abcdef")
+    for ext in ("png", "svg", "pdf"):
+        fig.savefig(tmp_path / f"h.{ext}")
+        assert (tmp_path / f"h.{ext}").stat().st_size > 1000
+    with pytest.raises(ValueError, match="queries has 2 labels but the weights have 6 queries"):
+        heatmaps(c, queries=["a", "b"])
+
+
+def test_heatmaps_draws_the_course_modules_weights():
+    d2l = D2LMultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
+    X, Y = torch.ones(2, 4, 100), torch.ones(2, 6, 100)
+    d2l(X, Y, Y, torch.tensor([3, 2]))
+    fig = heatmaps(d2l.attention.attention_weights, num_heads=5)  # (B*H, Lq, Lk) as the course keeps it
+    images = [a.images[0] for a in fig.axes if a.images]
+    assert len(images) == 2 * 5
+    assert (images[5].get_array()[:, 2:] == 0).all()  # sequence 1 (valid length 2), head 0
+    with pytest.raises(ValueError, match=r"pass num_heads=H"):
+        heatmaps(d2l.attention.attention_weights)
+
+
+def test_rollout_identity_and_product():
+    L = 5
+    eye = torch.eye(L).expand(1, 2, L, L)
+    r = rollout({"a": eye, "b": eye})
+    assert torch.allclose(r[0], torch.eye(L))  # attending only to oneself: rollout is the identity
+    c = captured_stack(L=L)
+    names = list(c)
+    r = rollout(c)
+    A = [0.5 * c[n].double().mean(1) + 0.5 * torch.eye(L, dtype=torch.float64) for n in names]
+    assert torch.allclose(r.double(), A[1] @ A[0], atol=1e-6)
+    assert torch.allclose(r.sum(-1), torch.ones(2, L), atol=1e-5)
+    rc = rollout(c, causal=True)
+    assert (rc[0].triu(1) == 0).all()
+    with pytest.raises(ValueError, match="needs self-attention weights"):
+        rollout({"x": torch.rand(1, 2, 3, 4)})
+
+
+def test_explorer_is_self_contained_and_escapes_tokens(tmp_path):
+    c = captured_stack()
+    evil = ["<script>alert(1)</script>", "a&b", '"q"', "</script><b>x", "é", "t"]
+    p = explorer(c, tokens=evil, path=tmp_path / "x.html")
+    text = p.read_text()
+    assert "<script>alert(1)</script>" not in text and "</script><b>" not in text
+    assert not re.search(r"(src|href)=\"https?:", text) and "http://" not in text.replace("http-equiv", "")
+    payload = re.search(r'<script id="data" type="application/json">(.*?)</script>', text, re.S).group(1)
+    data = json.loads(payload)
+    assert data["modules"][0]["queries"] == evil
+    assert len(data["modules"]) == 2 and len(data["modules"][0]["heads"]) == 3
+
+
+def _chromium():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    return exe, sync_api
+
+
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _open(page_path, exe, sync_api, fn):
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_path.as_uri())
+            return fn(page), errors
+        finally:
+            browser.close()
+
+
+def _not_blank(png: bytes) -> bool:
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("L")
+    lo, hi = img.getextrema()
+    return hi - lo > 50 and sum(1 for n in img.histogram() if n) > 10
+
+
+def test_explorer_in_chromium(tmp_path):
+    exe, sync_api = _chromium()
+    c = captured_stack()
+    evil = ["<script>alert(1)</script>", "b", "c", "d", "e", "f"]
+    p = explorer(c, tokens=evil, path=tmp_path / "e.html")
+
+    def act(page):
+        before = page.text_content("#enlarged-title")
+        page.click('#thumbs canvas[data-module="1"][data-head="2"]')
+        after = page.text_content("#enlarged-title")
+        page.hover("#tokens span:nth-child(3)")
+        shaded = page.eval_on_selector("#keys span:nth-child(1)", "e => e.style.background")
+        first_token = page.text_content("#tokens span:nth-child(1)")
+        dialogs = []
+        page.on("dialog", lambda d: dialogs.append(d))
+        return before, after, shaded, first_token, page.screenshot(), dialogs
+
+    (before, after, shaded, first_token, png, dialogs), errors = _open(p, exe, sync_api, act)
+    assert errors == []
+    assert before.endswith("— head 0 (6 queries × 6 keys, max weight " + before.split("max weight ")[1])
+    assert after.startswith("1 — head 2") and after != before
+    assert "rgba(200, 0, 0" in shaded
+    assert first_token == "<script>alert(1)</script>" and dialogs == []
+    assert _not_blank(png)
+
+
+def test_explorer_long_input_and_image_in_chromium(tmp_path):
+    exe, sync_api = _chromium()
+    L = 4096
+    w = torch.softmax(torch.randn(1, 2, L, L), -1)
+    p = explorer({"layer": w}, tokens=[f"t{i}" for i in range(L)], path=tmp_path / "long.html", max_cells=512)
+    assert p.stat().st_size < 3_000_000
+
+    def act(page):
+        page.click('#thumbs canvas[data-head="1"]')
+        return page.text_content("#enlarged-title"), page.screenshot()
+
+    (title, png), errors = _open(p, exe, sync_api, act)
+    assert errors == [] and title.startswith("layer — head 1 (4096 queries × 4096 keys") and _not_blank(png)
+    # a ViT-style capture: [CLS] + 4x4 patches over an 8x8 picture
+    img = torch.arange(64.0).reshape(8, 8)
+    wv = torch.softmax(torch.randn(1, 2, 17, 17), -1)
+    p2 = explorer({"vit.0": wv}, tokens=["[CLS]"] + [f"p{i}" for i in range(16)], path=tmp_path / "vit.html",
+                  image=img, patch_grid=(4, 4), prefix_tokens=1)
+
+    def act2(page):
+        page.hover("#tokens span:nth-child(6)")
+        return page.is_visible("#img"), page.screenshot()
+
+    (visible, png2), errors = _open(p2, exe, sync_api, act2)
+    assert errors == [] and visible and _not_blank(png2)
