@@ -102,3 +102,17 @@ def assert_close_to_reference(run, q, k, v, mask=None, *, grads=True, seed=1, **
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """The demo's two models, trained once per test session and saved as checkpoints."""
+    pytest.importorskip("sklearn")
+    from multihead.models import checkpoint, train_reverser, train_vit
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    reverser = train_reverser(progress=False)
+    vit, acc = train_vit(progress=False)
+    checkpoint.save(reverser, root / "transformer")
+    checkpoint.save(vit, root / "vit")
+    return {"dir": root, "reverser": reverser, "vit": vit, "vit_accuracy": acc}

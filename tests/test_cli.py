@@ -1,29 +1,63 @@
-"""The `multihead` command."""
+"""The `multihead` command: the demo and viz."""
 
 from __future__ import annotations
 
 import re
+import shutil
 
-from multihead.cli import format_weights, main
+import pytest
+import torch
+
+from multihead.cli import main
+from multihead.demo import format_weights
 
 
-def test_demo_prints_shape_dispatch_and_weights(capsys):
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "output shape: (2, 4, 100)" in out
-    assert "runs: sdpa" in out and "reference" in out
-    # the weights grid of sequence 1 (valid length 2): rows sum to 1, keys 2.. get 0
-    rows = [line.split()[1:] for line in out.splitlines() if re.match(r"^q\d ", line)]
+def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(trained["dir"], out / "checkpoints")  # reused, not retrained
+    assert main(["demo", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "output shape: (2, 4, 100)" in text
+    assert "runs: sdpa" in text and "reference" in text
+    assert "transformer: loaded" in text and "ViT: loaded" in text
+    rows = [line.split()[1:] for line in text.splitlines() if re.match(r"^q\d ", line)]
     assert len(rows) == 4
-    for row in rows:
+    for row in rows:  # sequence 1 (valid length 2): rows sum to 1, keys 2.. get 0
         values = [float(x) for x in row]
-        assert values[2:] == [0.0] * 4
-        assert abs(sum(values) - 1.0) < 0.011
+        assert values[2:] == [0.0] * 4 and abs(sum(values) - 1.0) < 0.011
+    aligned = float(re.search(r"source digit for ([\d.]+)% of target tokens", text).group(1))
+    assert aligned >= 90.0
+    assert float(re.search(r"ViT test accuracy ([\d.]+)%", text).group(1)) >= 90.0
+    for name in ("transformer_cross_attention.png", "transformer_encoder_rollout.png", "vit_heads.png",
+                 "vit_rollout.png", "vit_explorer.html", "transformer_decoder_explorer.html"):
+        assert (out / name).stat().st_size > 1000, name
+        assert str(out / name) in text
+
+
+def test_viz_toy_and_vit(trained, tmp_path, capsys):
+    assert main(["viz", "--model", "toy", "--text", "9071", "--out", str(tmp_path), "--checkpoints",
+                 str(trained["dir"])]) == 0
+    assert (tmp_path / "transformer_cross_attention.png").exists()
+    assert main(["viz", "--model", "vit", "--index", "3", "--out", str(tmp_path), "--checkpoints",
+                 str(trained["dir"])]) == 0
+    assert (tmp_path / "vit_explorer.html").exists()
+    with pytest.raises(ValueError, match="give --text with digits"):
+        main(["viz", "--model", "toy", "--text", "abc", "--out", str(tmp_path), "--checkpoints", str(trained["dir"])])
+
+
+def test_viz_minilm(tmp_path):
+    pytest.importorskip("tokenizers")
+    from multihead.models import minilm_path
+
+    try:
+        minilm_path()
+    except FileNotFoundError:
+        pytest.skip("the pretrained MiniLM package is not installed")
+    assert main(["viz", "--model", "minilm", "--text", "Heads see different things.", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "minilm_heads.png").stat().st_size > 1000 and (tmp_path / "minilm_explorer.html").exists()
 
 
 def test_format_weights_grid():
-    import torch
-
     s = format_weights(torch.tensor([[0.25, 0.75], [1.0, 0.0]]))
     assert s.splitlines()[1].split() == ["q0", "0.25", "0.75"]
     assert s.splitlines()[0].split() == ["k0", "k1"]

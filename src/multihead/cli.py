@@ -1,60 +1,63 @@
-"""The ``multihead`` command."""
+"""The ``multihead`` command: demo, viz."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-import torch
-
-
-def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
-    """One head's weights (Lq, Lk) as a text grid: rows are queries, columns keys."""
-    Lq, Lk = w.shape
-    width = digits + 2
-    head = " " * 5 + " ".join(f"{'k' + str(j):>{width}}" for j in range(Lk))
-    rows = [f"q{i:<4} " + " ".join(f"{x:{width}.{digits}f}" for x in w[i].tolist()) for i in range(Lq)]
-    return "\n".join([head, *rows])
+from multihead.demo import format_weights  # noqa: F401  (kept importable from here)
 
 
-def demo(args) -> int:
-    from multihead import MultiHeadAttention, explain, masks
-    from multihead.functional import attention_weights
+def _demo(args) -> int:
+    from multihead import demo
 
-    torch.manual_seed(args.seed)
-    print("== the course's toy example: batch 2, 4 queries, 6 key-value pairs, 100 hiddens, 5 heads")
-    num_hiddens, num_heads = 100, 5
-    mha = MultiHeadAttention(num_hiddens, num_heads, dropout=0.5).eval()
-    B, Lq, Lk = 2, 4, 6
-    valid_lens = torch.tensor([3, 2])
-    X = torch.randn(B, Lq, num_hiddens)  # (B, Lq, E)
-    Y = torch.randn(B, Lk, num_hiddens)  # (B, Lk, E)
-    with torch.no_grad():
-        out = mha(X, Y, Y, valid_lens)
-    print(f"output shape: {tuple(out.shape)}  (B, Lq, num_hiddens)")
+    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed)
+    return 0
 
-    print("\n== which backend runs, and why (multihead.explain)")
-    H, D = num_heads, num_hiddens // num_heads
-    with torch.no_grad():
-        q = mha.q_proj(X).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, H*D) -> (B, H, Lq, D)
-        k = mha.k_proj(Y).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, H*D) -> (B, H, Lk, D)
-        v = mha.v_proj(Y).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, H*D) -> (B, H, Lk, D)
-        mask = masks.ValidLens(valid_lens)
-        print(explain(q, k, v, mask))
-        print("\n== the mask, sequence 1 (valid length 2)")
-        print(mask.to_string(Lq, Lk, batch=1))
-        w = attention_weights(q, k, mask)  # (B, H, Lq, Lk)
-    print("\n== sequence 1, head 0: attention weights (rows sum to 1; keys >= 2 get 0)")
-    print(format_weights(w[1, 0]))
+
+def _viz(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from multihead import demo
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpts = Path(args.checkpoints) if args.checkpoints else out / "checkpoints"
+    if args.model == "toy":
+        paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), args.text or "31415926", out)
+    elif args.model == "vit":
+        paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index, out)
+    else:
+        try:
+            paths = demo.draw_minilm(args.text or "Multi-head attention lets the model look in several places.", out)
+        except FileNotFoundError as e:
+            print(f"multihead viz: {e}", file=sys.stderr)
+            return 2
+    for p in paths:
+        print(p)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="multihead", description=__doc__)
+    parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see and cut the heads.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run the course's example and show what multihead does")
+    p = sub.add_parser("demo", help="the course's example, two small models trained here, every head drawn")
+    p.add_argument("--out", default="out", help="output folder (checkpoints are kept in OUT/checkpoints)")
+    p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=demo)
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("viz", help="draw every head of a model on an input")
+    p.add_argument("--model", choices=["toy", "vit", "minilm"], required=True,
+                   help="toy: the digit-reversing Transformer (text = digits); vit: the digits ViT (--index); "
+                        "minilm: the pretrained all-MiniLM-L6-v2")
+    p.add_argument("--text", default=None)
+    p.add_argument("--index", type=int, default=0, help="which test image, for --model vit")
+    p.add_argument("--out", default="out/viz")
+    p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
+    p.add_argument("--retrain", action="store_true")
+    p.set_defaults(func=_viz)
     args = parser.parse_args(argv)
     return args.func(args)
 

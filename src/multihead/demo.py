@@ -1,0 +1,199 @@
+"""The main job: the course's toy example, then two small models trained here,
+every head drawn (heatmaps, rollout, the HTML explorer). Used by ``multihead demo``
+and ``multihead viz``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import multihead
+from multihead import masks
+from multihead.models import checkpoint
+from multihead.models.seq2seq import DIGIT0, Seq2SeqConfig, Seq2SeqTransformer, reverse_batch, train_reverser
+from multihead.models.vit import ViT, ViTConfig, accuracy, digits, train_vit
+
+
+def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
+    """One head's weights (Lq, Lk) as a text grid: rows are queries, columns keys."""
+    Lq, Lk = w.shape
+    width = digits + 2
+    head = " " * 5 + " ".join(f"{'k' + str(j):>{width}}" for j in range(Lk))
+    rows = [f"q{i:<4} " + " ".join(f"{x:{width}.{digits}f}" for x in w[i].tolist()) for i in range(Lq)]
+    return "\n".join([head, *rows])
+
+
+def toy(seed: int = 0) -> None:
+    """The course's toy: batch 2, 4 queries, 6 key-value pairs, 100 hiddens, 5 heads, valid_lens [3, 2]."""
+    from multihead.functional import attention_weights
+
+    torch.manual_seed(seed)
+    print("== the course's toy example: batch 2, 4 queries, 6 key-value pairs, 100 hiddens, 5 heads")
+    num_hiddens, num_heads = 100, 5
+    mha = multihead.MultiHeadAttention(num_hiddens, num_heads, dropout=0.5).eval()
+    B, Lq, Lk = 2, 4, 6
+    valid_lens = torch.tensor([3, 2])
+    X = torch.randn(B, Lq, num_hiddens)  # (B, Lq, E)
+    Y = torch.randn(B, Lk, num_hiddens)  # (B, Lk, E)
+    with torch.no_grad():
+        out = mha(X, Y, Y, valid_lens)
+    print(f"output shape: {tuple(out.shape)}  (B, Lq, num_hiddens)")
+    print("\n== which backend runs, and why (multihead.explain)")
+    H, D = num_heads, num_hiddens // num_heads
+    with torch.no_grad():
+        q = mha.q_proj(X).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, H*D) -> (B, H, Lq, D)
+        k = mha.k_proj(Y).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, H*D) -> (B, H, Lk, D)
+        v = mha.v_proj(Y).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, H*D) -> (B, H, Lk, D)
+        mask = masks.ValidLens(valid_lens)
+        print(multihead.explain(q, k, v, mask))
+        print("\n== the mask, sequence 1 (valid length 2)")
+        print(mask.to_string(Lq, Lk, batch=1))
+        w = attention_weights(q, k, mask)  # (B, H, Lq, Lk)
+    print("\n== sequence 1, head 0: attention weights (rows sum to 1; keys >= 2 get 0)")
+    print(format_weights(w[1, 0]))
+
+
+def reverser(ckpt: Path, retrain: bool = False) -> Seq2SeqTransformer:
+    """The digit-reversing Transformer: loaded from ``ckpt`` or trained (and saved there)."""
+    if (ckpt / "model.safetensors").exists() and not retrain:
+        print(f"transformer: loaded {ckpt}")
+        return checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, ckpt)
+    model = train_reverser()
+    checkpoint.save(model, ckpt)
+    return model
+
+
+def vit(ckpt: Path, retrain: bool = False) -> ViT:
+    if (ckpt / "model.safetensors").exists() and not retrain:
+        print(f"ViT: loaded {ckpt}")
+        return checkpoint.load(ViT, ViTConfig, ckpt)
+    model, _ = train_vit()
+    checkpoint.save(model, ckpt)
+    return model
+
+
+def alignment(model: Seq2SeqTransformer, n: int = 500, seed: int = 123) -> tuple[float, float]:
+    """(sequence accuracy of greedy decoding, share of target tokens whose last-layer
+    cross-attention (mean over heads) peaks on the aligned source position)."""
+    src, lens, tgt_in, tgt_out = reverse_batch(n, generator=torch.Generator().manual_seed(seed))
+    pred = model.greedy(src, lens, tgt_in.shape[1])
+    pos = torch.arange(tgt_in.shape[1])
+    valid = pos[None] < lens[:, None]  # (n, T): target tokens that copy a source digit
+    seq_ok = ((pred == tgt_out) | ~valid).all(1).float().mean().item()
+    last = f"decoder.{len(model.decoder) - 1}.cross_attn"
+    with torch.no_grad(), multihead.capture(model, include=[last]) as cap:
+        model(src, lens, tgt_in)
+    peak = cap[last].mean(1).argmax(-1)  # (n, T)
+    aligned = ((peak == lens[:, None] - 1 - pos[None]) & valid).sum().item() / valid.sum().item()
+    return seq_ok, aligned
+
+
+def draw_reverser(model: Seq2SeqTransformer, text: str, out: Path) -> list[Path]:
+    from multihead.viz import explorer, heatmaps, rollout
+
+    digits_ = [int(c) for c in text if c.isdigit()][:10]
+    if len(digits_) < 1:
+        raise ValueError(f"the toy model reverses digit strings: give --text with digits, e.g. '31415'; got {text!r}.")
+    src = torch.tensor([[d + DIGIT0 for d in digits_]])
+    lens = torch.tensor([len(digits_)])
+    pred = model.greedy(src, lens, len(digits_))[0]
+    tgt_in = torch.cat([torch.tensor([1]), pred[:-1]])[None]  # BOS + the model's own output
+    with torch.no_grad(), multihead.capture(model) as cap:
+        model(src, lens, tgt_in)
+    src_tok = [str(d) for d in digits_]
+    out_tok = ["<bos>"] + [str(int(t) - DIGIT0) if int(t) >= DIGIT0 else "?" for t in pred[:-1]]
+    cross = {n: w for n, w in cap.items() if "cross" in n}
+    enc = {n: w for n, w in cap.items() if n.startswith("encoder")}
+    paths = []
+    fig = heatmaps(cross, queries=out_tok, keys=src_tok, xlabel="source", ylabel="target")
+    fig.suptitle(f"cross-attention: reversing {''.join(src_tok)}")
+    paths.append(out / "transformer_cross_attention.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    fig = heatmaps(rollout(enc)[:, None], queries=src_tok, keys=src_tok, titles=["encoder rollout"])
+    paths.append(out / "transformer_encoder_rollout.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    dec = {n: w for n, w in cap.items() if n.startswith("decoder")}
+    key_tokens = {n: (src_tok if "cross" in n else out_tok) for n in dec}
+    paths.append(explorer(enc, src_tok, out / "transformer_encoder_explorer.html", title="encoder self-attention"))
+    paths.append(explorer(dec, out_tok, out / "transformer_decoder_explorer.html", key_tokens=key_tokens,
+                          title="decoder: causal self-attention and cross-attention"))
+    return paths
+
+
+def draw_vit(model: ViT, index: int, out: Path) -> list[Path]:
+    from multihead.viz import explorer, heatmaps, rollout
+
+    _, _, xte, yte = digits()
+    img, label = xte[index:index + 1], int(yte[index])
+    with torch.no_grad(), multihead.capture(model) as cap:
+        pred = int(model(img).argmax(-1))
+    g = model.grid
+    tokens = ["[CLS]"] + [f"p{r},{c}" for r in range(g) for c in range(g)]
+    paths = []
+    fig = heatmaps(cap, queries=tokens, keys=tokens, max_labels=20)
+    fig.suptitle(f"ViT heads: digit {label} (predicted {pred})")
+    paths.append(out / "vit_heads.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    r = rollout(cap)[0, 0, 1:].reshape(g, g)  # [CLS] row over the patches
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(6, 3))
+    axes[0].imshow(img[0, 0], cmap="gray")
+    axes[0].set_title(f"digit {label}")
+    axes[1].imshow(img[0, 0], cmap="gray")
+    axes[1].imshow(torch.nn.functional.interpolate(r[None, None].float(), size=img.shape[-2:], mode="nearest")[0, 0],
+                   cmap="Reds", alpha=0.6)
+    axes[1].set_title("[CLS] rollout over patches")
+    for a in axes:
+        a.axis("off")
+    paths.append(out / "vit_rollout.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close("all")
+    paths.append(explorer(cap, tokens, out / "vit_explorer.html", image=img[0, 0], patch_grid=(g, g),
+                          prefix_tokens=1, title=f"ViT on digit {label} (predicted {pred})"))
+    return paths
+
+
+def draw_minilm(text: str, out: Path) -> list[Path]:
+    from multihead.models import SentenceEncoder, minilm_path
+    from multihead.viz import explorer, heatmaps, rollout
+
+    enc = SentenceEncoder.from_pretrained(minilm_path())
+    ids, am = enc.tokenize([text])
+    tokens = [enc.tokenizer.id_to_token(int(i)) for i in ids[0]]
+    with torch.no_grad(), multihead.capture(enc.bert) as cap:
+        enc(ids, am)
+    paths = []
+    fig = heatmaps(cap, queries=tokens, keys=tokens, cell=1.3)
+    paths.append(out / "minilm_heads.png")
+    fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
+    fig = heatmaps(rollout(cap)[:, None], queries=tokens, keys=tokens, titles=["rollout"], cell=4)
+    paths.append(out / "minilm_rollout.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    paths.append(explorer(cap, tokens, out / "minilm_explorer.html", title=f"all-MiniLM-L6-v2: {text}"))
+    return paths
+
+
+def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
+    """The whole demo; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out.mkdir(parents=True, exist_ok=True)
+    toy(seed)
+    print("\n== an encoder-decoder Transformer, trained to reverse digit strings (multihead modules)")
+    model = reverser(out / "checkpoints" / "transformer", retrain)
+    seq_ok, aligned = alignment(model)
+    print(f"reversal accuracy {seq_ok:.1%}; last decoder layer's cross-attention (head mean) peaks on the aligned "
+          f"source digit for {aligned:.1%} of target tokens")
+    paths = draw_reverser(model, "31415926", out)
+    print("\n== a ViT, trained on scikit-learn's 8x8 digits")
+    v = vit(out / "checkpoints" / "vit", retrain)
+    _, _, xte, yte = digits()
+    print(f"ViT test accuracy {accuracy(v, xte, yte):.1%}")
+    paths += draw_vit(v, 0, out)
+    print("\n== written:")
+    for p in paths:
+        print(f"  {p}")
+    return paths
