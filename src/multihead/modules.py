@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numbers
 
+import torch
 from torch import Tensor, nn
 
-from multihead import backends, masks
+from multihead import backends, masks, varlen
 from multihead.capture import ACTIVE as _CAPTURING
 from multihead.functional import attention
 
@@ -216,10 +217,55 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if m is not None:
             m.validate(B, H, Lq, Lk, queries.device)  # before the projections run
+            if not _CAPTURING:  # capture records whole-batch weights: the dense path
+                p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
+                if isinstance(p, varlen.Plan):
+                    return varlen.run(self, queries, keys, values, p)
         q_proj, k_proj, v_proj, o_proj = self.projections()
         q = q_proj(queries).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, H*D) -> (B, H, Lq, D)
         k = k_proj(keys).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
         v = v_proj(values).view(B, Lk, Hkv, Dv).transpose(1, 2)  # (B, Lk, Hkv*Dv) -> (B, Hkv, Lk, Dv)
         out = self._attend(q, k, v, m)  # (B, H, Lq, Dv)
         out = out.transpose(1, 2).reshape(B, Lq, H * Dv)  # (B, H, Lq, Dv) -> (B, Lq, H*Dv)
-        return o_proj(out)  # (B, Lq, out_features)
+        out = o_proj(out)  # (B, Lq, out_features)
+        if m is not None:
+            for part in m.parts():
+                if isinstance(part, masks.Padding):  # padded query rows come out as zeros, as on the varlen path
+                    real = torch.arange(Lq, device=out.device) < part.lens.to(out.device)[:, None]  # (B, Lq)
+                    out = out.masked_fill(~real[..., None], 0.0)
+        return out
+
+    def _flop_per_token(self) -> float:
+        """Projection work per token (multiply-adds x 2), what packing saves on each padded token."""
+        return 2.0 * sum(p.weight.numel() for p in self.projections() if not isinstance(p, nn.LazyLinear))
+
+    def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
+                valid_lens: Tensor | None = None, *, mask=None) -> str:
+        """Which path a forward with these inputs takes (packed varlen or dense) and
+        which attention backend runs, and why."""
+        keys = queries if keys is None else keys
+        values = keys if values is None else values
+        self._check(queries, keys, values)
+        m = masks.as_mask(mask)
+        if valid_lens is not None:
+            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
+            m = vl if m is None else vl & m
+        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
+        H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        if isinstance(p, varlen.Plan):
+            n = int(p.key_keep.sum(-1).max())
+            rows = Lq if p.query_keep is None else int(p.query_keep.sum(-1).max())
+            head = f"path: varlen ({p.reason}); attention runs per sequence, e.g. the longest:"
+            mask_in, shape = p.rest, (1, rows, n)
+        else:
+            head = f"path: dense ({p})"
+            mask_in, shape = m, (B, Lq, Lk)
+        q = queries.new_empty(shape[0], H, shape[1], D)  # (B, H, Lq, D), only shapes matter
+        k = queries.new_empty(shape[0], Hkv, shape[2], D)
+        v = queries.new_empty(shape[0], Hkv, shape[2], Dv)
+        from multihead.functional import explain as f_explain
+
+        req = f_explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
+                        training=self.training, backend=self.backend)
+        return head + "\n" + str(req)

@@ -1,0 +1,99 @@
+"""The varlen path: padding is not computed, and the results equal the dense path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import MultiHeadAttention, masks, varlen
+
+
+@pytest.fixture
+def path(monkeypatch):
+    """path("varlen") / path("dense"): force the module's choice."""
+
+    def choose(which):
+        monkeypatch.setattr(varlen, "LOOP_COST_FLOP", 0.0 if which == "varlen" else float("inf"))
+
+    return choose
+
+
+def run_both(path, mha, args, kwargs, grads=True):
+    results = {}
+    for which in ("dense", "varlen"):
+        path(which)
+        mha.zero_grad()
+        leaves = [a.detach().clone().requires_grad_(grads) for a in args]
+        out = mha(*leaves, **kwargs)
+        if grads:
+            g = torch.Generator().manual_seed(0)
+            out.backward(torch.randn(out.shape, generator=g))
+        results[which] = (out, [x.grad for x in leaves], [p.grad.clone() for p in mha.parameters()] if grads else [])
+    return results
+
+
+CASES = [
+    ("padding", lambda lens, L: masks.Padding(lens)),
+    ("padding&causal", lambda lens, L: masks.Padding(lens) & masks.Causal()),
+    ("valid-lens", lambda lens, L: masks.ValidLens(lens)),
+    ("valid-lens&window", lambda lens, L: masks.ValidLens(lens) & masks.SlidingWindow(3)),
+    ("key-padding-scattered", lambda lens, L: masks.KeyPadding(torch.rand(len(lens), L) > 0.3)),
+]
+
+
+@pytest.mark.parametrize("name, make", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_varlen_equals_dense_self_attention(path, name, make, gqa):
+    torch.manual_seed(0)
+    B, L, E = 4, 13, 24
+    mha = MultiHeadAttention(E, 6, bias=True, num_kv_heads=2 if gqa else None, query_size=E, key_size=E, value_size=E)
+    lens = torch.tensor([13, 7, 0, 1])
+    mask = make(lens, L)
+    x = torch.randn(B, L, E)
+    p = varlen.plan(mask, B, L, L, x.device, force=True)
+    assert isinstance(p, varlen.Plan), p
+    r = run_both(path, mha, [x], dict(mask=mask))
+    (d, dg, dp), (v, vg, vp) = r["dense"], r["varlen"]
+    assert torch.allclose(v, d, atol=1e-5)
+    assert torch.allclose(vg[0], dg[0], atol=1e-5)
+    for a, b in zip(vp, dp):
+        assert torch.allclose(a, b, atol=1e-4)
+    if name.startswith("padding"):
+        real = torch.arange(L) < lens[:, None]
+        assert (v[~real] == 0).all() and (d[~real] == 0).all()  # padded query rows: zeros on both paths
+
+
+def test_varlen_cross_attention_keeps_every_query_row(path):
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(16, 4, query_size=10, key_size=12, value_size=14)
+    q, k, v = torch.randn(3, 5, 10), torch.randn(3, 9, 12), torch.randn(3, 9, 14)
+    lens = torch.tensor([9, 4, 2])
+    r = run_both(path, mha, [q, k, v], dict(valid_lens=lens))
+    assert torch.allclose(r["varlen"][0], r["dense"][0], atol=1e-5)
+    for a, b in zip(r["varlen"][1], r["dense"][1]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_plan_reasons():
+    lens = torch.tensor([5, 3])
+    assert "applied densely" in varlen.plan(masks.ValidLens(lens) & masks.Dense(torch.ones(4, 6, dtype=torch.bool)),
+                                            2, 4, 6, "cpu", force=True)
+    assert "bottom-right" not in str(varlen.plan(masks.ValidLens(lens), 2, 4, 6, "cpu", force=True))
+    assert "applied densely" in varlen.plan(masks.ValidLens(lens) & masks.Causal("bottom-right"), 2, 4, 6, "cpu",
+                                            force=True)
+    scattered = masks.KeyPadding(torch.tensor([[True, False, True, True, True, True]] * 2))
+    assert "not a prefix" in varlen.plan(scattered & masks.Causal(), 2, 4, 6, "cpu", force=True)
+    assert "no padding" in varlen.plan(masks.Causal(), 2, 4, 6, "cpu")
+    assert "less than the per-sequence loop costs" in varlen.plan(masks.ValidLens(lens), 2, 4, 6, "cpu",
+                                                                  flop_per_token=10.0)
+
+
+def test_module_explain_reports_the_path():
+    mha = MultiHeadAttention(768, 12, query_size=768, key_size=768, value_size=768)
+    x = torch.randn(8, 512, 768)
+    lens = torch.randint(128, 513, (8,))
+    text = mha.explain(x, mask=masks.Padding(lens))
+    assert text.startswith("path: varlen (packing:") and "runs: sdpa" in text
+    small = MultiHeadAttention(100, 5, query_size=100, key_size=100, value_size=100)
+    assert small.explain(torch.randn(2, 4, 100), torch.randn(2, 6, 100), valid_lens=torch.tensor([3, 2])).startswith(
+        "path: dense (")
