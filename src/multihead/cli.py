@@ -40,6 +40,16 @@ def _viz(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from multihead import bench
+
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see and cut the heads.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
     p.add_argument("--retrain", action="store_true")
     p.set_defaults(func=_viz)
+    p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
+    p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")
+    p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
+    p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
+    p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
+    p.add_argument("--out", default="bench/results")
+    p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

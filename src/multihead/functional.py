@@ -23,7 +23,7 @@ from multihead import backends
 from multihead.backends.registry import Request
 from multihead.masks import Mask, as_mask
 
-__all__ = ["attention", "attention_weights", "reference_attention", "check_inputs"]
+__all__ = ["attention", "attention_weights", "reference_attention", "check_inputs", "dispatch"]
 
 
 def _weights(q: Tensor, k: Tensor, mask: Mask | None, scale: float) -> Tensor:
@@ -176,6 +176,13 @@ def attention(
         Lk = 0) gives zeros, never NaN.
     """
     mask = check_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+    return dispatch(query, key, value, mask, scale=scale, dropout_p=dropout_p, backend=backend)
+
+
+def dispatch(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None = None,
+             dropout_p: float = 0.0, backend: str = "auto") -> Tensor:
+    """:func:`attention` after :func:`check_inputs` has passed: pick the backend and run it.
+    (Modules that validated their inputs already call this directly.)"""
     if key.shape[2] == 0:  # no keys: every row has nothing to attend to
         return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from multihead import backends, masks, varlen
 from multihead.capture import ACTIVE as _CAPTURING
-from multihead.functional import attention
+from multihead.functional import dispatch
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
@@ -55,8 +55,9 @@ def _in_features(lin: nn.Module) -> int | None:
 class AttentionCore:
     """The one place every multihead module attends: :class:`MultiHeadAttention`,
     the course's compat modules and the torch.nn drop-in all call :meth:`_attend`
-    with (B, H, L, D) tensors. Needs the attributes ``dropout`` (float), ``scale``
-    (float or None), ``backend`` and ``training``."""
+    with (B, H, L, D) tensors made by their own projections and a mask they have
+    validated. Needs the attributes ``dropout`` (float), ``scale`` (float or
+    None), ``backend`` and ``training``."""
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
         """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
@@ -64,7 +65,7 @@ class AttentionCore:
             for rec in _CAPTURING:
                 rec.record(self, q, k, mask)
         p = self.dropout if self.training else 0.0
-        return attention(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
+        return dispatch(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
 
 
 class MultiHeadAttention(AttentionCore, nn.Module):

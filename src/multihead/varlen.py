@@ -52,6 +52,9 @@ def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_
     the projections) exceeds what the per-sequence loop costs (B x LOOP_COST_FLOP)."""
     if mask is None:
         return "no padding in the mask"
+    if not force and Lk * flop_per_token <= LOOP_COST_FLOP:  # even all-padding could not pay for the loop
+        return (f"Lk={Lk}: skipping padded keys saves at most ~{Lk * flop_per_token / 1e6:.1f} MFLOP per sequence, "
+                f"less than the per-sequence loop costs (~{LOOP_COST_FLOP / 1e6:.0f} MFLOP)")
     key_keep = query_keep = None
     rest = []
     for p in mask.parts():

@@ -1,0 +1,403 @@
+"""``multihead bench``: multihead against its peers, measured side by side.
+
+One process per workload; peers interleaved round by round after a warm-up;
+median, min and max of ``reps`` calls; ratios to ``torch.nn.MultiheadAttention``;
+the backend (and path) that actually ran; the machine's matmul throughput
+measured in the same run. Peak memory (W4) is measured in a fresh subprocess per
+peer. Writes markdown, JSON and a PNG chart.
+
+Workloads:
+  W1  the course's toy: B=2, Lq=4, Lk=6, E=100, H=5, valid_lens [3, 2]
+  W2  BERT-base self-attention: B=8, L=512, E=768, H=12, lengths uniform in 128..512
+  W3  W2 without padding
+  W4  causal self-attention: B=1, E=512, H=8, L=4096 and 8192
+
+Peers: torch.nn.MultiheadAttention, SDPA + 4 nn.Linear, the course's code
+(bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
+installed), FlexAttention + 4 nn.Linear (compiled, forward only on CPU), and
+multihead (valid_lens, as the course; and Padding where queries are padded too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import multihead
+from multihead import masks
+from multihead.interop import from_torch
+
+
+@dataclass
+class Workload:
+    name: str
+    B: int
+    Lq: int
+    Lk: int
+    E: int
+    H: int
+    lens: torch.Tensor | None  # key lengths (B,), None = no padding
+    causal: bool = False
+    note: str = ""
+
+    @property
+    def self_attention(self) -> bool:
+        return self.Lq == self.Lk and self.name != "W1"
+
+
+def workloads(names: list[str], lengths: tuple[int, ...] = (4096, 8192)) -> list[Workload]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in names:
+        if n == "W1":
+            out.append(Workload("W1", 2, 4, 6, 100, 5, torch.tensor([3, 2]), note="course toy"))
+        elif n == "W2":
+            out.append(Workload("W2", 8, 512, 512, 768, 12, torch.randint(128, 513, (8,), generator=g),
+                                note="BERT-base, padded"))
+        elif n == "W3":
+            out.append(Workload("W3", 8, 512, 512, 768, 12, None, note="BERT-base, no padding"))
+        elif n == "W4":
+            out += [Workload(f"W4-{L}", 1, L, L, 512, 8, None, causal=True, note="causal") for L in lengths]
+        else:
+            raise ValueError(f"unknown workload {n!r}; valid: W1, W2, W3, W4.")
+    return out
+
+
+# --- peers: each returns (module, call(x, y) -> output, description of what ran) ---
+
+
+def _kpm(w: Workload) -> torch.Tensor | None:
+    return None if w.lens is None else torch.arange(w.Lk)[None, :] >= w.lens[:, None]  # (B, Lk) True = padding
+
+
+def peer_torch(w: Workload, base: nn.MultiheadAttention):
+    kpm = _kpm(w)
+    causal = nn.Transformer.generate_square_subsequent_mask(w.Lq, dtype=torch.bool) if w.causal else None
+
+    def call(x, y):
+        return base(x, y, y, key_padding_mask=kpm, attn_mask=causal, need_weights=False, is_causal=w.causal)[0]
+
+    return base, call, "need_weights=False"
+
+
+class SDPALinear(nn.Module):
+    def __init__(self, base: nn.MultiheadAttention, kdim: int):
+        super().__init__()
+        E = base.embed_dim
+        self.H = base.num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(E if i in (0, 3) else kdim, E) for i in range(4))
+        mha = from_torch(base)
+        for mine, theirs in zip((self.q, self.k, self.v, self.o), mha.projections()):
+            mine.load_state_dict(theirs.state_dict())
+
+    def forward(self, x, y, attn_mask=None, is_causal=False):
+        B, Lq, E = x.shape
+        Lk, H = y.shape[1], self.H
+        q = self.q(x).view(B, Lq, H, -1).transpose(1, 2)  # (B, H, Lq, D)
+        k = self.k(y).view(B, Lk, H, -1).transpose(1, 2)
+        v = self.v(y).view(B, Lk, H, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        return self.o(o.transpose(1, 2).reshape(B, Lq, E))
+
+
+def peer_sdpa(w: Workload, base):
+    m = SDPALinear(base, w.E)
+    keep = None if w.lens is None else (~_kpm(w))[:, None, None, :]  # (B, 1, 1, Lk)
+    return m, lambda x, y: m(x, y, attn_mask=keep, is_causal=w.causal), "bool mask" if keep is not None else ""
+
+
+def _course_module():
+    root = Path(__file__).resolve().parents[2] / "bench"
+    for cand in (root, Path.cwd() / "bench"):
+        if (cand / "course.py").exists():
+            sys.path.insert(0, str(cand))
+            import course
+
+            return course
+    return None
+
+
+def peer_course(w: Workload, base):
+    course = _course_module()
+    if course is None:
+        return None
+    m = course.MultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
+    mha = from_torch(base)
+    for mine, theirs in zip((m.W_q, m.W_k, m.W_v, m.W_o), mha.projections()):
+        mine.load_state_dict(theirs.state_dict())
+    if w.causal:
+        vl = torch.arange(1, w.Lq + 1).expand(w.B, w.Lq)  # the course's decoder: (B, Lq) valid lengths
+    else:
+        vl = w.lens
+    return m, lambda x, y: m(x, y, y, vl), "valid_lens" + (" (B, Lq) for causal" if w.causal else "")
+
+
+def peer_keras(w: Workload, base):
+    if os.environ.get("KERAS_BACKEND", "torch") != "torch":
+        return None
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    try:
+        import keras
+    except ImportError:
+        return None
+    from multihead.interop import to_keras
+
+    layer = to_keras(from_torch(base))
+    am = None if w.lens is None else (~_kpm(w))[:, None, :].expand(w.B, w.Lq, w.Lk)  # (B, Lq, Lk) 1 = attend
+
+    def call(x, y):
+        return layer(x, y, attention_mask=am, use_causal_mask=w.causal)
+
+    return layer, call, f"keras {keras.__version__}"
+
+
+_FLEX_CACHE: dict = {}
+
+
+def peer_flex(w: Workload, base):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    m = SDPALinear(base, w.E)
+    lens = w.lens
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = kv_idx >= 0
+        if lens is not None:
+            ok = ok & (kv_idx < lens[b])
+        if w.causal:
+            ok = ok & (kv_idx <= q_idx)
+        return ok
+
+    bm = create_block_mask(mask_mod, w.B if lens is not None else None, None, w.Lq, w.Lk, device="cpu")
+    key = ("flex",)
+    if key not in _FLEX_CACHE:
+        _FLEX_CACHE[key] = torch.compile(flex_attention, dynamic=False)
+    fa = _FLEX_CACHE[key]
+
+    def call(x, y):
+        B, Lq, E = x.shape
+        Lk, H = y.shape[1], m.H
+        q = m.q(x).view(B, Lq, H, -1).transpose(1, 2)
+        k = m.k(y).view(B, Lk, H, -1).transpose(1, 2)
+        v = m.v(y).view(B, Lk, H, -1).transpose(1, 2)
+        o = fa(q, k, v, block_mask=bm)
+        return m.o(o.transpose(1, 2).reshape(B, Lq, E))
+
+    return m, call, "compiled, dynamic=False; no CPU backward"
+
+
+def peer_multihead(w: Workload, base, padding: bool = False):
+    m = from_torch(base)
+    if w.causal:
+        mask = masks.Causal()
+    elif w.lens is None:
+        mask = None
+    else:
+        mask = masks.Padding(w.lens) if padding else masks.ValidLens(w.lens)
+    x = torch.zeros(w.B, w.Lq, w.E)
+    y = x if w.self_attention else torch.zeros(w.B, w.Lk, w.E)
+    how = m.explain(x, y, y, mask=mask).splitlines()
+    ran = how[0].removeprefix("path: ").split(" (")[0] + ", " + next(
+        (line.split("runs: ")[1] for line in how if "runs: " in line), "?")
+    return m, lambda x, y: m(x, y, y, mask=mask), ran
+
+
+PEERS: dict[str, Callable] = {
+    "torch.nn.MHA": peer_torch,
+    "SDPA+4 Linear": peer_sdpa,
+    "course code": peer_course,
+    "Keras 3 MHA": peer_keras,
+    "FlexAttention": peer_flex,
+    "multihead": peer_multihead,
+    "multihead (Padding)": lambda w, base: peer_multihead(w, base, padding=True) if w.lens is not None else None,
+}
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+@dataclass
+class Result:
+    workload: str
+    peer: str
+    mode: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    ran: str
+    ratio: float = float("nan")
+    peak_mib: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _inputs(w: Workload, grad: bool):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(w.B, w.Lq, w.E, generator=g).requires_grad_(grad)
+    y = x if w.self_attention else torch.randn(w.B, w.Lk, w.E, generator=g).requires_grad_(grad)
+    return x, y
+
+
+def _step(call, x, y, backward: bool):
+    if not backward:
+        with torch.no_grad():
+            call(x, y)
+        return
+    out = call(x, y)
+    out.sum().backward() if isinstance(out, torch.Tensor) else torch.as_tensor(out).sum().backward()
+
+
+def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print) -> list[Result]:
+    torch.manual_seed(0)
+    base = nn.MultiheadAttention(w.E, w.H, batch_first=True)
+    results = []
+    for backward in (False, True):
+        mode = "fwd+bwd" if backward else "fwd"
+        built = {}
+        for name in peers:
+            if backward and name == "FlexAttention":
+                continue  # no CPU backward
+            try:
+                p = PEERS[name](w, base)
+            except Exception as e:  # a peer that cannot be built is reported, not fatal
+                log(f"  {w.name} {mode}: {name} unavailable: {type(e).__name__}: {e}")
+                continue
+            if p is None:
+                continue
+            mod, call, ran = p
+            if hasattr(mod, "train"):
+                mod.train(backward)
+            built[name] = (call, ran)
+        x, y = _inputs(w, backward)
+        times: dict[str, list[float]] = {n: [] for n in built}
+        for name, (call, _) in list(built.items()):
+            try:
+                for _ in range(warmup):
+                    _step(call, x, y, backward)
+            except Exception as e:
+                log(f"  {w.name} {mode}: {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                del built[name], times[name]
+        for _ in range(reps):  # interleaved rounds
+            for name, (call, _) in built.items():
+                t = time.perf_counter()
+                _step(call, x, y, backward)
+                times[name].append((time.perf_counter() - t) * 1e3)
+        ref = statistics.median(times["torch.nn.MHA"]) if "torch.nn.MHA" in times else float("nan")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            results.append(Result(w.name, name, mode, med, min(ts), max(ts), built[name][1], med / ref))
+            log(f"  {w.name:8} {mode:8} {name:20} {med:9.2f} ms  ({med / ref:5.2f}x)  {built[name][1]}")
+    return results
+
+
+def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
+    """Peak RSS (MiB) of one call in a fresh process."""
+    code = (
+        "import resource, sys, torch; from multihead import bench; "
+        f"w = bench.workloads(['W4'], ({w.Lq},))[0]; base = torch.nn.MultiheadAttention(w.E, w.H, batch_first=True); "
+        f"p = bench.PEERS[{peer!r}](w, base); "
+        "p is None and sys.exit(3); mod, call, _ = p; "
+        f"x, y = bench._inputs(w, {backward}); bench._step(call, x, y, {backward}); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "KERAS_BACKEND": "torch"})
+    if r.returncode != 0:
+        return None
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
+        peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print) -> dict:
+    peers = peers or list(PEERS)
+    torch.set_num_threads(torch.get_num_threads())
+    info = {
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "multihead": multihead.__version__,
+        "matmul_gflops": round(matmul_gflops(), 1), "reps": reps,
+    }
+    log(f"machine: {info['threads']} threads, fp32 matmul {info['matmul_gflops']} GFLOP/s, torch {info['torch']}")
+    results: list[Result] = []
+    for w in workloads(names, lengths):
+        log(f"{w.name}: B={w.B} Lq={w.Lq} Lk={w.Lk} E={w.E} H={w.H} ({w.note})")
+        results += time_workload(w, peers, reps, log=log)
+        if memory and w.name.startswith("W4"):
+            for peer in peers:
+                for backward in (False, True):
+                    if backward and peer == "FlexAttention":
+                        continue
+                    mib = peak_memory(w, peer, backward)
+                    mode = "fwd+bwd" if backward else "fwd"
+                    for r in results:
+                        if r.workload == w.name and r.peer == peer and r.mode == mode:
+                            r.peak_mib = mib
+                    log(f"  {w.name} {mode:8} {peer:20} peak RSS {mib} MiB")
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"machine": info, "results": [r.__dict__ for r in results]}
+    (out / "bench.json").write_text(json.dumps(data, indent=2))
+    (out / "bench.md").write_text(markdown(data))
+    chart(data, out / "bench.png")
+    log(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
+    return data
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [
+        f"Machine: {m['threads']} threads, fp32 matmul {m['matmul_gflops']} GFLOP/s, torch {m['torch']}; "
+        f"median of {m['reps']} interleaved calls (min-max); ratio = time / torch.nn.MultiheadAttention's.",
+        "",
+        "| workload | mode | peer | median ms | min-max ms | ratio | peak RSS MiB | what ran |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in data["results"]:
+        mem = "" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        lines.append(f"| {r['workload']} | {r['mode']} | {r['peer']} | {r['median_ms']:.2f} | "
+                     f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {r['ratio']:.2f}x | {mem} | {r['ran']} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["results"]]
+    groups = sorted({(r["workload"], r["mode"]) for r in rows}, key=lambda k: (k[0], k[1] != "fwd"))
+    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / max(1, len(peers))
+    for i, p in enumerate(peers):
+        xs, ys = [], []
+        for j, g in enumerate(groups):
+            for r in rows:
+                if (r["workload"], r["mode"]) == g and r["peer"] == p:
+                    xs.append(j + i * width)
+                    ys.append(r["ratio"])
+        ax.bar(xs, ys, width, label=p)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [f"{w}\n{m}" for w, m in groups], fontsize=8)
+    ax.set_ylabel("time / torch.nn.MultiheadAttention")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
