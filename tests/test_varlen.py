@@ -83,9 +83,12 @@ def test_plan_reasons():
                                             force=True)
     scattered = masks.KeyPadding(torch.tensor([[True, False, True, True, True, True]] * 2))
     assert "not a prefix" in varlen.plan(scattered & masks.Causal(), 2, 4, 6, "cpu", force=True)
-    assert "no padding" in varlen.plan(masks.Causal(), 2, 4, 6, "cpu")
-    assert "less than the per-sequence loop costs" in varlen.plan(masks.ValidLens(lens), 2, 4, 6, "cpu",
-                                                                  flop_per_token=10.0)
+    assert "no padding" in varlen.plan(masks.Causal(), 2, 4, 6, "cpu", force=True)
+    assert "Lk=6: skipping padded keys saves at most" in varlen.plan(masks.ValidLens(lens), 2, 4, 6, "cpu",
+                                                                    flop_per_token=10.0)
+    big = torch.randint(1, 64, (64,))
+    assert "less than the per-sequence loop costs" in varlen.plan(masks.ValidLens(big), 64, 4, 64, "cpu",
+                                                                  flop_per_token=1e5)
 
 
 def test_module_explain_reports_the_path():
