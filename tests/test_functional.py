@@ -209,9 +209,10 @@ def test_fused_output_equals_reference_path():
 
 
 def test_registry_lists_and_rejects_unknown_names():
-    assert backends.available() == ["blocked", "sdpa", "reference"]  # the order "auto" tries them
+    assert backends.available() == ["blocked", "flex", "sdpa", "reference"]  # the order "auto" tries them
     q, k, v = qkv(1, 2, 2, 3, 3, 4, 4)
-    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; valid: 'auto', 'blocked', 'sdpa', 'reference'"):
+    valid = r"valid: 'auto', 'blocked', 'flex', 'sdpa', 'reference'"
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; " + valid):
         attention(q, k, v, backend="nope")
     with pytest.raises(ValueError, match="unknown attention backend"):
         with backends.use("nope"):

@@ -8,7 +8,7 @@ Shipped: ``sdpa`` (torch's fused kernel, chosen by "auto") and ``reference``
 (the float64 spec).
 """
 
-from multihead.backends import blocked, reference, sdpa  # noqa: E402,F401  (registers the built-ins)
+from multihead.backends import blocked, flex, reference, sdpa  # noqa: E402,F401  (registers the built-ins)
 from multihead.backends.registry import (  # noqa: F401
     Backend,
     Explanation,

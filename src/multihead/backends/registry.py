@@ -52,6 +52,8 @@ class Backend:
     priority: int
     doc: str = ""
     describe: Callable[[Request], str] | None = field(default=None)
+    #: why "auto" should not pick it for a request it can run (None = it may); naming it still runs it
+    auto: Callable[[Request], str | None] | None = field(default=None)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -70,15 +72,17 @@ def register(
     priority: int = 0,
     doc: str = "",
     describe: Callable[[Request], str] | None = None,
+    auto: Callable[[Request], str | None] | None = None,
     replace: bool = False,
 ) -> Backend:
     """Add a backend. ``supports(request)`` returns None or why it cannot run;
-    "auto" tries backends from the highest ``priority`` down."""
+    "auto" tries backends from the highest ``priority`` down, skipping those whose
+    ``auto(request)`` gives a reason not to pick them unasked."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; got {name!r}.")
     if name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it.")
-    b = Backend(name, run, supports or _always, priority, doc, describe)
+    b = Backend(name, run, supports or _always, priority, doc, describe, auto)
     _REGISTRY[name] = b
     return b
 
@@ -124,7 +128,7 @@ def select(name: str, req: Request) -> Backend:
         name = _FORCED.get()
         if name is None:
             for b in _ranked():
-                if b.supports(req) is None:
+                if b.supports(req) is None and (b.auto is None or b.auto(req) is None):
                     return b
             raise RuntimeError(f"no attention backend supports this call: {req}")
     b = get(name)
@@ -172,6 +176,8 @@ def explain_request(req: Request, name: str = "auto") -> Explanation:
             reasons[b.name] = f"chosen: {how}{detail}"
         elif why is not None:
             reasons[b.name] = f"cannot run: {why}"
+        elif b.auto is not None and (not_auto := b.auto(req)) is not None:
+            reasons[b.name] = f"runs only when named: {not_auto}"
         elif forced:
             reasons[b.name] = f"could run, but {chosen!r} was asked for"
         else:
