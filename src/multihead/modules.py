@@ -65,7 +65,16 @@ class AttentionCore:
             for rec in _CAPTURING:
                 rec.record(self, q, k, mask)
         p = self.dropout if self.training else 0.0
-        return dispatch(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)
+        out = dispatch(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
+        stats = getattr(self, "head_stats", None)  # None unless multihead.heads.mean_head_outputs runs
+        if stats is not None:
+            s = out.detach().sum((0, 2))  # (H, Dv): summed over the batch and the query rows
+            stats["sum"] = s if stats["sum"] is None else stats["sum"] + s
+            stats["count"] += out.shape[0] * out.shape[2]
+        gates = getattr(self, "head_gates", None)  # None unless multihead.heads sets them
+        if gates is not None:
+            out = out * gates.view(1, -1, 1, 1)  # head h's output scaled by gates[h]
+        return out
 
 
 class MultiHeadAttention(AttentionCore, nn.Module):
@@ -216,6 +225,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             m = vl if m is None else vl & m
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        if H == 0:  # every head pruned (multihead.heads.prune): the output is o_proj's bias, or zeros
+            return self.projections()[3](queries.new_zeros(B, Lq, 0))
         if m is not None:
             m.validate(B, H, Lq, Lk, queries.device)  # before the projections run
             if not _CAPTURING:  # capture records whole-batch weights: the dense path

@@ -15,15 +15,25 @@ def save(model: nn.Module, path: str | Path) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(asdict(model.config), indent=2))
+    config = asdict(model.config)
+    if getattr(model, "pruned_heads", None):  # head counts after multihead.heads.prune
+        config["pruned_heads"] = model.pruned_heads
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
 
 
 def load(cls, cfg_cls, path: str | Path):
-    """Rebuild ``cls(cfg_cls(**config.json))`` and load its weights, in eval mode."""
+    """Rebuild ``cls(cfg_cls(**config.json))``, give pruned modules their recorded head
+    counts, and load its weights, in eval mode."""
     from safetensors.torch import load_file
 
+    from multihead.heads import resize
+
     path = Path(path)
-    model = cls(cfg_cls(**json.loads((path / "config.json").read_text())))
+    config = json.loads((path / "config.json").read_text())
+    pruned = config.pop("pruned_heads", None)
+    model = cls(cfg_cls(**config))
+    if pruned:
+        resize(model, pruned)
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model.eval()

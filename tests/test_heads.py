@@ -1,0 +1,183 @@
+"""Head gates, importance and physical pruning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multihead import MultiHeadAttention, heads, masks
+from multihead.compat import TorchMultiheadAttention
+from multihead.models import checkpoint
+
+
+class Stack(nn.Module):
+    def __init__(self, kv=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            [MultiHeadAttention(24, 6, bias=True, num_kv_heads=kv, query_size=24, key_size=24, value_size=24)
+             for _ in range(2)])
+
+    def forward(self, x, lens=None):
+        for m in self.layers:
+            x = x + m(x, valid_lens=lens)
+        return x
+
+
+def loss_fn(model, batch):
+    x, lens, target = batch
+    return ((model(x, lens) - target) ** 2).mean()
+
+
+def batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 7, 24, generator=g), torch.tensor([7, 5, 3, 1]), torch.randn(4, 7, 24, generator=g))
+            for _ in range(n)]
+
+
+def test_gates_scale_head_outputs_and_leave_no_trace():
+    model = Stack().eval()
+    x = torch.randn(2, 5, 24)
+    base = model(x)
+    with heads.gated(model) as g:
+        assert set(g) == {"layers.0", "layers.1"} and g["layers.0"].shape == (6,)
+        assert torch.allclose(model(x), base, atol=1e-6)
+    assert all(m.head_gates is None for m in model.layers)
+    # gating a head to 0 equals removing its slice of the output projection by hand
+    m = model.layers[0]
+    vals = torch.ones(6)
+    vals[2] = 0
+    with heads.gated(m, {"": vals}):
+        gated = m(x)
+    w = m.o_proj.weight.detach().clone()
+    with torch.no_grad():
+        m.o_proj.weight[:, 2 * 4:3 * 4] = 0
+    assert torch.allclose(m(x), gated, atol=1e-6)
+    with torch.no_grad():
+        m.o_proj.weight.copy_(w)
+    with pytest.raises(ValueError, match=r"gates for layers.0 must have shape \(6,\)"):
+        with heads.gated(model, {"layers.0": torch.ones(3)}):
+            pass
+
+
+@pytest.mark.parametrize("method", ["gradient", "ablation", "entropy"])
+def test_importance_methods(method):
+    model = Stack()
+    imp = heads.importance(model, batches(), loss_fn, method, progress=False)
+    assert imp.names == ["layers.0", "layers.1"] and imp.table().shape == (2, 6)
+    assert torch.isfinite(imp.table()).all()
+    assert len(imp.order()) == 12 and "| layers.0 |" in imp.to_markdown()
+    if method == "gradient":  # normalized per layer (Michel et al.)
+        assert torch.allclose(imp.table().norm(dim=1), torch.ones(2), atol=1e-5)
+        # and equal to the mean |dL/dgate| computed by hand
+        with heads.gated(model, requires_grad=True) as g:
+            acc = torch.zeros(6)
+            for b in batches():
+                acc += torch.autograd.grad(loss_fn(model, b), g["layers.1"])[0].abs()
+        assert torch.allclose(imp.raw[1], acc / 3, atol=1e-6)
+    if method == "ablation":  # the loss change when that head alone is off
+        vals = torch.ones(6)
+        vals[4] = 0
+        with torch.no_grad():
+            base = sum(float(loss_fn(model, b)) for b in batches()) / 3
+            with heads.gated(model, {"layers.0": vals}):
+                off = sum(float(loss_fn(model, b)) for b in batches()) / 3
+        assert abs(float(imp.scores[0][4]) - (off - base)) < 1e-6
+    if method == "entropy":
+        assert (imp.table() <= 0).all() and (torch.stack(imp.raw) <= torch.log(torch.tensor(7.0)) + 1e-5).all()
+
+
+@pytest.mark.parametrize("kv", [None, 3, 2, 1])
+def test_pruned_equals_gated(kv):
+    model = Stack(kv).eval()
+    x, lens = torch.randn(3, 7, 24), torch.tensor([7, 4, 2])
+    remove = {"layers.0": [0, 1, 2], "layers.1": [5]}
+    gates = {}
+    for n, hs in remove.items():
+        g = torch.ones(6)
+        g[hs] = 0
+        gates[n] = g
+    with heads.gated(model, gates):
+        expected = model(x, lens)
+    kept = heads.prune(model, remove)
+    assert kept == {"layers.0": [3, 4, 5], "layers.1": [0, 1, 2, 3, 4]}
+    assert model.layers[0].num_heads == 3 and model.layers[0].q_proj.out_features == 3 * 4
+    assert model.layers[0].o_proj.in_features == 3 * 4
+    if kv == 3:  # groups of 2: heads 0,1 (kv 0) gone, so kv 0 goes; head 2 leaves kv 1 uneven
+        assert model.layers[0].num_kv_heads in (2, 3)
+    if kv == 2:  # groups of 3: heads 0,1,2 are kv head 0's group: it goes
+        assert model.layers[0].num_kv_heads == 1 and model.layers[0].k_proj.out_features == 4
+    assert torch.allclose(model(x, lens), expected, atol=1e-5)
+
+
+def test_prune_every_head_of_a_layer_and_round_trip(tmp_path):
+    model = Stack().eval()
+    x = torch.randn(2, 5, 24)
+    g = torch.zeros(6)
+    with heads.gated(model, {"layers.1": g}):
+        expected = model(x)
+    heads.prune(model, {"layers.1": range(6)})
+    assert model.layers[1].num_heads == 0
+    assert torch.allclose(model(x), expected, atol=1e-5)
+    # a pruned model saves (safetensors) and rebuilds itself from its config
+    from dataclasses import dataclass
+
+    @dataclass
+    class Cfg:
+        kv: int | None = None
+
+    class Saved(Stack):
+        def __init__(self, cfg):
+            super().__init__(cfg.kv)
+            self.config = cfg
+
+    m = Saved(Cfg()).eval()
+    heads.prune(m, {"layers.0": [1, 3], "layers.1": range(6)})
+    checkpoint.save(m, tmp_path)
+    again = checkpoint.load(Saved, Cfg, tmp_path)
+    assert again.layers[0].num_heads == 4 and again.layers[1].num_heads == 0
+    assert torch.equal(again(x), m(x))
+
+
+def test_mean_replacement_folds_into_the_bias():
+    model = Stack().eval()
+    bs = batches()
+    means = heads.mean_head_outputs(model, bs, loss_fn)
+    assert means["layers.0"].shape == (6, 4)
+    m = model.layers[0]
+    x = torch.randn(2, 5, 24)
+    # expected: head 2's output replaced by its mean = gate it off and add W_o[:, head 2] @ mean to the output
+    g = torch.ones(6)
+    g[2] = 0
+    with heads.gated(m, {"": g}):
+        expected = m(x) + m.o_proj.weight[:, 8:12] @ means["layers.0"][2]
+    heads.prune(model, {"layers.0": [2]}, mean_outputs=means)
+    assert torch.allclose(model.layers[0](x), expected.detach(), atol=1e-5)
+
+
+def test_prune_errors():
+    model = Stack()
+    with pytest.raises(ValueError, match=r"no multihead attention module named 'nope'"):
+        heads.prune(model, {"nope": [0]})
+    with pytest.raises(ValueError, match=r"heads \[9\] do not exist: the module has num_heads=6"):
+        heads.prune(model, {"layers.0": [9]})
+    wrapper = nn.Sequential(TorchMultiheadAttention(8, 2))
+    with pytest.raises(TypeError, match="Convert it with multihead.interop.from_torch first"):
+        heads.prune(wrapper, {"0": [0]})
+    with pytest.raises(ValueError, match="method must be"):
+        heads.importance(model, batches(), loss_fn, "random")
+
+
+def test_varlen_path_is_gated_too():
+    mha = MultiHeadAttention(768, 12, query_size=768, key_size=768, value_size=768).eval()
+    x = torch.randn(2, 300, 768)
+    mask = masks.Padding(torch.tensor([300, 100]))
+    assert mha.explain(x, mask=mask).startswith("path: varlen")
+    g = torch.ones(12)
+    g[[0, 5]] = 0
+    with torch.no_grad(), heads.gated(mha, {"": g}):
+        expected = mha(x, mask=mask)
+    heads.prune(mha, {"": [0, 5]})
+    with torch.no_grad():
+        assert torch.allclose(mha(x, mask=mask), expected, atol=1e-5)
