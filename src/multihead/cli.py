@@ -40,6 +40,30 @@ def _viz(args) -> int:
     return 0
 
 
+def _prune(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from multihead import pruning
+
+    out = Path(args.out)
+    if args.model == "toy":
+        setup = pruning.toy_setup(Path(args.checkpoints) if args.checkpoints else out / "checkpoints" / "transformer")
+    else:
+        try:
+            setup = pruning.minilm_setup()
+        except FileNotFoundError as e:
+            print(f"multihead prune: {e}", file=sys.stderr)
+            return 2
+    report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate)
+    f = report["final"]
+    print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
+          f"(unpruned {f['metric_unpruned']:.4f})")
+    print(pruning.speed_table(report["speed_ms"]))
+    print(f"report: {out / 'report.md'}; pruned model: {out / 'model'}")
+    return 0
+
+
 def _bench(args) -> int:
     from multihead import bench
 
@@ -68,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
     p.add_argument("--retrain", action="store_true")
     p.set_defaults(func=_viz)
+    p = sub.add_parser("prune", help="head importance, the pruning curve with measured speed, the pruned model")
+    p.add_argument("--model", choices=["toy", "minilm"], required=True)
+    p.add_argument("--fraction", type=float, default=0.4, help="share of all heads to prune")
+    p.add_argument("--step", type=float, default=0.1, help="share of heads pruned per step of the curve")
+    p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")
+    p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory")
+    p.add_argument("--out", default="out/prune")
+    p.set_defaults(func=_prune)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
     p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4")
     p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")

@@ -4,6 +4,7 @@ and ``multihead viz``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -193,6 +194,21 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     _, _, xte, yte = digits()
     print(f"ViT test accuracy {accuracy(v, xte, yte):.1%}")
     paths += draw_vit(v, 0, out)
+    print("\n== cut the heads: importance, the pruning curve and speed (the reversal Transformer)")
+    from multihead import pruning
+
+    report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), 0.5, out / "prune_toy",
+                         step=0.125)
+    imp = json.loads((out / "prune_toy" / "importance.json").read_text())
+    for name, scores in imp["modules"].items():
+        print(f"  {name:28} " + " ".join(f"{s:5.2f}" for s in scores))
+    for row in report["curve"]:
+        print(f"  {row['fraction']:4.0%} of heads pruned: reversal accuracy {row['metric']:.1%}")
+    print(pruning.speed_table(report["speed_ms"]))
+    f = report["final"]
+    print(f"the toy model after pruning {f['fraction']:.0%} of its heads: reversal accuracy {f['metric']:.1%} "
+          f"(unpruned {f['metric_unpruned']:.1%})")
+    paths += [out / "prune_toy" / n for n in ("importance.png", "curve.png", "report.md")]
     print("\n== written:")
     for p in paths:
         print(f"  {p}")

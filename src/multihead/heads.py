@@ -39,9 +39,13 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 @contextlib.contextmanager
-def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requires_grad: bool = False):
+def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requires_grad: bool = False,
+          fill: Mapping[str, Tensor] | None = None):
     """Inside the block every head's output is scaled by its gate (default 1).
-    Yields {module name: gates (H,)}; the gates are removed afterwards."""
+    With ``fill`` ({module: (H, Dv)}), a head's output becomes
+    ``gate * output + (1 - gate) * fill``: gated off, it is replaced by ``fill``
+    (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
+    gates are removed afterwards."""
     mods = attention_modules(model)
     gates = {}
     for name, m in mods.items():
@@ -54,12 +58,14 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
             raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
         g.requires_grad_(requires_grad)
         m.head_gates = g
+        m.head_fill = None if fill is None else fill.get(name)
         gates[name] = g
     try:
         yield gates
     finally:
         for m in mods.values():
             m.head_gates = None
+            m.head_fill = None
 
 
 @dataclass
@@ -113,14 +119,16 @@ def _bar(it, desc: str, progress: bool, total: int | None = None):
 
 
 def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], Tensor],
-               method: str = "gradient", *, normalize: bool = True, progress: bool = True) -> Importance:
+               method: str = "gradient", *, normalize: bool = True, progress: bool = True,
+               fill: Mapping[str, Tensor] | None = None) -> Importance:
     """Score every head of ``model`` on ``batches``.
 
     loss_fn(model, batch) -> a scalar loss. Methods:
       - "gradient": I_h = mean over batches of |dL/dξ_h| at ξ = 1 (Michel et al. 2019),
         divided by the layer's L2 norm when ``normalize``;
-      - "ablation": mean loss with head h alone gated off, minus the mean loss of the
-        full model (higher = the head matters more);
+      - "ablation": mean loss with head h alone gated off (replaced by ``fill`` when
+        given, else zeros), minus the mean loss of the full model (higher = the head
+        matters more);
       - "entropy": minus the mean entropy of the head's attention rows (a focused head
         scores higher); ``raw`` keeps the entropies. loss_fn only has to run the model.
     """
@@ -158,7 +166,7 @@ def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module
                 for n, h in _bar(todo, "importance (ablation)", progress):
                     vals = torch.ones(mods[n].num_heads)
                     vals[h] = 0.0
-                    with gated(model, {n: vals}):
+                    with gated(model, {n: vals}, fill=fill):
                         results[(n, h)] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
                 for n in names:
                     scores.append(torch.tensor([results[(n, h)] for h in range(mods[n].num_heads)]))
@@ -343,7 +351,7 @@ def pruning_curve(
         gone_now = sum(len(v) for v in removed.values())
         if target > gone_now:
             if imp is None or reestimate:
-                imp = importance(work, batches, loss_fn, method, progress=progress)
+                imp = importance(work, batches, loss_fn, method, progress=progress, fill=means)
             cut = imp.least(target - gone_now)
             cur_means = None if means is None else {n: means[n] for n in cut}  # indexed like the current heads
             for n, hs in cut.items():

@@ -70,10 +70,18 @@ class AttentionCore:
         if stats is not None:
             s = out.detach().sum((0, 2))  # (H, Dv): summed over the batch and the query rows
             stats["sum"] = s if stats["sum"] is None else stats["sum"] + s
-            stats["count"] += out.shape[0] * out.shape[2]
+            live = out.shape[0] * out.shape[2]  # rows computed; padded query rows (zeros) do not count
+            for part in mask.parts() if mask is not None else ():
+                if isinstance(part, masks.Padding):
+                    live = int(part.lens.clamp_max(out.shape[2]).sum())
+            stats["count"] += live
         gates = getattr(self, "head_gates", None)  # None unless multihead.heads sets them
         if gates is not None:
-            out = out * gates.view(1, -1, 1, 1)  # head h's output scaled by gates[h]
+            g = gates.view(1, -1, 1, 1)
+            out = out * g  # head h's output scaled by gates[h]
+            fill = getattr(self, "head_fill", None)  # (H, Dv): what a gated-off head is replaced by
+            if fill is not None:
+                out = out + (1 - g) * fill.view(1, fill.shape[0], 1, fill.shape[1]).to(out.dtype)
         return out
 
 

@@ -91,19 +91,41 @@ def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_
     return Plan(key_keep, query_keep, rest_mask, f"packing: {padded:.0%} of the keys are padding")
 
 
+#: self-attention over packed sequences no longer than this is padded to the longest
+#: for the attention alone (one batched call); longer ones loop over the sequences
+PAD_UP_TO = 128
+
+
 def attend_packed(module, q_in: Tensor, k_in: Tensor, v_in: Tensor, q_lens: list[int], k_lens: list[int],
                   rest: masks.Mask | None) -> Tensor:
     """Project packed tokens, attend sequence by sequence, project back.
 
     q_in (Nq, query_size), k_in (Nk, key_size), v_in (Nk, value_size); sequence b
     has q_lens[b] query rows and k_lens[b] keys, in order -> (Nq, out_features).
-    k_in may be q_in and v_in may be k_in (the projection then runs once per input).
+    The projections and the output projection see only the real tokens. Short
+    self-attention sequences (all <= PAD_UP_TO, no other mask) attend in one call,
+    padded to the longest with a ``Padding`` mask; others loop over the sequences.
     """
     H, Hkv, D, Dv = module.num_heads, module.num_kv_heads, module.head_dim, module.value_head_dim
     q_proj, k_proj, v_proj, o_proj = module.projections()
+    if H == 0:  # every head pruned: the output projection's bias
+        return o_proj(q_in.new_zeros(q_in.shape[0], 0))
     q = q_proj(q_in)  # (Nq, H*D)
     k = k_proj(k_in)  # (Nk, Hkv*D)
     v = v_proj(v_in)  # (Nk, Hkv*Dv)
+    if rest is None and q_lens == k_lens and q_lens and max(q_lens) <= PAD_UP_TO:
+        B, Lm = len(q_lens), max(q_lens)
+        lens = torch.tensor(q_lens, device=q.device)
+        idx = (torch.arange(B, device=q.device)[:, None] * Lm + torch.arange(Lm, device=q.device))[
+            torch.arange(Lm, device=q.device) < lens[:, None]]  # (N,): where each packed row sits in (B*Lm)
+
+        def pad(t, heads, size):  # (N, heads*size) -> (B, heads, Lm, size)
+            full = t.new_zeros(B * Lm, t.shape[-1]).index_copy(0, idx, t)
+            return full.view(B, Lm, heads, size).transpose(1, 2)
+
+        o = module._attend(pad(q, H, D), pad(k, Hkv, D), pad(v, Hkv, Dv), masks.Padding(lens))  # (B, H, Lm, Dv)
+        o = o.transpose(1, 2).reshape(B * Lm, H * Dv).index_select(0, idx)  # -> (N, H*Dv)
+        return o_proj(o)
     outs = []
     qo = ko = 0
     for nq, nk in zip(q_lens, k_lens):

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import masks
+from multihead import masks, varlen
+from multihead.capture import ACTIVE as _CAPTURING
 from multihead.modules import MultiHeadAttention
 
 __all__ = ["Bert", "BertConfig", "SentenceEncoder", "minilm_path"]
@@ -51,15 +52,10 @@ class BertConfig:
     attention_probs_dropout_prob: float = 0.1
     pad_token_id: int = 0
     hidden_act: str = "gelu"
-    #: heads kept in each layer (after pruning); None = num_attention_heads everywhere
-    heads_per_layer: list[int] | None = field(default=None)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    def layer_heads(self, i: int) -> int:
-        return self.num_attention_heads if self.heads_per_layer is None else self.heads_per_layer[i]
 
     @classmethod
     def from_dict(cls, d: dict) -> BertConfig:
@@ -113,6 +109,12 @@ class BertLayer(nn.Module):
         x = self.attn_norm(x + self.dropout(self.attn(x, mask=mask)))  # (B, L, E)
         return self.ffn_norm(x + self.dropout(self.ffn_out(self._act(self.ffn_in(x)))))
 
+    def forward_packed(self, h: Tensor, lens: list[int]) -> Tensor:
+        """h (N, E): the real tokens of the batch, sequence after sequence."""
+        a = varlen.attend_packed(self.attn, h, h, h, lens, lens, None)  # (N, E)
+        h = self.attn_norm(h + self.dropout(a))
+        return self.ffn_norm(h + self.dropout(self.ffn_out(self._act(self.ffn_in(h)))))
+
 
 # Hugging Face BERT names -> ours, per layer and for the embeddings
 _HF_LAYER = {
@@ -164,16 +166,37 @@ class Bert(nn.Module):
         super().__init__()
         self.config = cfg
         self.embeddings = BertEmbeddings(cfg)
-        self.layers = nn.ModuleList(BertLayer(cfg, cfg.layer_heads(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(BertLayer(cfg, cfg.num_attention_heads) for _ in range(cfg.num_hidden_layers))
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
+        """-> (B, L, E). With right-padded batches the whole encoder runs on the real
+        tokens only (projections, attention, feed-forward, LayerNorm) and padded
+        positions come out as zeros; inside ``multihead.capture()`` (or with left
+        padding) it runs densely, as Hugging Face's BertModel does."""
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
-        mask = None if attention_mask is None else masks.KeyPadding(attention_mask.bool())
+        if attention_mask is None:
+            mask = None
+        else:
+            am = attention_mask.bool()
+            lens = am.sum(-1)  # (B,)
+            prefix = bool((am == (torch.arange(am.shape[1], device=am.device) < lens[:, None])).all())
+            if prefix and not _CAPTURING and not bool(am.all()):
+                return self._packed(x, am, lens)
+            mask = masks.KeyPadding(am)
         for layer in self.layers:
             x = layer(x, mask)
         return x
+
+    def _packed(self, x: Tensor, am: Tensor, lens: Tensor) -> Tensor:
+        B, L, E = x.shape
+        idx = am.reshape(-1).nonzero().squeeze(1)  # (N,): the real tokens in (B*L)
+        h = x.reshape(B * L, E).index_select(0, idx)  # (B, L, E) -> (N, E)
+        ls = lens.tolist()
+        for layer in self.layers:
+            h = layer.forward_packed(h, ls)
+        return x.new_zeros(B * L, E).index_copy(0, idx, h).view(B, L, E)  # padded positions: zeros
 
     def pooled(self, hidden: Tensor) -> Tensor:
         """BERT's pooler: tanh(W h[CLS]) -> (B, E)."""
@@ -188,8 +211,13 @@ class Bert(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        cfg = BertConfig.from_dict(json.loads((path / "config.json").read_text()))
+        raw_cfg = json.loads((path / "config.json").read_text())
+        cfg = BertConfig.from_dict(raw_cfg)
         model = cls(cfg)
+        if raw_cfg.get("pruned_heads"):  # head counts after multihead.heads.prune
+            from multihead.heads import resize
+
+            resize(model, raw_cfg["pruned_heads"])
         raw = load_file(str(path / "model.safetensors"))  # never unpickles
         ours = raw if any(k.startswith("layers.") for k in raw) else {
             n: t for k, t in raw.items() if (n := _from_hf_name(k)) is not None
@@ -207,7 +235,10 @@ class Bert(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps({**asdict(self.config), "model_type": "bert"}, indent=2))
+        config = {**asdict(self.config), "model_type": "bert"}
+        if getattr(self, "pruned_heads", None):
+            config["pruned_heads"] = self.pruned_heads
+        (path / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
 
 

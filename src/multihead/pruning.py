@@ -1,0 +1,230 @@
+"""The course's second exercise, end to end, on two models: measure every head's
+importance, prune the least important step by step, and measure what it costs
+(the metric) and what it buys (speed at batch 1, 16 and 64).
+
+- ``toy``: the digit-reversing Transformer of the demo; metric = reversal
+  accuracy; importance = Michel et al.'s gradient of the task loss.
+- ``minilm``: the pretrained all-MiniLM-L6-v2; metric = fidelity (mean cosine of
+  the sentence embeddings to the unpruned model's) on Python's own documentation
+  sentences; importance = ablation of 1 - cosine, a pruned head replaced by its
+  mean output (the gradient of a self-fidelity loss is zero at the unpruned model).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead import heads
+
+
+@dataclass
+class Setup:
+    name: str
+    model: nn.Module
+    batches: list  # for importance
+    loss_fn: Callable
+    metric_fn: Callable[[nn.Module], float]
+    metric_name: str
+    speed_inputs: dict[int, list]  # batch size -> list of inputs for run_fn
+    run_fn: Callable  # run_fn(model, inputs) -> output
+    method: str
+    mean_replacement: bool
+    save_fn: Callable[[nn.Module, Path], None]
+    peer: tuple[str, nn.Module, Callable] | None = None  # (name, model, run_fn) timed beside ours
+    notes: list[str] = field(default_factory=list)
+
+
+def time_ms(model, run_fn, inputs: list, reps: int = 3) -> float:
+    """Median over ``reps`` passes of the mean time per batch (ms)."""
+    ts = []
+    with torch.no_grad():
+        run_fn(model, inputs[0])
+        for _ in range(reps):
+            t = time.perf_counter()
+            for x in inputs:
+                run_fn(model, x)
+            ts.append((time.perf_counter() - t) / len(inputs) * 1e3)
+    return statistics.median(ts)
+
+
+def toy_setup(ckpt: Path) -> Setup:
+    from multihead.demo import alignment, reverser
+    from multihead.models import checkpoint
+    from multihead.models.seq2seq import PAD, reverse_batch
+
+    model = reverser(ckpt)
+    g = torch.Generator().manual_seed(7)
+    batches = [reverse_batch(128, generator=g) for _ in range(4)]
+
+    def loss_fn(m, b):
+        src, lens, tgt_in, tgt_out = b
+        return F.cross_entropy(m(src, lens, tgt_in).transpose(1, 2), tgt_out, ignore_index=PAD)
+
+    speed = {n: [reverse_batch(n, generator=torch.Generator().manual_seed(n + i)) for i in range(4)]
+             for n in (1, 16, 64)}
+
+    def run_fn(m, b):
+        src, lens, tgt_in, _ = b
+        return m(src, lens, tgt_in)
+
+    return Setup("toy", model, batches, loss_fn, lambda m: alignment(m)[0], "reversal accuracy", speed, run_fn,
+                 "gradient", False, lambda m, p: checkpoint.save(m, p))
+
+
+def minilm_setup(n_importance: int = 256) -> Setup:
+    from multihead.data import sentences
+    from multihead.models import SentenceEncoder, minilm_path
+
+    path = minilm_path()
+    enc = SentenceEncoder.from_pretrained(path).eval()
+    corpus = sentences()  # ~970 sentences from pydoc_data.topics
+    head, held_out = corpus[:n_importance], corpus[n_importance:]  # importance on one part, fidelity on the rest
+    if len(held_out) < 500:
+        raise ValueError(f"fidelity needs >= 500 held-out sentences; this Python's docs give {len(held_out)}.")
+
+    def tokenized(sents):
+        return [enc.tokenize(sents[i:i + 32]) for i in range(0, len(sents), 32)]
+
+    with torch.no_grad():
+        imp = [(b, enc(*b)) for b in tokenized(head)]
+        batches = tokenized(held_out)
+        refs = [enc(i, a) for i, a in batches]
+
+    def loss_fn(m, b):
+        (ids, am), ref = b
+        return 1 - (m(ids, am) * ref).sum(-1).mean()
+
+    def metric_fn(m):
+        with torch.no_grad():
+            return torch.cat([(m(i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
+
+    speed = {n: [enc.tokenize(corpus[i:i + n]) for i in range(0, min(len(corpus), 4 * n), n)] for n in (1, 16, 64)}
+    peer = None
+    try:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import BertModel
+
+        hf = BertModel.from_pretrained(str(path)).eval()
+        peer = ("transformers.BertModel", hf, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))
+    except Exception:  # transformers is optional
+        pass
+    return Setup("minilm", enc, imp, loss_fn, metric_fn, "mean cosine to the unpruned model", speed,
+                 lambda m, x: m(*x), "ablation", True, lambda m, p: m.bert.save_pretrained(p), peer,
+                 [f"importance on the first {len(head)} sentences of pydoc_data.topics; fidelity on the other "
+                  f"{len(held_out)}"])
+
+
+def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
+        progress: bool = True) -> dict:
+    """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
+    the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = setup.model
+    imp = heads.importance(base, setup.batches, setup.loss_fn, setup.method, progress=progress,
+                           fill=heads.mean_head_outputs(base, setup.batches, setup.loss_fn)
+                           if setup.mean_replacement else None)
+    (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
+    _heatmap(imp, out / "importance.png")
+
+    def speed_fn(m):
+        return {str(n): round(time_ms(m, setup.run_fn, xs), 2) for n, xs in setup.speed_inputs.items()}
+
+    rows = heads.pruning_curve(base, setup.batches, setup.loss_fn, setup.metric_fn, step=step,
+                               max_fraction=fraction, method=setup.method, reestimate=reestimate,
+                               speed_fn=speed_fn, mean_replacement=setup.mean_replacement, progress=progress)
+    heads.save_curve(rows, out / "curve.json")
+    heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
+    # the model at the last step, rebuilt by replaying what the curve removed
+    final = copy.deepcopy(base)
+    removed = rows[-1]["removed"]
+    means = heads.mean_head_outputs(final, setup.batches, setup.loss_fn) if setup.mean_replacement else None
+    heads.prune(final, removed, mean_outputs=means)
+    setup.save_fn(final, out / "model")
+    speeds = {"unpruned (multihead)": rows[0]["speed_ms"], f"pruned {rows[-1]['fraction']:.0%} (multihead)":
+              speed_fn(final)}
+    if setup.peer is not None:
+        name, peer_model, peer_run = setup.peer
+        speeds[name] = {str(n): round(time_ms(peer_model, peer_run, xs), 2) for n, xs in setup.speed_inputs.items()}
+    report = {
+        "model": setup.name, "metric": setup.metric_name, "method": setup.method,
+        "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows, "speed_ms": speeds,
+        "final": {"fraction": rows[-1]["fraction"], "metric": rows[-1]["metric"], "metric_unpruned": rows[0]["metric"]},
+        "notes": setup.notes,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(_markdown(report, imp))
+    return report
+
+
+def _heatmap(imp: heads.Importance, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = imp.table()
+    fig, ax = plt.subplots(figsize=(1 + 0.45 * t.shape[1], 0.8 + 0.4 * t.shape[0]))
+    im = ax.imshow(t.numpy(), cmap="viridis", aspect="auto")
+    ax.set_yticks(range(len(imp.names)), imp.names, fontsize=7)
+    ax.set_xticks(range(t.shape[1]), [str(h) for h in range(t.shape[1])], fontsize=7)
+    ax.set_xlabel("head")
+    ax.set_title(f"head importance ({imp.method})", fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speed_table(speeds: dict) -> str:
+    sizes = sorted({b for v in speeds.values() for b in v}, key=int)
+    ref = next(iter(speeds.values()))
+    lines = ["| model | " + " | ".join(f"batch {b} (ms)" for b in sizes) + " | " +
+             " | ".join(f"speed-up @{b}" for b in sizes) + " |", "|---|" + "---:|" * (2 * len(sizes))]
+    for name, v in speeds.items():
+        lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}" for b in sizes) + " | " +
+                     " | ".join(f"{ref[b] / v[b]:.2f}x" for b in sizes) + " |")
+    return "\n".join(lines)
+
+
+def _markdown(r: dict, imp: heads.Importance) -> str:
+    rows = r["curve"]
+    curve = ["| heads pruned | " + r["metric"] + " | " + " | ".join(f"ms @{b}" for b in rows[0].get("speed_ms", {}))
+             + " |", "|---:|---:|" + "---:|" * len(rows[0].get("speed_ms", {}))]
+    for row in rows:
+        curve.append(f"| {row['fraction']:.0%} ({row['heads_pruned']}) | {row['metric']:.4f} | " +
+                     " | ".join(f"{v:.2f}" for v in row.get("speed_ms", {}).values()) + " |")
+    return "\n".join([
+        f"# Pruning {r['model']}",
+        "",
+        f"Importance: {r['method']}" + (" (a removed head is replaced by its mean output)" if r["mean_replacement"]
+                                        else "") + f"; re-estimated after every step: {r['reestimate']}.",
+        *[f"- {n}" for n in r["notes"]],
+        "",
+        "![importance](importance.png)",
+        "",
+        imp.to_markdown(),
+        "",
+        "## The pruning curve",
+        "",
+        "![curve](curve.png)",
+        "",
+        *curve,
+        "",
+        "## Speed (ms per batch; speed-up against the first row)",
+        "",
+        speed_table(r["speed_ms"]),
+        "",
+        "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
+        "",
+    ])
