@@ -207,6 +207,17 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 f"{tuple(values.shape)}."
             )
 
+    def _inputs(self, queries, keys, values, valid_lens, mask):
+        """Defaults (keys = queries, values = keys), checks, and one mask from valid_lens & mask."""
+        keys = queries if keys is None else keys
+        values = keys if values is None else values
+        self._check(queries, keys, values)
+        m = masks.as_mask(mask)
+        if valid_lens is not None:
+            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
+            m = vl if m is None else vl & m
+        return queries, keys, values, m
+
     def forward(
         self,
         queries: Tensor,
@@ -224,13 +235,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         value (or a bool keep / float bias tensor broadcastable to (B, H, Lq, Lk)),
         combined with valid_lens.
         """
-        keys = queries if keys is None else keys
-        values = keys if values is None else values
-        self._check(queries, keys, values)
-        m = masks.as_mask(mask)
-        if valid_lens is not None:
-            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
-            m = vl if m is None else vl & m
+        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if H == 0:  # every head pruned (multihead.heads.prune): the output is o_proj's bias, or zeros
@@ -263,13 +268,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 valid_lens: Tensor | None = None, *, mask=None) -> str:
         """Which path a forward with these inputs takes (packed varlen or dense) and
         which attention backend runs, and why."""
-        keys = queries if keys is None else keys
-        values = keys if values is None else values
-        self._check(queries, keys, values)
-        m = masks.as_mask(mask)
-        if valid_lens is not None:
-            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
-            m = vl if m is None else vl & m
+        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
