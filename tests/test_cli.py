@@ -28,6 +28,11 @@ def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     aligned = float(re.search(r"source digit for ([\d.]+)% of target tokens", text).group(1))
     assert aligned >= 90.0
     assert float(re.search(r"ViT test accuracy ([\d.]+)%", text).group(1)) >= 90.0
+    # the demo ends with the second exercise: importance, the pruning curve, speed, accuracy after pruning
+    assert re.search(r"the toy model after pruning 50% of its heads: [\d.]+% of digits reversed right", text)
+    assert "| pruned 50% (multihead) |" in text and "encoder.0.attn" in text
+    for name in ("prune_toy/importance.png", "prune_toy/curve.png", "prune_toy/report.md"):
+        assert (out / name).stat().st_size > 200, name
     for name in ("transformer_cross_attention.png", "transformer_encoder_rollout.png", "vit_heads.png",
                  "vit_rollout.png", "vit_explorer.html", "transformer_decoder_explorer.html"):
         assert (out / name).stat().st_size > 1000, name

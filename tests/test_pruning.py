@@ -27,9 +27,9 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     model = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, out / "model")
     n_heads = sum(m.num_heads for m in heads.attention_modules(model).values())
     assert n_heads == 24 - 6
-    from multihead.demo import alignment
+    from multihead.demo import digit_accuracy
 
-    assert abs(alignment(model)[0] - report["final"]["metric"]) < 1e-9  # the saved model is the measured one
+    assert abs(digit_accuracy(model) - report["final"]["metric"]) < 1e-9  # the saved model is the measured one
     assert "25% of heads pruned" in text and "| batch 1 (ms) |" in text
 
 

@@ -2,8 +2,9 @@
 importance, prune the least important step by step, and measure what it costs
 (the metric) and what it buys (speed at batch 1, 16 and 64).
 
-- ``toy``: the digit-reversing Transformer of the demo; metric = reversal
-  accuracy; importance = Michel et al.'s gradient of the task loss.
+- ``toy``: the digit-reversing Transformer of the demo; metric = share of target
+  digits right under greedy decoding; importance = Michel et al.'s gradient of
+  the task loss.
 - ``minilm``: the pretrained all-MiniLM-L6-v2; metric = fidelity (mean cosine of
   the sentence embeddings to the unpruned model's) on Python's own documentation
   sentences; importance = ablation of 1 - cosine, a pruned head replaced by its
@@ -59,7 +60,7 @@ def time_ms(model, run_fn, inputs: list, reps: int = 3) -> float:
 
 
 def toy_setup(ckpt: Path) -> Setup:
-    from multihead.demo import alignment, reverser
+    from multihead.demo import digit_accuracy, reverser
     from multihead.models import checkpoint
     from multihead.models.seq2seq import PAD, reverse_batch
 
@@ -78,7 +79,7 @@ def toy_setup(ckpt: Path) -> Setup:
         src, lens, tgt_in, _ = b
         return m(src, lens, tgt_in)
 
-    return Setup("toy", model, batches, loss_fn, lambda m: alignment(m)[0], "reversal accuracy", speed, run_fn,
+    return Setup("toy", model, batches, loss_fn, digit_accuracy, "digits reversed right", speed, run_fn,
                  "gradient", False, lambda m, p: checkpoint.save(m, p))
 
 
