@@ -19,3 +19,5 @@ def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):
     md = (tmp_path / "bench.md").read_text()
     assert "| W1 | fwd | multihead |" in md and "dense, sdpa" in md
     assert (tmp_path / "bench.png").stat().st_size > 1000
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("| workload | mode | torch.nn.MHA |") and "(1.00x)" in summary

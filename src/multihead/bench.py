@@ -355,6 +355,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
     data = {"machine": info, "results": [r.__dict__ for r in results]}
     (out / "bench.json").write_text(json.dumps(data, indent=2))
     (out / "bench.md").write_text(markdown(data))
+    (out / "summary.md").write_text(summary(data))
     chart(data, out / "bench.png")
     log(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
     return data
@@ -374,6 +375,25 @@ def markdown(data: dict) -> str:
         lines.append(f"| {r['workload']} | {r['mode']} | {r['peer']} | {r['median_ms']:.2f} | "
                      f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {r['ratio']:.2f}x | {mem} | {r['ran']} |")
     return "\n".join(lines) + "\n"
+
+
+def summary(data: dict) -> str:
+    """One row per (workload, mode), one column per peer: median ms and ratio to torch.nn.MHA."""
+    rows = data["results"]
+    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    keys = list(dict.fromkeys((r["workload"], r["mode"]) for r in rows))
+    out = ["| workload | mode | " + " | ".join(peers) + " |", "|---|---|" + "---:|" * len(peers)]
+    for w, mode in keys:
+        cells = []
+        for p in peers:
+            r = next((r for r in rows if (r["workload"], r["mode"], r["peer"]) == (w, mode, p)), None)
+            if r is None:
+                cells.append("—")
+            else:
+                mem = "" if r["peak_mib"] is None else f"<br>{r['peak_mib']:.0f} MiB"
+                cells.append(f"{r['median_ms']:.1f} ms ({r['ratio']:.2f}x){mem}")
+        out.append(f"| {w} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def chart(data: dict, path: Path) -> None:
