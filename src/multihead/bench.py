@@ -310,21 +310,54 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
     return results
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM). Unlike getrusage's ru_maxrss, which
+    Linux carries across fork + exec from the parent, VmHWM starts afresh at exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
     """Peak RSS (MiB) of one call in a fresh process."""
     code = (
-        "import resource, sys, torch; from multihead import bench; "
+        "import sys, torch; from multihead import bench; "
         f"w = bench.workloads(['W4'], ({w.Lq},))[0]; base = torch.nn.MultiheadAttention(w.E, w.H, batch_first=True); "
         f"p = bench.PEERS[{peer!r}](w, base); "
         "p is None and sys.exit(3); mod, call, _ = p; "
         f"x, y = bench._inputs(w, {backward}); bench._step(call, x, y, {backward}); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        "print(bench.peak_rss_mib())"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "KERAS_BACKEND": "torch"})
     if r.returncode != 0:
         return None
     return float(r.stdout.strip().splitlines()[-1])
+
+
+def remeasure_memory(out: Path, peers: list[str] | None = None, log=print) -> dict:
+    """Measure W4's peak memory again into an existing ``out/bench.json`` (timings kept)."""
+    data = json.loads((out / "bench.json").read_text())
+    lengths = sorted({int(r["workload"].split("-")[1]) for r in data["results"] if r["workload"].startswith("W4-")})
+    for w in workloads(["W4"], tuple(lengths)):
+        for r in data["results"]:
+            if r["workload"] == w.name and (peers is None or r["peer"] in peers):
+                r["peak_mib"] = peak_memory(w, r["peer"], r["mode"] == "fwd+bwd")
+                log(f"  {w.name} {r['mode']:8} {r['peer']:20} peak RSS {r['peak_mib']} MiB")
+    _write(data, out, log)
+    return data
+
+
+def _write(data: dict, out: Path, log=print) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(data, indent=2))
+    (out / "bench.md").write_text(markdown(data))
+    (out / "summary.md").write_text(summary(data))
+    chart(data, out / "bench.png")
+    log(f"wrote {out / 'bench.md'}, {out / 'summary.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
 
 
 def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
@@ -351,13 +384,8 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
                         if r.workload == w.name and r.peer == peer and r.mode == mode:
                             r.peak_mib = mib
                     log(f"  {w.name} {mode:8} {peer:20} peak RSS {mib} MiB")
-    out.mkdir(parents=True, exist_ok=True)
     data = {"machine": info, "results": [r.__dict__ for r in results]}
-    (out / "bench.json").write_text(json.dumps(data, indent=2))
-    (out / "bench.md").write_text(markdown(data))
-    (out / "summary.md").write_text(summary(data))
-    chart(data, out / "bench.png")
-    log(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
+    _write(data, out, log)
     return data
 
 

@@ -70,6 +70,9 @@ def _bench(args) -> int:
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
     lengths = tuple(int(x) for x in args.lengths.split(","))
+    if args.memory_only:
+        bench.remeasure_memory(Path(args.out), peers)
+        return 0
     bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths)
     return 0
 
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
     p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
+    p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
