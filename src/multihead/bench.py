@@ -103,14 +103,22 @@ class SDPALinear(nn.Module):
         for mine, theirs in zip((self.q, self.k, self.v, self.o), mha.projections()):
             mine.load_state_dict(theirs.state_dict())
 
-    def forward(self, x, y, attn_mask=None, is_causal=False):
-        B, Lq, E = x.shape
+    def split(self, x, y):
+        """x (B, Lq, E), y (B, Lk, E) -> q (B, H, Lq, D), k and v (B, H, Lk, D)."""
+        B, Lq, _ = x.shape
         Lk, H = y.shape[1], self.H
-        q = self.q(x).view(B, Lq, H, -1).transpose(1, 2)  # (B, H, Lq, D)
-        k = self.k(y).view(B, Lk, H, -1).transpose(1, 2)
-        v = self.v(y).view(B, Lk, H, -1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-        return self.o(o.transpose(1, 2).reshape(B, Lq, E))
+        q = self.q(x).view(B, Lq, H, -1).transpose(1, 2)  # (B, Lq, E) -> (B, H, Lq, D)
+        k = self.k(y).view(B, Lk, H, -1).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
+        v = self.v(y).view(B, Lk, H, -1).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
+        return q, k, v
+
+    def merge(self, o):
+        B, H, Lq, D = o.shape
+        return self.o(o.transpose(1, 2).reshape(B, Lq, H * D))  # (B, H, Lq, D) -> (B, Lq, E)
+
+    def forward(self, x, y, attn_mask=None, is_causal=False):
+        q, k, v = self.split(x, y)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal))
 
 
 def peer_sdpa(w: Workload, base):
@@ -190,13 +198,8 @@ def peer_flex(w: Workload, base):
     fa = _FLEX_CACHE[key]
 
     def call(x, y):
-        B, Lq, E = x.shape
-        Lk, H = y.shape[1], m.H
-        q = m.q(x).view(B, Lq, H, -1).transpose(1, 2)
-        k = m.k(y).view(B, Lk, H, -1).transpose(1, 2)
-        v = m.v(y).view(B, Lk, H, -1).transpose(1, 2)
-        o = fa(q, k, v, block_mask=bm)
-        return m.o(o.transpose(1, 2).reshape(B, Lq, E))
+        q, k, v = m.split(x, y)
+        return m.merge(fa(q, k, v, block_mask=bm))
 
     return m, call, "compiled, dynamic=False; no CPU backward"
 

@@ -77,11 +77,12 @@ class AttentionCore:
             stats["count"] += live
         gates = getattr(self, "head_gates", None)  # None unless multihead.heads sets them
         if gates is not None:
-            g = gates.view(1, -1, 1, 1)
+            g = gates.view(1, -1, 1, 1)  # (H,) -> (1, H, 1, 1)
             out = out * g  # head h's output scaled by gates[h]
             fill = getattr(self, "head_fill", None)  # (H, Dv): what a gated-off head is replaced by
             if fill is not None:
-                out = out + (1 - g) * fill.view(1, fill.shape[0], 1, fill.shape[1]).to(out.dtype)
+                fill = fill.view(1, fill.shape[0], 1, fill.shape[1]).to(out.dtype)  # (H, Dv) -> (1, H, 1, Dv)
+                out = out + (1 - g) * fill
         return out
 
 

@@ -121,7 +121,7 @@ def attend_packed(module, q_in: Tensor, k_in: Tensor, v_in: Tensor, q_lens: list
 
         def pad(t, heads, size):  # (N, heads*size) -> (B, heads, Lm, size)
             full = t.new_zeros(B * Lm, t.shape[-1]).index_copy(0, idx, t)
-            return full.view(B, Lm, heads, size).transpose(1, 2)
+            return full.view(B, Lm, heads, size).transpose(1, 2)  # (B*Lm, heads*size) -> (B, heads, Lm, size)
 
         o = module._attend(pad(q, H, D), pad(k, Hkv, D), pad(v, Hkv, Dv), masks.Padding(lens))  # (B, H, Lm, Dv)
         o = o.transpose(1, 2).reshape(B * Lm, H * Dv).index_select(0, idx)  # -> (N, H*Dv)

@@ -84,12 +84,12 @@ def to_keras(module: MultiHeadAttention):
         return x.detach().cpu().numpy()
 
     layer._query_dense.kernel.assign(t(q.weight).T.reshape(sizes[0], H, D))  # (H*D, E) -> (E, H, D)
-    layer._key_dense.kernel.assign(t(k.weight).T.reshape(sizes[1], H, D))
-    layer._value_dense.kernel.assign(t(v.weight).T.reshape(sizes[2], H, Dv))
+    layer._key_dense.kernel.assign(t(k.weight).T.reshape(sizes[1], H, D))  # (H*D, Ek) -> (Ek, H, D)
+    layer._value_dense.kernel.assign(t(v.weight).T.reshape(sizes[2], H, Dv))  # (H*Dv, Ev) -> (Ev, H, Dv)
     layer._output_dense.kernel.assign(t(o.weight).T.reshape(H, Dv, module.out_features))  # (out, H*Dv) -> (H, Dv, out)
     if bias:
-        layer._query_dense.bias.assign(t(q.bias).reshape(H, D))
-        layer._key_dense.bias.assign(t(k.bias).reshape(H, D))
-        layer._value_dense.bias.assign(t(v.bias).reshape(H, Dv))
+        layer._query_dense.bias.assign(t(q.bias).reshape(H, D))  # (H*D,) -> (H, D)
+        layer._key_dense.bias.assign(t(k.bias).reshape(H, D))  # (H*D,) -> (H, D)
+        layer._value_dense.bias.assign(t(v.bias).reshape(H, Dv))  # (H*Dv,) -> (H, Dv)
         layer._output_dense.bias.assign(t(o.bias))
     return layer
