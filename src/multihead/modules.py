@@ -171,8 +171,18 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         setattr(self, o, nn.Linear(H * Dv, self.out_features, bias=bias))
 
     def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-        """The (q, k, v, o) projections, whatever they are named."""
-        return tuple(getattr(self, n) for n in self._proj_names)
+        """The (q, k, v, o) projections, whatever they are named (cached; replacing
+        one, as pruning does, clears the cache)."""
+        cached = self.__dict__.get("_proj_cache")
+        if cached is None:
+            cached = tuple(getattr(self, n) for n in self._proj_names)
+            self.__dict__["_proj_cache"] = cached
+        return cached
+
+    def __setattr__(self, name, value):
+        if name in type(self)._proj_names:
+            self.__dict__.pop("_proj_cache", None)
+        super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         s = f"num_heads={self.num_heads}, head_dim={self.head_dim}"
