@@ -227,7 +227,8 @@ PEERS: dict[str, Callable] = {
     "Keras 3 MHA": peer_keras,
     "FlexAttention": peer_flex,
     "multihead": peer_multihead,
-    "multihead (Padding)": lambda w, base: peer_multihead(w, base, padding=True) if w.lens is not None else None,
+    "multihead (Padding)": lambda w, base: (peer_multihead(w, base, padding=True)
+                                            if w.lens is not None and w.self_attention else None),
 }
 
 
