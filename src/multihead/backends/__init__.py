@@ -4,8 +4,9 @@
 ``use(name)`` (a context manager), ``get(name)``; :func:`multihead.explain`
 reports which backend runs a call and why the others do not.
 
-Shipped: ``sdpa`` (torch's fused kernel, chosen by "auto") and ``reference``
-(the float64 spec).
+Shipped, in the order "auto" tries them: ``blocked`` (banded masks, masked
+blocks skipped), ``flex`` (FlexAttention; "auto" only on CUDA), ``sdpa``
+(torch's fused kernel, everything else) and ``reference`` (the float64 spec).
 """
 
 from multihead.backends import blocked, flex, reference, sdpa  # noqa: E402,F401  (registers the built-ins)

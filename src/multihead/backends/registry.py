@@ -7,7 +7,8 @@ validated inputs: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, D
 mask a :class:`multihead.masks.Mask` or None, scale a float.
 
 "auto" picks the registered backend of highest priority whose ``supports``
-returns None. ``use(name)`` changes what "auto" means inside a ``with`` block;
+returns None and whose optional ``auto(request)`` gives no reason to leave it to
+being named. ``use(name)`` changes what "auto" means inside a ``with`` block;
 a backend named explicitly in a call always wins.
 """
 
