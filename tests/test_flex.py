@@ -35,16 +35,35 @@ def test_flex_refuses_cpu_backward_and_bias():
 
 
 def test_flex_compile_failure_falls_back_and_is_explained(monkeypatch):
+    from torch._inductor.exc import CppCompileError
+
     def broken(device_type):
         def f(*a, **kw):
-            raise RuntimeError("C++ compile error: cur_qSplitSize8 was not declared")
+            raise CppCompileError(["g++", "kernel.cpp"], "error: cur_qSplitSize8 was not declared")
         return f
 
     monkeypatch.setattr(flex, "_compiled", broken)
     monkeypatch.setattr(flex, "_FAILED", {})
     q, k, v = qkv(1, 2, 2, 16, 16, 16, 16)
     mask = masks.SlidingWindow(3)
-    out = attention(q, k, v, mask, backend="flex")  # falls back to sdpa
+    with pytest.warns(RuntimeWarning, match="'flex' could not run .*its compile failed: CppCompileError"):
+        out = attention(q, k, v, mask, backend="flex")  # falls back to the next choice
     assert torch.allclose(out, attention(q, k, v, mask, backend="sdpa"))
     text = str(multihead.explain(q, k, v, mask))
-    assert "its compile failed for this shape earlier (RuntimeError: C++ compile error: cur_qSplitSize8" in text
+    assert "its compile failed for this shape earlier (CppCompileError: C++ compile error" in text
+
+
+def test_flex_other_errors_propagate(monkeypatch):
+    """Only a failed compile falls back: any other error (a bad shape, out of memory) is raised."""
+
+    def failing(device_type):
+        def f(*a, **kw):
+            raise RuntimeError("CUDA out of memory")
+        return f
+
+    monkeypatch.setattr(flex, "_compiled", failing)
+    monkeypatch.setattr(flex, "_FAILED", {})
+    q, k, v = qkv(1, 2, 2, 16, 16, 16, 16)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        attention(q, k, v, masks.SlidingWindow(3), backend="flex")
+    assert not flex._FAILED  # nothing remembered: the next call tries flex again

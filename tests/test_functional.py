@@ -227,7 +227,7 @@ def test_use_changes_auto_and_explain_reports_it():
         calls.append(mask)
         return reference_attention(query, key, value, mask, scale=scale, dropout_p=dropout_p)
 
-    backends.register("spy", spy, supports=lambda r: None if r.Lq < 100 else "only short queries", priority=-5)
+    backends.register("spy", spy, can_run=lambda r: None if r.Lq < 100 else "only short queries", priority=-5)
     try:
         with backends.use("spy"):
             attention(q, k, v, masks.Causal())

@@ -43,7 +43,7 @@ def test_gates_scale_head_outputs_and_leave_no_trace():
     with heads.gated(model) as g:
         assert set(g) == {"layers.0", "layers.1"} and g["layers.0"].shape == (6,)
         assert torch.allclose(model(x), base, atol=1e-6)
-    assert all(m.head_gates is None for m in model.layers)
+    assert all(not m.attention_hooks for m in model.layers)  # no hook left behind
     # gating a head to 0 equals removing its slice of the output projection by hand
     m = model.layers[0]
     vals = torch.ones(6)

@@ -12,12 +12,14 @@ from multihead import backends, masks
 from multihead.capture import capture
 from multihead.functional import attention, attention_weights, explain, reference_attention
 from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
+from multihead.varlen import attention_varlen
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MultiHeadAttention",
     "attention",
+    "attention_varlen",
     "attention_weights",
     "backends",
     "capture",

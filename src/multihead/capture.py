@@ -7,9 +7,16 @@
 Inside the block every multihead attention module (``MultiHeadAttention``, the
 course's compat modules, ``TorchMultiheadAttention`` and so patched torch.nn
 models) records its weights, computed by :func:`multihead.attention_weights`
-under the same mask, keyed by the module's qualified name in ``model``. Return
-values never change. Outside the block nothing is recorded and the fused path
-runs: the only cost is one check of an empty list.
+under the same mask, keyed by the module's qualified name in ``model``.
+
+``capture`` adds an observer to each module's own hook list
+(:class:`multihead.hooks.AttentionHooks`) and removes it on exit. It changes
+neither the return values nor the path a module takes: on the packed (varlen)
+path the weights are computed from the packed projections put back in the
+batch's layout, so they equal the dense path's; the one visible difference is
+that a query row that is not computed there (padding under ``masks.Padding``, or
+a BERT model's packed padding) has weights of zeros. Outside the block nothing
+is recorded: the only cost is one check of an empty list.
 """
 
 from __future__ import annotations
@@ -21,10 +28,10 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-__all__ = ["capture", "Captured"]
+from multihead.functional import _weights
+from multihead.modules import AttentionCore
 
-#: the recorders now active (innermost last); AttentionCore checks this list
-ACTIVE: list[Captured] = []
+__all__ = ["capture", "Captured"]
 
 
 class Captured(Mapping):
@@ -56,9 +63,8 @@ class Captured(Mapping):
             return bool(inc(name, module))
         return any(fnmatch.fnmatchcase(name, pat) for pat in inc)
 
-    def record(self, module, q: Tensor, k: Tensor, mask) -> None:
-        from multihead.functional import attention_weights
-
+    def record(self, module, q: Tensor, k: Tensor, mask, scale) -> None:
+        """The observer hook: q (B, H, Lq, D), k (B, Hkv, Lk, D)."""
         name = self._name(module)
         if name is None or not self._wanted(name, module):
             return
@@ -68,7 +74,7 @@ class Captured(Mapping):
             self.skipped[name] = f"weights of {n} elements (B={B}, H={H}, Lq={Lq}, Lk={k.shape[2]}) > max_elements"
             return
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach):
-            w = attention_weights(q, k, mask, scale=getattr(module, "scale", None))  # (B, H, Lq, Lk)
+            w = _weights(q, k, mask, scale)  # (B, H, Lq, Lk)
         if self.to_cpu:
             w = w.cpu()
         self._calls.setdefault(name, []).append(w)
@@ -103,7 +109,8 @@ def capture(
 
     Args:
         model: names the modules (their qualified names in it); modules outside it
-            are ignored. None: every module, named ``ClassName#i`` in order of first call.
+            are ignored. None: every multihead module alive now, named ``ClassName#i``
+            in order of first call.
         include: glob patterns over names (``["encoder.*"]``) or a predicate
             ``(name, module) -> bool``; None = all.
         detach: record without autograd history (default); False keeps the graph
@@ -114,8 +121,11 @@ def capture(
     Yields a :class:`Captured` mapping.
     """
     rec = Captured(model, include, detach, to_cpu, max_elements)
-    ACTIVE.append(rec)
+    mods = [m for m in model.modules() if isinstance(m, AttentionCore)] if model is not None else \
+        AttentionCore.alive()
+    handles = [m.attention_hooks.add_observer(rec.record) for m in mods]
     try:
         yield rec
     finally:
-        ACTIVE.remove(rec)
+        for h in handles:
+            h.remove()

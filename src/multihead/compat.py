@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import masks
-from multihead.functional import attention_weights
+from multihead import checks, masks
+from multihead.functional import _weights
 from multihead.modules import AttentionCore, MultiHeadAttention
 
 __all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights", "TorchMultiheadAttention"]
@@ -44,7 +44,8 @@ class LastWeights(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self._last = None
 
-    def record(self, q: Tensor, k: Tensor, mask, scale) -> None:
+    def observe(self, module, q: Tensor, k: Tensor, mask, scale) -> None:
+        """The module's observer hook: q (B, H, Lq, D), k (B, Hkv, Lk, D)."""
         self._last = (q.detach(), k.detach(), mask, scale)
 
     @property
@@ -52,7 +53,7 @@ class LastWeights(nn.Module):
         if self._last is None:
             return None
         q, k, mask, scale = self._last
-        w = attention_weights(q, k, mask, scale=scale)  # (B, H, Lq, Lk)
+        w = _weights(q, k, mask, scale)  # (B, H, Lq, Lk)
         return w.reshape(-1, w.shape[2], w.shape[3])  # (B, H, Lq, Lk) -> (B*H, Lq, Lk)
 
 
@@ -71,13 +72,10 @@ class D2LMultiHeadAttention(MultiHeadAttention):
         super().__init__(num_hiddens, num_heads, dropout, bias, query_size=query_size, key_size=key_size,
                          value_size=value_size, **kwargs)
         self.attention = LastWeights(self.dropout)
+        self.attention_hooks.add_observer(self.attention.observe)
 
     def forward(self, queries, keys, values, valid_lens):  # the course's signature: all four required
         return super().forward(queries, keys, values, valid_lens)
-
-    def _attend(self, q, k, v, mask):
-        self.attention.record(q, k, mask, self.scale)
-        return super()._attend(q, k, v, mask)
 
 
 def _to_tensor(x, name: str) -> Tensor:
@@ -145,14 +143,13 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
                 "TorchMultiheadAttention does not support add_bias_kv=True or add_zero_attn=True (they append "
                 "learned or zero key/value positions); keep torch.nn.MultiheadAttention for such modules."
             )
-        if not isinstance(dropout, float | int) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}.")
+        checks.valid_dropout(dropout)
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device=device, dtype=dtype)
         self._packed = self._qkv_same_embed_dim
         self._qkv_same_embed_dim = False
         self.num_kv_heads, self.value_head_dim = self.num_heads, self.head_dim
-        self.scale, self.backend = None, "auto"
+        self._init_core(dropout=dropout, scale=None, backend="auto")
 
     @classmethod
     def from_module(cls, module: nn.MultiheadAttention) -> TorchMultiheadAttention:
@@ -195,15 +192,14 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         if mask is not None:
             mask.validate(B, H, Lq, Lk, query.device)
         w_q, w_k, w_v, b_q, b_k, b_v = self.projection_weights()
-        q = F.linear(query, w_q, b_q).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, E) -> (B, H, Lq, D)
-        k = F.linear(key, w_k, b_k).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
-        v = F.linear(value, w_v, b_v).view(B, Lk, H, D).transpose(1, 2)  # (B, Lk, E) -> (B, H, Lk, D)
-        out = self._attend(q, k, v, mask)  # (B, H, Lq, D)
-        out = out.transpose(1, 2).reshape(B, Lq, E)  # (B, H, Lq, D) -> (B, Lq, E)
-        out = self.out_proj(out)
+        q = F.linear(query, w_q, b_q).view(B, Lq, H, D)  # (B, Lq, E) -> (B, Lq, H, D)
+        k = F.linear(key, w_k, b_k).view(B, Lk, H, D)  # (B, Lk, E) -> (B, Lk, H, D)
+        v = F.linear(value, w_v, b_v).view(B, Lk, H, D)  # (B, Lk, E) -> (B, Lk, H, D)
+        out = self._attend(q, k, v, mask)  # (B, Lq, H, D)
+        out = self.out_proj(out.reshape(B, Lq, E))  # (B, Lq, H, D) -> (B, Lq, E)
         weights = None
         if need_weights:
-            weights = attention_weights(q, k, mask)  # (B, H, Lq, Lk)
+            weights = _weights(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
             if average_attn_weights:
                 weights = weights.mean(1)  # (B, Lq, Lk)
         if unbatched:

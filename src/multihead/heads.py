@@ -1,7 +1,7 @@
 """Cut the heads: gates, head importance, physical pruning, the pruning curve.
 
-- :func:`gated` installs a gate ξ_h on every head's output (the module's
-  ``head_gates`` buffer is None unless set: no flag threads through any forward);
+- :func:`gated` installs a gate ξ_h on every head's output (a transform in the
+  module's own hook list, removed on exit: no flag threads through any forward);
 - :func:`importance` scores every head: ``"gradient"`` (Michel, Levy & Neubig
   2019: E|dL/dξ_h|, normalized per layer), ``"ablation"`` (the loss change when
   the head alone is gated off) or ``"entropy"`` (of its attention weights);
@@ -29,8 +29,8 @@ from multihead.capture import capture
 from multihead.compat import TorchMultiheadAttention
 from multihead.modules import AttentionCore, MultiHeadAttention
 
-__all__ = ["Importance", "attention_modules", "gated", "importance", "mean_head_outputs", "prune", "pruning_curve",
-           "resize"]
+__all__ = ["Importance", "attention_modules", "gated", "head_counts", "importance", "mean_head_outputs", "prune",
+           "pruning_curve", "resize"]
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -47,7 +47,10 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
     (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
     gates are removed afterwards."""
     mods = attention_modules(model)
-    gates = {}
+    for name in list(values or ()) + list(fill or ()):
+        if name not in mods:
+            raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
+    gates, handles = {}, []
     for name, m in mods.items():
         H = m.num_heads
         g = values[name].detach().clone() if values is not None and name in values else None
@@ -57,15 +60,25 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
         if g.shape != (H,):
             raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
         g.requires_grad_(requires_grad)
-        m.head_gates = g
-        m.head_fill = None if fill is None else fill.get(name)
         gates[name] = g
+        handles.append(m.attention_hooks.add_transform(_gate(g, None if fill is None else fill.get(name))))
     try:
         yield gates
     finally:
-        for m in mods.values():
-            m.head_gates = None
-            m.head_fill = None
+        for h in handles:
+            h.remove()
+
+
+def _gate(g: Tensor, fill: Tensor | None):
+    """A transform: head h's output (..., H, Dv) becomes ``g[h] * out + (1 - g[h]) * fill[h]``."""
+
+    def transform(module, out: Tensor, live) -> Tensor:
+        gh = g.to(out.dtype)[:, None]  # (H,) -> (H, 1)
+        if fill is None:
+            return out * gh
+        return out * gh + (1 - gh) * fill.to(out.dtype)  # fill (H, Dv)
+
+    return transform
 
 
 @dataclass
@@ -195,19 +208,38 @@ def _rows(idx: list[int], size: int) -> list[int]:
     return [i * size + d for i in idx for d in range(size)]
 
 
-def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=old.bias is not None, device=old.weight.device,
-                     dtype=old.weight.dtype)
+def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: bool, copy: bool) -> None:
+    """The one rebuild of a module's projections for new head sets: query heads ``keep``
+    and key/value heads ``kv`` (indices into the current ones). ``copy`` carries their
+    weights over (pruning); otherwise the new layers are fresh, to be filled by a
+    checkpoint (resizing). The output projection gets a bias iff ``o_bias``."""
+    D, Dv = m.head_dim, m.value_head_dim
+    q, k, v, o = m.projections()
+    dev, dt = o.weight.device, o.weight.dtype
 
+    def linear(old, in_features, rows=None, cols=None, bias=None):
+        bias = old.bias is not None if bias is None else bias
+        out_features = len(rows) if rows is not None else old.out_features
+        new = nn.Linear(in_features, out_features, bias=bias, device=dev, dtype=dt)
+        if copy:
+            w = old.weight if rows is None else old.weight[rows]
+            new.weight.copy_(w if cols is None else w[:, cols])
+            if bias and old.bias is not None:
+                new.bias.copy_(old.bias if rows is None else old.bias[rows])
+            elif bias:
+                new.bias.zero_()
+        return new
 
-def _record(model: nn.Module, name: str, m) -> None:
-    record = dict(getattr(model, "pruned_heads", {}) or {})
-    record[name] = [m.num_heads, m.num_kv_heads]
-    model.pruned_heads = record
+    with torch.no_grad():
+        new = [linear(q, q.in_features, _rows(keep, D)), linear(k, k.in_features, _rows(kv, D)),
+               linear(v, v.in_features, _rows(kv, Dv)), linear(o, len(keep) * Dv, cols=_rows(keep, Dv), bias=o_bias)]
+    for n, lin in zip(m._proj_names, new):
+        setattr(m, n, lin)
+    m.num_heads, m.num_kv_heads = len(keep), len(kv)
 
 
 def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | None) -> None:
-    H, Hkv, D, Dv = m.num_heads, m.num_kv_heads, m.head_dim, m.value_head_dim
+    H, Hkv, Dv = m.num_heads, m.num_kv_heads, m.value_head_dim
     bad = [h for h in remove if not 0 <= h < H]
     if bad:
         raise ValueError(f"heads {sorted(bad)} do not exist: the module has num_heads={H}.")
@@ -218,35 +250,20 @@ def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | No
         kv = sorted(per_kv)
     else:  # uneven groups: give each kept query head its own copy of its key/value head
         kv = [h // group for h in keep]
-    q, k, v, o = m.projections()
-    names = m._proj_names
-    with torch.no_grad():
-        if mean_out is not None and remove:
-            gone = sorted(remove)
-            const = o.weight[:, _rows(gone, Dv)] @ mean_out[gone].reshape(-1).to(o.weight.dtype)  # (out,)
-            if o.bias is None:
-                o.bias = nn.Parameter(torch.zeros(o.out_features, device=o.weight.device, dtype=o.weight.dtype))
-            o.bias += const
-        new = []
-        for lin, rows in ((q, _rows(keep, D)), (k, _rows(kv, D)), (v, _rows(kv, Dv))):
-            nl = _linear_like(lin, lin.in_features, len(rows))
-            nl.weight.copy_(lin.weight[rows])
-            if lin.bias is not None:
-                nl.bias.copy_(lin.bias[rows])
-            new.append(nl)
-        cols = _rows(keep, Dv)
-        no = _linear_like(o, len(cols), o.out_features)
-        if o.bias is not None and no.bias is None:
-            no.bias = nn.Parameter(torch.zeros_like(o.bias))
-        no.weight.copy_(o.weight[:, cols])
-        if o.bias is not None:
-            no.bias.copy_(o.bias)
-        new.append(no)
-    for n, lin in zip(names, new):
-        setattr(m, n, lin)
-    m.num_heads, m.num_kv_heads = len(keep), len(kv)
-    if getattr(m, "head_gates", None) is not None:
-        m.head_gates = m.head_gates[keep]
+    o = m.projections()[3]
+    compensate = mean_out is not None and bool(remove)
+    _rebuild(m, keep, kv, o_bias=o.bias is not None or compensate, copy=True)
+    if compensate:  # a removed head's mean output, through o_proj, folded into its bias
+        gone = sorted(remove)
+        with torch.no_grad():
+            m.projections()[3].bias += o.weight[:, _rows(gone, Dv)] @ mean_out[gone].reshape(-1).to(o.weight.dtype)
+
+
+def head_counts(model: nn.Module) -> dict[str, list[int]]:
+    """{module name: [H, Hkv]} for every multihead attention module whose head counts
+    differ from those it was built with (pruned modules): what a checkpoint records."""
+    return {n: [m.num_heads, m.num_kv_heads] for n, m in attention_modules(model).items()
+            if isinstance(m, MultiHeadAttention) and (m.num_heads, m.num_kv_heads) != m.built_heads}
 
 
 def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
@@ -260,9 +277,8 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
     mean_outputs: {module: (H, Dv)} (see :func:`mean_head_outputs`): a removed head
     is replaced by its mean output, folded into the output projection's bias.
 
-    Records the new sizes in ``model.pruned_heads`` ({name: [H, Hkv]}), which
-    checkpoints save so that the model rebuilds itself from its config.
-    Returns {module: [kept original head indices]}.
+    Checkpoints record the new head counts (:func:`head_counts`) so that the model
+    rebuilds itself from its config. Returns {module: [kept original head indices]}.
     """
     mods = attention_modules(model)
     kept = {}
@@ -277,43 +293,54 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
         mo = None if mean_outputs is None else mean_outputs.get(name)
         kept[name] = [h for h in range(m.num_heads) if h not in remove]
         _prune_module(m, remove, mo)
-        _record(model, name, m)
     return kept
 
 
-def resize(model: nn.Module, pruned_heads: Mapping[str, list[int]]) -> None:
+def resize(model: nn.Module, counts: Mapping[str, list[int]], *, o_bias: Mapping[str, bool] | None = None) -> None:
     """Give modules the head counts a checkpoint recorded ({name: [H, Hkv]}) before
-    its weights are loaded (the weights then fill them)."""
+    its weights are loaded (the weights then fill them). ``o_bias`` says which output
+    projections have a bias (default: as now)."""
     mods = attention_modules(model)
-    for name, (H, Hkv) in pruned_heads.items():
+    for name, (H, Hkv) in counts.items():
+        if name not in mods:
+            raise ValueError(f"the checkpoint records head counts for {name!r}, which is not an attention module of "
+                             f"this model; modules: {list(mods)}.")
         m = mods[name]
-        D, Dv = m.head_dim, m.value_head_dim
-        q, k, v, o = m.projections()
-        new = [_linear_like(q, q.in_features, H * D), _linear_like(k, k.in_features, Hkv * D),
-               _linear_like(v, v.in_features, Hkv * Dv), _linear_like(o, H * Dv, o.out_features)]
-        if o.bias is None:
-            new[3].bias = nn.Parameter(torch.zeros(o.out_features))  # a mean-compensated prune adds one
-        for n, lin in zip(m._proj_names, new):
-            setattr(m, n, lin)
-        m.num_heads, m.num_kv_heads = H, Hkv
-    model.pruned_heads = {n: list(v) for n, v in pruned_heads.items()}
+        has_bias = m.projections()[3].bias is not None
+        _rebuild(m, list(range(H)), list(range(Hkv)), o_bias=has_bias if o_bias is None else o_bias.get(name, has_bias),
+                 copy=False)
 
 
 def mean_head_outputs(model: nn.Module, batches: Iterable, run_fn: Callable[[nn.Module, object], object]
                       ) -> dict[str, Tensor]:
     """Each head's mean output (H, Dv) over every computed row of ``batches``."""
     mods = attention_modules(model)
-    for m in mods.values():
-        m.head_stats = {"sum": None, "count": 0}
+    stats = {n: {"sum": None, "count": 0} for n in mods}
+    handles = [m.attention_hooks.add_transform(_mean_stats(stats[n])) for n, m in mods.items()]
     try:
         with torch.no_grad():
             for b in batches:
                 run_fn(model, b)
-        return {n: m.head_stats["sum"] / max(1, m.head_stats["count"]) for n, m in mods.items()
-                if m.head_stats["sum"] is not None}
+        return {n: st["sum"] / max(1, st["count"]) for n, st in stats.items() if st["sum"] is not None}
     finally:
-        for m in mods.values():
-            m.head_stats = None
+        for h in handles:
+            h.remove()
+
+
+def _mean_stats(st: dict):
+    """A transform that leaves the output alone and adds up every computed row's per-head output."""
+
+    def transform(module, out: Tensor, live) -> Tensor:
+        o = out.detach()  # (..., H, Dv)
+        if live is not None:
+            o = o[live]  # (B, Lq, H, Dv) -> (rows, H, Dv): padded query rows do not count
+        o = o.reshape(-1, *o.shape[-2:])  # (rows, H, Dv)
+        s = o.sum(0)  # (H, Dv)
+        st["sum"] = s if st["sum"] is None else st["sum"] + s
+        st["count"] += o.shape[0]
+        return out
+
+    return transform
 
 
 def pruning_curve(

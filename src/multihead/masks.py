@@ -23,6 +23,7 @@ backend, never NaN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,6 +85,39 @@ class Mask:
     def parts(self) -> tuple[Mask, ...]:
         """The masks this one is the conjunction of (itself when it is not an :class:`And`)."""
         return (self,)
+
+    # --- capabilities: what a backend, the varlen path or a module may ask of a mask ---
+
+    def key_keep(self, Lk: int, device=None) -> Tensor | None:
+        """(B, Lk) bool, True = a real key, when this mask is (or contains) key padding
+        that is the same for every query row; None otherwise."""
+        return None
+
+    def query_keep(self, Lq: int, device=None) -> Tensor | None:
+        """(B, Lq) bool, True = a real query row, when padded query rows come out as
+        zeros (:class:`Padding`); None = every query row is computed."""
+        return None
+
+    #: True when dropping trailing padding keeps the mask's meaning (a top-left aligned
+    #: positional mask: it depends on positions counted from the start only)
+    packable: bool = False
+
+    def band(self, Lq: int, Lk: int) -> tuple[float, float] | None:
+        """(lo, hi): key j is visible to query i iff ``i + lo <= j <= i + hi`` (±inf
+        for no bound); None when the mask is not a band of diagonals."""
+        return None
+
+    def mask_mod(self, Lq: int, Lk: int, device=None):
+        """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for this mask, or
+        None when it cannot be written as one (dense masks, biases)."""
+        return None
+
+    #: whether :meth:`mask_mod` depends on the batch index (FlexAttention's block mask is then per sequence)
+    batched: bool = False
+
+    def cache_key(self) -> tuple:
+        """A hashable description of the mask's values (for caches of compiled masks)."""
+        return (repr(self),)
 
     def __and__(self, other: Mask) -> Mask:
         if other is None:
@@ -171,6 +205,23 @@ class ValidLens(Mask):
             return pos < lens[:, None, None, None]  # (B, 1, 1, Lk)
         return pos < lens[:, None, :, None]  # (B, 1, Lq, Lk)
 
+    def key_keep(self, Lk, device=None):
+        if self.lens.dim() != 1:  # per-query lengths are not padding
+            return None
+        lens = self.lens if device is None else self.lens.to(device)
+        return torch.arange(Lk, device=lens.device) < lens[:, None]  # (B, Lk)
+
+    batched = True
+
+    def mask_mod(self, Lq, Lk, device=None):
+        t = self.lens if device is None else self.lens.to(device)
+        if t.dim() == 1:
+            return lambda b, h, q_idx, kv_idx: kv_idx < t[b]
+        return lambda b, h, q_idx, kv_idx: kv_idx < t[b, q_idx]
+
+    def cache_key(self):
+        return (type(self).__name__, tuple(self.lens.shape), tuple(self.lens.flatten().tolist()))
+
     def __repr__(self):
         return f"ValidLens({self.lens.tolist()})"
 
@@ -211,6 +262,18 @@ class KeyPadding(Mask):
         k = self.keep_mask if device is None else self.keep_mask.to(device)
         return k[:, None, None, :]  # (B, 1, 1, Lk)
 
+    def key_keep(self, Lk, device=None):
+        return self.keep_mask if device is None else self.keep_mask.to(device)  # (B, Lk)
+
+    batched = True
+
+    def mask_mod(self, Lq, Lk, device=None):
+        t = self.keep_mask if device is None else self.keep_mask.to(device)
+        return lambda b, h, q_idx, kv_idx: t[b, kv_idx]
+
+    def cache_key(self):
+        return ("KeyPadding", tuple(self.keep_mask.shape), tuple(self.keep_mask.flatten().tolist()))
+
     def __repr__(self):
         return f"KeyPadding(lens={self.keep_mask.sum(-1).tolist()})"
 
@@ -240,6 +303,14 @@ class Padding(ValidLens):
         real = pos < lens[:, None]  # (B, L)
         return real[:, None, :, None] & real[:, None, None, :]  # (B, 1, Lq, Lk)
 
+    def query_keep(self, Lq, device=None):
+        lens = self.lens if device is None else self.lens.to(device)
+        return torch.arange(Lq, device=lens.device) < lens[:, None]  # (B, Lq)
+
+    def mask_mod(self, Lq, Lk, device=None):
+        t = self.lens if device is None else self.lens.to(device)
+        return lambda b, h, q_idx, kv_idx: (kv_idx < t[b]) & (q_idx < t[b])
+
     def __repr__(self):
         return f"Padding({self.lens.tolist()})"
 
@@ -249,12 +320,37 @@ def _check_align(align):
         raise ValueError(f"align must be 'top-left' or 'bottom-right'; got {align!r}.")
 
 
-def _diagonal_offset(align: Align, Lq: int, Lk: int) -> int:
-    return 0 if align == "top-left" else Lk - Lq
+class _Diagonal(Mask):
+    """A mask defined by positions relative to a diagonal (Causal, SlidingWindow)."""
+
+    align: Align
+
+    def diagonal_offset(self, Lq: int, Lk: int) -> int:
+        """Where query i's diagonal meets the keys: key ``i + offset`` (0 top-left, Lk - Lq bottom-right)."""
+        return 0 if self.align == "top-left" else Lk - Lq
+
+    @property
+    def packable(self) -> bool:  # top-left: positions count from the start, so trailing padding can go
+        return self.align == "top-left"
+
+    def keep(self, B, H, Lq, Lk, device=None):
+        lo, hi = self.band(Lq, Lk)
+        i = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
+        j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
+        keep = j <= i + hi  # (Lq, Lk)
+        if lo != -math.inf:
+            keep = keep & (j >= i + lo)
+        return keep[None, None]  # (1, 1, Lq, Lk)
+
+    def mask_mod(self, Lq, Lk, device=None):
+        lo, hi = self.band(Lq, Lk)
+        if lo == -math.inf:
+            return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + hi
+        return lambda b, h, q_idx, kv_idx: (kv_idx >= q_idx + lo) & (kv_idx <= q_idx + hi)
 
 
 @dataclass(frozen=True)
-class Causal(Mask):
+class Causal(_Diagonal):
     """Look-ahead mask: query i may attend to key j when j <= i + offset.
 
     ``align`` matters only when Lq != Lk. With Lq=3, Lk=5 (1 = may attend)::
@@ -281,15 +377,12 @@ class Causal(Mask):
     def __post_init__(self):
         _check_align(self.align)
 
-    def keep(self, B, H, Lq, Lk, device=None):
-        off = _diagonal_offset(self.align, Lq, Lk)
-        i = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
-        j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
-        return (j <= i + off)[None, None]  # (1, 1, Lq, Lk)
+    def band(self, Lq, Lk):
+        return -math.inf, self.diagonal_offset(Lq, Lk)
 
 
 @dataclass(frozen=True)
-class SlidingWindow(Mask):
+class SlidingWindow(_Diagonal):
     """Local attention: query i may attend to key j when
     ``i + offset - left <= j <= i + offset + right`` (offset as in :class:`Causal`).
 
@@ -313,11 +406,9 @@ class SlidingWindow(Mask):
                 raise ValueError(f"SlidingWindow {name} must be an integer >= 0; got {v!r}.")
         _check_align(self.align)
 
-    def keep(self, B, H, Lq, Lk, device=None):
-        off = _diagonal_offset(self.align, Lq, Lk)
-        i = torch.arange(Lq, device=device)[:, None] + off  # (Lq, 1)
-        j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
-        return ((j >= i - self.left) & (j <= i + self.right))[None, None]  # (1, 1, Lq, Lk)
+    def band(self, Lq, Lk):
+        off = self.diagonal_offset(Lq, Lk)
+        return off - self.left, off + self.right
 
 
 @dataclass(frozen=True, eq=False)
@@ -404,6 +495,51 @@ class And(Mask):
             if b is not None:
                 out = b if out is None else out + b
         return out
+
+    def key_keep(self, Lk, device=None):
+        out = None
+        for m in self.masks:
+            k = m.key_keep(Lk, device)
+            if k is not None:
+                out = k if out is None else out & k
+        return out
+
+    def query_keep(self, Lq, device=None):
+        out = None
+        for m in self.masks:
+            k = m.query_keep(Lq, device)
+            if k is not None:
+                out = k if out is None else out & k
+        return out
+
+    def band(self, Lq, Lk):
+        lo, hi = -math.inf, math.inf
+        for m in self.masks:
+            b = m.band(Lq, Lk)
+            if b is None:
+                return None
+            lo, hi = max(lo, b[0]), min(hi, b[1])
+        return lo, hi
+
+    @property
+    def batched(self):
+        return any(m.batched for m in self.masks)
+
+    def mask_mod(self, Lq, Lk, device=None):
+        mods = [m.mask_mod(Lq, Lk, device) for m in self.masks]
+        if any(f is None for f in mods):
+            return None
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = mods[0](b, h, q_idx, kv_idx)
+            for f in mods[1:]:
+                ok = ok & f(b, h, q_idx, kv_idx)
+            return ok
+
+        return mask_mod
+
+    def cache_key(self):
+        return tuple(m.cache_key() for m in self.masks)
 
     def __repr__(self):
         return " & ".join(repr(m) for m in self.masks)

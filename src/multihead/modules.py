@@ -1,19 +1,24 @@
-"""MultiHeadAttention: project, split the heads, attend, merge the heads, project.
+"""MultiHeadAttention: project, attend, merge the heads, project.
 
-Inputs are (B, L, E); inside, tensors are (B, H, L, D) and the functional core
-(:func:`multihead.functional.attention`) does the attending.
+Inputs are (B, L, E). The projections give (B, L, H, D); the one attention call
+(:meth:`AttentionCore._attend`) runs the functional core on (B, H, L, D) views, or
+:func:`multihead.varlen.attention_varlen` on packed tokens (N, H, D) when padding
+need not be computed; the heads are merged and projected.
+
+Dependency order (each file imports only those before it): masks -> checks ->
+backends -> functional -> varlen -> hooks -> modules.
 """
 
 from __future__ import annotations
 
-import numbers
+import weakref
 
-import torch
 from torch import Tensor, nn
 
-from multihead import backends, masks, varlen
-from multihead.capture import ACTIVE as _CAPTURING
-from multihead.functional import dispatch
+from multihead import backends, checks, masks, varlen
+from multihead.functional import _run
+from multihead.functional import explain as _explain
+from multihead.hooks import AttentionHooks
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
@@ -33,14 +38,6 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
     return X.reshape(X.shape[0], X.shape[1], -1)  # (B, L, H, D) -> (B, L, H*D)
 
 
-def _positive_int(name: str, v, optional: bool = False):
-    if v is None and optional:
-        return None
-    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}; got {v!r}.")
-    return int(v)
-
-
 def _linear(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
     """nn.Linear, or nn.LazyLinear (becomes nn.Linear on the first call) when the input size is not given."""
     if in_features is None:
@@ -54,35 +51,57 @@ def _in_features(lin: nn.Module) -> int | None:
 
 class AttentionCore:
     """The one place every multihead module attends: :class:`MultiHeadAttention`,
-    the course's compat modules and the torch.nn drop-in all call :meth:`_attend`
-    with (B, H, L, D) tensors made by their own projections and a mask they have
-    validated. Needs the attributes ``dropout`` (float), ``scale`` (float or
-    None), ``backend`` and ``training``."""
+    the course's compat modules and the torch.nn drop-in call :meth:`_attend` with
+    per-head tensors made by their own projections and a mask they have validated.
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv)."""
-        if _CAPTURING:  # empty unless inside multihead.capture()
-            for rec in _CAPTURING:
-                rec.record(self, q, k, mask)
+    Attributes it needs (set by :meth:`_init_core` and the module): ``num_heads``,
+    ``value_head_dim``, ``dropout`` (float), ``scale`` (float or None), ``backend``,
+    ``training`` and ``attention_hooks`` (:class:`multihead.hooks.AttentionHooks`)."""
+
+    #: every multihead attention module alive (weakly held), for ``capture()`` without a model;
+    #: no forward reads it
+    _alive: weakref.WeakSet = weakref.WeakSet()
+
+    def _init_core(self, *, dropout, scale, backend: str) -> None:
+        self.dropout = checks.valid_dropout(dropout)
+        self.scale = checks.valid_scale(scale)
+        if backend != "auto":
+            backends.get(backend)  # an unknown name lists the valid ones
+        self.backend = backend
+        self.attention_hooks = AttentionHooks()
+        AttentionCore._alive.add(self)
+
+    @staticmethod
+    def alive() -> list:
+        """Every multihead attention module alive now."""
+        return list(AttentionCore._alive)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None) -> Tensor:
+        """The one attention call, with the module's hooks around it.
+
+        Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv).
+        Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
+        hooks = self.attention_hooks
         p = self.dropout if self.training else 0.0
-        out = dispatch(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
-        stats = getattr(self, "head_stats", None)  # None unless multihead.heads.mean_head_outputs runs
-        if stats is not None:
-            s = out.detach().sum((0, 2))  # (H, Dv): summed over the batch and the query rows
-            stats["sum"] = s if stats["sum"] is None else stats["sum"] + s
-            live = out.shape[0] * out.shape[2]  # rows computed; padded query rows (zeros) do not count
-            for part in mask.parts() if mask is not None else ():
-                if isinstance(part, masks.Padding):
-                    live = int(part.lens.clamp_max(out.shape[2]).sum())
-            stats["count"] += live
-        gates = getattr(self, "head_gates", None)  # None unless multihead.heads sets them
-        if gates is not None:
-            g = gates.view(1, -1, 1, 1)  # (H,) -> (1, H, 1, 1)
-            out = out * g  # head h's output scaled by gates[h]
-            fill = getattr(self, "head_fill", None)  # (H, Dv): what a gated-off head is replaced by
-            if fill is not None:
-                fill = fill.view(1, fill.shape[0], 1, fill.shape[1]).to(out.dtype)  # (H, Dv) -> (1, H, 1, Dv)
-                out = out + (1 - g) * fill
+        live = None
+        if self.num_heads == 0:  # every head pruned (multihead.heads.prune): nothing to attend
+            return q.new_zeros(*q.shape[:-2], 0, self.value_head_dim)
+        if packed is None:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, L, h, d) -> (B, h, L, d)
+            if hooks.observers:
+                hooks.observe(self, q, k, mask, self.scale)
+            out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
+            out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
+            if hooks.transforms and mask is not None:
+                live = mask.query_keep(out.shape[1], out.device)  # (B, Lq) or None
+        else:
+            if hooks.observers:
+                qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
+                hooks.observe(self, qp, kp, packed.mask, self.scale)
+            out = varlen._attention_varlen(q, k, v, packed.cu_q, packed.cu_k, packed.rest, scale=self.scale,
+                                           dropout_p=p, backend=self.backend)  # (Nq, H, Dv)
+        if hooks.transforms:
+            out = hooks.transform(self, out, live)
         return out
 
 
@@ -136,12 +155,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        num_hiddens = _positive_int("num_hiddens", num_hiddens)
-        H = _positive_int("num_heads", num_heads)
+        num_hiddens = checks.positive_int("num_hiddens", num_hiddens)
+        H = checks.positive_int("num_heads", num_heads)
         for name, v in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size),
                         ("head_dim", head_dim), ("value_head_dim", value_head_dim), ("out_features", out_features),
                         ("num_kv_heads", num_kv_heads)):
-            _positive_int(name, v, optional=True)
+            checks.positive_int(name, v, optional=True)
         if head_dim is None and num_hiddens % H:
             raise ValueError(
                 f"num_hiddens={num_hiddens} is not divisible by num_heads={H}; choose num_heads that divides "
@@ -150,20 +169,13 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         Hkv = H if num_kv_heads is None else int(num_kv_heads)
         if H % Hkv:
             raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={Hkv} (grouped-query attention).")
-        if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}.")
-        if scale is not None and (not isinstance(scale, numbers.Real) or scale <= 0):
-            raise ValueError(f"scale must be a positive number or None (= 1/sqrt(head_dim)); got {scale!r}.")
-        if backend != "auto":
-            backends.get(backend)
+        self._init_core(dropout=dropout, scale=scale, backend=backend)
         D = int(head_dim) if head_dim is not None else num_hiddens // H
         Dv = int(value_head_dim) if value_head_dim is not None else D
         self.num_hiddens = num_hiddens
         self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim = H, Hkv, D, Dv
+        self.built_heads = (H, Hkv)  # the counts it was built with; pruning changes num_heads, num_kv_heads
         self.out_features = int(out_features) if out_features is not None else num_hiddens
-        self.dropout = float(dropout)
-        self.scale = None if scale is None else float(scale)
-        self.backend = backend
         q, k, v, o = self._proj_names
         setattr(self, q, _linear(query_size, H * D, bias))
         setattr(self, k, _linear(key_size, Hkv * D, bias))
@@ -171,18 +183,11 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         setattr(self, o, nn.Linear(H * Dv, self.out_features, bias=bias))
 
     def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-        """The (q, k, v, o) projections, whatever they are named (cached; replacing
-        one, as pruning does, clears the cache)."""
-        cached = self.__dict__.get("_proj_cache")
-        if cached is None:
-            cached = tuple(getattr(self, n) for n in self._proj_names)
-            self.__dict__["_proj_cache"] = cached
-        return cached
-
-    def __setattr__(self, name, value):
-        if name in type(self)._proj_names:
-            self.__dict__.pop("_proj_cache", None)
-        super().__setattr__(name, value)
+        """The (q, k, v, o) projections, whatever they are named (read on every call,
+        so a replaced or quantized projection is the one that runs)."""
+        mods = self._modules
+        q, k, v, o = self._proj_names
+        return mods[q], mods[k], mods[v], mods[o]
 
     def extra_repr(self) -> str:
         s = f"num_heads={self.num_heads}, head_dim={self.head_dim}"
@@ -192,42 +197,39 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             s += f", value_head_dim={self.value_head_dim}"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
 
-    def _check(self, queries, keys, values) -> None:
-        named = (("queries", queries), ("keys", keys), ("values", values))
-        for (name, t), lin, size in zip(named, self.projections(), ("query_size", "key_size", "value_size")):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor of shape (B, L, {size}); got {type(t).__name__}.")
-            if not t.dtype.is_floating_point:
-                raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be 3-D (B, L, {size}); got shape {tuple(t.shape)}.")
-            want = _in_features(lin)
-            if want is not None and t.shape[-1] != want:
-                raise ValueError(
-                    f"{name} must be (B, L, {size}={want}); got shape {tuple(t.shape)}. Give inputs of that size, "
-                    f"or build the module with {size}={t.shape[-1]}."
-                )
-        if not queries.shape[0] == keys.shape[0] == values.shape[0]:
-            raise ValueError(
-                f"queries, keys and values must have the same batch size B; got shapes {tuple(queries.shape)}, "
-                f"{tuple(keys.shape)}, {tuple(values.shape)}."
-            )
-        if keys.shape[1] != values.shape[1]:
-            raise ValueError(
-                f"keys and values must have the same length Lk; got keys {tuple(keys.shape)} and values "
-                f"{tuple(values.shape)}."
-            )
-
     def _inputs(self, queries, keys, values, valid_lens, mask):
-        """Defaults (keys = queries, values = keys), checks, and one mask from valid_lens & mask."""
+        """Defaults (keys = queries, values = keys), checks, and one validated mask from
+        valid_lens & mask: everything is checked before any projection runs."""
         keys = queries if keys is None else keys
         values = keys if values is None else values
-        self._check(queries, keys, values)
+        q, k, v, _ = self.projections()
+        checks.module_inputs((("queries", queries), ("keys", keys), ("values", values)),
+                             (("query_size", _in_features(q)), ("key_size", _in_features(k)),
+                              ("value_size", _in_features(v))))
         m = masks.as_mask(mask)
         if valid_lens is not None:
             vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
             m = vl if m is None else vl & m
+        if m is not None:
+            m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1], queries.device)
         return queries, keys, values, m
+
+    def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
+        """How the tokens are laid out: packed (padding not computed) or, with the reason, dense."""
+        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
+        return varlen.Packed.from_plan(p, B, Lq, Lk, m) if isinstance(p, varlen.Plan) else p
+
+    def _project(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(..., Lq, query_size), (..., Lk, key_size), (..., Lk, value_size) ->
+        q (..., Lq, H, D), k (..., Lk, Hkv, D), v (..., Lk, Hkv, Dv)."""
+        q_proj, k_proj, v_proj, _ = self.projections()
+        H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        q, k, v = q_proj(queries), k_proj(keys), v_proj(values)
+        q = q.view(*q.shape[:-1], H, D)  # (..., Lq, H*D) -> (..., Lq, H, D)
+        k = k.view(*k.shape[:-1], Hkv, D)  # (..., Lk, Hkv*D) -> (..., Lk, Hkv, D)
+        v = v.view(*v.shape[:-1], Hkv, Dv)  # (..., Lk, Hkv*Dv) -> (..., Lk, Hkv, Dv)
+        return q, k, v
 
     def forward(
         self,
@@ -244,36 +246,39 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         valid_lens: (B,) or (B, Lq) integers, the course's masking: keys at
         positions >= the length are ignored. mask: any :mod:`multihead.masks`
         value (or a bool keep / float bias tensor broadcastable to (B, H, Lq, Lk)),
-        combined with valid_lens.
+        combined with valid_lens. Under ``masks.Padding`` padded query rows come out
+        as zeros.
         """
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        if H == 0:  # every head pruned (multihead.heads.prune): the output is o_proj's bias, or zeros
-            return self.projections()[3](queries.new_zeros(B, Lq, 0))
-        if m is not None:
-            m.validate(B, H, Lq, Lk, queries.device)  # before the projections run
-            if not _CAPTURING:  # capture records whole-batch weights: the dense path
-                p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
-                if isinstance(p, varlen.Plan):
-                    return varlen.run(self, queries, keys, values, p)
-        q_proj, k_proj, v_proj, o_proj = self.projections()
-        q = q_proj(queries).view(B, Lq, H, D).transpose(1, 2)  # (B, Lq, H*D) -> (B, H, Lq, D)
-        k = k_proj(keys).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
-        v = v_proj(values).view(B, Lk, Hkv, Dv).transpose(1, 2)  # (B, Lk, Hkv*Dv) -> (B, Hkv, Lk, Dv)
-        out = self._attend(q, k, v, m)  # (B, H, Lq, Dv)
-        out = out.transpose(1, 2).reshape(B, Lq, H * Dv)  # (B, H, Lq, Dv) -> (B, Lq, H*Dv)
-        out = o_proj(out)  # (B, Lq, out_features)
-        if m is not None:
-            for part in m.parts():
-                if isinstance(part, masks.Padding):  # padded query rows come out as zeros, as on the varlen path
-                    real = torch.arange(Lq, device=out.device) < part.lens.to(out.device)[:, None]  # (B, Lq)
-                    out = out.masked_fill(~real[..., None], 0.0)
+        packed = self._packing(m, queries, keys) if m is not None else None
+        if not isinstance(packed, varlen.Packed):
+            packed = None
+        else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
+            queries, keys, values = packed.gather(queries, keys, values)
+        q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
+        out = self._attend(q, k, v, m, packed)  # (..., Lq, H, Dv)
+        out = self.projections()[3](out.flatten(-2))  # merge the heads and project: (..., Lq, out_features)
+        if packed is not None:
+            return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros
+        if m is not None and (real := m.query_keep(out.shape[1], out.device)) is not None:
+            out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
+
+    def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """Self-attention on packed tokens: x (N, E), sequence b being
+        ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.varlen.unpad`) -> (N, out_features).
+        Padding never exists here, so nothing is computed for it."""
+        packed = varlen.Packed.self_attention(cu_seqlens, max_seqlen)
+        if x.dim() != 2 or x.shape[0] != packed.cu_q[-1]:
+            raise ValueError(f"x must be packed tokens (N, E) with N = cu_seqlens[-1] = {packed.cu_q[-1]}; "
+                             f"got shape {tuple(x.shape)}.")
+        q, k, v = self._project(x, x, x)  # (N, H, D), (N, Hkv, D), (N, Hkv, Dv)
+        out = self._attend(q, k, v, packed.mask, packed)  # (N, H, Dv)
+        return self.projections()[3](out.flatten(-2))  # (N, H*Dv) -> (N, out_features)
 
     def _flop_per_token(self) -> float:
         """Projection work per token (multiply-adds x 2), what packing saves on each padded token."""
-        return 2.0 * sum(p.weight.numel() for p in self.projections() if not isinstance(p, nn.LazyLinear))
+        return 2.0 * sum(p.weight.numel() for p in self.projections() if _in_features(p) is not None)
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None) -> str:
@@ -281,21 +286,19 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         which attention backend runs, and why."""
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
+        packed = self._packing(m, queries, keys) if m is not None else "no padding in the mask"
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        if isinstance(p, varlen.Plan):
-            n = int(p.key_keep.sum(-1).max())
-            rows = Lq if p.query_keep is None else int(p.query_keep.sum(-1).max())
-            head = f"path: varlen ({p.reason}); attention runs per sequence, e.g. the longest:"
-            mask_in, shape = p.rest, (1, rows, n)
+        if isinstance(packed, varlen.Packed):
+            n = max(b - a for a, b in zip(packed.cu_k, packed.cu_k[1:]))
+            rows = max(b - a for a, b in zip(packed.cu_q, packed.cu_q[1:]))
+            head = f"path: varlen ({packed.reason}); attention runs per sequence, e.g. the longest:"
+            mask_in, shape = packed.rest, (1, rows, n)
         else:
-            head = f"path: dense ({p})"
+            head = f"path: dense ({packed})"
             mask_in, shape = m, (B, Lq, Lk)
         q = queries.new_empty(shape[0], H, shape[1], D)  # (B, H, Lq, D), only shapes matter
         k = queries.new_empty(shape[0], Hkv, shape[2], D)
         v = queries.new_empty(shape[0], Hkv, shape[2], Dv)
-        from multihead.functional import explain as f_explain
-
-        req = f_explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
-                        training=self.training, backend=self.backend)
+        req = _explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
+                       training=self.training, backend=self.backend)
         return head + "\n" + str(req)

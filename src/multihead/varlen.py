@@ -1,20 +1,21 @@
-"""Padding is not computed.
+"""Padding is not computed: pure functions for packed (variable-length) sequences.
 
-When a mask says which keys are padding (``ValidLens`` of shape (B,), a
-``KeyPadding``, or ``Padding`` for queries and keys), :class:`MultiHeadAttention`
-gathers the real tokens, projects only them, attends sequence by sequence on the
-packed tokens, projects back and scatters the rows into place:
+A padded batch (B, L, ...) with a keep mask (B, L) becomes packed tokens (N, ...)
+plus ``cu_seqlens`` (B+1,), the cumulative lengths, as flash-attn's ``bert_padding``
+does; :func:`attention_varlen` attends sequence by sequence on packed tokens::
 
-    keys (B, Lk, E) --gather--> (Nk, E) --k_proj--> (Nk, Hkv*D)
-    per sequence b: q_b (1, H, nq_b, D), k_b (1, Hkv, nk_b, D) -> (1, H, nq_b, Dv)
-    (Nq, H*Dv) --o_proj--> (Nq, out) --scatter--> (B, Lq, out)
+    keys (B, Lk, E) --unpad--> (Nk, E) --k_proj--> (Nk, Hkv, D)
+    attention_varlen(q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv), cu_seqlens_q, cu_seqlens_k) -> (Nq, H, Dv)
+    (Nq, H*Dv) --o_proj--> (Nq, out) --pad--> (B, Lq, out)
 
-Queries are packed too under ``Padding`` (padded query rows come out as zeros);
-under the course's ``valid_lens`` every query row is computed, exactly as before.
-Position-dependent masks (``Causal``, ``SlidingWindow``, top-left aligned) may be
-combined when the kept keys are a prefix of each sequence, since packing a
-prefix keeps every position. Anything else (dense masks, per-query lengths,
-bottom-right alignment) takes the dense path.
+:class:`~multihead.MultiHeadAttention` packs when its mask marks padding
+(``ValidLens`` of shape (B,), ``KeyPadding``, or ``Padding`` for queries and keys)
+and :func:`plan` says packing pays (:func:`packing_cost`). Queries are packed too
+under ``Padding`` (padded query rows come out as zeros); under the course's
+``valid_lens`` every query row is computed, exactly as before. Positional masks
+that keep their meaning when trailing padding is dropped (``mask.packable``:
+``Causal``, ``SlidingWindow``, top-left aligned) may be combined when the kept keys
+are a prefix of each sequence. Anything else takes the dense path.
 """
 
 from __future__ import annotations
@@ -24,11 +25,125 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead import masks
+from multihead import checks, masks
+from multihead.functional import _run
+
+__all__ = ["Packed", "Plan", "attention_varlen", "pad", "packing_cost", "plan", "unpad"]
 
 #: what one sequence of the per-sequence loop costs, in floating-point operations
-#: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s)
+#: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here;
+#: ``bench/varlen_cost.py`` measures it)
 LOOP_COST_FLOP = 5e6
+
+#: self-attention over packed sequences no longer than this is padded to the longest
+#: for the attention alone (one batched call); longer ones loop over the sequences
+PAD_UP_TO = 128
+
+
+# --- packing ---
+
+
+def unpad(x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """x (B, L, ...) and keep (B, L) bool (True = a real token) ->
+    (packed (N, ...), indices (N,) into the flattened (B*L), cu_seqlens (B+1,) int32, max_seqlen).
+
+    The tokens of sequence b are ``packed[cu_seqlens[b]:cu_seqlens[b+1]]``, in order."""
+    B, L = keep.shape
+    indices = keep.reshape(-1).nonzero().squeeze(1)  # (N,)
+    lens = keep.sum(-1, dtype=torch.int32)  # (B,)
+    cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))  # (B+1,)
+    packed = x.reshape(B * L, *x.shape[2:]).index_select(0, indices)  # (B, L, ...) -> (N, ...)
+    return packed, indices, cu, int(lens.max()) if B else 0
+
+
+def pad(packed: Tensor, indices: Tensor, B: int, L: int) -> Tensor:
+    """Undo :func:`unpad`: packed (N, ...) -> (B, L, ...), zeros where there was padding."""
+    out = packed.new_zeros(B * L, *packed.shape[1:])
+    return out.index_copy(0, indices, packed).view(B, L, *packed.shape[1:])  # (B*L, ...) -> (B, L, ...)
+
+
+def indices_of(cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """The (N,) positions of packed tokens in a (B, max_seqlen) padded layout."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+    keep = torch.arange(max_seqlen, device=lens.device) < lens[:, None]  # (B, max_seqlen)
+    return keep.reshape(-1).nonzero().squeeze(1)  # (N,)
+
+
+# --- attention on packed tokens ---
+
+
+def attention_varlen(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    mask: masks.Mask | None = None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Attention on packed sequences: sequence b's queries attend to sequence b's keys.
+
+    Args:
+        query: (Nq, H, D), the query tokens of every sequence, one after another.
+        key: (Nk, Hkv, D); value: (Nk, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: (B+1,) integers, cumulative lengths from 0
+            (sequence b is ``query[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``).
+        mask: a positional mask applied inside every sequence (``Causal``,
+            ``SlidingWindow``), or None.
+    Returns:
+        (Nq, H, Dv).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a packed (N, heads, size) tensor; got {got}.")
+    for name, cu, n in (("cu_seqlens_q", cu_seqlens_q, query.shape[0]), ("cu_seqlens_k", cu_seqlens_k, key.shape[0])):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 1:
+            raise ValueError(f"{name} must be a 1-D integer tensor (B+1,) of cumulative lengths; got {cu!r}.")
+        if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must rise from 0 to the number of packed tokens ({n}); got {cu.tolist()}.")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}.")
+    q4, k4, v4 = query[None].transpose(1, 2), key[None].transpose(1, 2), value[None].transpose(1, 2)  # (1, H, N, D)
+    checks.attention_inputs(q4, k4, v4, None, scale=scale, dropout_p=dropout_p)
+    mask = masks.as_mask(mask)
+    if mask is not None and any(not p.packable for p in mask.parts()):
+        raise ValueError(f"attention_varlen applies only positional, top-left aligned masks inside each sequence "
+                         f"(Causal, SlidingWindow); got {mask!r}.")
+    return _attention_varlen(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), mask, scale=scale,
+                             dropout_p=float(dropout_p), backend=backend)
+
+
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, *,
+                      scale: float | None, dropout_p: float, backend: str) -> Tensor:
+    """:func:`attention_varlen` on validated inputs, cumulative lengths as lists.
+    q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    H, Dv = q.shape[1], v.shape[-1]
+    if mask is None and q_lens == k_lens and q_lens and max(q_lens) <= PAD_UP_TO:
+        # short self-attention: pad to the longest for one batched call
+        B, Lm = len(q_lens), max(q_lens)
+        lens = torch.tensor(q_lens, device=q.device)
+        idx = (torch.arange(Lm, device=q.device) < lens[:, None]).reshape(-1).nonzero().squeeze(1)  # (N,)
+        qp, kp, vp = (pad(t, idx, B, Lm).transpose(1, 2) for t in (q, k, v))  # (N, h, d) -> (B, h, Lm, d)
+        o = _run(qp, kp, vp, masks.Padding(lens), scale=scale, dropout_p=dropout_p, backend=backend)  # (B, H, Lm, Dv)
+        return o.transpose(1, 2).reshape(B * Lm, H, Dv).index_select(0, idx)  # (B, H, Lm, Dv) -> (N, H, Dv)
+    outs = []
+    for qs, nq, ks, nk in zip(cu_q, q_lens, cu_k, k_lens):
+        qb = q[qs:qs + nq].transpose(0, 1)[None]  # (nq, H, D) -> (1, H, nq, D)
+        kb = k[ks:ks + nk].transpose(0, 1)[None]  # (nk, Hkv, D) -> (1, Hkv, nk, D)
+        vb = v[ks:ks + nk].transpose(0, 1)[None]  # (nk, Hkv, Dv) -> (1, Hkv, nk, Dv)
+        ob = _run(qb, kb, vb, mask, scale=scale, dropout_p=dropout_p, backend=backend)  # (1, H, nq, Dv)
+        outs.append(ob[0].transpose(0, 1))  # (1, H, nq, Dv) -> (nq, H, Dv)
+    return torch.cat(outs) if outs else q.new_zeros(0, H, Dv)  # (Nq, H, Dv)
+
+
+# --- when to pack: the plan and its cost model ---
 
 
 @dataclass
@@ -39,6 +154,16 @@ class Plan:
     reason: str
 
 
+def packing_cost(n_padded: int, B: int, flop_per_token: float) -> str | None:
+    """The cost model: packing pays when the work it saves on padded tokens
+    (``flop_per_token`` each: the projections) exceeds what the per-sequence loop costs
+    (``B * LOOP_COST_FLOP``). Returns None when it pays, else why not."""
+    saved, cost = n_padded * flop_per_token, B * LOOP_COST_FLOP
+    if saved <= cost:
+        return f"saves ~{saved / 1e6:.0f} MFLOP, less than the per-sequence loop costs (~{cost / 1e6:.0f} MFLOP)"
+    return None
+
+
 def _prefix(keep: Tensor) -> bool:
     n = keep.sum(-1, keepdim=True)  # (B, 1)
     return bool((keep == (torch.arange(keep.shape[-1], device=keep.device) < n)).all())
@@ -46,114 +171,105 @@ def _prefix(keep: Tensor) -> bool:
 
 def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_token: float = 0.0,
          force: bool = False) -> Plan | str:
-    """A packing plan for ``mask``, or the reason the dense path runs instead.
-
-    Packing pays when the work it saves on padded tokens (``flop_per_token`` each,
-    the projections) exceeds what the per-sequence loop costs (B x LOOP_COST_FLOP)."""
+    """A packing plan for ``mask``, or the reason the dense path runs instead
+    (``force`` skips the cost model)."""
     if mask is None:
         return "no padding in the mask"
     if not force and Lk * flop_per_token <= LOOP_COST_FLOP:  # even all-padding could not pay for the loop
         return (f"Lk={Lk}: skipping padded keys saves at most ~{Lk * flop_per_token / 1e6:.1f} MFLOP per sequence, "
                 f"less than the per-sequence loop costs (~{LOOP_COST_FLOP / 1e6:.0f} MFLOP)")
-    key_keep = query_keep = None
     rest = []
     for p in mask.parts():
-        if isinstance(p, masks.Padding):  # Lq == Lk: the same real tokens for queries and keys
-            k = torch.arange(Lk, device=device) < p.lens.to(device)[:, None]  # (B, Lk)
-            key_keep = k if key_keep is None else key_keep & k
-            query_keep = k if query_keep is None else query_keep & k
-        elif isinstance(p, masks.ValidLens) and p.lens.dim() == 1:
-            k = torch.arange(Lk, device=device) < p.lens.to(device)[:, None]  # (B, Lk)
-            key_keep = k if key_keep is None else key_keep & k
-        elif isinstance(p, masks.KeyPadding):
-            k = p.keep_mask.to(device)
-            key_keep = k if key_keep is None else key_keep & k
-        elif isinstance(p, (masks.Causal, masks.SlidingWindow)) and p.align == "top-left":
-            rest.append(p)
-        else:
+        if p.key_keep(Lk) is None and not p.packable:
             return f"{p!r} is applied densely"
+        if p.key_keep(Lk) is None:
+            rest.append(p)
+    key_keep = mask.key_keep(Lk, device)
     if key_keep is None:
         return "no padding in the mask"
+    query_keep = mask.query_keep(Lq, device)
     if rest and not _prefix(key_keep):
         return "the real keys are not a prefix of each sequence, and the mask depends on positions"
     if query_keep is not None and rest and not _prefix(query_keep):
         return "the real queries are not a prefix of each sequence, and the mask depends on positions"
     n_padded = key_keep.numel() - int(key_keep.sum())
     padded = n_padded / max(1, key_keep.numel())
-    if not force:
-        saved, cost = n_padded * flop_per_token, B * LOOP_COST_FLOP
-        if saved <= cost:
-            return (f"{padded:.0%} of the keys are padding: skipping them saves ~{saved / 1e6:.0f} MFLOP, less than "
-                    f"the per-sequence loop costs (~{cost / 1e6:.0f} MFLOP)")
+    if not force and (why := packing_cost(n_padded, B, flop_per_token)) is not None:
+        return f"{padded:.0%} of the keys are padding: skipping them {why}"
     rest_mask = None
     for r in rest:
         rest_mask = r if rest_mask is None else rest_mask & r
     return Plan(key_keep, query_keep, rest_mask, f"packing: {padded:.0%} of the keys are padding")
 
 
-#: self-attention over packed sequences no longer than this is padded to the longest
-#: for the attention alone (one batched call); longer ones loop over the sequences
-PAD_UP_TO = 128
+@dataclass
+class Packed:
+    """Where a module's packed tokens come from and go back to.
 
+    q_idx: (Nq,) positions in (B*Lq), or None = every query row; k_idx: (Nk,) in (B*Lk);
+    cu_q, cu_k: cumulative lengths as lists; rest: the mask applied inside each sequence;
+    mask: the same attention as a mask over the padded batch (what observers are given)."""
 
-def attend_packed(module, q_in: Tensor, k_in: Tensor, v_in: Tensor, q_lens: list[int], k_lens: list[int],
-                  rest: masks.Mask | None) -> Tensor:
-    """Project packed tokens, attend sequence by sequence, project back.
+    B: int
+    Lq: int
+    Lk: int
+    q_idx: Tensor | None
+    k_idx: Tensor
+    cu_q: list[int]
+    cu_k: list[int]
+    rest: masks.Mask | None
+    mask: masks.Mask | None
+    reason: str = "packed"
 
-    q_in (Nq, query_size), k_in (Nk, key_size), v_in (Nk, value_size); sequence b
-    has q_lens[b] query rows and k_lens[b] keys, in order -> (Nq, out_features).
-    The projections and the output projection see only the real tokens. Short
-    self-attention sequences (all <= PAD_UP_TO, no other mask) attend in one call,
-    padded to the longest with a ``Padding`` mask; others loop over the sequences.
-    """
-    H, Hkv, D, Dv = module.num_heads, module.num_kv_heads, module.head_dim, module.value_head_dim
-    q_proj, k_proj, v_proj, o_proj = module.projections()
-    if H == 0:  # every head pruned: the output projection's bias
-        return o_proj(q_in.new_zeros(q_in.shape[0], 0))
-    q = q_proj(q_in)  # (Nq, H*D)
-    k = k_proj(k_in)  # (Nk, Hkv*D)
-    v = v_proj(v_in)  # (Nk, Hkv*Dv)
-    if rest is None and q_lens == k_lens and q_lens and max(q_lens) <= PAD_UP_TO:
-        B, Lm = len(q_lens), max(q_lens)
-        lens = torch.tensor(q_lens, device=q.device)
-        idx = (torch.arange(B, device=q.device)[:, None] * Lm + torch.arange(Lm, device=q.device))[
-            torch.arange(Lm, device=q.device) < lens[:, None]]  # (N,): where each packed row sits in (B*Lm)
+    @classmethod
+    def from_plan(cls, p: Plan, B: int, Lq: int, Lk: int, mask: masks.Mask) -> Packed:
+        k_idx = p.key_keep.reshape(-1).nonzero().squeeze(1)  # (Nk,)
+        k_lens = p.key_keep.sum(-1)  # (B,)
+        if p.query_keep is None:
+            q_idx, q_lens = None, [Lq] * B
+        elif Lq == Lk and torch.equal(p.query_keep, p.key_keep):  # self-attention padding: the same tokens
+            q_idx, q_lens = k_idx, k_lens.tolist()
+        else:
+            q_idx = p.query_keep.reshape(-1).nonzero().squeeze(1)  # (Nq,)
+            q_lens = p.query_keep.sum(-1).tolist()
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + int(n))
+        cu_k = [0]
+        for n in k_lens.tolist():
+            cu_k.append(cu_k[-1] + int(n))
+        return cls(B, Lq, Lk, q_idx, k_idx, cu, cu_k, p.rest, mask, p.reason)
 
-        def pad(t, heads, size):  # (N, heads*size) -> (B, heads, Lm, size)
-            full = t.new_zeros(B * Lm, t.shape[-1]).index_copy(0, idx, t)
-            return full.view(B, Lm, heads, size).transpose(1, 2)  # (B*Lm, heads*size) -> (B, heads, Lm, size)
+    @classmethod
+    def self_attention(cls, cu_seqlens: Tensor, max_seqlen: int) -> Packed:
+        """Packed self-attention tokens (queries = keys) described by ``cu_seqlens``."""
+        cu = cu_seqlens.tolist()
+        idx = indices_of(cu_seqlens, max_seqlen)
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+        return cls(len(cu) - 1, max_seqlen, max_seqlen, idx, idx, cu, cu, None, masks.Padding(lens.long()))
 
-        o = module._attend(pad(q, H, D), pad(k, Hkv, D), pad(v, Hkv, Dv), masks.Padding(lens))  # (B, H, Lm, Dv)
-        o = o.transpose(1, 2).reshape(B * Lm, H * Dv).index_select(0, idx)  # -> (N, H*Dv)
-        return o_proj(o)
-    outs = []
-    qo = ko = 0
-    for nq, nk in zip(q_lens, k_lens):
-        qb = q[qo:qo + nq].view(1, nq, H, D).transpose(1, 2)  # (nq, H*D) -> (1, H, nq, D)
-        kb = k[ko:ko + nk].view(1, nk, Hkv, D).transpose(1, 2)  # (nk, Hkv*D) -> (1, Hkv, nk, D)
-        vb = v[ko:ko + nk].view(1, nk, Hkv, Dv).transpose(1, 2)  # (nk, Hkv*Dv) -> (1, Hkv, nk, Dv)
-        ob = module._attend(qb, kb, vb, rest)  # (1, H, nq, Dv)
-        outs.append(ob[0].transpose(0, 1).reshape(nq, H * Dv))  # (1, H, nq, Dv) -> (nq, H*Dv)
-        qo, ko = qo + nq, ko + nk
-    return o_proj(torch.cat(outs))  # (Nq, out_features)
+    def gather(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, Lq, ·), (B, Lk, ·), (B, Lk, ·) -> the packed (Nq, ·), (Nk, ·), (Nk, ·)."""
+        B, Lq, Lk = self.B, self.Lq, self.Lk
+        k = keys.reshape(B * Lk, -1).index_select(0, self.k_idx)  # (B, Lk, E) -> (Nk, E)
+        v = k if values is keys else values.reshape(B * Lk, -1).index_select(0, self.k_idx)  # (Nk, E)
+        if self.q_idx is None:
+            q = queries.reshape(B * Lq, -1)  # (B, Lq, E) -> (B*Lq, E)
+        elif queries is keys and self.q_idx is self.k_idx:
+            q = k
+        else:
+            q = queries.reshape(B * Lq, -1).index_select(0, self.q_idx)  # (Nq, E)
+        return q, k, v
 
+    def scatter(self, out: Tensor) -> Tensor:
+        """(Nq, F) -> (B, Lq, F); padded query rows are zeros."""
+        if self.q_idx is None:
+            return out.view(self.B, self.Lq, out.shape[-1])  # (B*Lq, F) -> (B, Lq, F)
+        return pad(out, self.q_idx, self.B, self.Lq)
 
-def run(module, queries: Tensor, keys: Tensor, values: Tensor, p: Plan) -> Tensor:
-    """The varlen path of :class:`MultiHeadAttention`: (B, Lq, ·) -> (B, Lq, out_features)."""
-    B, Lq = queries.shape[:2]
-    k_in = keys[p.key_keep]  # (B, Lk, E) -> (Nk, E)
-    v_in = k_in if values is keys else values[p.key_keep]  # (Nk, E)
-    k_lens = p.key_keep.sum(-1).tolist()
-    if p.query_keep is None:
-        q_in = queries.reshape(B * Lq, -1)  # (B, Lq, E) -> (B*Lq, E)
-        q_lens = [Lq] * B
-    else:
-        same = queries is keys and torch.equal(p.query_keep, p.key_keep)
-        q_in = k_in if same else queries[p.query_keep]  # (Nq, E)
-        q_lens = p.query_keep.sum(-1).tolist()
-    out = attend_packed(module, q_in, k_in, v_in, q_lens, k_lens, p.rest)  # (Nq, out)
-    if p.query_keep is None:
-        return out.view(B, Lq, -1)  # (B*Lq, out) -> (B, Lq, out)
-    full = out.new_zeros(B, Lq, out.shape[-1])
-    full[p.query_keep] = out  # padded query rows stay zeros
-    return full
+    def padded(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Packed q (Nq, H, D), k (Nk, Hkv, D) back in the batch's layout, (B, H, Lq, D) and
+        (B, Hkv, Lk, D), zeros at padding: what an observer of the weights sees."""
+        qp = q.view(self.B, self.Lq, *q.shape[1:]) if self.q_idx is None else pad(q, self.q_idx, self.B, self.Lq)
+        kp = pad(k, self.k_idx, self.B, self.Lk)
+        return qp.transpose(1, 2), kp.transpose(1, 2)  # (B, L, h, D) -> (B, h, L, D)

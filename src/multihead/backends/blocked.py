@@ -7,10 +7,11 @@ offsets); keys outside that range are never touched. Blocks the band covers
 completely run SDPA with no mask; the others with a small bool mask for their
 tile. Each block is an ordinary SDPA call, so autograd gives the backward.
 
-"auto" picks it where the band is narrow: when the keys it visits are at most
-half of Lq x Lk and the problem is large enough (Lq * Lk >= 2**20). Plain
-top-left causal stays with ``sdpa``'s fused ``is_causal`` kernel, which on this
-kind of CPU already runs at ~70% of the machine's matmul throughput.
+It can run any banded mask, with dropout, on any device. "auto" prefers it on the
+CPU where the band is narrow: when the keys it visits are at most half of Lq x Lk
+and the problem is large enough (Lq * Lk >= 2**20). Plain top-left causal stays
+with ``sdpa``'s fused ``is_causal`` kernel, which on this kind of CPU already runs
+at ~70% of the machine's matmul throughput.
 """
 
 from __future__ import annotations
@@ -24,25 +25,14 @@ from multihead import masks
 from multihead.backends.registry import Request, register
 
 BLOCK = 256
+#: below this many scores (Lq * Lk) the per-block Python loop costs more than it saves
 MIN_SIZE = 2**20
+#: above this share of the scores visited, one dense SDPA call is as fast
 MAX_VISITED = 0.5
 
 
-def band(mask, Lq: int, Lk: int) -> tuple[float, float] | None:
-    """(lo, hi): key j is visible to query i iff i + lo <= j <= i + hi; None if the
-    mask is not a band."""
-    if mask is None:
-        return None
-    lo, hi = -math.inf, math.inf
-    for p in mask.parts():
-        if not isinstance(p, (masks.Causal, masks.SlidingWindow)):
-            return None
-        off = 0 if p.align == "top-left" else Lk - Lq
-        if isinstance(p, masks.Causal):
-            hi = min(hi, off)
-        else:
-            lo, hi = max(lo, off - p.left), min(hi, off + p.right)
-    return lo, hi
+def _band(mask, Lq: int, Lk: int) -> tuple[float, float] | None:
+    return None if mask is None else mask.band(Lq, Lk)
 
 
 def visited(lo: float, hi: float, Lq: int, Lk: int, block: int = BLOCK) -> int:
@@ -56,19 +46,23 @@ def visited(lo: float, hi: float, Lq: int, Lk: int, block: int = BLOCK) -> int:
     return n
 
 
-def supports(req: Request) -> str | None:
-    if req.device_type != "cpu":
-        return "CPU only (elsewhere SDPA's fused kernels and FlexAttention serve banded masks)"
-    if req.dropout_p > 0:
-        return "no dropout"
-    b = band(req.mask, req.Lq, req.Lk)
-    if b is None:
+def can_run(req: Request) -> str | None:
+    if _band(req.mask, req.Lq, req.Lk) is None:
         return "only Causal / SlidingWindow masks (and their &)"
-    if isinstance(req.mask, masks.Causal) and req.mask.align == "top-left":
+    return None
+
+
+_PLAIN_CAUSAL = masks.Causal("top-left")
+
+
+def prefer(req: Request) -> str | None:
+    if req.device_type != "cpu":
+        return "off the CPU, SDPA's fused kernels and FlexAttention serve banded masks"
+    if req.mask == _PLAIN_CAUSAL:
         return "plain top-left causal runs faster in sdpa's is_causal kernel"
     if req.Lq * req.Lk < MIN_SIZE:
         return f"Lq*Lk={req.Lq * req.Lk} < {MIN_SIZE}: too small to gain"
-    share = visited(*b, req.Lq, req.Lk) / (req.Lq * req.Lk)
+    share = visited(*_band(req.mask, req.Lq, req.Lk), req.Lq, req.Lk) / (req.Lq * req.Lk)
     if share > MAX_VISITED:
         return f"the band covers {share:.0%} of the scores (> {MAX_VISITED:.0%}): dense SDPA is as fast"
     return None
@@ -80,7 +74,7 @@ def run(query, key, value, mask, *, scale, dropout_p):
     if Hkv != H:  # the per-block SDPA calls get plain multi-head inputs
         key = key.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Lk, D) -> (B, H, Lk, D)
         value = value.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Lk, Dv) -> (B, H, Lk, Dv)
-    lo, hi = band(mask, Lq, Lk)
+    lo, hi = mask.band(Lq, Lk)
     outs = []
     for qs in range(0, Lq, BLOCK):
         qe = min(qs + BLOCK, Lq)
@@ -91,26 +85,28 @@ def run(query, key, value, mask, *, scale, dropout_p):
             continue
         i = torch.arange(qs, qe, device=query.device)[:, None]  # (bq, 1)
         j = torch.arange(ks, ke, device=query.device)[None, :]  # (1, bk)
-        keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=query.device)
+        keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=query.device)  # (bq, bk)
         if lo != -math.inf:
             keep &= j >= i + int(lo)
         if hi != math.inf:
             keep &= j <= i + int(hi)
         qb, kb, vb = query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke]  # (B, H, bq, D), (B, H, bk, D)
         if bool(keep.all()):
-            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale)
+            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, dropout_p=dropout_p)
         else:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep, scale=scale)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep, scale=scale, dropout_p=dropout_p)
+            if query.device.type != "cpu":  # rows that see nothing: zeros (SDPA's CPU kernel gives them)
+                o = o.masked_fill(~keep.any(-1, keepdim=True), 0.0)
         outs.append(o)  # (B, H, bq, Dv)
     return torch.cat(outs, dim=2)  # (B, H, Lq, Dv)
 
 
 def describe(req: Request) -> str:
-    b = band(req.mask, req.Lq, req.Lk)
+    b = _band(req.mask, req.Lq, req.Lk)
     if b is None:
         return ""
     return f"visits {visited(*b, req.Lq, req.Lk) / (req.Lq * req.Lk):.0%} of the scores in blocks of {BLOCK}"
 
 
-register("blocked", run, supports=supports, priority=150, doc="banded masks, masked blocks skipped",
+register("blocked", run, can_run=can_run, prefer=prefer, priority=150, doc="banded masks, masked blocks skipped",
          describe=describe)

@@ -1,26 +1,35 @@
 """The backend registry: every way of computing attention is a function with one
-signature, registered under a name, with a ``supports(request)`` that returns
-None when it can run a call or the reason it cannot.
+signature (:class:`RunFn`), registered under a name with two questions it answers:
+
+- ``can_run(request)``: *capability*, None when it can compute the call, else why not;
+- ``prefer(request)``: *preference*, None when "auto" may pick it, else why it should
+  only run when named (e.g. "too small to gain").
 
 ``run(query, key, value, mask, *, scale, dropout_p) -> (B, H, Lq, Dv)`` gets
 validated inputs: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv),
 mask a :class:`multihead.masks.Mask` or None, scale a float.
 
-"auto" picks the registered backend of highest priority whose ``supports``
-returns None and whose optional ``auto(request)`` gives no reason to leave it to
-being named. ``use(name)`` changes what "auto" means inside a ``with`` block;
-a backend named explicitly in a call always wins.
+"auto" picks the registered backend of highest priority that can run the call and
+prefers to. ``use(name)`` changes what "auto" means inside a ``with`` block; a
+backend named explicitly in a call runs whenever it can compute it.
+
+A backend that finds it cannot run after all for a reason outside the inputs (its
+compiler failed) raises :class:`Unavailable`; the call then runs on the next
+choice, and the reason is reported once (a warning) and by ``explain()``. Every
+other error propagates.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
+from torch import Tensor
 
 from multihead.masks import Mask
 
@@ -42,19 +51,33 @@ class Request(NamedTuple):
     needs_grad: bool
 
 
-Supports = Callable[[Request], "str | None"]
+class RunFn(Protocol):
+    """A backend's computation: validated (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
+    -> (B, H, Lq, Dv); a row with nothing to attend to gives zeros."""
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,
+                 dropout_p: float) -> Tensor: ...
+
+
+Reason = Callable[[Request], "str | None"]
+
+
+class Unavailable(RuntimeError):
+    """Raised by a backend's ``run`` when it cannot compute after all for a reason that is
+    not the inputs' (its compiler failed): the call falls back to the next choice."""
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    run: Callable
-    supports: Supports
+    run: RunFn
+    #: capability: None when it can compute the request, else why not
+    can_run: Reason
     priority: int
     doc: str = ""
     describe: Callable[[Request], str] | None = field(default=None)
-    #: why "auto" should not pick it for a request it can run (None = it may); naming it still runs it
-    auto: Callable[[Request], str | None] | None = field(default=None)
+    #: preference: why "auto" should not pick it for a request it can run (None = it may); naming it still runs it
+    prefer: Reason | None = field(default=None)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -67,23 +90,26 @@ def _always(req: Request) -> None:
 
 def register(
     name: str,
-    run: Callable,
+    run: RunFn,
     *,
-    supports: Supports | None = None,
+    can_run: Reason | None = None,
+    prefer: Reason | None = None,
     priority: int = 0,
     doc: str = "",
     describe: Callable[[Request], str] | None = None,
-    auto: Callable[[Request], str | None] | None = None,
     replace: bool = False,
 ) -> Backend:
-    """Add a backend. ``supports(request)`` returns None or why it cannot run;
-    "auto" tries backends from the highest ``priority`` down, skipping those whose
-    ``auto(request)`` gives a reason not to pick them unasked."""
+    """Add a backend. ``can_run(request)`` returns None or why it cannot compute the
+    call; "auto" tries backends from the highest ``priority`` down, skipping those
+    that cannot run and those whose ``prefer(request)`` gives a reason not to pick
+    them unasked."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; got {name!r}.")
     if name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it.")
-    b = Backend(name, run, supports or _always, priority, doc, describe, auto)
+    if not callable(run):
+        raise TypeError(f"run must be callable (query, key, value, mask, *, scale, dropout_p); got {type(run).__name__}.")
+    b = Backend(name, run, can_run or _always, priority, doc, describe, prefer)
     _REGISTRY[name] = b
     return b
 
@@ -122,21 +148,42 @@ def use(name: str):
         _FORCED.reset(token)
 
 
-def select(name: str, req: Request) -> Backend:
+def select(name: str, req: Request, *, exclude: frozenset[str] = frozenset()) -> Backend:
     """The backend that runs ``req``: the named one, or for "auto" the forced one
-    (``use``) or the first of highest priority that supports the request."""
+    (``use``) or the first of highest priority that can run the request and prefers to."""
     if name == "auto":
         name = _FORCED.get()
-        if name is None:
+        if name is None or name in exclude:
             for b in _ranked():
-                if b.supports(req) is None and (b.auto is None or b.auto(req) is None):
+                if b.name not in exclude and b.can_run(req) is None and (b.prefer is None or b.prefer(req) is None):
                     return b
-            raise RuntimeError(f"no attention backend supports this call: {req}")
+            raise RuntimeError(f"no attention backend can run this call: {req}")
     b = get(name)
-    why = b.supports(req)
+    why = b.can_run(req)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {why}. Use backend='auto' or one of {available()}.")
     return b
+
+
+_REPORTED: set[tuple[str, str]] = set()
+
+
+def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,
+        dropout_p: float) -> Tensor:
+    """Select a backend for ``req`` and run it; a backend that raises :class:`Unavailable`
+    is reported once (a warning) and the next choice runs."""
+    exclude: frozenset[str] = frozenset()
+    while True:
+        b = select(name, req, exclude=exclude)
+        try:
+            return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+        except Unavailable as e:
+            if (b.name, str(e)) not in _REPORTED:
+                _REPORTED.add((b.name, str(e)))
+                warnings.warn(f"attention backend {b.name!r} could not run ({e}); falling back", RuntimeWarning,
+                              stacklevel=3)
+            exclude = exclude | {b.name}
+            name = "auto"
 
 
 @dataclass
@@ -168,7 +215,7 @@ def explain_request(req: Request, name: str = "auto") -> Explanation:
     chosen = select(name, req).name
     reasons: dict[str, str] = {}
     for b in _ranked():
-        why = b.supports(req)
+        why = b.can_run(req)
         detail = f" ({b.describe(req)})" if b.describe and why is None else ""
         if b.name == chosen:
             how = f"forced by use({forced!r})" if name == "auto" and forced else (
@@ -177,7 +224,7 @@ def explain_request(req: Request, name: str = "auto") -> Explanation:
             reasons[b.name] = f"chosen: {how}{detail}"
         elif why is not None:
             reasons[b.name] = f"cannot run: {why}"
-        elif b.auto is not None and (not_auto := b.auto(req)) is not None:
+        elif b.prefer is not None and (not_auto := b.prefer(req)) is not None:
             reasons[b.name] = f"runs only when named: {not_auto}"
         elif forced:
             reasons[b.name] = f"could run, but {chosen!r} was asked for"

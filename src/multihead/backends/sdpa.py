@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from multihead.backends.registry import Request, register
 from multihead.masks import Causal
 
+_PLAIN_CAUSAL = Causal("top-left")
+
 
 def _is_plain_causal(mask) -> bool:
-    return isinstance(mask, Causal) and mask.align == "top-left"
+    return mask == _PLAIN_CAUSAL
 
 
 def run(query, key, value, mask, *, scale, dropout_p):

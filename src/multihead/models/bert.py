@@ -10,7 +10,6 @@ tokenized with the ``tokenizers`` library. Nothing touches the network.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks, varlen
-from multihead.capture import ACTIVE as _CAPTURING
+from multihead.models import checkpoint
 from multihead.modules import MultiHeadAttention
 
 __all__ = ["Bert", "BertConfig", "SentenceEncoder", "minilm_path"]
@@ -109,9 +108,9 @@ class BertLayer(nn.Module):
         x = self.attn_norm(x + self.dropout(self.attn(x, mask=mask)))  # (B, L, E)
         return self.ffn_norm(x + self.dropout(self.ffn_out(self._act(self.ffn_in(x)))))
 
-    def forward_packed(self, h: Tensor, lens: list[int]) -> Tensor:
-        """h (N, E): the real tokens of the batch, sequence after sequence."""
-        a = varlen.attend_packed(self.attn, h, h, h, lens, lens, None)  # (N, E)
+    def forward_packed(self, h: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """h (N, E): the real tokens of the batch, sequence after sequence (``cu_seqlens`` (B+1,))."""
+        a = self.attn.forward_packed(h, cu_seqlens, max_seqlen)  # (N, E)
         h = self.attn_norm(h + self.dropout(a))
         return self.ffn_norm(h + self.dropout(self.ffn_out(self._act(self.ffn_in(h)))))
 
@@ -173,8 +172,9 @@ class Bert(nn.Module):
                 token_type_ids: Tensor | None = None) -> Tensor:
         """-> (B, L, E). With right-padded batches the whole encoder runs on the real
         tokens only (projections, attention, feed-forward, LayerNorm) and padded
-        positions come out as zeros; inside ``multihead.capture()`` (or with left
-        padding) it runs densely, as Hugging Face's BertModel does."""
+        positions come out as zeros (inside ``multihead.capture()`` too: their
+        weights are zeros). With left or scattered padding it runs densely, as
+        Hugging Face's BertModel does."""
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
         if attention_mask is None:
             mask = None
@@ -182,21 +182,19 @@ class Bert(nn.Module):
             am = attention_mask.bool()
             lens = am.sum(-1)  # (B,)
             prefix = bool((am == (torch.arange(am.shape[1], device=am.device) < lens[:, None])).all())
-            if prefix and not _CAPTURING and not bool(am.all()):
-                return self._packed(x, am, lens)
+            if prefix and not bool(am.all()):
+                return self._packed(x, am)
             mask = masks.KeyPadding(am)
         for layer in self.layers:
             x = layer(x, mask)
         return x
 
-    def _packed(self, x: Tensor, am: Tensor, lens: Tensor) -> Tensor:
-        B, L, E = x.shape
-        idx = am.reshape(-1).nonzero().squeeze(1)  # (N,): the real tokens in (B*L)
-        h = x.reshape(B * L, E).index_select(0, idx)  # (B, L, E) -> (N, E)
-        ls = lens.tolist()
+    def _packed(self, x: Tensor, am: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        h, idx, cu, _ = varlen.unpad(x, am)  # (B, L, E) -> (N, E)
         for layer in self.layers:
-            h = layer.forward_packed(h, ls)
-        return x.new_zeros(B * L, E).index_copy(0, idx, h).view(B, L, E)  # padded positions: zeros
+            h = layer.forward_packed(h, cu, L)
+        return varlen.pad(h, idx, B, L)  # (N, E) -> (B, L, E); padded positions: zeros
 
     def pooled(self, hidden: Tensor) -> Tensor:
         """BERT's pooler: tanh(W h[CLS]) -> (B, E)."""
@@ -208,38 +206,20 @@ class Bert(nn.Module):
     def from_pretrained(cls, path: str | Path) -> Bert:
         """Load ``config.json`` and ``model.safetensors`` from a local directory
         (Hugging Face BERT names, or those :meth:`save_pretrained` writes)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        raw_cfg = json.loads((path / "config.json").read_text())
-        cfg = BertConfig.from_dict(raw_cfg)
-        model = cls(cfg)
-        if raw_cfg.get("pruned_heads"):  # head counts after multihead.heads.prune
-            from multihead.heads import resize
-
-            resize(model, raw_cfg["pruned_heads"])
-        raw = load_file(str(path / "model.safetensors"))  # never unpickles
+        config, raw = checkpoint.read(path)  # clear errors naming the file; never unpickles
+        try:
+            cfg = BertConfig.from_dict(config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{Path(path) / 'config.json'}: {e}") from None
         ours = raw if any(k.startswith("layers.") for k in raw) else {
             n: t for k, t in raw.items() if (n := _from_hf_name(k)) is not None
         }
-        missing, unexpected = model.load_state_dict(ours, strict=False)
-        missing = [m for m in missing if not m.startswith("pooler.")]
-        if missing or unexpected:
-            raise ValueError(f"weights in {path} do not fit the config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        return model.eval()
+        return checkpoint.restore(cls(cfg), config, ours, path, ignore_missing=("pooler.",))
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (safetensors, no pickle)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        config = {**asdict(self.config), "model_type": "bert"}
-        if getattr(self, "pruned_heads", None):
-            config["pruned_heads"] = self.pruned_heads
-        (path / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (the checkpoint format of
+        :mod:`multihead.models.checkpoint`; pruned head counts recorded)."""
+        return checkpoint.write(path, {**asdict(self.config), "model_type": "bert"}, self)
 
 
 class SentenceEncoder(nn.Module):

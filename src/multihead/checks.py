@@ -1,0 +1,131 @@
+"""Every check of user input, in one place: the functional API, the modules, the
+course's compat modules and the torch.nn drop-in all validate through these, before
+any computation, and raise ``ValueError``/``TypeError`` naming the argument, what
+it got and what would fix it.
+
+Shape letters: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, D query/key head size, Dv value head size, E model size.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from torch import Tensor
+
+from multihead.masks import Mask, as_mask
+
+__all__ = ["attention_inputs", "heads", "module_inputs", "positive_int", "valid_dropout", "valid_scale"]
+
+
+def _shape(t: Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def positive_int(name: str, v, *, optional: bool = False) -> int | None:
+    if v is None and optional:
+        return None
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}; got {v!r}.")
+    return int(v)
+
+
+def valid_scale(v, name: str = "scale") -> float | None:
+    """None (= 1/sqrt(D)) or a positive finite number."""
+    if v is None:
+        return None
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number or None (= 1/sqrt(D)); got {v!r}.")
+    return float(v)
+
+
+def valid_dropout(v, name: str = "dropout") -> float:
+    """A probability in [0, 1)."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0.0 <= float(v) < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1); got {v!r}.")
+    return float(v)
+
+
+def heads(H: int, Hkv: int, *, where: str = "") -> None:
+    """H must be a multiple of Hkv (grouped-query attention)."""
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(
+            f"the query's heads H={H} must be a multiple of the key/value heads Hkv={Hkv} (grouped-query "
+            f"attention: every Hkv head serves H/Hkv query heads){where}."
+        )
+
+
+_LETTERS = {"query": "(B, H, Lq, D)", "key": "(B, Hkv, Lk, D)", "value": "(B, Hkv, Lk, Dv)"}
+
+
+def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p=0.0) -> Mask | None:
+    """Validate a functional attention call: query (B, H, Lq, D), key (B, Hkv, Lk, D),
+    value (B, Hkv, Lk, Dv) or None (weights only). Returns the mask as a :class:`Mask`."""
+    named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
+    for name, t in named:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape {_LETTERS[name]}; got {type(t).__name__}.")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {_LETTERS[name]}; got shape {_shape(t)}. For (B, L, E) inputs use "
+                "MultiHeadAttention, or split the heads: x.view(B, L, H, D).transpose(1, 2)."
+            )
+    if len({t.dtype for _, t in named}) > 1:
+        got = ", ".join(f"{n} {t.dtype}" for n, t in named)
+        raise TypeError(f"query, key and value must share one dtype; got {got}. Cast them to one.")
+    if len({t.device for _, t in named}) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in named)
+        raise ValueError(f"query, key and value must be on one device; got {got}.")
+    B, H, Lq, D = query.shape
+    if len({t.shape[0] for _, t in named}) > 1:
+        got = ", ".join(f"{n} {_shape(t)}" for n, t in named)
+        raise ValueError(f"query, key and value must have the same batch size B; got {got}.")
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if key.shape[-1] != D:
+        raise ValueError(
+            f"query and key must have the same head size D; got query {_shape(query)} (D={D}) and key "
+            f"{_shape(key)} (D={key.shape[-1]})."
+        )
+    if value is not None and (value.shape[1] != Hkv or value.shape[2] != Lk):
+        raise ValueError(
+            f"key (B, Hkv, Lk, D) and value (B, Hkv, Lk, Dv) must agree on Hkv and Lk; got key {_shape(key)} "
+            f"and value {_shape(value)}."
+        )
+    heads(H, Hkv, where=f"; got query {_shape(query)}, key {_shape(key)}")
+    valid_scale(scale)
+    valid_dropout(dropout_p, "dropout_p")
+    mask = as_mask(mask)
+    if mask is not None:
+        mask.validate(B, H, Lq, Lk, query.device)
+    return mask
+
+
+def module_inputs(named: tuple[tuple[str, Tensor], ...], sizes: tuple[tuple[str, int | None], ...]) -> None:
+    """Validate a module call's (B, L, size) inputs: ``named`` = (("queries", t), ...),
+    ``sizes`` = (("query_size", expected or None when not known yet), ...)."""
+    for (name, t), (size, want) in zip(named, sizes):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, L, {size}); got {type(t).__name__}.")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (B, L, {size}); got shape {_shape(t)}.")
+        if want is not None and t.shape[-1] != want:
+            raise ValueError(
+                f"{name} must be (B, L, {size}={want}); got shape {_shape(t)}. Give inputs of that size, "
+                f"or build the module with {size}={t.shape[-1]}."
+            )
+    (_, q), (_, k), (_, v) = named
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(
+            f"queries, keys and values must have the same batch size B; got shapes {_shape(q)}, {_shape(k)}, "
+            f"{_shape(v)}."
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"keys and values must have the same length Lk; got keys {_shape(k)} and values {_shape(v)}.")
+    if len({q.device, k.device, v.device}) > 1:
+        raise ValueError(f"queries, keys and values must be on one device; got {q.device}, {k.device}, {v.device}.")
+

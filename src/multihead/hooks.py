@@ -1,0 +1,70 @@
+"""The one observation point of an attention module: an explicit, per-module list of hooks.
+
+Every multihead attention module holds ``attention_hooks``, an :class:`AttentionHooks`.
+Around its one attention call it
+
+- hands the per-head query and key tensors to every **observer**
+  ``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale) -> None``
+  (``multihead.capture`` records the weights this way), and
+- passes the per-head output through every **transform**
+  ``fn(module, out (..., H, Dv), live) -> out`` before the heads are merged
+  (``multihead.heads`` gates, fills and counts heads this way). ``out`` is
+  (B, Lq, H, Dv) on the dense path and (Nq, H, Dv) on packed tokens; ``live`` is
+  (B, Lq) bool (the query rows that are computed) or None (all of them).
+
+With no hook registered the module runs its fused path and pays one truth test of
+an empty list. Registration returns a handle whose ``remove()`` undoes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+__all__ = ["AttentionHooks", "Observer", "Transform"]
+
+Observer = Callable[..., None]
+Transform = Callable[..., Tensor]
+
+
+class _Handle:
+    def __init__(self, items: list, fn):
+        self._items, self._fn = items, fn
+
+    def remove(self) -> None:
+        if self._fn in self._items:
+            self._items.remove(self._fn)
+
+
+class AttentionHooks:
+    """Observers and transforms of one attention module, applied in registration order."""
+
+    def __init__(self):
+        self.observers: list[Observer] = []
+        self.transforms: list[Transform] = []
+
+    def add_observer(self, fn: Observer) -> _Handle:
+        """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""
+        self.observers.append(fn)
+        return _Handle(self.observers, fn)
+
+    def add_transform(self, fn: Transform) -> _Handle:
+        """``fn(module, out (..., H, Dv), live) -> out`` on each per-head output, before the merge."""
+        self.transforms.append(fn)
+        return _Handle(self.transforms, fn)
+
+    def observe(self, module, q: Tensor, k: Tensor, mask, scale) -> None:
+        for fn in self.observers:
+            fn(module, q, k, mask, scale)
+
+    def transform(self, module, out: Tensor, live: Tensor | None) -> Tensor:
+        for fn in self.transforms:
+            out = fn(module, out, live)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.observers or self.transforms)
+
+    def __repr__(self) -> str:
+        return f"AttentionHooks({len(self.observers)} observers, {len(self.transforms)} transforms)"
