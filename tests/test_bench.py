@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from multihead.cli import main
+from multihead.apps.cli import main
 
 
 def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from multihead.cli import main
-from multihead.demo import format_weights
+from multihead.apps.cli import main
+from multihead.apps.demo import format_weights
 
 
 def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):

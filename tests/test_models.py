@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from multihead import MultiHeadAttention
-from multihead.demo import alignment
 from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, ViT, ViTConfig, checkpoint, digits, reverse_batch
-from multihead.models.seq2seq import EOS, PAD
+from multihead.models.seq2seq import EOS, PAD, alignment
 
 
 def test_reverse_batch_is_the_task():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.cli import main
+from multihead.apps.cli import main
 from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, checkpoint
 
 
@@ -27,7 +27,7 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     model = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, out / "model")
     n_heads = sum(m.num_heads for m in heads.attention_modules(model).values())
     assert n_heads == 24 - 6
-    from multihead.demo import digit_accuracy
+    from multihead.models.seq2seq import digit_accuracy
 
     assert abs(digit_accuracy(model) - report["final"]["metric"]) < 1e-9  # the saved model is the measured one
     assert "25% of heads pruned" in text and "| batch 1 (ms) |" in text
@@ -44,7 +44,7 @@ def _minilm():
 
 
 def test_minilm_pruned_equals_gated_and_reloads(tmp_path):
-    from multihead.data import sentences
+    from multihead.apps.data import sentences
     from multihead.models import Bert
 
     enc = _minilm()

@@ -5,12 +5,15 @@ source token len-1-t, so cross-attention should look there)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks
+from multihead.capture import capture
+from multihead.models import checkpoint
 from multihead.models.layers import DecoderBlock, EncoderBlock, sinusoidal_positions
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
@@ -114,3 +117,37 @@ def train_reverser(*, steps: int = 1500, batch: int = 128, seed: int = 0, progre
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     return model.eval()
+
+
+def alignment(model: Seq2SeqTransformer, n: int = 500, seed: int = 123) -> tuple[float, float]:
+    """(sequence accuracy of greedy decoding, share of target tokens whose last-layer
+    cross-attention (mean over heads) peaks on the aligned source position)."""
+    src, lens, tgt_in, tgt_out = reverse_batch(n, generator=torch.Generator().manual_seed(seed))
+    pred = model.greedy(src, lens, tgt_in.shape[1])
+    pos = torch.arange(tgt_in.shape[1])
+    valid = pos[None] < lens[:, None]  # (n, T): target tokens that copy a source digit
+    seq_ok = ((pred == tgt_out) | ~valid).all(1).float().mean().item()
+    last = f"decoder.{len(model.decoder) - 1}.cross_attn"
+    with torch.no_grad(), capture(model, include=[last]) as cap:
+        model(src, lens, tgt_in)
+    peak = cap[last].mean(1).argmax(-1)  # (n, T)
+    aligned = ((peak == lens[:, None] - 1 - pos[None]) & valid).sum().item() / valid.sum().item()
+    return seq_ok, aligned
+
+
+def digit_accuracy(model: Seq2SeqTransformer, n: int = 500, seed: int = 123) -> float:
+    """Share of target digits right under greedy decoding (gentler than whole sequences)."""
+    src, lens, tgt_in, tgt_out = reverse_batch(n, generator=torch.Generator().manual_seed(seed))
+    pred = model.greedy(src, lens, tgt_in.shape[1])
+    valid = torch.arange(tgt_in.shape[1])[None] < lens[:, None]  # (n, T)
+    return ((pred == tgt_out) & valid).sum().item() / valid.sum().item()
+
+
+def load_or_train(ckpt: Path, retrain: bool = False) -> Seq2SeqTransformer:
+    """The digit-reversing Transformer: loaded from the checkpoint ``ckpt`` or trained (and saved there)."""
+    if (ckpt / "model.safetensors").exists() and not retrain:
+        print(f"transformer: loaded {ckpt}")
+        return checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, ckpt)
+    model = train_reverser()
+    checkpoint.save(model, ckpt)
+    return model

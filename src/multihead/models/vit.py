@@ -4,11 +4,13 @@ bundled 8x8 digits (no download)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead.models import checkpoint
 from multihead.models.layers import EncoderBlock
 
 
@@ -102,3 +104,13 @@ def train_vit(*, epochs: int = 40, batch: int = 64, seed: int = 0, progress: boo
 def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
     model.eval()
     return (model(x).argmax(-1) == y).float().mean().item()
+
+
+def load_or_train(ckpt: Path, retrain: bool = False) -> ViT:
+    """The digits ViT: loaded from the checkpoint ``ckpt`` or trained (and saved there)."""
+    if (ckpt / "model.safetensors").exists() and not retrain:
+        print(f"ViT: loaded {ckpt}")
+        return checkpoint.load(ViT, ViTConfig, ckpt)
+    model, _ = train_vit()
+    checkpoint.save(model, ckpt)
+    return model

@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from multihead.demo import format_weights  # noqa: F401  (kept importable from here)
+from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
 
 
 def _demo(args) -> int:
-    from multihead import demo
+    from multihead.apps import demo
 
     demo.run(Path(args.out), retrain=args.retrain, seed=args.seed)
     return 0
@@ -20,7 +20,7 @@ def _viz(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead import demo
+    from multihead.apps import demo
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def _prune(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead import pruning
+    from multihead.apps import pruning
 
     out = Path(args.out)
     if args.model == "toy":
@@ -65,7 +65,7 @@ def _prune(args) -> int:
 
 
 def _bench(args) -> int:
-    from multihead import bench
+    from multihead.apps import bench
 
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None

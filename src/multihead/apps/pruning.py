@@ -60,11 +60,10 @@ def time_ms(model, run_fn, inputs: list, reps: int = 3) -> float:
 
 
 def toy_setup(ckpt: Path) -> Setup:
-    from multihead.demo import digit_accuracy, reverser
     from multihead.models import checkpoint
-    from multihead.models.seq2seq import PAD, reverse_batch
+    from multihead.models.seq2seq import PAD, digit_accuracy, load_or_train, reverse_batch
 
-    model = reverser(ckpt)
+    model = load_or_train(ckpt)
     g = torch.Generator().manual_seed(7)
     batches = [reverse_batch(128, generator=g) for _ in range(4)]
 
@@ -84,7 +83,7 @@ def toy_setup(ckpt: Path) -> Setup:
 
 
 def minilm_setup(n_importance: int = 256) -> Setup:
-    from multihead.data import sentences
+    from multihead.apps.data import sentences
     from multihead.models import SentenceEncoder, minilm_path
 
     path = minilm_path()

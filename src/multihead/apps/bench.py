@@ -128,12 +128,14 @@ def peer_sdpa(w: Workload, base):
 
 
 def _course_module():
-    root = Path(__file__).resolve().parents[2] / "bench"
-    for cand in (root, Path.cwd() / "bench"):
-        if (cand / "course.py").exists():
-            sys.path.insert(0, str(cand))
-            import course
+    """bench/course.py (the course's code, for comparison), loaded from the checkout by path."""
+    import importlib.util
 
+    for cand in (Path(__file__).resolve().parents[3] / "bench", Path.cwd() / "bench"):
+        if (cand / "course.py").exists():
+            spec = importlib.util.spec_from_file_location("multihead_bench_course", cand / "course.py")
+            course = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(course)
             return course
     return None
 
@@ -328,7 +330,7 @@ def peak_rss_mib() -> float:
 def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
     """Peak RSS (MiB) of one call in a fresh process."""
     code = (
-        "import sys, torch; from multihead import bench; "
+        "import sys, torch; from multihead.apps import bench; "
         f"w = bench.workloads(['W4'], ({w.Lq},))[0]; base = torch.nn.MultiheadAttention(w.E, w.H, batch_first=True); "
         f"p = bench.PEERS[{peer!r}](w, base); "
         "p is None and sys.exit(3); mod, call, _ = p; "

@@ -11,9 +11,10 @@ import torch
 
 import multihead
 from multihead import masks
-from multihead.models import checkpoint
-from multihead.models.seq2seq import DIGIT0, Seq2SeqConfig, Seq2SeqTransformer, reverse_batch, train_reverser
-from multihead.models.vit import ViT, ViTConfig, accuracy, digits, train_vit
+from multihead.models import seq2seq
+from multihead.models import vit as vit_model
+from multihead.models.seq2seq import DIGIT0, Seq2SeqTransformer, alignment
+from multihead.models.vit import ViT, accuracy, digits
 
 
 def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
@@ -57,45 +58,12 @@ def toy(seed: int = 0) -> None:
 
 def reverser(ckpt: Path, retrain: bool = False) -> Seq2SeqTransformer:
     """The digit-reversing Transformer: loaded from ``ckpt`` or trained (and saved there)."""
-    if (ckpt / "model.safetensors").exists() and not retrain:
-        print(f"transformer: loaded {ckpt}")
-        return checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, ckpt)
-    model = train_reverser()
-    checkpoint.save(model, ckpt)
-    return model
+    return seq2seq.load_or_train(ckpt, retrain)
 
 
 def vit(ckpt: Path, retrain: bool = False) -> ViT:
-    if (ckpt / "model.safetensors").exists() and not retrain:
-        print(f"ViT: loaded {ckpt}")
-        return checkpoint.load(ViT, ViTConfig, ckpt)
-    model, _ = train_vit()
-    checkpoint.save(model, ckpt)
-    return model
-
-
-def alignment(model: Seq2SeqTransformer, n: int = 500, seed: int = 123) -> tuple[float, float]:
-    """(sequence accuracy of greedy decoding, share of target tokens whose last-layer
-    cross-attention (mean over heads) peaks on the aligned source position)."""
-    src, lens, tgt_in, tgt_out = reverse_batch(n, generator=torch.Generator().manual_seed(seed))
-    pred = model.greedy(src, lens, tgt_in.shape[1])
-    pos = torch.arange(tgt_in.shape[1])
-    valid = pos[None] < lens[:, None]  # (n, T): target tokens that copy a source digit
-    seq_ok = ((pred == tgt_out) | ~valid).all(1).float().mean().item()
-    last = f"decoder.{len(model.decoder) - 1}.cross_attn"
-    with torch.no_grad(), multihead.capture(model, include=[last]) as cap:
-        model(src, lens, tgt_in)
-    peak = cap[last].mean(1).argmax(-1)  # (n, T)
-    aligned = ((peak == lens[:, None] - 1 - pos[None]) & valid).sum().item() / valid.sum().item()
-    return seq_ok, aligned
-
-
-def digit_accuracy(model: Seq2SeqTransformer, n: int = 500, seed: int = 123) -> float:
-    """Share of target digits right under greedy decoding (gentler than whole sequences)."""
-    src, lens, tgt_in, tgt_out = reverse_batch(n, generator=torch.Generator().manual_seed(seed))
-    pred = model.greedy(src, lens, tgt_in.shape[1])
-    valid = torch.arange(tgt_in.shape[1])[None] < lens[:, None]  # (n, T)
-    return ((pred == tgt_out) & valid).sum().item() / valid.sum().item()
+    """The digits ViT: loaded from ``ckpt`` or trained (and saved there)."""
+    return vit_model.load_or_train(ckpt, retrain)
 
 
 def draw_reverser(model: Seq2SeqTransformer, text: str, out: Path) -> list[Path]:
@@ -203,7 +171,7 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     print(f"ViT test accuracy {accuracy(v, xte, yte):.1%}")
     paths += draw_vit(v, 0, out)
     print("\n== cut the heads: importance, the pruning curve and speed (the reversal Transformer)")
-    from multihead import pruning
+    from multihead.apps import pruning
 
     report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), 0.5, out / "prune_toy",
                          step=0.125)
