@@ -19,8 +19,11 @@ $(VENV)/.demo: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -q -e '.[viz,train]'
 	touch $@
 
+# the released d2l package's wheel is read by tests/test_d2l_release.py (never installed:
+# it pins an old torch stack); pip only downloads it
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -q -e '.[viz,train,dev,keras,hf,pretrained,browser]'
+	$(BIN)/pip download -q --no-deps d2l==1.0.3 -d $(VENV)/wheels
 	touch $@
 
 # the explorer's browser tests drive Debian's Chromium (never a browser download);

@@ -3,9 +3,12 @@ what it got, and the fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+import multihead
 from multihead import MultiHeadAttention, attention, attention_weights, masks
 
 
@@ -126,3 +129,38 @@ def test_module_forward_errors():
         mha(X, K, V, torch.tensor([6, 1]))
     with pytest.raises(TypeError, match=r"valid_lens must hold integers"):
         mha(X, K, V, torch.tensor([2.0, 1.0]))
+
+
+def test_nan_in_a_bias_mask_is_refused():
+    bias = torch.zeros(3, 4)
+    bias[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"float \(additive bias\) mask of shape \(3, 4\) holds NaN at 1 positions"):
+        masks.Dense(bias)
+    q = torch.randn(1, 2, 3, 8)
+    k = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="holds NaN"):
+        multihead.attention(q, k, k, bias)
+
+
+def test_bert_from_pretrained_names_the_bad_file(tmp_path):
+    from multihead.models import Bert, BertConfig
+
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+                     max_position_embeddings=20)
+    Bert(cfg).save_pretrained(tmp_path / "ok")
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    (bad / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
+    with pytest.raises(ValueError, match=r"corrupt/model.safetensors is not a readable safetensors file"):
+        Bert.from_pretrained(bad)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "model.safetensors").write_bytes((tmp_path / "ok" / "model.safetensors").read_bytes())
+    (wrong / "config.json").write_text(json.dumps({**json.loads((tmp_path / "ok" / "config.json").read_text()),
+                                                   "hidden_size": 32}))
+    with pytest.raises(ValueError, match=r"the weights in .*wrong/model.safetensors do not fit the model built from "
+                                         r".*wrong/config.json: .*file \(16,\), model \(32,\)"):
+        Bert.from_pretrained(wrong)
+    with pytest.raises(ValueError, match=r"nowhere/config.json does not exist"):
+        Bert.from_pretrained(tmp_path / "nowhere")

@@ -2,8 +2,9 @@
 the import.
 
 - :class:`D2LMultiHeadAttention`: Dive into Deep Learning's PyTorch
-  ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads,
-  dropout, bias=False)``; a course state_dict loads as is.
+  ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)`` (the released
+  ``d2l`` package) or the earlier ``(key_size, query_size, value_size, num_hiddens,
+  num_heads, dropout, bias=False)``; a course state_dict loads as is.
 - :class:`KerasTutorialMultiHeadAttention`: the Keras from-scratch tutorial's
   ``MultiHeadAttention(h, d_k, d_v, d_model)``, mask 1 = blocked.
 - :class:`TorchMultiheadAttention`: a drop-in for ``torch.nn.MultiheadAttention``.
@@ -58,19 +59,48 @@ class LastWeights(nn.Module):
 
 
 class D2LMultiHeadAttention(MultiHeadAttention):
-    """The course's PyTorch ``MultiHeadAttention``, on multihead.
+    """The course's PyTorch ``MultiHeadAttention``, on multihead. Both of the course's
+    constructors work:
+
+    - ``D2LMultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``: the
+      released ``d2l`` package (1.0.3) and the book's current code; input sizes are
+      inferred on the first call (lazy ``W_q, W_k, W_v``);
+    - ``D2LMultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads,
+      dropout, bias=False)``: the six-argument form of the earlier chapter (seeds 001
+      and 003), with the input sizes given.
 
     ``forward(queries, keys, values, valid_lens)``: queries (B, Lq, query_size),
     keys (B, Lk, key_size), values (B, Lk, value_size), valid_lens (B,) or
-    (B, Lq) or None -> (B, Lq, num_hiddens). Parameters ``W_q, W_k, W_v, W_o``;
-    ``self.attention.attention_weights`` is (B*H, Lq, Lk) after a forward.
+    (B, Lq) or None -> (B, Lq, num_hiddens). Parameters ``W_q, W_k, W_v, W_o``
+    (state_dicts of either form load strictly); ``self.attention.attention_weights``
+    is (B*H, Lq, Lk) after a forward.
     """
 
     _proj_names = ("W_q", "W_k", "W_v", "W_o")
+    _SIX = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias")
+    _THREE = ("num_hiddens", "num_heads", "dropout", "bias")
 
-    def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads, dropout, bias=False, **kwargs):
-        super().__init__(num_hiddens, num_heads, dropout, bias, query_size=query_size, key_size=key_size,
-                         value_size=value_size, **kwargs)
+    def __init__(self, *args, **kwargs):
+        six = len(args) >= 5 or any(k in kwargs for k in ("key_size", "query_size", "value_size"))
+        names = self._SIX if six else self._THREE
+        if len(args) > len(names):
+            raise TypeError(f"D2LMultiHeadAttention takes at most {len(names)} positional arguments "
+                            f"({', '.join(names)}); got {len(args)}.")
+        given = dict(zip(names, args))
+        for k in list(kwargs):
+            if k in names:
+                if k in given:
+                    raise TypeError(f"D2LMultiHeadAttention got {k!r} both by position and by keyword.")
+                given[k] = kwargs.pop(k)
+        missing = [n for n in names[:-1] if n not in given]
+        if missing:
+            forms = ("D2LMultiHeadAttention(num_hiddens, num_heads, dropout, bias=False) or "
+                     "D2LMultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads, dropout, "
+                     "bias=False)")
+            raise TypeError(f"D2LMultiHeadAttention is missing {', '.join(missing)}: use {forms}.")
+        sizes = {n: given.get(n) for n in ("query_size", "key_size", "value_size")}
+        super().__init__(given["num_hiddens"], given["num_heads"], given["dropout"], given.get("bias", False),
+                         **sizes, **kwargs)
         self.attention = LastWeights(self.dropout)
         self.attention_hooks.add_observer(self.attention.observe)
 

@@ -428,6 +428,11 @@ class Dense(Mask):
             )
         if m.dim() > 4:
             raise ValueError(f"Dense mask must have at most 4 dims (B, H, Lq, Lk); got shape {tuple(m.shape)}.")
+        if m.dtype.is_floating_point and m.device.type != "meta" and bool(torch.isnan(m).any()):
+            raise ValueError(
+                f"the float (additive bias) mask of shape {tuple(m.shape)} holds NaN at {int(torch.isnan(m).sum())} "
+                "positions; use -inf where a key may not be attended to (a NaN would make every score it touches NaN)."
+            )
         object.__setattr__(self, "mask", m)
 
     @property

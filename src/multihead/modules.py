@@ -46,7 +46,11 @@ def _linear(in_features: int | None, out_features: int, bias: bool) -> nn.Module
 
 
 def _in_features(lin: nn.Module) -> int | None:
-    return None if isinstance(lin, nn.modules.lazy.LazyModuleMixin) and lin.has_uninitialized_params() else lin.in_features
+    """A projection's input size, None while a lazy layer has not seen an input (a lazy
+    layer filled by ``load_state_dict`` knows it from its weight)."""
+    if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
+        return None if lin.has_uninitialized_params() else lin.weight.shape[-1]
+    return lin.in_features
 
 
 class AttentionCore:
@@ -278,7 +282,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def _flop_per_token(self) -> float:
         """Projection work per token (multiply-adds x 2), what packing saves on each padded token."""
-        return 2.0 * sum(p.weight.numel() for p in self.projections() if _in_features(p) is not None)
+        return 2.0 * sum(n * p.out_features for p in self.projections() if (n := _in_features(p)) is not None)
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None) -> str:
