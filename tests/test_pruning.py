@@ -30,7 +30,38 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     from multihead.models.seq2seq import digit_accuracy
 
     assert abs(digit_accuracy(model) - report["final"]["metric"]) < 1e-9  # the saved model is the measured one
-    assert "25% of heads pruned" in text and "| batch 1 (ms) |" in text
+    assert "25% of heads pruned" in text and "| batch 1: ms (min-max) |" in text
+    # the speed table: every model timed together, medians with their interval and min-max
+    for per in report["speed"].values():
+        for t in per.values():
+            assert t["min_ms"] <= t["ci95_ms"][0] <= t["median_ms"] <= t["ci95_ms"][1] <= t["max_ms"]
+            assert t["rounds"] >= 7
+
+
+def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
+    from multihead.apps import pruning
+    from multihead.models.seq2seq import reverse_batch
+
+    setup = pruning.toy_setup(trained["dir"] / "transformer")
+    pruning.run(setup, 0.125, tmp_path, step=0.125, progress=False, max_seconds=2.0)
+    loaded = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, tmp_path / "model")  # the documented call
+    src, lens, tgt_in, _ = reverse_batch(16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(src, lens, tgt_in), setup.pruned(src, lens, tgt_in))
+
+
+def test_demo_checkpoints_load_back(trained):
+    """The checkpoints the demo writes (and reuses) load with the documented call and equal the trained models."""
+    from multihead.models import ViT, ViTConfig, digits
+    from multihead.models.seq2seq import reverse_batch
+
+    rev = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, trained["dir"] / "transformer")
+    src, lens, tgt_in, _ = reverse_batch(8, generator=torch.Generator().manual_seed(1))
+    vit = checkpoint.load(ViT, ViTConfig, trained["dir"] / "vit")
+    x = digits()[2][:8]
+    with torch.no_grad():
+        assert torch.equal(rev(src, lens, tgt_in), trained["reverser"].eval()(src, lens, tgt_in))
+        assert torch.equal(vit(x), trained["vit"].eval()(x))
 
 
 def _minilm():
@@ -66,3 +97,30 @@ def test_minilm_pruned_equals_gated_and_reloads(tmp_path):
     assert [layer.attn.num_heads for layer in again.layers] == [10, 12, 12, 0, 12, 11]
     with torch.no_grad():
         assert torch.allclose(again(ids, am), enc.bert(ids, am), atol=1e-6)
+
+
+def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
+    """`multihead prune --model minilm` (small settings): the pruned model in DIR/model loads with
+    Bert.from_pretrained and is the model the command measured and held in memory."""
+    _minilm()
+    from multihead.apps import pruning
+    from multihead.models import Bert, SentenceEncoder
+
+    setup = pruning.minilm_setup(24, 40)
+    report = pruning.run(setup, 0.1, tmp_path, step=0.1, progress=False, max_seconds=2.0)
+    assert report["final"]["fraction"] > 0.05
+    loaded = Bert.from_pretrained(tmp_path / "model")  # the documented call
+    assert sum(layer.attn.num_heads for layer in loaded.layers) == 72 - report["curve"][-1]["heads_pruned"]
+    enc = SentenceEncoder(loaded, setup.model.tokenizer)
+    ids, am = enc.tokenize(["the pruned model loads", "and gives the same embeddings", "as in memory"])
+    with torch.no_grad():
+        assert torch.allclose(enc(ids, am), setup.pruned(ids, am), atol=1e-6)
+    assert abs(setup.metric_fn(enc) - report["final"]["metric"]) < 1e-6  # the saved model is the measured one
+    # and through the command line
+    out = tmp_path / "cli"
+    assert main(["prune", "--model", "minilm", "--fraction", "0.05", "--step", "0.05", "--sentences", "16", "24",
+                 "--max-seconds", "1", "--out", str(out)]) == 0
+    again = Bert.from_pretrained(out / "model")
+    cli = json.loads((out / "report.json").read_text())
+    assert sum(layer.attn.num_heads for layer in again.layers) == 72 - cli["curve"][-1]["heads_pruned"]
+    assert "transformers.BertModel" in cli["speed"] and "report:" in capsys.readouterr().out

@@ -129,3 +129,85 @@ def module_inputs(named: tuple[tuple[str, Tensor], ...], sizes: tuple[tuple[str,
     if len({q.device, k.device, v.device}) > 1:
         raise ValueError(f"queries, keys and values must be on one device; got {q.device}, {k.device}, {v.device}.")
 
+
+
+# --- torch.nn.MultiheadAttention's contract, for the drop-in ---
+
+
+class TorchShapeError(ValueError, AssertionError):
+    """A shape error of the torch.nn drop-in: a ValueError here, and an AssertionError with
+    torch.nn's own words, so code (and tests) written against torch.nn catch it as before."""
+
+
+class TorchHintError(ValueError, RuntimeError):
+    """torch.nn's RuntimeError for ``is_causal=True`` without ``attn_mask``, also a ValueError."""
+
+
+def torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, *, num_heads: int, embed_dim: int,
+                     kdim: int, vdim: int, batch_first: bool, is_causal: bool) -> bool:
+    """Check a ``torch.nn.MultiheadAttention`` call as torch.nn does (same messages, plus
+    what to do) before any computation. Returns whether the input is batched."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}.")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
+    layout = "(B, L, E)" if batch_first else "(L, B, E)"
+    if query.dim() == 3:
+        batched = True
+        if key.dim() != 3 or value.dim() != 3:
+            raise TorchShapeError(
+                "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found "
+                f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
+                f"value {_shape(value)}); give all three as {layout}.")
+        if key_padding_mask is not None and key_padding_mask.dim() != 2:
+            raise TorchShapeError(
+                "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but found "
+                f"{key_padding_mask.dim()}-D tensor instead; give it as (B, Lk), True = padding.")
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise TorchShapeError(
+                "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (B*H, Lq, Lk).")
+    elif query.dim() == 2:
+        batched = False
+        if key.dim() != 2 or value.dim() != 2:
+            raise TorchShapeError(
+                "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found "
+                f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
+                f"value {_shape(value)}); give all three as (L, E).")
+        if key_padding_mask is not None and key_padding_mask.dim() != 1:
+            raise TorchShapeError(
+                "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D but found "
+                f"{key_padding_mask.dim()}-D tensor instead; give it as (Lk,), True = padding.")
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 3):
+                raise TorchShapeError(
+                    "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                    f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (H, Lq, Lk).")
+            if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (num_heads, query.shape[0], key.shape[0]):
+                raise TorchShapeError(
+                    f"Expected `attn_mask` shape to be {(num_heads, query.shape[0], key.shape[0])} but got "
+                    f"{tuple(attn_mask.shape)}: (H, Lq, Lk) for an unbatched query.")
+    else:
+        raise TorchShapeError(
+            f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor "
+            f"(shape {_shape(query)}); give it as {layout} or (L, E).")
+    if query.shape[-1] != embed_dim:
+        raise TorchShapeError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]} "
+                              f"(query {_shape(query)}).")
+    if key.shape[-1] != kdim or value.shape[-1] != vdim:
+        raise TorchShapeError(f"key must have kdim={kdim} and value vdim={vdim} features; got key {_shape(key)} and "
+                              f"value {_shape(value)}.")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise TorchShapeError(f"key's sequence and batch dims {tuple(key.shape[:-1])} do not match value's "
+                              f"{tuple(value.shape[:-1])}.")
+    if batched:
+        bdim = 0 if batch_first else 1
+        if query.shape[bdim] != key.shape[bdim]:
+            raise TorchShapeError(f"query and key must have the same batch size; got query {_shape(query)} and key "
+                                  f"{_shape(key)} ({layout}).")
+    if is_causal and attn_mask is None:
+        raise TorchHintError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+            "`generate_square_subsequent_mask` to create this mask.")
+    return batched

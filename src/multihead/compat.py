@@ -152,27 +152,27 @@ class KerasTutorialMultiHeadAttention(MultiHeadAttention):
 class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
     """A drop-in for ``torch.nn.MultiheadAttention`` that computes with multihead.
 
-    Same constructor, parameters (``in_proj_weight`` or ``q/k/v_proj_weight``,
-    ``in_proj_bias``, ``out_proj``), state_dict, forward signature and return
-    values ``(attn_output, attn_weights or None)``, so ``nn.TransformerEncoderLayer``,
-    ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` run on it. Differences:
+    Same constructor (``add_bias_kv`` and ``add_zero_attn`` included), parameters
+    (``in_proj_weight`` or ``q/k/v_proj_weight``, ``in_proj_bias``, ``bias_k``/``bias_v``,
+    ``out_proj``), state_dict, forward signature, return values ``(attn_output,
+    attn_weights or None)`` and input checks (torch.nn's messages; the errors are
+    ``ValueError``s that are also the ``AssertionError``/``RuntimeError`` torch.nn
+    raises), so ``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and
+    ``nn.Transformer`` run on it. Deliberate differences:
 
     - a query row with nothing to attend to gives zeros, never NaN;
     - the returned weights are the softmax weights before dropout;
-    - ``add_bias_kv`` and ``add_zero_attn`` are refused;
-    - ``is_causal=True`` applies the causal mask even without ``attn_mask``;
+    - ``is_causal=True`` is torch.nn's hint (``attn_mask`` must be given, and is taken
+      to be the causal mask: the causal kernel runs when nothing is appended);
     - it reports ``_qkv_same_embed_dim = False`` (its packed layout is in
       ``_packed``) so that torch's fused encoder fast path, which would bypass
-      this module, is never taken.
+      this module, is never taken; tests that check that fast path was entered
+      (by mocking torch's fused kernels) cannot pass;
+    - nested-tensor inputs are refused, as torch.nn refuses them off its fast path.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None):
-        if add_bias_kv or add_zero_attn:
-            raise ValueError(
-                "TorchMultiheadAttention does not support add_bias_kv=True or add_zero_attn=True (they append "
-                "learned or zero key/value positions); keep torch.nn.MultiheadAttention for such modules."
-            )
         checks.valid_dropout(dropout)
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device=device, dtype=dtype)
@@ -204,27 +204,48 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        unbatched = query.dim() == 2
-        if unbatched:  # (L, E) -> (1, L, E)
+        if isinstance(query, Tensor) and query.is_nested:
+            raise checks.TorchShapeError(
+                "MultiheadAttention does not support NestedTensor outside of its fast path (as torch.nn); pad the "
+                "batch (nested.to_padded_tensor) and pass a key_padding_mask.")
+        batched = checks.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
+                                          embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
+                                          batch_first=self.batch_first, is_causal=is_causal)
+        if not batched:  # (L, E) -> (1, L, E)
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)  # (Lk,) -> (1, Lk)
         elif not self.batch_first:  # (L, B, E) -> (B, L, E)
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        if query.dim() != 3:
-            raise ValueError(f"query must be (L, E), (L, B, E) or (B, L, E); got shape {tuple(query.shape)}.")
         B, Lq, E = query.shape
-        Lk = key.shape[1]
         H, D = self.num_heads, self.head_dim
-        mask = masks.from_torch(None if is_causal else attn_mask, key_padding_mask, num_heads=H)
-        if is_causal:  # the hint: attn_mask is the causal mask
+        w_q, w_k, w_v, b_q, b_k, b_v = self.projection_weights()
+        q = F.linear(query, w_q, b_q)  # (B, Lq, E)
+        k = F.linear(key, w_k, b_k)  # (B, Lk, E)
+        v = F.linear(value, w_v, b_v)  # (B, Lk, E)
+        extra = 0
+        if self.bias_k is not None:  # one learned key/value position appended to every sequence
+            k = torch.cat([k, self.bias_k.expand(B, 1, E).to(k.dtype)], 1)  # (B, Lk+1, E)
+            v = torch.cat([v, self.bias_v.expand(B, 1, E).to(v.dtype)], 1)
+            extra += 1
+        q = q.view(B, Lq, H, D)  # (B, Lq, E) -> (B, Lq, H, D)
+        k = k.view(B, k.shape[1], H, D)  # (B, Lk', E) -> (B, Lk', H, D)
+        v = v.view(B, v.shape[1], H, D)
+        if self.add_zero_attn:  # one zero key/value per head appended
+            k = torch.cat([k, k.new_zeros(B, 1, H, D)], 1)  # (B, Lk'+1, H, D)
+            v = torch.cat([v, v.new_zeros(B, 1, H, D)], 1)
+            extra += 1
+        Lk = k.shape[1]
+        if extra:  # the appended positions may be attended to by every query (as torch.nn pads its masks)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, extra))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, extra))
+        if is_causal and not extra:  # the hint: attn_mask is the causal mask
+            mask = masks.from_torch(None, key_padding_mask, num_heads=H)
             mask = masks.Causal() if mask is None else masks.Causal() & mask
+        else:
+            mask = masks.from_torch(attn_mask, key_padding_mask, num_heads=H)
         if mask is not None:
             mask.validate(B, H, Lq, Lk, query.device)
-        w_q, w_k, w_v, b_q, b_k, b_v = self.projection_weights()
-        q = F.linear(query, w_q, b_q).view(B, Lq, H, D)  # (B, Lq, E) -> (B, Lq, H, D)
-        k = F.linear(key, w_k, b_k).view(B, Lk, H, D)  # (B, Lk, E) -> (B, Lk, H, D)
-        v = F.linear(value, w_v, b_v).view(B, Lk, H, D)  # (B, Lk, E) -> (B, Lk, H, D)
         out = self._attend(q, k, v, mask)  # (B, Lq, H, D)
         out = self.out_proj(out.reshape(B, Lq, E))  # (B, Lq, H, D) -> (B, Lq, E)
         weights = None
@@ -232,7 +253,7 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
             weights = _weights(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
             if average_attn_weights:
                 weights = weights.mean(1)  # (B, Lq, Lk)
-        if unbatched:
+        if not batched:
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         elif not self.batch_first:

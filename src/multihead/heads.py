@@ -356,10 +356,13 @@ def pruning_curve(
     speed_fn: Callable[[nn.Module], dict] | None = None,
     mean_replacement: bool = False,
     progress: bool = True,
+    on_step: Callable[[dict, nn.Module], None] | None = None,
 ) -> list[dict]:
     """Prune a copy of ``model`` in steps of ``step`` (a share of all heads) up to
     ``max_fraction``; at each step record the metric, which heads are gone and, with
-    ``speed_fn(model) -> {batch: ms}``, the speed. Importance is re-estimated after
+    ``speed_fn(model) -> {batch: ms}``, the speed (measured step by step; to compare the
+    steps' speeds fairly, keep the models with ``on_step(row, model)`` and time them
+    together afterwards, as ``multihead prune`` does). Importance is re-estimated after
     every step when ``reestimate``. Returns one dict per step (fraction 0 first)."""
     import copy
 
@@ -398,6 +401,8 @@ def pruning_curve(
         if speed_fn is not None:
             row["speed_ms"] = speed_fn(work)
         rows.append(row)
+        if on_step is not None:
+            on_step(row, work)
     return rows
 
 

@@ -261,6 +261,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             queries, keys, values = packed.gather(queries, keys, values)
         q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
         out = self._attend(q, k, v, m, packed)  # (..., Lq, H, Dv)
+        del q, k, v, queries, keys, values  # freed before the output projection allocates
         out = self.projections()[3](out.flatten(-2))  # merge the heads and project: (..., Lq, out_features)
         if packed is not None:
             return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros

@@ -59,7 +59,7 @@ def unpad(x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
 def pad(packed: Tensor, indices: Tensor, B: int, L: int) -> Tensor:
     """Undo :func:`unpad`: packed (N, ...) -> (B, L, ...), zeros where there was padding."""
     out = packed.new_zeros(B * L, *packed.shape[1:])
-    return out.index_copy(0, indices, packed).view(B, L, *packed.shape[1:])  # (B*L, ...) -> (B, L, ...)
+    return out.index_copy_(0, indices, packed).view(B, L, *packed.shape[1:])  # (B*L, ...) -> (B, L, ...)
 
 
 def indices_of(cu_seqlens: Tensor, max_seqlen: int) -> Tensor:

@@ -51,15 +51,18 @@ def _prune(args) -> int:
         setup = pruning.toy_setup(Path(args.checkpoints) if args.checkpoints else out / "checkpoints" / "transformer")
     else:
         try:
-            setup = pruning.minilm_setup()
+            setup = pruning.minilm_setup(*(args.sentences if args.sentences else ()))
         except FileNotFoundError as e:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
-    report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate)
+    report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate,
+                         max_seconds=args.max_seconds)
     f = report["final"]
     print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
           f"(unpruned {f['metric_unpruned']:.4f})")
-    print(pruning.speed_table(report["speed_ms"]))
+    print(pruning.speed_table(report["speed"]))
+    for note in report["timing_notes"]:
+        print(f"note: {note}")
     print(f"report: {out / 'report.md'}; pruned model: {out / 'model'}")
     return 0
 
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=float, default=0.1, help="share of heads pruned per step of the curve")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")
     p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory")
+    p.add_argument("--sentences", type=int, nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
+                   help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="time allowed per batch size for the interleaved speed table")
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func=_prune)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")

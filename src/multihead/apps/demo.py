@@ -174,13 +174,15 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     from multihead.apps import pruning
 
     report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), 0.5, out / "prune_toy",
-                         step=0.125)
+                         step=0.125, max_seconds=20.0)
     imp = json.loads((out / "prune_toy" / "importance.json").read_text())
     for name, scores in imp["modules"].items():
         print(f"  {name:28} " + " ".join(f"{s:5.2f}" for s in scores))
     for row in report["curve"]:
         print(f"  {row['fraction']:4.0%} of heads pruned: digits reversed right {row['metric']:.1%}")
-    print(pruning.speed_table(report["speed_ms"]))
+    print(pruning.speed_table(report["speed"]))
+    for note in report["timing_notes"]:
+        print(f"note: {note}")
     f = report["final"]
     print(f"the toy model after pruning {f['fraction']:.0%} of its heads: {f['metric']:.1%} of digits reversed right "
           f"(unpruned {f['metric_unpruned']:.1%})")

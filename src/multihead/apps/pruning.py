@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multihead import heads
+from multihead.apps import timing
 
 
 @dataclass
@@ -44,19 +43,7 @@ class Setup:
     save_fn: Callable[[nn.Module, Path], None]
     peer: tuple[str, nn.Module, Callable] | None = None  # (name, model, run_fn) timed beside ours
     notes: list[str] = field(default_factory=list)
-
-
-def time_ms(model, run_fn, inputs: list, reps: int = 3) -> float:
-    """Median over ``reps`` passes of the mean time per batch (ms)."""
-    ts = []
-    with torch.no_grad():
-        run_fn(model, inputs[0])
-        for _ in range(reps):
-            t = time.perf_counter()
-            for x in inputs:
-                run_fn(model, x)
-            ts.append((time.perf_counter() - t) / len(inputs) * 1e3)
-    return statistics.median(ts)
+    pruned: nn.Module | None = None  # after run(): the pruned model, as saved
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -82,7 +69,9 @@ def toy_setup(ckpt: Path) -> Setup:
                  "gradient", False, lambda m, p: checkpoint.save(m, p))
 
 
-def minilm_setup(n_importance: int = 256) -> Setup:
+def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setup:
+    """The pretrained MiniLM: importance on the first ``n_importance`` sentences, fidelity on
+    the next ``n_held_out`` (default: all the others, at least 500)."""
     from multihead.apps.data import sentences
     from multihead.models import SentenceEncoder, minilm_path
 
@@ -90,7 +79,9 @@ def minilm_setup(n_importance: int = 256) -> Setup:
     enc = SentenceEncoder.from_pretrained(path).eval()
     corpus = sentences()  # ~970 sentences from pydoc_data.topics
     head, held_out = corpus[:n_importance], corpus[n_importance:]  # importance on one part, fidelity on the rest
-    if len(held_out) < 500:
+    if n_held_out is not None:
+        held_out = held_out[:n_held_out]
+    elif len(held_out) < 500:
         raise ValueError(f"fidelity needs >= 500 held-out sentences; this Python's docs give {len(held_out)}.")
 
     def tokenized(sents):
@@ -109,7 +100,8 @@ def minilm_setup(n_importance: int = 256) -> Setup:
         with torch.no_grad():
             return torch.cat([(m(i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
 
-    speed = {n: [enc.tokenize(corpus[i:i + n]) for i in range(0, min(len(corpus), 4 * n), n)] for n in (1, 16, 64)}
+    speed = {n: [enc.tokenize(held_out[i:i + n]) for i in range(0, min(len(held_out), 4 * n), n)]
+             for n in (1, 16, 64)}
     peer = None
     try:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,7 +118,7 @@ def minilm_setup(n_importance: int = 256) -> Setup:
 
 
 def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
-        progress: bool = True) -> dict:
+        progress: bool = True, max_seconds: float = 60.0) -> dict:
     """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
     the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -137,34 +129,54 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
     (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
     _heatmap(imp, out / "importance.png")
 
-    def speed_fn(m):
-        return {str(n): round(time_ms(m, setup.run_fn, xs), 2) for n, xs in setup.speed_inputs.items()}
-
+    snapshots: list[nn.Module] = []
     rows = heads.pruning_curve(base, setup.batches, setup.loss_fn, setup.metric_fn, step=step,
                                max_fraction=fraction, method=setup.method, reestimate=reestimate,
-                               speed_fn=speed_fn, mean_replacement=setup.mean_replacement, progress=progress)
+                               mean_replacement=setup.mean_replacement, progress=progress,
+                               on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()))
+    final = snapshots[-1]  # the model the last row measured
+    setup.pruned = final
+    setup.save_fn(final, out / "model")
+    # speed: every step's model and the peer, timed together (interleaved rounds, per batch size)
+    names = [f"{r['fraction']:.0%} pruned" for r in rows]
+    models = dict(zip(names, snapshots))
+    if setup.peer is not None:
+        models[setup.peer[0]] = setup.peer[1]
+    runs = {n: (setup.peer[2] if setup.peer is not None and n == setup.peer[0] else setup.run_fn) for n in models}
+    timings: dict[str, dict[str, dict]] = {n: {} for n in models}
+    notes = []
+    for b, xs in setup.speed_inputs.items():
+        calls = {n: (lambda m=m, f=runs[n], xs=xs: _run_all(m, f, xs)) for n, m in models.items()}
+        with torch.no_grad():
+            t = timing.interleaved(calls, max_seconds=max_seconds)
+        for n, tm in t.items():  # per batch of b: a call runs len(xs) batches
+            timings[n][str(b)] = tm.scaled(1 / len(xs)).to_json()
+        if (note := timing.busy_note(t)) is not None:
+            notes.append(f"batch {b}: {note}")
+    for row, n in zip(rows, names):
+        row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
     heads.save_curve(rows, out / "curve.json")
     heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
-    # the model at the last step, rebuilt by replaying what the curve removed
-    final = copy.deepcopy(base)
-    removed = rows[-1]["removed"]
-    means = heads.mean_head_outputs(final, setup.batches, setup.loss_fn) if setup.mean_replacement else None
-    heads.prune(final, removed, mean_outputs=means)
-    setup.save_fn(final, out / "model")
-    speeds = {"unpruned (multihead)": rows[0]["speed_ms"], f"pruned {rows[-1]['fraction']:.0%} (multihead)":
-              speed_fn(final)}
+    speeds = {"unpruned (multihead)": timings[names[0]], f"pruned {rows[-1]['fraction']:.0%} (multihead)":
+              timings[names[-1]]}
     if setup.peer is not None:
-        name, peer_model, peer_run = setup.peer
-        speeds[name] = {str(n): round(time_ms(peer_model, peer_run, xs), 2) for n, xs in setup.speed_inputs.items()}
+        speeds[setup.peer[0]] = timings[setup.peer[0]]
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
-        "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows, "speed_ms": speeds,
+        "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
+        "speed_ms": {n: {b: round(v["median_ms"], 2) for b, v in per.items()} for n, per in speeds.items()},
+        "speed": speeds, "timing_notes": notes,
         "final": {"fraction": rows[-1]["fraction"], "metric": rows[-1]["metric"], "metric_unpruned": rows[0]["metric"]},
         "notes": setup.notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
+
+
+def _run_all(model, run_fn, inputs: list) -> None:
+    for x in inputs:
+        run_fn(model, x)
 
 
 def _heatmap(imp: heads.Importance, path: Path) -> None:
@@ -187,13 +199,16 @@ def _heatmap(imp: heads.Importance, path: Path) -> None:
 
 
 def speed_table(speeds: dict) -> str:
+    """{model: {batch: timing json}} -> a markdown table: median ms per batch (min-max), speed-up
+    against the first model."""
     sizes = sorted({b for v in speeds.values() for b in v}, key=int)
     ref = next(iter(speeds.values()))
-    lines = ["| model | " + " | ".join(f"batch {b} (ms)" for b in sizes) + " | " +
+    lines = ["| model | " + " | ".join(f"batch {b}: ms (min-max)" for b in sizes) + " | " +
              " | ".join(f"speed-up @{b}" for b in sizes) + " |", "|---|" + "---:|" * (2 * len(sizes))]
     for name, v in speeds.items():
-        lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}" for b in sizes) + " | " +
-                     " | ".join(f"{ref[b] / v[b]:.2f}x" for b in sizes) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{v[b]['median_ms']:.2f} ({v[b]['min_ms']:.2f}-{v[b]['max_ms']:.2f})"
+                                                for b in sizes) + " | " +
+                     " | ".join(f"{ref[b]['median_ms'] / v[b]['median_ms']:.2f}x" for b in sizes) + " |")
     return "\n".join(lines)
 
 
@@ -223,7 +238,11 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         "## Speed (ms per batch; speed-up against the first row)",
         "",
-        speed_table(r["speed_ms"]),
+        "Every model of the curve and the peer timed together: interleaved rounds after a warm-up, until each "
+        "median's 95% interval is within ±5% (or the time allowed runs out); median and min-max per batch.",
+        *[f"- {n}" for n in r["timing_notes"]],
+        "",
+        speed_table(r["speed"]),
         "",
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",

@@ -106,7 +106,6 @@ def patch(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.MultiheadAttention:
-                _refuse_extras(child)
                 setattr(parent, child_name, TorchMultiheadAttention.from_module(child))
                 replaced[f"{name}.{child_name}" if name else child_name] = child
     if replaced:

@@ -1,0 +1,98 @@
+"""Timings that hold still: every candidate measured in the same rounds, interleaved,
+after a warm-up, until the median of each is known to within a tolerance (its 95%
+interval), with the min-max kept and a busy machine said, not hidden."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Timing", "interleaved", "median_interval"]
+
+#: a spread (max - min) above this share of the median marks the machine as busy
+BUSY_SPREAD = 0.20
+
+
+@dataclass
+class Timing:
+    """One candidate's times (ms): median, its 95% interval, min, max, number of rounds."""
+
+    median: float
+    lo: float
+    hi: float
+    min: float
+    max: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        return (self.max - self.min) / self.median if self.median else 0.0
+
+    @property
+    def stable(self) -> bool:
+        """The median's 95% interval lies within ±5% of it."""
+        return self.median > 0 and (self.hi - self.lo) / self.median <= 0.10
+
+    def scaled(self, f: float) -> Timing:
+        """The same timing with every figure multiplied by ``f`` (e.g. per batch of a call over several)."""
+        return Timing(self.median * f, self.lo * f, self.hi * f, self.min * f, self.max * f, self.n)
+
+    def to_json(self) -> dict:
+        return {"median_ms": round(self.median, 3), "ci95_ms": [round(self.lo, 3), round(self.hi, 3)],
+                "min_ms": round(self.min, 3), "max_ms": round(self.max, 3), "rounds": self.n}
+
+
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median: the order statistics
+    n/2 ± 0.98 sqrt(n) (the binomial's normal approximation)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * math.sqrt(n)
+    lo = max(0, int(math.floor(n / 2 - half)))
+    hi = min(n - 1, int(math.ceil(n / 2 + half)) - 1)
+    return s[lo], s[hi]
+
+
+def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_rounds: int = 7,
+                max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0) -> dict[str, Timing]:
+    """Time every call in the same rounds (the order rotates each round) until the
+    median's 95% interval of each is within ±``rel`` of it, or ``max_rounds`` /
+    ``max_seconds`` is reached. Returns {name: Timing} in milliseconds."""
+    names = list(calls)
+    for _ in range(warmup):
+        for n in names:
+            calls[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            t = time.perf_counter()
+            calls[n]()
+            times[n].append((time.perf_counter() - t) * 1e3)
+        if r + 1 >= min_rounds:
+            done = all((hi - lo) <= 2 * rel * statistics.median(ts)
+                       for ts in times.values() for lo, hi in [median_interval(ts)])
+            if done or time.perf_counter() - start > max_seconds:
+                break
+    out = {}
+    for n, ts in times.items():
+        lo, hi = median_interval(ts)
+        out[n] = Timing(statistics.median(ts), lo, hi, min(ts), max(ts), len(ts))
+    return out
+
+
+def busy_note(timings: dict[str, Timing]) -> str | None:
+    """A sentence for the report when the machine was busy or the medians did not settle."""
+    spread = max((t.spread for t in timings.values()), default=0.0)
+    unstable = [n for n, t in timings.items() if not t.stable]
+    notes = []
+    if spread > BUSY_SPREAD:
+        notes.append(f"the machine was busy: the widest min-max spread was {spread:.0%} of its median (> "
+                     f"{BUSY_SPREAD:.0%})")
+    if unstable:
+        notes.append("medians not settled to ±5% within the time allowed: " + ", ".join(unstable))
+    return "; ".join(notes) or None
