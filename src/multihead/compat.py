@@ -168,7 +168,10 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
       ``_packed``) so that torch's fused encoder fast path, which would bypass
       this module, is never taken; tests that check that fast path was entered
       (by mocking torch's fused kernels) cannot pass;
-    - nested-tensor inputs are refused, as torch.nn refuses them off its fast path.
+    - nested-tensor inputs are refused, as torch.nn refuses them off its fast path;
+    - ``torch.jit.script`` scripts a plain ``torch.nn.MultiheadAttention`` with the same
+      weights (TorchScript cannot compile multihead's dispatch); scripting a patched
+      model also puts that plain module back into the model (torch does it in place).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
@@ -192,6 +195,25 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         new.train(module.training)
         return new
 
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A plain ``torch.nn.MultiheadAttention`` with this module's configuration and weights."""
+        w = self.out_proj.weight
+        plain = nn.MultiheadAttention(self.embed_dim, self.num_heads, self.dropout, self.in_proj_bias is not None,
+                                      self.bias_k is not None, self.add_zero_attn, self.kdim, self.vdim,
+                                      self.batch_first, device=w.device, dtype=w.dtype)
+        plain.load_state_dict(self.state_dict())
+        return plain.train(self.training)
+
+    def __prepare_scriptable__(self) -> nn.MultiheadAttention:
+        """TorchScript cannot compile multihead's Python dispatch: ``torch.jit.script`` of the
+        drop-in (or of a model holding it) scripts ``torch.nn.MultiheadAttention`` with these
+        weights instead (same results, except NaN where multihead gives zeros). torch's
+        scripting puts the plain module in the model's place, in place."""
+        plain = self.to_torch()
+        # torch memoizes prepared modules by id(); keeping the original alive keeps its id from being reused
+        plain.__dict__["_multihead_source"] = (self,)
+        return plain
+
     def projection_weights(self):
         """(w_q, w_k, w_v, b_q, b_k, b_v): (E, E), (E, kdim), (E, vdim) and (E,) or None."""
         if self._packed:
@@ -199,6 +221,8 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         b = self.in_proj_bias
+        if b is not None and b.dtype != w_q.dtype:  # a bias of another dtype is promoted (as torch.nn's slow path does)
+            b = b.to(w_q.dtype)
         b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)  # (3E,) -> 3 x (E,)
         return w_q, w_k, w_v, b_q, b_k, b_v
 

@@ -1,0 +1,197 @@
+"""The torch.nn drop-in keeps torch.nn.MultiheadAttention's contract, case by case as
+PyTorch's own MultiheadAttention and Transformer tests exercise it (our tests, written
+for the same cases): appended key/value positions, torch.nn's input checks and
+messages, per-sample 3-D masks, the is_causal hint, bias=False, separate projection
+weights, a bias of another dtype, TorchScript."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from multihead.compat import TorchMultiheadAttention
+from multihead.interop import patch
+
+ATOL = 1e-5
+
+
+def _pair(E, H, **kw):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, **kw)
+    ours = TorchMultiheadAttention.from_module(ref)
+    return ref, ours
+
+
+@pytest.mark.parametrize("bias_kv, zero_attn", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("kv_dim", [None, 7])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_appended_key_value_positions_match_torch(bias_kv, zero_attn, kv_dim, batch_first):
+    E, H, B, Lq, Lk = 12, 4, 3, 5, 6
+    ref, ours = _pair(E, H, add_bias_kv=bias_kv, add_zero_attn=zero_attn, kdim=kv_dim, vdim=kv_dim,
+                      batch_first=batch_first)
+    ref.eval(), ours.eval()
+    kd = kv_dim or E
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Lq, E, generator=g)
+    k = torch.randn(B, Lk, kd, generator=g)
+    v = torch.randn(B, Lk, kd, generator=g)
+    if not batch_first:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    kpm = torch.rand(B, Lk, generator=g) > 0.6
+    attn_bool = torch.rand(Lq, Lk, generator=g) > 0.7  # True = not allowed (torch.nn)
+    attn_float = torch.zeros(B * H, Lq, Lk).masked_fill(torch.rand(B * H, Lq, Lk, generator=g) > 0.7, float("-inf"))
+    for kw in ({}, {"key_padding_mask": kpm}, {"attn_mask": attn_bool}, {"attn_mask": attn_float},
+               {"attn_mask": attn_bool, "key_padding_mask": kpm}):
+        for avg in (True, False):
+            a, wa = ref(q, k, v, average_attn_weights=avg, **kw)
+            b, wb = ours(q, k, v, average_attn_weights=avg, **kw)
+            assert torch.isfinite(a).all()  # the appended positions leave no row empty
+            assert torch.allclose(a, b, atol=ATOL), kw
+            assert wa.shape == wb.shape and torch.allclose(wa, wb, atol=ATOL), kw
+    # training, gradients through bias_k / bias_v too
+    ref.train(), ours.train()
+    ref.dropout = ours.dropout = 0.0
+    a, _ = ref(q, k, v, key_padding_mask=kpm)
+    b, _ = ours(q, k, v, key_padding_mask=kpm)
+    a.sum().backward()
+    b.sum().backward()
+    for (n, p), (_, r) in zip(ours.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, r.grad, atol=1e-4), n
+
+
+CASES_3D = [
+    ("key", (4, 4), (4, 4, 4), "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found 2-D and "
+                               "3-D tensors respectively"),
+    ("value", (4, 4, 4), (4, 4), "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found 3-D and "
+                                 "2-D tensors respectively"),
+]
+
+
+def _bad_calls():
+    q3, q2 = torch.randn(4, 4, 4), torch.randn(4, 4)
+    yield (q3, torch.randn(4, 4), q3), {}, "expected `key` and `value` to be 3-D but found 2-D and 3-D tensors respectively"
+    yield (q3, q3, torch.randn(4, 4)), {}, "expected `key` and `value` to be 3-D but found 3-D and 2-D tensors respectively"
+    yield (q3, q3, q3), {"key_padding_mask": torch.tensor([False, False, True, True])}, \
+        "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead"
+    yield (q3, q3, q3), {"attn_mask": torch.tensor([False, False, True, True])}, \
+        "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"
+    yield (q2, torch.randn(4, 4, 4), q2), {}, "expected `key` and `value` to be 2-D but found 3-D and 2-D tensors"
+    yield (q2, q2, torch.randn(4, 4, 4)), {}, "expected `key` and `value` to be 2-D but found 2-D and 3-D tensors"
+    yield (q2, q2, q2), {"key_padding_mask": torch.tensor([[False, False, True, True] * 2])}, \
+        "expected `key_padding_mask` to be `None` or 1-D but found 2-D tensor instead"
+    yield (q2, q2, q2), {"attn_mask": torch.tensor([False, False, True, True])}, \
+        "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"
+    yield (q2, q2, q2), {"attn_mask": torch.ones(5, 4, 4, dtype=torch.bool)}, \
+        r"Expected `attn_mask` shape to be \(4, 4, 4\)"
+    yield (torch.randn(4),) * 3, {}, "query should be unbatched 2D or batched 3D tensor but received 1-D query tensor"
+    yield (torch.randn(4, 4, 5),) * 3, {}, "was expecting embedding dimension of 4, but got 5"
+
+
+@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_invalid_shapes_raise_torchs_errors_before_any_computation(case, mode):
+    args, kw, msg = list(_bad_calls())[case]
+    for mha in (nn.MultiheadAttention(4, 4), TorchMultiheadAttention(4, 4)):
+        mha.train(mode == "train")
+        with torch.no_grad(), pytest.raises(AssertionError, match=msg):
+            mha(*args, **kw)
+    with pytest.raises(ValueError, match=msg):  # ours is a ValueError too
+        TorchMultiheadAttention(4, 4)(*args, **kw)
+
+
+def test_per_sample_3d_attn_mask_equals_2d_calls():
+    E, H, B, Lq, Lk = 8, 4, 5, 2, 3
+    mha = TorchMultiheadAttention(E, H).eval()
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.rand(B, Lq, E, generator=g), torch.rand(B, Lk, E, generator=g)
+    am = torch.zeros(B, Lq, Lk).masked_fill(torch.rand(B, Lq, Lk, generator=g) > 0.5, float("-inf"))
+    am[:, :, 0] = 0.0  # every row keeps a key (torch.nn would give NaN otherwise)
+    out3 = mha(q.transpose(0, 1), k.transpose(0, 1), k.transpose(0, 1), attn_mask=am.repeat_interleave(H, 0))[0]
+    for i in range(B):
+        out2 = mha(q[i:i + 1].transpose(0, 1), k[i:i + 1].transpose(0, 1), k[i:i + 1].transpose(0, 1),
+                   attn_mask=am[i])[0]
+        assert torch.allclose(out3[:, i:i + 1], out2, atol=1e-6)
+
+
+def test_bias_false_and_separate_projection_weights():
+    mha = TorchMultiheadAttention(8, 4, bias=False)
+    assert mha.in_proj_bias is None and mha.out_proj.bias is None
+    x = torch.rand(1, 5, 8)
+    assert mha(x, x, x)[0].shape == (1, 5, 8)
+    sep = TorchMultiheadAttention(4, 4, kdim=2, vdim=2, dtype=torch.double)
+    assert sep.in_proj_weight is None
+    out, w = sep(torch.rand(4, 4, 4, dtype=torch.double), torch.rand(4, 4, 2, dtype=torch.double),
+                 torch.rand(4, 4, 2, dtype=torch.double))
+    assert out.shape == (4, 4, 4) and out.dtype == torch.double and w.shape == (4, 4, 4)
+
+
+def test_a_bias_of_another_dtype_is_promoted():
+    mha = TorchMultiheadAttention(4, 4, batch_first=True, dtype=torch.double).eval()
+    ref = mha.to_torch().eval()
+    mha.in_proj_bias = nn.Parameter(mha.in_proj_bias.to(torch.half))
+    ref.in_proj_bias = nn.Parameter(ref.in_proj_bias.to(torch.half))
+    q = torch.randn(4, 4, 4, dtype=torch.double)
+    with torch.no_grad():
+        out = mha(q, q, q)[0]
+        assert out.dtype == torch.double and torch.allclose(out, ref(q, q, q)[0], atol=1e-6)
+
+
+def test_is_causal_is_torchs_hint():
+    E, H = 4, 1
+    mha = TorchMultiheadAttention(E, H)
+    x = torch.randn(1, 2, E)
+    with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
+        mha(x, x, x, is_causal=True)
+    with pytest.raises(ValueError, match="Need attn_mask if specifying the is_causal hint"):
+        mha(x, x, x, is_causal=True)
+    # with all-ones weights the causal result is known exactly: every output is 16
+    ones = TorchMultiheadAttention(E, H)
+    ones.in_proj_weight = nn.Parameter(torch.ones(3 * E, E))
+    ones.out_proj.weight = nn.Parameter(torch.ones(E, E))
+    qkv = torch.ones(1, 2, E)
+    mask = nn.Transformer.generate_square_subsequent_mask(2)
+    out, _ = ones(qkv, qkv, qkv, attn_mask=mask, need_weights=False, is_causal=True)
+    assert torch.equal(out, torch.full((1, 2, E), 16.0))
+    # an encoder trained with the hint, patched
+    layer = nn.TransformerEncoderLayer(2, 1, 4, dropout=0.0, batch_first=True, activation="gelu")
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    patch(enc)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1, momentum=0.9)
+    inputs = torch.randn(1, 2, 2)
+    outputs = enc(inputs, mask=nn.Transformer.generate_square_subsequent_mask(2), is_causal=True)
+    loss = nn.functional.mse_loss(outputs, inputs)
+    loss.backward()
+    opt.step()
+    assert all(p.grad is not None for p in enc.parameters())
+    # the hint gives what the explicit causal mask gives
+    ref = TorchMultiheadAttention(6, 2).eval()
+    y = torch.randn(5, 3, 6)
+    m = nn.Transformer.generate_square_subsequent_mask(5)
+    assert torch.allclose(ref(y, y, y, attn_mask=m, is_causal=True)[0], ref(y, y, y, attn_mask=m)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("kv", [None, 256])
+def test_torchscript_scripts_the_same_weights(kv):
+    mha = TorchMultiheadAttention(128, 8, kdim=kv, vdim=kv).eval()
+    scripted = torch.jit.script(mha)
+    q, k = torch.randn(5, 2, 128), torch.randn(7, 2, kv or 128)
+    assert torch.allclose(scripted(q, k, k)[0], mha(q, k, k)[0], atol=1e-5)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                enable_nested_tensor=False).eval()
+    patch(enc)
+    x = torch.randn(2, 5, 16)
+    before = enc(x)
+    assert torch.allclose(torch.jit.script(enc)(x), before, atol=1e-5)
+    # torch's scripting swaps the plain module into the model in place (documented)
+    assert type(enc.layers[0].self_attn) is nn.MultiheadAttention
+
+
+def test_every_combination_constructs_like_torch():
+    for bias, bkv, zattn, bf in itertools.product([True, False], repeat=4):
+        ref = nn.MultiheadAttention(8, 2, bias=bias, add_bias_kv=bkv, add_zero_attn=zattn, batch_first=bf)
+        ours = TorchMultiheadAttention.from_module(ref)
+        assert list(ours.state_dict()) == list(ref.state_dict())
+        assert ours.to_torch().state_dict().keys() == ref.state_dict().keys()
