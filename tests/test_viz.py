@@ -135,15 +135,27 @@ def test_explorer_in_chromium(tmp_path):
         first_token = page.text_content("#tokens span:nth-child(1)")
         dialogs = []
         page.on("dialog", lambda d: dialogs.append(d))
-        return before, after, shaded, first_token, page.screenshot(), dialogs
+        labels = {
+            "y": page.eval_on_selector_all("#ylabels span", "els => els.map(e => e.textContent)"),
+            "x": page.eval_on_selector_all("#xlabels span", "els => els.map(e => e.textContent)"),
+            "heads": page.eval_on_selector_all("#thumbs .headnum", "els => els.map(e => e.textContent)"),
+            "ticks": page.eval_on_selector_all("#scaleticks span", "els => els.map(e => e.textContent)"),
+            "y_visible": page.is_visible("#ylabels span:nth-child(2)"),
+        }
+        return before, after, shaded, first_token, page.screenshot(), dialogs, labels
 
-    (before, after, shaded, first_token, png, dialogs), errors = _open(p, exe, sync_api, act)
+    (before, after, shaded, first_token, png, dialogs, labels), errors = _open(p, exe, sync_api, act)
     assert errors == []
     assert before.endswith("— head 0 (6 queries × 6 keys, max weight " + before.split("max weight ")[1])
     assert after.startswith("1 — head 2") and after != before
     assert "rgba(200, 0, 0" in shaded
     assert first_token == "<script>alert(1)</script>" and dialogs == []
     assert _not_blank(png)
+    # the enlarged head reads without hovering: token labels on both axes, head numbers, a colour scale
+    assert labels["y"] == evil and labels["x"] == evil and labels["y_visible"]
+    assert labels["heads"] == [f"head {h}" for h in range(max(w.shape[1] for w in c.values()))]
+    vmax = float(after.split("max weight ")[1].rstrip(")"))
+    assert [float(t) for t in labels["ticks"]] == pytest.approx([vmax, vmax / 2, 0.0], abs=1e-3)
 
 
 def test_explorer_long_input_and_image_in_chromium(tmp_path):
@@ -155,10 +167,12 @@ def test_explorer_long_input_and_image_in_chromium(tmp_path):
 
     def act(page):
         page.click('#thumbs canvas[data-head="1"]')
-        return page.text_content("#enlarged-title"), page.screenshot()
+        ys = page.eval_on_selector_all("#ylabels span", "els => els.map(e => e.textContent)")
+        return page.text_content("#enlarged-title"), page.screenshot(), ys
 
-    (title, png), errors = _open(p, exe, sync_api, act)
+    (title, png, ys), errors = _open(p, exe, sync_api, act)
     assert errors == [] and title.startswith("layer — head 1 (4096 queries × 4096 keys") and _not_blank(png)
+    assert ys == [f"t{i}" for i in range(0, L, L // 32)]  # every 128th token of 4096
     # a ViT-style capture: [CLS] + 4x4 patches over an 8x8 picture
     img = torch.arange(64.0).reshape(8, 8)
     wv = torch.softmax(torch.randn(1, 2, 17, 17), -1)

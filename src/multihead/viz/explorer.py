@@ -2,7 +2,10 @@
 CSS and JS; the weights inside as JSON (each head quantized to 8 bits and, past
 ``max_cells`` positions, averaged over blocks so that 4096-token inputs stay light).
 
-- all layers x heads as thumbnails; click one to enlarge it;
+- all layers x heads as thumbnails under their head numbers; click one to enlarge it;
+- the enlarged head reads without hovering: query tokens down its side, key tokens
+  along its bottom (every n-th token on long inputs, at most 32 per axis) and a
+  colour scale from 0 to the head's largest weight;
 - hover a query token to see what it attends to (keys shaded by weight), or a
   cell of the enlarged map to read its weight;
 - self- and cross-attention (query and key tokens per module);
