@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.functional import _weights
+from multihead.hooks import hooked_modules
 from multihead.modules import AttentionCore
 
 __all__ = ["capture", "Captured"]
@@ -121,8 +122,10 @@ def capture(
     Yields a :class:`Captured` mapping.
     """
     rec = Captured(model, include, detach, to_cpu, max_elements)
-    mods = [m for m in model.modules() if isinstance(m, AttentionCore)] if model is not None else \
-        AttentionCore.alive()
+    mods = list(hooked_modules(model).values()) if model is not None else AttentionCore.alive()
+    if model is not None and not mods:
+        raise ValueError(f"{type(model).__name__} has no multihead attention module to record; for a transformers "
+                         "model call multihead.hf.attach(model) first (import multihead.hf).")
     handles = [m.attention_hooks.add_observer(rec.record) for m in mods]
     try:
         yield rec

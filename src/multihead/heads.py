@@ -27,15 +27,18 @@ from torch import Tensor, nn
 
 from multihead.capture import capture
 from multihead.compat import TorchMultiheadAttention
-from multihead.modules import AttentionCore, MultiHeadAttention
+from multihead.hooks import hooked_modules
+from multihead.hooks import num_heads as _num_heads
+from multihead.modules import MultiHeadAttention
 
 __all__ = ["Importance", "attention_modules", "gated", "head_counts", "importance", "mean_head_outputs", "prune",
            "pruning_curve", "resize"]
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every multihead attention module in ``model``, by qualified name, in order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, AttentionCore)}
+    """Every attention module in ``model`` with a hook list (multihead's own, and a transformers
+    model's after ``multihead.hf.attach``), by qualified name, in order."""
+    return hooked_modules(model)
 
 
 @contextlib.contextmanager
@@ -52,7 +55,7 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
             raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
     gates, handles = {}, []
     for name, m in mods.items():
-        H = m.num_heads
+        H = _num_heads(m)
         g = values[name].detach().clone() if values is not None and name in values else None
         if g is None:
             w = next(iter(m.parameters()))
@@ -158,7 +161,7 @@ def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module
     model.eval()
     try:
         if method == "gradient":
-            total = {n: torch.zeros(mods[n].num_heads) for n in names}
+            total = {n: torch.zeros(_num_heads(mods[n])) for n in names}
             with gated(model, requires_grad=True) as g:
                 for b in _bar(batches, "importance (gradient)", progress):
                     loss = loss_fn(model, b)
@@ -174,18 +177,18 @@ def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module
             with torch.no_grad():
                 base = sum(float(loss_fn(model, b)) for b in batches) / len(batches)
                 scores = []
-                todo = [(n, h) for n in names for h in range(mods[n].num_heads)]
+                todo = [(n, h) for n in names for h in range(_num_heads(mods[n]))]
                 results = {}
                 for n, h in _bar(todo, "importance (ablation)", progress):
-                    vals = torch.ones(mods[n].num_heads)
+                    vals = torch.ones(_num_heads(mods[n]))
                     vals[h] = 0.0
                     with gated(model, {n: vals}, fill=fill):
                         results[(n, h)] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
                 for n in names:
-                    scores.append(torch.tensor([results[(n, h)] for h in range(mods[n].num_heads)]))
+                    scores.append(torch.tensor([results[(n, h)] for h in range(_num_heads(mods[n]))]))
             return Importance(names, scores, method, [s.clone() for s in scores])
         # entropy
-        sums = {n: torch.zeros(mods[n].num_heads) for n in names}
+        sums = {n: torch.zeros(_num_heads(mods[n])) for n in names}
         counts = dict.fromkeys(names, 0)
         with torch.no_grad():
             for b in _bar(batches, "importance (entropy)", progress):
@@ -238,8 +241,9 @@ def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: b
     m.num_heads, m.num_kv_heads = len(keep), len(kv)
 
 
-def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | None) -> None:
-    H, Hkv, Dv = m.num_heads, m.num_kv_heads, m.value_head_dim
+def _kept(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
+    """The query heads kept and the key/value heads they need: with GQA a key/value head goes
+    only when all its query heads go; uneven groups give each kept query head its own copy."""
     bad = [h for h in remove if not 0 <= h < H]
     if bad:
         raise ValueError(f"heads {sorted(bad)} do not exist: the module has num_heads={H}.")
@@ -247,9 +251,13 @@ def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | No
     group = H // Hkv
     per_kv = Counter(h // group for h in keep)
     if len(set(per_kv.values())) <= 1:  # every kept key/value head still serves the same number of heads
-        kv = sorted(per_kv)
-    else:  # uneven groups: give each kept query head its own copy of its key/value head
-        kv = [h // group for h in keep]
+        return keep, sorted(per_kv)
+    return keep, [h // group for h in keep]
+
+
+def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | None) -> None:
+    keep, kv = _kept(m.num_heads, m.num_kv_heads, remove)
+    Dv = m.value_head_dim
     o = m.projections()[3]
     compensate = mean_out is not None and bool(remove)
     _rebuild(m, keep, kv, o_bias=o.bias is not None or compensate, copy=True)
@@ -286,13 +294,19 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
         if name not in mods:
             raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
         m = mods[name]
-        if isinstance(m, TorchMultiheadAttention) or not isinstance(m, MultiHeadAttention):
-            raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "
-                            "multihead.interop.from_torch first.")
         remove = set(int(h) for h in remove)
         mo = None if mean_outputs is None else mean_outputs.get(name)
-        kept[name] = [h for h in range(m.num_heads) if h not in remove]
-        _prune_module(m, remove, mo)
+        H = _num_heads(m)
+        kept[name] = [h for h in range(H) if h not in remove]
+        if isinstance(m, MultiHeadAttention):
+            _prune_module(m, remove, mo)
+        elif not isinstance(m, TorchMultiheadAttention) and m.attention_hooks.layout is not None:
+            layout = m.attention_hooks.layout
+            keep, kv = _kept(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
+            layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
+        else:
+            raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "
+                            "multihead.interop.from_torch first.")
     return kept
 
 
@@ -367,9 +381,9 @@ def pruning_curve(
     import copy
 
     work = copy.deepcopy(model).eval()
-    total = sum(m.num_heads for m in attention_modules(work).values())
+    total = sum(_num_heads(m) for m in attention_modules(work).values())
     # original head ids per module, to report which heads are gone
-    ids = {n: list(range(m.num_heads)) for n, m in attention_modules(work).items()}
+    ids = {n: list(range(_num_heads(m))) for n, m in attention_modules(work).items()}
     removed: dict[str, list[int]] = {n: [] for n in ids}
     means = mean_head_outputs(work, batches, lambda m, b: loss_fn(m, b)) if mean_replacement else None
     rows = []

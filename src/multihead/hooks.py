@@ -43,6 +43,11 @@ class AttentionHooks:
     def __init__(self):
         self.observers: list[Observer] = []
         self.transforms: list[Transform] = []
+        # for a foreign module (a transformers attention module, see multihead.hf.attach): its
+        # head count, its head layout (which weights hold head h) and the module holding it
+        self.num_heads: int | None = None
+        self.layout = None
+        self.parent = None
 
     def add_observer(self, fn: Observer) -> _Handle:
         """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""
@@ -68,3 +73,15 @@ class AttentionHooks:
 
     def __repr__(self) -> str:
         return f"AttentionHooks({len(self.observers)} observers, {len(self.transforms)} transforms)"
+
+
+def hooked_modules(model) -> dict:
+    """Every module of ``model`` that has an attention hook list: multihead's own modules and
+    foreign attention modules given one (``multihead.hf.attach``), by qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("attention_hooks"), AttentionHooks)}
+
+
+def num_heads(module) -> int:
+    """A hooked module's query head count H."""
+    h = module.__dict__["attention_hooks"].num_heads
+    return module.num_heads if h is None else h

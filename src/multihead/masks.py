@@ -42,6 +42,7 @@ __all__ = [
     "And",
     "from_torch",
     "from_keras",
+    "from_hf",
     "blocked",
     "as_mask",
 ]
@@ -605,6 +606,21 @@ def from_keras(attention_mask) -> Mask | None:
     if m.dim() != 3:
         raise ValueError(f"attention_mask must be (B, Lq, Lk); got shape {tuple(m.shape)}.")
     return Dense(m.bool()[:, None])  # (B, 1, Lq, Lk)
+
+
+def from_hf(attention_mask) -> Mask | None:
+    """Hugging Face transformers' 4-D attention masks, as its attention functions receive
+    them: bool (B|1, 1|H, Lq, Lk) True = may attend, or float additive (B|1, 1|H, Lq, Lk)
+    with the dtype's minimum (or -inf) where a key may not be attended to."""
+    if attention_mask is None:
+        return None
+    m = _as_tensor(attention_mask, "attention_mask")
+    if m.dtype == torch.bool:
+        return Dense(m)
+    if not m.dtype.is_floating_point:
+        raise TypeError(f"attention_mask must be bool or floating; got {m.dtype}.")
+    blocked_ = m <= torch.finfo(m.dtype).min / 2  # the dtype's minimum (or -inf): may not attend
+    return Dense(m.masked_fill(blocked_, float("-inf")))
 
 
 def blocked(mask) -> Mask | None:
