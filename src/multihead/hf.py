@@ -352,8 +352,19 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
             raise ValueError(f"{cfg_file} records heads for {name!r}, not an attention module of {model_class.__name__}.")
         m = mods[name]
         layout = LAYOUTS[type(m).__name__]
-        if (H, Hkv) != layout.counts(m, m.attention_hooks.parent):
-            layout.prune(m, list(range(H)), list(range(Hkv)))
+        H0, Hkv0 = layout.counts(m, m.attention_hooks.parent)
+        if (H, Hkv) != (H0, Hkv0):  # sizes only (the weights are loaded next); uneven GQA groups may hold Hkv > Hkv0
+            layout.prune(m, list(range(H)), [i % Hkv0 for i in range(Hkv)])
+    from safetensors import safe_open
+
+    with safe_open(str(w_file), "pt") as f:
+        keys = set(f.keys())
+    for name, m in mods.items():  # a mean-compensated prune gave a bias-free output projection a bias
+        layout = LAYOUTS[type(m).__name__]
+        owner, owner_name = (m.attention_hooks.parent, name.rsplit(".", 1)[0]) if layout.o_from_parent else (m, name)
+        o = owner.get_submodule(layout.o)
+        if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
+            o.bias = nn.Parameter(torch.zeros(_out_features(o), device=o.weight.device, dtype=o.weight.dtype))
     try:
         missing, unexpected = load_model(model, str(w_file), strict=False)
     except (SafetensorError, OSError, RuntimeError) as e:

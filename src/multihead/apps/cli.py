@@ -25,7 +25,15 @@ def _viz(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpts = Path(args.checkpoints) if args.checkpoints else out / "checkpoints"
-    if args.model == "toy":
+    if args.hf:
+        from multihead.apps import hf_models
+
+        paths = hf_models.draw(args.hf, args.text or "Multi-head attention lets the model look in several places.",
+                               out)
+    elif args.model is None:
+        print("multihead viz: give --model {toy,vit,minilm} or --hf DIR", file=sys.stderr)
+        return 2
+    elif args.model == "toy":
         paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), args.text or "31415926", out)
     elif args.model == "vit":
         paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index, out)
@@ -47,7 +55,18 @@ def _prune(args) -> int:
     from multihead.apps import pruning
 
     out = Path(args.out)
-    if args.model == "toy":
+    if args.hf:
+        from multihead.apps import hf_models
+
+        corpus = None
+        if args.corpus:
+            corpus = [line.strip() for line in Path(args.corpus).read_text().splitlines() if line.strip()]
+        sizes = args.sentences or (128, None)
+        setup = hf_models.hf_setup(args.hf, corpus, *sizes)
+    elif args.model is None:
+        print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
+        return 2
+    elif args.model == "toy":
         setup = pruning.toy_setup(Path(args.checkpoints) if args.checkpoints else out / "checkpoints" / "transformer")
     else:
         try:
@@ -56,10 +75,13 @@ def _prune(args) -> int:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
     report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate,
-                         max_seconds=args.max_seconds)
+                         max_seconds=args.max_seconds, recover=args.recover)
     f = report["final"]
     print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
           f"(unpruned {f['metric_unpruned']:.4f})")
+    if report.get("recovery"):
+        r = report["recovery"]
+        print(f"recovery: {r['steps']} steps took it from {r['metric_before']:.4f} to {r['metric_after']:.4f}")
     print(pruning.speed_table(report["speed"]))
     for note in report["timing_notes"]:
         print(f"note: {note}")
@@ -89,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
     p = sub.add_parser("viz", help="draw every head of a model on an input")
-    p.add_argument("--model", choices=["toy", "vit", "minilm"], required=True,
+    p.add_argument("--model", choices=["toy", "vit", "minilm"], default=None,
                    help="toy: the digit-reversing Transformer (text = digits); vit: the digits ViT (--index); "
                         "minilm: the pretrained all-MiniLM-L6-v2")
+    p.add_argument("--hf", default=None, metavar="DIR", help="a local transformers checkpoint directory (its tokenizer "
+                                                            "reads --text)")
     p.add_argument("--text", default=None)
     p.add_argument("--index", type=int, default=0, help="which test image, for --model vit")
     p.add_argument("--out", default="out/viz")
@@ -99,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retrain", action="store_true")
     p.set_defaults(func=_viz)
     p = sub.add_parser("prune", help="head importance, the pruning curve with measured speed, the pruned model")
-    p.add_argument("--model", choices=["toy", "minilm"], required=True)
+    p.add_argument("--model", choices=["toy", "minilm"], default=None)
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="a local transformers checkpoint directory (encoders: cosine of mean-pooled hidden states; "
+                        "causal LMs: KL of next-token distributions)")
+    p.add_argument("--corpus", default=None, metavar="FILE", help="--hf: sentences, one per line (default: Python's "
+                                                                  "own docs)")
+    p.add_argument("--recover", type=int, default=0, metavar="STEPS",
+                   help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
     p.add_argument("--fraction", type=float, default=0.4, help="share of all heads to prune")
     p.add_argument("--step", type=float, default=0.1, help="share of heads pruned per step of the curve")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")

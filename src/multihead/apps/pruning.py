@@ -44,6 +44,7 @@ class Setup:
     peer: tuple[str, nn.Module, Callable] | None = None  # (name, model, run_fn) timed beside ours
     notes: list[str] = field(default_factory=list)
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
+    recover_fn: Callable | None = None  # recover_fn(model, steps) -> losses: distil a pruned model to the unpruned
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -118,7 +119,7 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
 
 
 def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
-        progress: bool = True, max_seconds: float = 60.0) -> dict:
+        progress: bool = True, max_seconds: float = 60.0, recover: int = 0) -> dict:
     """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
     the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +136,14 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
                                mean_replacement=setup.mean_replacement, progress=progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()))
     final = snapshots[-1]  # the model the last row measured
+    recovery = None
+    if recover > 0:
+        if setup.recover_fn is None:
+            raise ValueError(f"--recover is not available for {setup.name}.")
+        final = copy.deepcopy(final)
+        losses = setup.recover_fn(final, recover)
+        recovery = {"steps": recover, "metric_before": rows[-1]["metric"], "metric_after": float(setup.metric_fn(final)),
+                    "loss_first": losses[0], "loss_last": losses[-1]}
     setup.pruned = final
     setup.save_fn(final, out / "model")
     # speed: every step's model and the peer, timed together (interleaved rounds, per batch size)
@@ -166,7 +175,9 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
         "speed_ms": {n: {b: round(v["median_ms"], 2) for b, v in per.items()} for n, per in speeds.items()},
         "speed": speeds, "timing_notes": notes,
-        "final": {"fraction": rows[-1]["fraction"], "metric": rows[-1]["metric"], "metric_unpruned": rows[0]["metric"]},
+        "final": {"fraction": rows[-1]["fraction"], "metric": recovery["metric_after"] if recovery else rows[-1]["metric"],
+                  "metric_unpruned": rows[0]["metric"]},
+        "recovery": recovery,
         "notes": setup.notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -244,6 +255,9 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         speed_table(r["speed"]),
         "",
+        *([f"Recovery: {r['recovery']['steps']} distillation steps towards the unpruned model took the metric from "
+           f"{r['recovery']['metric_before']:.4f} to {r['recovery']['metric_after']:.4f}; the saved model is the "
+           "recovered one.", ""] if r.get("recovery") else []),
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",
     ])

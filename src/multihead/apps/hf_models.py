@@ -1,0 +1,167 @@
+"""The pruning exercise and the pictures on any local transformers checkpoint directory
+(``multihead prune --hf DIR``, ``multihead viz --hf DIR``): the model through
+:mod:`multihead.hf`, text through the directory's own tokenizer.
+
+Fidelity to the unpruned model: mean cosine of the mean-pooled last hidden states for
+encoders; mean KL divergence of the next-token distributions for causal LMs (lower is
+better; reported as the metric). ``recover`` distils a pruned model towards the
+unpruned one on unlabelled sentences (the same fidelity as the loss).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead.apps.pruning import Setup
+
+
+def _load(path: Path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    import multihead.hf as mhf
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path / 'config.json'} does not exist: --hf takes a local transformers checkpoint "
+                         "directory (config.json, weights and a tokenizer).")
+    config = transformers.AutoConfig.from_pretrained(path)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is the same advice
+        raise ValueError(f"{path} has no tokenizer transformers can load ({type(e).__name__}: {e}); text models need "
+                         "tokenizer.json (or the tokenizer files) in the directory.") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    model = mhf.attach(auto.from_pretrained(path).eval())
+    peer = auto.from_pretrained(path, attn_implementation="sdpa").eval()
+    return model, peer, tok, causal
+
+
+def _batches(tok, sents: list[str], size: int, causal: bool) -> list[tuple]:
+    out = []
+    tok.padding_side = "left" if causal else "right"
+    for i in range(0, len(sents), size):
+        enc = tok(sents[i:i + size], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        out.append((enc["input_ids"], enc["attention_mask"]))
+    return out
+
+
+def _pooled(model, ids, am):
+    h = model(input_ids=ids, attention_mask=am).last_hidden_state  # (B, L, E)
+    m = am.to(h.dtype)[..., None]  # (B, L, 1)
+    return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
+
+
+def _logp(model, ids, am):
+    return F.log_softmax(model(input_ids=ids, attention_mask=am).logits.float(), -1)  # (B, L, V)
+
+
+def _kl(lp, ref, am) -> torch.Tensor:
+    kl = (ref.exp() * (ref - lp)).sum(-1)  # (B, L)
+    return (kl * am).sum() / am.sum()
+
+
+def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
+             n_held_out: int | None = None) -> Setup:
+    """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``."""
+    import multihead.hf as mhf
+    from multihead.apps.data import sentences
+
+    model, peer, tok, causal = _load(Path(path))
+    corpus = corpus if corpus is not None else sentences()
+    head, held_out = corpus[:n_importance], corpus[n_importance:]
+    if n_held_out is not None:
+        held_out = held_out[:n_held_out]
+    if not head or not held_out:
+        raise ValueError(f"the corpus has {len(corpus)} sentences: it needs more than {n_importance} (importance on "
+                         "the first ones, fidelity on the rest).")
+    out_fn = _logp if causal else _pooled
+    with torch.no_grad():
+        imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
+        batches = _batches(tok, held_out, 16, causal)
+        refs = [out_fn(model, *b) for b in batches]
+
+    if causal:
+        def loss_fn(m, b):
+            (ids, am), ref = b
+            return _kl(_logp(m, ids, am), ref, am)
+
+        def metric_fn(m):
+            with torch.no_grad():
+                return float(sum(_kl(_logp(m, i, a), r, a) for (i, a), r in zip(batches, refs)) / len(batches))
+        name = "mean KL of next-token distributions to the unpruned model (lower is better)"
+    else:
+        def loss_fn(m, b):
+            (ids, am), ref = b
+            return 1 - (_pooled(m, ids, am) * ref).sum(-1).mean()
+
+        def metric_fn(m):
+            with torch.no_grad():
+                return torch.cat([(_pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
+        name = "mean cosine of mean-pooled hidden states to the unpruned model"
+    speed = {n: _batches(tok, held_out[: 4 * n], n, causal)[:4] for n in (1, 16, 64)}
+    setup = Setup(Path(path).name, model, imp, loss_fn, metric_fn, name, speed,
+                  lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
+                  lambda m, p: mhf.save(m, p), (f"transformers {type(peer).__name__} (sdpa)", peer,
+                                                lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
+                  [f"importance on the first {len(head)} sentences, fidelity on the next {len(held_out)}",
+                   "fidelity: " + name])
+    setup.recover_fn = lambda m, steps: recover(m, model, imp, steps, causal)
+    return setup
+
+
+def recover(pruned: nn.Module, teacher: nn.Module, batches: list, steps: int, causal: bool, *,
+            lr: float = 1e-4) -> list[float]:
+    """Distil ``pruned`` towards ``teacher`` (the unpruned model) for ``steps`` steps on the
+    unlabelled ``batches`` ((ids, am), teacher output); returns the losses."""
+    from tqdm.auto import tqdm
+
+    pruned.train()
+    opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for s in tqdm(range(steps), desc="recovery (distillation)", mininterval=1.0):
+        (ids, am), ref = batches[s % len(batches)]
+        if causal:
+            loss = _kl(_logp(pruned, ids, am), ref, am)
+        else:
+            loss = 1 - (_pooled(pruned, ids, am) * ref).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    pruned.eval()
+    return losses
+
+
+def draw(path: str | Path, text: str, out: Path) -> list[Path]:
+    """Every head of the checkpoint in ``path`` on ``text``: heatmaps, rollout and the explorer."""
+    import multihead
+    from multihead.viz import explorer, heatmaps, rollout
+
+    model, _, tok, causal = _load(Path(path))
+    enc = tok([text], return_tensors="pt")
+    tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
+    with torch.no_grad(), multihead.capture(model) as cap:
+        model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+    out.mkdir(parents=True, exist_ok=True)
+    name = Path(path).name
+    paths = []
+    fig = heatmaps(cap, queries=tokens, keys=tokens, max_labels=24)
+    paths.append(out / f"{name}_heads.png")
+    fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
+    fig = heatmaps(rollout(cap, causal=causal)[:, None], queries=tokens, keys=tokens, titles=["rollout"], cell=4)
+    paths.append(out / f"{name}_rollout.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    paths.append(explorer(cap, tokens, out / f"{name}_explorer.html", title=f"{name}: {text}"))
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return paths

@@ -1,0 +1,98 @@
+"""`multihead prune --hf DIR` and `multihead viz --hf DIR` on local transformers checkpoints
+(tiny models with a word-level tokenizer, built here)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+import multihead.hf as mhf  # noqa: E402
+from multihead.apps import pruning  # noqa: E402
+from multihead.apps.cli import main  # noqa: E402
+from multihead.apps.data import sentences  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*token_id.*")
+T = transformers
+
+
+def _save(tmp_path, model, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[BOS]": 2}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    d = tmp_path / "ckpt"
+    model.save_pretrained(d)
+    fast.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return sentences(80)
+
+
+def _words(corpus):
+    return sorted({w for s in corpus for w in s.replace(".", " ").split()})[:200]
+
+
+@pytest.fixture
+def bert_dir(tmp_path, corpus):
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=210, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, max_position_embeddings=160)
+    return _save(tmp_path, T.BertModel(cfg).eval(), _words(corpus))
+
+
+def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, tmp_path, corpus):
+    from multihead.apps import hf_models
+
+    setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
+    out = tmp_path / "out"
+    report = pruning.run(setup, 0.25, out, step=0.25, progress=False, max_seconds=2.0, recover=5)
+    assert report["curve"][-1]["heads_pruned"] == 2
+    r = report["recovery"]
+    assert r["steps"] == 5 and report["final"]["metric"] == r["metric_after"]
+    loaded = mhf.load(out / "model")  # the documented call
+    assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(loaded).values()) == 6
+    ids, am = setup.speed_inputs[16][0]
+    with torch.no_grad():
+        a = loaded(input_ids=ids, attention_mask=am).last_hidden_state
+        b = setup.pruned(input_ids=ids, attention_mask=am).last_hidden_state
+    assert torch.allclose(a, b, atol=1e-6)
+    assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-6
+    text = (out / "report.md").read_text()
+    assert "Recovery: 5 distillation steps" in text and "transformers BertModel (sdpa)" in text
+
+
+def test_prune_and_viz_hf_command_line(tmp_path, corpus):
+    torch.manual_seed(0)
+    lm = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=210, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).eval()
+    d = _save(tmp_path, lm, _words(corpus))
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("\n".join(corpus[:48]))
+    out = tmp_path / "p"
+    assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
+                 "--sentences", "16", "32", "--max-seconds", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"].startswith("mean KL of next-token distributions")
+    assert report["curve"][0]["metric"] == pytest.approx(0.0, abs=1e-6) and report["curve"][-1]["metric"] > 0
+    back = mhf.load(out / "model")
+    assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(back).values()) == 6
+    assert main(["viz", "--hf", str(d), "--text", "The value of the object", "--out", str(tmp_path / "v")]) == 0
+    assert (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000
+    assert (tmp_path / "v" / "ckpt_heads.png").stat().st_size > 1000
+
+
+def test_hf_bad_directories(tmp_path):
+    with pytest.raises(ValueError, match="config.json does not exist: --hf takes a local transformers checkpoint"):
+        main(["viz", "--hf", str(tmp_path), "--out", str(tmp_path / "v")])
