@@ -20,7 +20,9 @@ __all__ = ["attention_inputs", "heads", "module_inputs", "positive_int", "valid_
 
 
 def _shape(t: Tensor) -> str:
-    return str(tuple(t.shape))
+    """(3, 5): joined by hand, which torch.compile can trace while building an error message."""
+    dims = [str(d) for d in t.shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
 def positive_int(name: str, v, *, optional: bool = False) -> int | None:

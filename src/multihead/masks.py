@@ -58,6 +58,20 @@ def _as_tensor(x, what: str) -> Tensor:
     raise TypeError(f"{what} must be a torch.Tensor (or array-like); got {type(x).__name__}.")
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _value_check(ok: Tensor, message: str) -> None:
+    """A check on tensor *values*, before any computation: in eager mode a ValueError with
+    ``message``; under torch.compile (where reading a value would break the graph) an
+    assertion compiled into the graph, raised when the graph runs."""
+    if _compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
 def _full(keep: Tensor, B: int, H: int, Lq: int, Lk: int) -> Tensor:
     """Broadcast a keep mask of up to 4 dims to (B, H, Lq, Lk)."""
     while keep.dim() < 4:
@@ -170,8 +184,11 @@ class ValidLens(Mask):
             raise ValueError(
                 f"valid_lens must have shape (B,) or (B, Lq); got shape {tuple(lens.shape)}."
             )
-        if lens.numel() and lens.device.type != "meta" and int(lens.min()) < 0:
-            raise ValueError(f"valid_lens must be >= 0; got minimum {int(lens.min())}.")
+        if lens.numel() and lens.device.type != "meta":
+            if _compiling():
+                _value_check((lens >= 0).all(), "valid_lens must be >= 0")
+            elif int(lens.min()) < 0:
+                raise ValueError(f"valid_lens must be >= 0; got minimum {int(lens.min())}.")
         object.__setattr__(self, "lens", lens)
 
     @property
@@ -194,7 +211,9 @@ class ValidLens(Mask):
             raise ValueError(
                 f"valid_lens of shape (B, Lq) must have Lq={Lq}; got shape {tuple(lens.shape)}."
             )
-        if lens.numel() and int(lens.max()) > Lk:
+        if lens.numel() and _compiling():
+            _value_check((lens <= Lk).all(), f"valid_lens must be <= Lk={Lk} (the number of keys)")
+        elif lens.numel() and int(lens.max()) > Lk:
             raise ValueError(
                 f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {int(lens.max())}."
             )
@@ -429,7 +448,10 @@ class Dense(Mask):
             )
         if m.dim() > 4:
             raise ValueError(f"Dense mask must have at most 4 dims (B, H, Lq, Lk); got shape {tuple(m.shape)}.")
-        if m.dtype.is_floating_point and m.device.type != "meta" and bool(torch.isnan(m).any()):
+        if m.dtype.is_floating_point and m.device.type != "meta" and _compiling():
+            _value_check(~torch.isnan(m).any(), "the float (additive bias) mask holds NaN; use -inf where a key may "
+                                                "not be attended to")
+        elif m.dtype.is_floating_point and m.device.type != "meta" and bool(torch.isnan(m).any()):
             raise ValueError(
                 f"the float (additive bias) mask of shape {tuple(m.shape)} holds NaN at {int(torch.isnan(m).sum())} "
                 "positions; use -inf where a key may not be attended to (a NaN would make every score it touches NaN)."
@@ -630,6 +652,6 @@ def blocked(mask) -> Mask | None:
     if mask is None:
         return None
     m = _as_tensor(mask, "mask")
-    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
-        raise ValueError("blocked(mask) takes 0/1 values (1 = blocked); got other values.")
+    if m.dtype != torch.bool:
+        _value_check(((m == 0) | (m == 1)).all(), "blocked(mask) takes 0/1 values (1 = blocked); got other values.")
     return Dense(m == 0)

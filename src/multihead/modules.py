@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import Tensor, nn
 
 from multihead import backends, checks, masks, varlen
@@ -254,7 +255,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         as zeros.
         """
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-        packed = self._packing(m, queries, keys) if m is not None else None
+        # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
+        packed = self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling() else None
         if not isinstance(packed, varlen.Packed):
             packed = None
         else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)

@@ -29,12 +29,14 @@ _FAILED: dict = {}
 MAX_BLOCK_MASKS = 32
 
 
+try:  # imported once here: an import inside a traced call would break torch.compile's graph
+    from torch.nn.attention import flex_attention as _FA
+except ImportError:  # older torch
+    _FA = None
+
+
 def _flex():
-    try:
-        from torch.nn.attention import flex_attention as fa
-    except ImportError:
-        return None
-    return fa
+    return _FA
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:

@@ -22,7 +22,6 @@ other error propagates.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +80,9 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("multihead_backend", default=None)
+#: the names ``use()`` has forced, innermost last (a plain list, which torch.compile traces: a
+#: context variable would break the graph; ``use`` is therefore process-wide, not per thread)
+_FORCED: list[str] = []
 
 
 def _always(req: Request) -> None:
@@ -139,20 +140,21 @@ def get(name: str) -> Backend:
 
 @contextlib.contextmanager
 def use(name: str):
-    """Inside the block, "auto" means ``name``: ``with backends.use("reference"): ...``."""
+    """Inside the block, "auto" means ``name``: ``with backends.use("reference"): ...``
+    (process-wide: every thread sees it)."""
     get(name)
-    token = _FORCED.set(name)
+    _FORCED.append(name)
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        _FORCED.pop()
 
 
 def select(name: str, req: Request, *, exclude: frozenset[str] = frozenset()) -> Backend:
     """The backend that runs ``req``: the named one, or for "auto" the forced one
     (``use``) or the first of highest priority that can run the request and prefers to."""
     if name == "auto":
-        name = _FORCED.get()
+        name = _FORCED[-1] if _FORCED else None
         if name is None or name in exclude:
             for b in _ranked():
                 if b.name not in exclude and b.can_run(req) is None and (b.prefer is None or b.prefer(req) is None):
@@ -211,7 +213,7 @@ class Explanation:
 
 
 def explain_request(req: Request, name: str = "auto") -> Explanation:
-    forced = _FORCED.get() if name == "auto" else name
+    forced = (_FORCED[-1] if _FORCED else None) if name == "auto" else name
     chosen = select(name, req).name
     reasons: dict[str, str] = {}
     for b in _ranked():

@@ -1,0 +1,122 @@
+"""torch.compile: no graph breaks for every mask kind, train and eval, the module, the
+functional core and the compat modules; compiled == eager; torch.export; errors kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import multihead
+from multihead import MultiHeadAttention, masks
+from multihead.compat import D2LMultiHeadAttention, KerasTutorialMultiHeadAttention, TorchMultiheadAttention
+
+warnings.filterwarnings("ignore", category=UserWarning)
+B, L, E = 2, 7, 16
+LENS = torch.tensor([7, 4])
+CASES = {
+    "none": lambda: {},
+    "valid_lens (B,)": lambda: {"valid_lens": LENS},
+    "valid_lens (B, Lq)": lambda: {"valid_lens": torch.tensor([[1, 2, 3, 4, 5, 6, 7], [1, 1, 2, 2, 3, 3, 4]])},
+    "KeyPadding": lambda: {"mask": masks.KeyPadding(torch.arange(L) < LENS[:, None])},
+    "Causal top-left": lambda: {"mask": masks.Causal()},
+    "Causal bottom-right": lambda: {"mask": masks.Causal("bottom-right")},
+    "SlidingWindow": lambda: {"mask": masks.SlidingWindow(2)},
+    "Dense bool": lambda: {"mask": torch.rand(L, L, generator=torch.Generator().manual_seed(0)) > 0.3},
+    "Dense float": lambda: {"mask": torch.randn(L, L, generator=torch.Generator().manual_seed(0))},
+    "ValidLens & Causal": lambda: {"mask": masks.ValidLens(LENS) & masks.Causal()},
+    "Padding & SlidingWindow": lambda: {"mask": masks.Padding(LENS) & masks.SlidingWindow(3)},
+}
+
+
+def _breaks(fn, *args):
+    dynamo.reset()
+    ex = dynamo.explain(fn)(*args)
+    return ex.graph_break_count, [str(r.reason)[:200] for r in ex.break_reasons]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_module_compiles_without_graph_breaks_and_equals_eager(case, train):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(E, 4, bias=True, query_size=E, key_size=E, value_size=E).train(train)
+    x = torch.randn(B, L, E)
+    kw = CASES[case]()
+    assert _breaks(lambda t: m(t, **kw), x) == (0, [])
+    dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    xe, xc = x.clone().requires_grad_(train), x.clone().requires_grad_(train)
+    eager, comp = m(xe, **kw), compiled(xc, **kw)
+    assert (comp - eager).abs().max() <= 1e-6
+    if train:  # gradients through the compiled graph
+        eager.sum().backward()
+        comp.sum().backward()
+        assert (xc.grad - xe.grad).abs().max() <= 1e-6
+
+
+def test_functional_and_compat_modules_compile_without_graph_breaks():
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 4)
+    for mask in (None, masks.Causal("bottom-right"), masks.ValidLens(torch.tensor([9, 3])) & masks.SlidingWindow(2)):
+        assert _breaks(lambda a, b, c: multihead.attention(a, b, c, mask), q, k, v) == (0, [])
+    d2l = D2LMultiHeadAttention(E, 4, 0.1).eval()
+    x = torch.randn(B, L, E)
+    d2l(x, x, x, LENS)  # materialize the lazy layers
+    assert _breaks(lambda t: d2l(t, t, t, LENS), x) == (0, [])
+    keras = KerasTutorialMultiHeadAttention(h=4, d_k=16, d_v=16, d_model=E).eval()
+    keras(x, x, x)
+    pad = torch.zeros(B, 1, 1, L)
+    pad[1, ..., 4:] = 1
+    assert _breaks(lambda t: keras(t, t, t, pad), x) == (0, [])
+    tm = TorchMultiheadAttention(E, 4, batch_first=True).eval()
+    kpm = ~(torch.arange(L) < LENS[:, None])
+    assert _breaks(lambda t: tm(t, t, t, key_padding_mask=kpm, need_weights=False)[0], x) == (0, [])
+
+
+def test_inductor_fullgraph_equals_eager():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(E, 4, bias=True, query_size=E, key_size=E, value_size=E).eval()
+    x = torch.randn(B, L, E)
+    dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, dynamic=False)
+    for kw in ({}, {"valid_lens": LENS}, {"mask": masks.Causal()}):
+        with torch.no_grad():
+            assert (compiled(x, **kw) - m(x, **kw)).abs().max() <= 1e-6
+
+
+def test_export_with_a_mask():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(E, 4, bias=True, query_size=E, key_size=E, value_size=E).eval()
+
+    class WithLens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = m
+
+        def forward(self, x, lens):
+            return self.attn(x, valid_lens=lens, mask=masks.Causal())
+
+    x = torch.randn(B, L, E)
+    ep = torch.export.export(WithLens(), (x, LENS))
+    x2, lens2 = torch.randn(B, L, E), torch.tensor([3, 7])
+    assert (ep.module()(x2, lens2) - WithLens()(x2, lens2)).abs().max() <= 1e-6
+
+
+def test_bad_input_still_raises_in_eager_and_under_compile():
+    m = MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E).eval()
+    x = torch.randn(B, L, E)
+    with pytest.raises(ValueError, match=r"valid_lens must be <= Lk=7 \(the number of keys\); got maximum 9"):
+        m(x, valid_lens=torch.tensor([9, 2]))
+    dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    compiled(x, valid_lens=LENS)
+    with pytest.raises(RuntimeError, match=r"valid_lens must be <= Lk=7"):  # compiled into the graph as an assertion
+        compiled(x, valid_lens=torch.tensor([9, 2]))
+    # shapes are checked while tracing: without fullgraph the call falls back to eager and raises our error
+    # (with fullgraph=True, torch reports it as the exception its tracer observed)
+    dynamo.reset()
+    lenient = torch.compile(m, backend="aot_eager")
+    lenient(x)
+    with pytest.raises(ValueError, match=r"queries must be \(B, L, query_size=16\); got shape \(2, 7, 5\)"):
+        lenient(torch.randn(B, L, 5))
