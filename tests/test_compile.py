@@ -59,7 +59,7 @@ def test_module_compiles_without_graph_breaks_and_equals_eager(case, train):
 def test_functional_and_compat_modules_compile_without_graph_breaks():
     q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 4)
     for mask in (None, masks.Causal("bottom-right"), masks.ValidLens(torch.tensor([9, 3])) & masks.SlidingWindow(2)):
-        assert _breaks(lambda a, b, c: multihead.attention(a, b, c, mask), q, k, v) == (0, [])
+        assert _breaks(lambda a, b, c, m=mask: multihead.attention(a, b, c, m), q, k, v) == (0, [])
     d2l = D2LMultiHeadAttention(E, 4, 0.1).eval()
     x = torch.randn(B, L, E)
     d2l(x, x, x, LENS)  # materialize the lazy layers
