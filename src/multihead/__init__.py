@@ -9,6 +9,7 @@ show and cut its heads.
 """
 
 from multihead import backends, masks
+from multihead.cache import KVCache
 from multihead.capture import capture
 from multihead.functional import attention, attention_weights, explain, reference_attention
 from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
@@ -17,6 +18,7 @@ from multihead.varlen import attention_varlen
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "MultiHeadAttention",
     "attention",
     "attention_varlen",

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import backends, checks, masks, varlen
+from multihead.cache import KVCache
 from multihead.functional import _run
 from multihead.functional import explain as _explain
 from multihead.hooks import AttentionHooks
@@ -202,9 +203,10 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             s += f", value_head_dim={self.value_head_dim}"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
 
-    def _inputs(self, queries, keys, values, valid_lens, mask):
+    def _inputs(self, queries, keys, values, valid_lens, mask, *, Lk: int | None = None):
         """Defaults (keys = queries, values = keys), checks, and one validated mask from
-        valid_lens & mask: everything is checked before any projection runs."""
+        valid_lens & mask (over ``Lk`` keys, default the keys' length): everything is
+        checked before any projection runs."""
         keys = queries if keys is None else keys
         values = keys if values is None else values
         q, k, v, _ = self.projections()
@@ -216,7 +218,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
             m = vl if m is None else vl & m
         if m is not None:
-            m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1], queries.device)
+            m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
+                       queries.device)
         return queries, keys, values, m
 
     def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
@@ -244,6 +247,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         valid_lens: Tensor | None = None,
         *,
         mask=None,
+        cache: KVCache | None = None,
     ) -> Tensor:
         """queries (B, Lq, query_size), keys (B, Lk, key_size) (default: queries),
         values (B, Lk, value_size) (default: keys) -> (B, Lq, out_features).
@@ -253,7 +257,14 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         value (or a bool keep / float bias tensor broadcastable to (B, H, Lq, Lk)),
         combined with valid_lens. Under ``masks.Padding`` padded query rows come out
         as zeros.
+
+        cache: a :class:`multihead.KVCache` for incremental decoding. Self-attention
+        (no keys given) appends this step's keys and values and attends to every cached
+        position plus its own (bottom-right causal; masks then cover Lk = all cached
+        positions); cross-attention projects ``keys``/``values`` once and reuses them.
         """
+        if cache is not None:
+            return self._forward_cached(queries, keys, values, valid_lens, mask, cache)
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
         packed = self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling() else None
@@ -270,6 +281,31 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if m is not None and (real := m.query_keep(out.shape[1], out.device)) is not None:
             out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
+
+    def _forward_cached(self, queries, keys, values, valid_lens, mask, cache: KVCache) -> Tensor:
+        """One decoding step with the cache: (B, n, query_size) -> (B, n, out_features)."""
+        cross = keys is not None and keys is not queries
+        if not cross:  # self-attention: the step's tokens are the keys; masks cover every cached position
+            Lk = cache.length(self) + queries.shape[1]
+            queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
+            q, k, v = self._project(queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (B, n, Hkv, Dv)
+            k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
+            m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
+        else:
+            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
+            memory = cache.memory(self)
+            q_proj, k_proj, v_proj, _ = self.projections()
+            H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+            if memory is None:  # the first step projects the memory once
+                B, Lk = keys.shape[0], keys.shape[1]
+                k = k_proj(keys).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
+                v = v_proj(values).view(B, Lk, Hkv, Dv).transpose(1, 2)  # (B, Lk, Hkv*Dv) -> (B, Hkv, Lk, Dv)
+                memory = (k, v)
+                cache.set_memory(self, k, v)
+            k_all, v_all = memory
+            q = q_proj(queries).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
+        out = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), m)  # (B, n, H, Dv)
+        return self.projections()[3](out.flatten(-2))  # (B, n, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being

@@ -62,7 +62,7 @@ def _prune(args) -> int:
         if args.corpus:
             corpus = [line.strip() for line in Path(args.corpus).read_text().splitlines() if line.strip()]
         sizes = args.sentences or (128, None)
-        setup = hf_models.hf_setup(args.hf, corpus, *sizes)
+        setup = hf_models.hf_setup(args.hf, corpus, *sizes, n_recover=args.recover_sentences)
     elif args.model is None:
         print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
         return 2
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "own docs)")
     p.add_argument("--recover", type=int, default=0, metavar="STEPS",
                    help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
+    p.add_argument("--recover-sentences", type=int, default=None, metavar="N",
+                   help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
     p.add_argument("--fraction", type=float, default=0.4, help="share of all heads to prune")
     p.add_argument("--step", type=float, default=0.1, help="share of heads pruned per step of the curve")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")

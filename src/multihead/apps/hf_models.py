@@ -70,14 +70,20 @@ def _kl(lp, ref, am) -> torch.Tensor:
 
 
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
-             n_held_out: int | None = None) -> Setup:
-    """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``."""
+             n_held_out: int | None = None, n_recover: int | None = None) -> Setup:
+    """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
+    on the first ``n_importance`` sentences, recovery (distillation) on the next ``n_recover``
+    (default: a quarter of the corpus, at most 256), fidelity on the ``n_held_out`` after them
+    (default: all the rest), so the fidelity sentences are never trained on."""
     import multihead.hf as mhf
     from multihead.apps.data import sentences
 
     model, peer, tok, causal = _load(Path(path))
     corpus = corpus if corpus is not None else sentences()
-    head, held_out = corpus[:n_importance], corpus[n_importance:]
+    n_recover = min(256, len(corpus) // 4) if n_recover is None else n_recover
+    head = corpus[:n_importance]
+    recover_set = corpus[n_importance:n_importance + n_recover]
+    held_out = corpus[n_importance + n_recover:]
     if n_held_out is not None:
         held_out = held_out[:n_held_out]
     if not head or not held_out:
@@ -86,6 +92,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     out_fn = _logp if causal else _pooled
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
+        rec = [(b, out_fn(model, *b)) for b in _batches(tok, recover_set, 16, causal)] or imp
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
@@ -112,19 +119,19 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                   lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
                   lambda m, p: mhf.save(m, p), (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
-                  [f"importance on the first {len(head)} sentences, fidelity on the next {len(held_out)}",
-                   "fidelity: " + name])
-    setup.recover_fn = lambda m, steps: recover(m, model, imp, steps, causal)
+                  [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "
+                   f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
+    setup.recover_fn = lambda m, steps: recover(m, rec, steps, causal)
     return setup
 
 
-def recover(pruned: nn.Module, teacher: nn.Module, batches: list, steps: int, causal: bool, *,
-            lr: float = 1e-4) -> list[float]:
-    """Distil ``pruned`` towards ``teacher`` (the unpruned model) for ``steps`` steps on the
-    unlabelled ``batches`` ((ids, am), teacher output); returns the losses."""
+def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5) -> list[float]:
+    """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
+    ``batches`` ((ids, am), the unpruned model's output); returns the losses. Dropout stays
+    off (eval mode): the target is the unpruned model's deterministic output."""
     from tqdm.auto import tqdm
 
-    pruned.train()
+    pruned.eval()
     opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     losses = []
     for s in tqdm(range(steps), desc="recovery (distillation)", mininterval=1.0):
@@ -137,7 +144,6 @@ def recover(pruned: nn.Module, teacher: nn.Module, batches: list, steps: int, ca
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    pruned.eval()
     return losses
 
 

@@ -50,8 +50,11 @@ class DecoderBlock(nn.Module):
         self.cross_attn = MultiHeadAttention(E, heads, dropout, True, query_size=E, key_size=E, value_size=E)
         self.ffn = FeedForward(E, ffn, dropout)
 
-    def forward(self, y: Tensor, memory: Tensor, memory_lens: Tensor | None, causal) -> Tensor:
+    def forward(self, y: Tensor, memory: Tensor, memory_lens: Tensor | None, causal, cache=None) -> Tensor:
+        """y (B, T, E), memory (B, S, E) -> (B, T, E). With a :class:`multihead.KVCache`, y holds
+        the new positions only: self-attention sees every cached one (bottom-right causal),
+        cross-attention reuses the memory projected on the first step."""
         h = self.norm1(y)
-        y = y + self.self_attn(h, mask=causal)  # (B, T, E)
-        y = y + self.cross_attn(self.norm2(y), memory, memory, memory_lens)  # (B, T, E), keys (B, S, E)
+        y = y + self.self_attn(h, mask=None if cache is not None else causal, cache=cache)  # (B, T, E)
+        y = y + self.cross_attn(self.norm2(y), memory, memory, memory_lens, cache=cache)  # keys (B, S, E)
         return y + self.ffn(self.norm3(y))

@@ -47,8 +47,8 @@ class Seq2SeqTransformer(nn.Module):
         self.norm_enc, self.norm_dec = nn.LayerNorm(E), nn.LayerNorm(E)
         self.out = nn.Linear(E, cfg.vocab_size)
 
-    def _embed(self, ids: Tensor) -> Tensor:
-        return self.embed(ids) * self.config.d_model**0.5 + self.pos[: ids.shape[1]]  # (B, L, E)
+    def _embed(self, ids: Tensor, start: int = 0) -> Tensor:
+        return self.embed(ids) * self.config.d_model**0.5 + self.pos[start: start + ids.shape[1]]  # (B, L, E)
 
     def encode(self, src: Tensor, src_lens: Tensor) -> Tensor:
         x = self._embed(src)
@@ -56,23 +56,34 @@ class Seq2SeqTransformer(nn.Module):
             x = block(x, src_lens)
         return self.norm_enc(x)  # (B, S, E)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_lens: Tensor) -> Tensor:
-        y = self._embed(tgt_in)
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_lens: Tensor, cache=None, start: int = 0) -> Tensor:
+        """tgt_in (B, T) -> logits (B, T, vocab). With a :class:`multihead.KVCache`, tgt_in holds
+        the positions from ``start`` on; the earlier ones are in the cache."""
+        y = self._embed(tgt_in, start)
         causal = masks.Causal()
         for block in self.decoder:
-            y = block(y, memory, src_lens, causal)
+            y = block(y, memory, src_lens, causal, cache)
         return self.out(self.norm_dec(y))  # (B, T, vocab)
 
     def forward(self, src: Tensor, src_lens: Tensor, tgt_in: Tensor) -> Tensor:
         return self.decode(tgt_in, self.encode(src, src_lens), src_lens)
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, src_lens: Tensor, steps: int) -> Tensor:
-        """Greedy decoding -> (B, steps) token ids."""
+    def greedy(self, src: Tensor, src_lens: Tensor, steps: int, *, use_cache: bool = True) -> Tensor:
+        """Greedy decoding -> (B, steps) token ids. With ``use_cache`` each step feeds only the
+        newest token through a :class:`multihead.KVCache`; without it every step recomputes
+        the whole prefix."""
+        from multihead.cache import KVCache
+
         memory = self.encode(src, src_lens)
         ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long)
-        for _ in range(steps):
-            nxt = self.decode(ys, memory, src_lens)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        cache = KVCache(self, src.shape[0], steps + 1) if use_cache else None
+        for t in range(steps):
+            if cache is not None:
+                logits = self.decode(ys[:, -1:], memory, src_lens, cache, start=t)  # (B, 1, vocab)
+            else:
+                logits = self.decode(ys, memory, src_lens)  # (B, t+1, vocab)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             ys = torch.cat([ys, nxt], 1)
         return ys[:, 1:]
 
