@@ -21,3 +21,15 @@ def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 1000
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("| workload | mode | torch.nn.MHA |") and "(1.00x)" in summary
+
+
+def test_decode_workload_same_tokens_three_ways(tmp_path):
+    """W5's three decoders (cache, recompute, hand-written) run the same weights to the same tokens."""
+    from multihead.apps import decode_bench
+
+    data = decode_bench.run(batches=(2,), steps=12, rounds=1, log=lambda *a: None)
+    row = data["batches"]["2"]
+    assert row["same_tokens"]
+    assert set(decode_bench.WAYS) <= set(row) and row["speedup_vs_recompute"] > 0
+    md = decode_bench.markdown(data)
+    assert "| 2 | multihead + KVCache |" in md and "cache vs recompute" in md

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from multihead import checks
+from multihead.hooks import hooked_modules
 
 __all__ = ["KVCache"]
 
@@ -43,11 +44,9 @@ class KVCache:
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
-        from multihead.modules import AttentionCore
-
         self.batch_size = checks.positive_int("batch_size", batch_size)
         self.max_len = checks.positive_int("max_len", max_len)
-        self._names = {id(m): n or type(m).__name__ for n, m in model.named_modules() if isinstance(m, AttentionCore)}
+        self._names = {id(m): n or type(m).__name__ for n, m in hooked_modules(model).items()}
         if not self._names:
             raise ValueError(f"{type(model).__name__} has no multihead attention module to cache for.")
         self._model = type(model).__name__

@@ -134,6 +134,11 @@ class Mask:
         """A hashable description of the mask's values (for caches of compiled masks)."""
         return (repr(self),)
 
+    def dispatch_key(self) -> tuple:
+        """What a backend may look at to decide whether it can or would run this mask: its
+        kind and fields, never its tensors' values (the backend registry caches on it)."""
+        return (type(self).__name__,)
+
     def __and__(self, other: Mask) -> Mask:
         if other is None:
             return self
@@ -241,6 +246,9 @@ class ValidLens(Mask):
 
     def cache_key(self):
         return (type(self).__name__, tuple(self.lens.shape), tuple(self.lens.flatten().tolist()))
+
+    def dispatch_key(self):
+        return (type(self).__name__, self.lens.dim())
 
     def __repr__(self):
         return f"ValidLens({self.lens.tolist()})"
@@ -361,6 +369,9 @@ class _Diagonal(Mask):
         if lo != -math.inf:
             keep = keep & (j >= i + lo)
         return keep[None, None]  # (1, 1, Lq, Lk)
+
+    def dispatch_key(self):
+        return (type(self).__name__, self.align, self.__dict__.get("left"), self.__dict__.get("right"))
 
     def mask_mod(self, Lq, Lk, device=None):
         lo, hi = self.band(Lq, Lk)
@@ -486,6 +497,9 @@ class Dense(Mask):
         m = self._4d(device)
         return m if dtype is None else m.to(dtype)
 
+    def dispatch_key(self):
+        return ("Dense", self.mask.dtype == torch.bool, self.mask.dim())
+
     def __repr__(self):
         kind = "bool" if self.mask.dtype == torch.bool else "bias"
         return f"Dense({kind}, shape={tuple(self.mask.shape)})"
@@ -568,6 +582,9 @@ class And(Mask):
 
     def cache_key(self):
         return tuple(m.cache_key() for m in self.masks)
+
+    def dispatch_key(self):
+        return tuple(m.dispatch_key() for m in self.masks)
 
     def __repr__(self):
         return " & ".join(repr(m) for m in self.masks)

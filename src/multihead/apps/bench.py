@@ -273,7 +273,12 @@ def _step(call, x, y, backward: bool):
     out.sum().backward() if isinstance(out, torch.Tensor) else torch.as_tensor(out).sum().backward()
 
 
-def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print) -> list[Result]:
+#: the peers timed again under torch.compile with ``--compile``
+COMPILED_PEERS = ("torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padding)")
+
+
+def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print,
+                  compile: bool = False) -> list[Result]:
     torch.manual_seed(0)
     base = nn.MultiheadAttention(w.E, w.H, batch_first=True)
     results = []
@@ -294,6 +299,8 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
             if hasattr(mod, "train"):
                 mod.train(backward)
             built[name] = (call, ran)
+            if compile and name in COMPILED_PEERS:  # the same call, compiled (dynamic=False: one shape per workload)
+                built[f"{name} (compiled)"] = (torch.compile(call, dynamic=False), ran + ", torch.compile")
         x, y = _inputs(w, backward)
         times: dict[str, list[float]] = {n: [] for n in built}
         for name, (call, _) in list(built.items()):
@@ -367,7 +374,8 @@ def _write(data: dict, out: Path, log=print) -> None:
 
 
 def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
-        peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print) -> dict:
+        peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print,
+        compile: bool = False) -> dict:
     peers = peers or list(PEERS)
     torch.set_num_threads(torch.get_num_threads())
     info = {
@@ -375,10 +383,21 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
         "matmul_gflops": round(matmul_gflops(), 1), "reps": reps,
     }
     log(f"machine: {info['threads']} threads, fp32 matmul {info['matmul_gflops']} GFLOP/s, torch {info['torch']}")
+    if "W5" in names:  # decoding: its own runner and table
+        from multihead.apps import decode_bench
+
+        names = [n for n in names if n != "W5"]
+        d = decode_bench.run(log=log)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode.json").write_text(json.dumps({"machine": info, **d}, indent=2))
+        (out / "decode.md").write_text(decode_bench.markdown(d))
+        log(f"wrote {out / 'decode.md'}")
+        if not names:
+            return {"machine": info, "decode": d}
     results: list[Result] = []
     for w in workloads(names, lengths):
         log(f"{w.name}: B={w.B} Lq={w.Lq} Lk={w.Lk} E={w.E} H={w.H} ({w.note})")
-        results += time_workload(w, peers, reps, log=log)
+        results += time_workload(w, peers, reps, log=log, compile=compile and not w.name.startswith("W4"))
         if memory and w.name.startswith("W4"):
             for peer in peers:
                 for backward in (False, True):

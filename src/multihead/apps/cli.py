@@ -98,7 +98,8 @@ def _bench(args) -> int:
     if args.memory_only:
         bench.remeasure_memory(Path(args.out), peers)
         return 0
-    bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths)
+    bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
+              compile=args.compile)
     return 0
 
 
@@ -144,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func=_prune)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
-    p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4")
+    p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4, W5 (decoding)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
     p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
+    p.add_argument("--compile", action="store_true",
+                   help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile")
     p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=_bench)

@@ -109,4 +109,4 @@ def describe(req: Request) -> str:
 
 
 register("blocked", run, can_run=can_run, prefer=prefer, priority=150, doc="banded masks, masked blocks skipped",
-         describe=describe)
+         describe=describe, cacheable=True)

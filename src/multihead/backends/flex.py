@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from multihead.backends.registry import Request, Unavailable, register
+from multihead.backends.registry import Request, Unavailable, forget, register
 
 _COMPILED: dict = {}
 _BLOCK_MASKS: OrderedDict = OrderedDict()
@@ -117,6 +117,7 @@ def run(query, key, value, mask, *, scale, dropout_p):
     except _compile_errors() as e:  # only a failed compile falls back; it is remembered for explain()
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
         _FAILED[(query.device.type, query.dtype, B, H, Hkv, Lq, Lk, D, value.shape[-1])] = reason
+        forget()  # its capability changed: "auto"'s remembered choices are dropped
         raise Unavailable(f"its compile failed: {reason}") from e
     if mask is not None:  # rows with nothing to attend to: zeros (as every backend)
         keep = mask.keep(B, H, Lq, Lk, query.device)
@@ -129,4 +130,4 @@ def describe(req: Request) -> str:
 
 
 register("flex", run, can_run=can_run, prefer=prefer, priority=120, doc="FlexAttention (compiled)",
-         describe=describe)
+         describe=describe, cacheable=True)

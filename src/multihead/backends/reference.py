@@ -86,4 +86,4 @@ def describe(req: Request) -> str:
     return "float64 spec"
 
 
-register("reference", run, priority=0, doc="the float64 spec", describe=describe)
+register("reference", run, priority=0, doc="the float64 spec", describe=describe, cacheable=True)

@@ -77,6 +77,9 @@ class Backend:
     describe: Callable[[Request], str] | None = field(default=None)
     #: preference: why "auto" should not pick it for a request it can run (None = it may); naming it still runs it
     prefer: Reason | None = field(default=None)
+    #: its can_run and prefer depend only on the request's sizes, dtype, device, dropout, grad need and the
+    #: mask's kind (Mask.dispatch_key), never on tensor values: "auto"'s choice may then be cached
+    cacheable: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -99,25 +102,40 @@ def register(
     doc: str = "",
     describe: Callable[[Request], str] | None = None,
     replace: bool = False,
+    cacheable: bool = False,
 ) -> Backend:
     """Add a backend. ``can_run(request)`` returns None or why it cannot compute the
     call; "auto" tries backends from the highest ``priority`` down, skipping those
     that cannot run and those whose ``prefer(request)`` gives a reason not to pick
-    them unasked."""
+    them unasked. ``cacheable=True`` promises that both depend only on the request's
+    sizes, dtype, device, dropout, grad need and the mask's kind (``Mask.dispatch_key``), so
+    the choice for such a call can be remembered (the built-in backends make that promise)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; got {name!r}.")
     if name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it.")
     if not callable(run):
         raise TypeError(f"run must be callable (query, key, value, mask, *, scale, dropout_p); got {type(run).__name__}.")
-    b = Backend(name, run, can_run or _always, priority, doc, describe, prefer)
+    b = Backend(name, run, can_run or _always, priority, doc, describe, prefer, cacheable)
     _REGISTRY[name] = b
+    _CHOICE.clear()
     return b
 
 
 def unregister(name: str) -> None:
     get(name)
     del _REGISTRY[name]
+    _CHOICE.clear()
+
+
+#: remembered choices of "auto": {(forced, request without the mask, the mask's kind): Backend}
+_CHOICE: dict = {}
+_CHOICE_MAX = 512
+
+
+def forget() -> None:
+    """Drop the remembered choices (a backend's capability changed, e.g. its compiler failed)."""
+    _CHOICE.clear()
 
 
 def available() -> list[str]:
@@ -154,17 +172,33 @@ def select(name: str, req: Request, *, exclude: frozenset[str] = frozenset()) ->
     """The backend that runs ``req``: the named one, or for "auto" the forced one
     (``use``) or the first of highest priority that can run the request and prefers to."""
     if name == "auto":
-        name = _FORCED[-1] if _FORCED else None
-        if name is None or name in exclude:
-            for b in _ranked():
-                if b.name not in exclude and b.can_run(req) is None and (b.prefer is None or b.prefer(req) is None):
-                    return b
-            raise RuntimeError(f"no attention backend can run this call: {req}")
+        forced = _FORCED[-1] if _FORCED else None
+        if forced is None or forced in exclude:
+            return _auto(req, exclude)
+        name = forced
     b = get(name)
     why = b.can_run(req)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {why}. Use backend='auto' or one of {available()}.")
     return b
+
+
+def _auto(req: Request, exclude: frozenset[str]) -> Backend:
+    """"auto"'s choice, remembered per kind of call when every backend is cacheable."""
+    remember = not exclude and not torch.compiler.is_compiling()
+    if remember:
+        key = (req[:9], req.dropout_p > 0, req.needs_grad, None if req.mask is None else req.mask.dispatch_key())
+        b = _CHOICE.get(key)
+        if b is not None:
+            return b
+    for b in _ranked():
+        if b.name not in exclude and b.can_run(req) is None and (b.prefer is None or b.prefer(req) is None):
+            if remember and all(x.cacheable for x in _REGISTRY.values()):
+                if len(_CHOICE) >= _CHOICE_MAX:
+                    _CHOICE.clear()
+                _CHOICE[key] = b
+            return b
+    raise RuntimeError(f"no attention backend can run this call: {req}")
 
 
 _REPORTED: set[tuple[str, str]] = set()

@@ -47,4 +47,5 @@ def describe(req: Request) -> str:
     return "dense mask materialized"
 
 
-register("sdpa", run, priority=100, doc="torch.nn.functional.scaled_dot_product_attention", describe=describe)
+register("sdpa", run, priority=100, doc="torch.nn.functional.scaled_dot_product_attention", describe=describe,
+         cacheable=True)
