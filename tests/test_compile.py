@@ -120,3 +120,21 @@ def test_bad_input_still_raises_in_eager_and_under_compile():
     lenient(x)
     with pytest.raises(ValueError, match=r"queries must be \(B, L, query_size=16\); got shape \(2, 7, 5\)"):
         lenient(torch.randn(B, L, 5))
+
+
+def test_patched_transformer_encoder_compiles_fullgraph_with_a_padding_mask():
+    """A torch.nn encoder whose attention is the drop-in compiles with fullgraph=True, as
+    PyTorch's own test asks of torch.nn's (a key padding mask, eval)."""
+    from multihead.interop import patch
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, batch_first=True, dropout=0.1, dtype=torch.double)
+    enc = torch.nn.TransformerEncoder(layer, num_layers=2).eval()
+    patch(enc)
+    x = torch.randn(1, 9, 32, dtype=torch.double)
+    pad = torch.rand(1, 9, generator=torch.Generator().manual_seed(1)) > 0.5
+    pad[..., 0] = False  # True = padding (torch.nn); keep one real token
+    dynamo.reset()
+    compiled = torch.compile(enc, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert (compiled(x, mask=None, src_key_padding_mask=pad) - enc(x, src_key_padding_mask=pad)).abs().max() < 1e-10
