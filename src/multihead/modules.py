@@ -52,10 +52,10 @@ _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._glo
                  nn.modules.module._global_forward_hooks_always_called)
 
 
-def _apply(lin: nn.Module, x: Tensor) -> Tensor:
+def _apply(lin: nn.Module, x: Tensor, no_global_hooks: bool) -> Tensor:
     """``lin(x)``; a plain nn.Linear with no hook anywhere is applied as F.linear directly
     (the module call machinery is a third of a toy-size projection's time)."""
-    if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks or any(_GLOBAL_HOOKS)):
+    if no_global_hooks and type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
         return F.linear(x, lin.weight, lin.bias)
     return lin(x)
 
@@ -246,7 +246,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         q (..., Lq, H, D), k (..., Lk, Hkv, D), v (..., Lk, Hkv, Dv)."""
         q_proj, k_proj, v_proj, _ = self.projections()
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        q, k, v = _apply(q_proj, queries), _apply(k_proj, keys), _apply(v_proj, values)
+        plain = not any(_GLOBAL_HOOKS)
+        q, k, v = _apply(q_proj, queries, plain), _apply(k_proj, keys, plain), _apply(v_proj, values, plain)
         q = q.view(*q.shape[:-1], H, D)  # (..., Lq, H*D) -> (..., Lq, H, D)
         k = k.view(*k.shape[:-1], Hkv, D)  # (..., Lk, Hkv*D) -> (..., Lk, Hkv, D)
         v = v.view(*v.shape[:-1], Hkv, Dv)  # (..., Lk, Hkv*Dv) -> (..., Lk, Hkv, Dv)
@@ -288,7 +289,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
         out = self._attend(q, k, v, m, packed)  # (..., Lq, H, Dv)
         del q, k, v, queries, keys, values  # freed before the output projection allocates
-        out = _apply(self.projections()[3], out.flatten(-2))  # merge the heads and project: (..., Lq, out_features)
+        out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # merge, project: (.., Lq, out)
         if packed is not None:
             return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros
         if m is not None and (real := m.query_keep(out.shape[1], out.device)) is not None:
@@ -303,7 +304,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
             q, k, v = self._project(queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (B, n, Hkv, Dv)
             k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
-            m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
+            if queries.shape[1] > 1 or m is not None:  # one new position sees every cached one: no mask needed
+                m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
         else:
             queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
             memory = cache.memory(self)
@@ -333,8 +335,17 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         return self.projections()[3](out.flatten(-2))  # (N, H*Dv) -> (N, out_features)
 
     def _flop_per_token(self) -> float:
-        """Projection work per token (multiply-adds x 2), what packing saves on each padded token."""
-        return 2.0 * sum(n * p.out_features for p in self.projections() if (n := _in_features(p)) is not None)
+        """Projection work per token (multiply-adds x 2), what packing saves on each padded token
+        (remembered for the projection objects it was computed from: replacing one recomputes it)."""
+        projs = self.projections()
+        key = tuple(map(id, projs))
+        cached = self.__dict__.get("_flop_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        flop = 2.0 * sum(n * p.out_features for p in projs if (n := _in_features(p)) is not None)
+        if all(_in_features(p) is not None for p in projs):  # a lazy layer's size is still to come
+            self.__dict__["_flop_cache"] = (key, flop, projs)  # the objects are held so their ids stay theirs
+        return flop
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None) -> str:
