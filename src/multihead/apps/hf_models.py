@@ -115,7 +115,9 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                 return torch.cat([(_pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
         name = "mean cosine of mean-pooled hidden states to the unpruned model"
     speed = {n: _batches(tok, held_out[: 4 * n], n, causal)[:4] for n in (1, 16, 64)}
-    setup = Setup(Path(path).name, model, imp, loss_fn, metric_fn, name, speed,
+    p = Path(path).resolve()
+    label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name
+    setup = Setup(label, model, imp, loss_fn, metric_fn, name, speed,
                   lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
                   lambda m, p: mhf.save(m, p), (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
