@@ -11,6 +11,7 @@ show and cut its heads.
 from multihead import backends, masks
 from multihead.cache import KVCache
 from multihead.capture import capture
+from multihead.check import check
 from multihead.functional import attention, attention_weights, explain, reference_attention
 from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
 from multihead.varlen import attention_varlen
@@ -25,6 +26,7 @@ __all__ = [
     "attention_weights",
     "backends",
     "capture",
+    "check",
     "explain",
     "masks",
     "reference_attention",

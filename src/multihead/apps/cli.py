@@ -89,6 +89,59 @@ def _prune(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    """multihead check FILE.py:NAME: build the learner's module, grade it, exit 1 if a check fails."""
+    import importlib.util
+
+    import multihead
+
+    target, _, name = args.target.rpartition(":")
+    path = Path(target)
+    if not target or not name:
+        print(f"multihead check: give FILE.py:NAME (the file and the class or function that builds the module); "
+              f"got {args.target!r}", file=sys.stderr)
+        return 2
+    if not path.is_file():
+        print(f"multihead check: {path} does not exist", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"_multihead_check_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 - the learner's file
+        print(f"multihead check: importing {path} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if not hasattr(mod, name):
+        names = [n for n in vars(mod) if not n.startswith("_")]
+        print(f"multihead check: {path} has no {name!r}; it defines {', '.join(names)}", file=sys.stderr)
+        return 2
+    try:
+        kwargs = _kwargs(args.init)
+        module = getattr(mod, name)(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        print(f"multihead check: building {name}({args.init or ''}) failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.manual_seed(0)
+    report = multihead.check(module, call=args.call, mask=None if args.mask == "none" else args.mask,
+                             causal=args.causal, embed_dim=args.embed_dim)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _kwargs(text: str | None) -> dict:
+    """'d_model=32, num_heads=4' -> {'d_model': 32, 'num_heads': 4} (literals only)."""
+    import ast
+
+    if not text:
+        return {}
+    call = ast.parse(f"f({text})", mode="eval").body
+    if call.args:
+        raise ValueError("--init takes keyword arguments only, e.g. --init 'd_model=32, num_heads=4'")
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
 def _bench(args) -> int:
     from multihead.apps import bench
 
@@ -144,6 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="time allowed per batch size for the interleaved speed table")
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func=_prune)
+    p = sub.add_parser("check", help="grade your own multi-head attention module and name its bug (exit 1 if a "
+                                     "check fails)")
+    p.add_argument("target", help="FILE.py:NAME, the file and the class (or function) that builds the module")
+    p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
+    p.add_argument("--call", choices=["x", "qkv", "qkv_mask"], default="qkv",
+                   help="how the module is called: m(x), m(q, k, v) or m(q, k, v, mask)")
+    p.add_argument("--mask", choices=["none", "keep", "block", "additive", "valid_lens"], default="none",
+                   help="the module's mask convention (with --call qkv_mask)")
+    p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
+    p.add_argument("--embed-dim", type=int, default=None, help="the input size, when no Linear tells it")
+    p.set_defaults(func=_check)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
     p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4, W5 (decoding)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")

@@ -152,6 +152,30 @@ def draw_minilm(text: str, out: Path) -> list[Path]:
     return paths
 
 
+class NotebookMHSA(torch.nn.Module):
+    """The from-scratch ViT notebook's self-attention, in our words, with its two bugs (scores
+    divided by d_k; the values multiplied by the raw scores), for the checker to find."""
+
+    def __init__(self, d_model: int = 32, num_head: int = 4, d_k: int = 8):
+        super().__init__()
+        self.num_head, self.d_k = num_head, d_k
+        self.query, self.key, self.value = (torch.nn.Linear(d_model, num_head * d_k) for _ in range(3))
+        self.proj = torch.nn.Linear(num_head * d_k, d_model)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.num_head, self.d_k).transpose(1, 2) for f in (self.query, self.key, self.value))
+        scores = q @ k.transpose(-2, -1) / self.d_k
+        return self.proj((scores @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def check_demo(seed: int = 0) -> None:
+    """multihead.check on the ViT notebook's module: it names both bugs."""
+    torch.manual_seed(seed)
+    print("\n== check your own attention: the ViT notebook's module (multihead.check)")
+    print(multihead.check(NotebookMHSA(), call="x"))
+
+
 def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     """The whole demo; returns the files written."""
     import matplotlib
@@ -159,6 +183,7 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
     toy(seed)
+    check_demo(seed)
     print("\n== an encoder-decoder Transformer, trained to reverse digit strings (multihead modules)")
     model = reverser(out / "checkpoints" / "transformer", retrain)
     seq_ok, aligned = alignment(model)
