@@ -6,6 +6,7 @@ import io
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def _open(page_path, exe, sync_api, fn):
             errors = []
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(page_path.as_uri())
+            page.goto(Path(page_path).as_uri())
             return fn(page), errors
         finally:
             browser.close()

@@ -125,6 +125,25 @@ class Importance:
     def to_json(self) -> dict:
         return {"method": self.method, "modules": {n: s.tolist() for n, s in zip(self.names, self.scores)}}
 
+    def _repr_markdown_(self) -> str:  # a table in a notebook
+        return self.to_markdown()
+
+
+class Curve(list):
+    """The rows of :func:`pruning_curve` (a list of dicts), shown as a table in a notebook."""
+
+    def to_markdown(self) -> str:
+        speeds = sorted({b for r in self for b in r.get("speed_ms", {})}, key=int)
+        head = "| heads pruned | metric |" + "".join(f" ms @{b} |" for b in speeds)
+        lines = [head, "|---:|---:|" + "---:|" * len(speeds)]
+        for r in self:
+            lines.append(f"| {r['fraction']:.0%} ({r['heads_pruned']}) | {r['metric']:.4f} |"
+                         + "".join(f" {r['speed_ms'][b]:.2f} |" for b in speeds))
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
 
 def _bar(it, desc: str, progress: bool, total: int | None = None):
     if not progress:
@@ -377,7 +396,8 @@ def pruning_curve(
     ``speed_fn(model) -> {batch: ms}``, the speed (measured step by step; to compare the
     steps' speeds fairly, keep the models with ``on_step(row, model)`` and time them
     together afterwards, as ``multihead prune`` does). Importance is re-estimated after
-    every step when ``reestimate``. Returns one dict per step (fraction 0 first)."""
+    every step when ``reestimate``. Returns one dict per step (fraction 0 first), as a
+    :class:`Curve` (a list that a notebook shows as a table)."""
     import copy
 
     work = copy.deepcopy(model).eval()
@@ -386,7 +406,7 @@ def pruning_curve(
     ids = {n: list(range(_num_heads(m))) for n, m in attention_modules(work).items()}
     removed: dict[str, list[int]] = {n: [] for n in ids}
     means = mean_head_outputs(work, batches, lambda m, b: loss_fn(m, b)) if mean_replacement else None
-    rows = []
+    rows = Curve()
     imp = None
     target_steps = int(round(max_fraction / step))
     for s in range(target_steps + 1):
@@ -422,12 +442,10 @@ def pruning_curve(
 
 def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric", baseline_ms: dict | None = None):
     """The pruning curve: metric and (when measured) speed-up against the unpruned model."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     fr = [100 * r["fraction"] for r in rows]
     ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0")
     ax.set_xlabel("heads pruned (%)")
@@ -442,7 +460,6 @@ def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric
         ax2.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 

@@ -68,6 +68,20 @@ def _in_features(lin: nn.Module) -> int | None:
     return lin.in_features
 
 
+class PathExplanation(str):
+    """:meth:`MultiHeadAttention.explain`'s text (a str), shown as a table in a notebook."""
+
+    def _repr_markdown_(self) -> str:
+        lines = self.splitlines()
+        rows = [ln.strip() for ln in lines[2:]]
+        body = ["| | backend | decision |", "|---|---|---|"]
+        for r in rows[1:]:
+            chosen = r.startswith("->")
+            name, _, why = r.removeprefix("->").strip().partition(" ")
+            body.append(f"| {'→' if chosen else ''} | {name} | {why.strip()} |")
+        return "\n".join([f"**{lines[0]}**", "", f"`{lines[1] if len(lines) > 1 else ''}`", "", *body])
+
+
 class AttentionCore:
     """The one place every multihead module attends: :class:`MultiHeadAttention`,
     the course's compat modules and the torch.nn drop-in call :meth:`_attend` with
@@ -348,9 +362,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         return flop
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
-                valid_lens: Tensor | None = None, *, mask=None) -> str:
+                valid_lens: Tensor | None = None, *, mask=None) -> PathExplanation:
         """Which path a forward with these inputs takes (packed varlen or dense) and
-        which attention backend runs, and why."""
+        which attention backend runs, and why (a str; a table in a notebook)."""
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         packed = self._packing(m, queries, keys) if m is not None else "no padding in the mask"
@@ -368,4 +382,4 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         v = queries.new_empty(shape[0], Hkv, shape[2], Dv)
         req = _explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
                        training=self.training, backend=self.backend)
-        return head + "\n" + str(req)
+        return PathExplanation(head + "\n" + str(req))

@@ -245,6 +245,11 @@ class Explanation:
             lines.append(f"  {mark} {name:<{width}}  {why}")
         return "\n".join(lines)
 
+    def _repr_markdown_(self) -> str:  # a table in a notebook
+        head = str(self).splitlines()[0]
+        rows = [f"| {'**' + n + '**' if n == self.chosen else n} | {why} |" for n, why in self.reasons.items()]
+        return "\n".join([f"`{head}`", "", "| backend | decision |", "|---|---|", *rows])
+
 
 def explain_request(req: Request, name: str = "auto") -> Explanation:
     forced = (_FORCED[-1] if _FORCED else None) if name == "auto" else name

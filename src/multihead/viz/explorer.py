@@ -44,10 +44,7 @@ def _quantize(w: Tensor, max_cells: int) -> tuple[str, float, int, int]:
 
 
 def _image_data_url(image) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the backend is the caller's: inline in a notebook, Agg when headless
 
     img = image.detach().cpu().numpy() if isinstance(image, Tensor) else np.asarray(image)
     if img.ndim == 3 and img.shape[0] in (1, 3) and img.shape[-1] not in (1, 3):
@@ -73,10 +70,42 @@ def _labels(given, n: int, prefix: str) -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
+class Explorer:
+    """The explorer page: ``html`` (the self-contained page) and ``path`` (the file written, or
+    None). Path-like (``open(explorer)``, ``str(explorer)`` give the file), and in a notebook
+    it shows itself inside the output cell: a sandboxed iframe whose ``srcdoc`` is the page
+    (scripts run only inside it; the page's CSP allows no request)."""
+
+    def __init__(self, html: str, path: Path | None, title: str):
+        self.html, self.path, self.title = html, path, title
+
+    def __fspath__(self) -> str:
+        if self.path is None:
+            raise TypeError("this explorer was not written to a file (path=None); use .html")
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path) if self.path is not None else f"<explorer: {self.title}>"
+
+    def __repr__(self) -> str:
+        return f"Explorer({str(self)!r})"
+
+    def stat(self):
+        return Path(self.__fspath__()).stat()
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.html
+
+    def _repr_html_(self) -> str:
+        doc = html.escape(self.html, quote=True)
+        return (f'<iframe class="multihead-explorer" title="{html.escape(self.title)}" sandbox="allow-scripts" '
+                f'style="width:100%;height:900px;border:1px solid #ccc" srcdoc="{doc}"></iframe>')
+
+
 def explorer(
     captured: Mapping[str, Tensor],
     tokens: Sequence[str] | None = None,
-    path: str | Path = "attention.html",
+    path: str | Path | None = "attention.html",
     *,
     key_tokens: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
     batch: int = 0,
@@ -85,7 +114,7 @@ def explorer(
     prefix_tokens: int = 0,
     title: str = "multihead: attention explorer",
     max_cells: int = 1024,
-) -> Path:
+) -> Explorer:
     """Write the explorer for ``captured`` (name -> (B, H, Lq, Lk)) to ``path``.
 
     tokens: the query tokens (and the key tokens of self-attention modules).
@@ -93,7 +122,8 @@ def explorer(
     image, patch_grid, prefix_tokens: for a ViT, the input picture ((h, w),
         (h, w, 3) or (C, h, w)), its patch grid (rows, cols), and how many tokens
         (e.g. a [CLS]) come before the patches.
-    Returns the path written.
+    path: where to write the page; None = no file (the page is in ``.html``).
+    Returns an :class:`Explorer` (path-like; shows itself inline in a notebook).
     """
     if not captured:
         raise ValueError("nothing to show: the capture is empty (did the model run inside multihead.capture()?).")
@@ -121,7 +151,8 @@ def explorer(
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e")
     page = _template().replace("%TITLE%", html.escape(title)).replace("%DATA%", payload)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
-    return path
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8")
+    return Explorer(page, path, title)

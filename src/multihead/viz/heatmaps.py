@@ -68,10 +68,7 @@ def heatmaps(
     ``queries``/``keys``: token labels for the axes (shown when at most
     ``max_labels``). Save with ``fig.savefig("heads.png")`` (or .svg, .pdf).
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the backend is the caller's: inline in a notebook, Agg when headless
 
     grid, row_names = as_grid(weights, batch=batch, num_heads=num_heads)  # (rows, cols, Lq, Lk)
     R, C, Lq, Lk = grid.shape
