@@ -539,20 +539,10 @@ class And(Mask):
         return out
 
     def key_keep(self, Lk, device=None):
-        out = None
-        for m in self.masks:
-            k = m.key_keep(Lk, device)
-            if k is not None:
-                out = k if out is None else out & k
-        return out
+        return _conjunction(m.key_keep(Lk, device) for m in self.masks)
 
     def query_keep(self, Lq, device=None):
-        out = None
-        for m in self.masks:
-            k = m.query_keep(Lq, device)
-            if k is not None:
-                out = k if out is None else out & k
-        return out
+        return _conjunction(m.query_keep(Lq, device) for m in self.masks)
 
     def band(self, Lq, Lk):
         lo, hi = -math.inf, math.inf
@@ -588,6 +578,15 @@ class And(Mask):
 
     def __repr__(self):
         return " & ".join(repr(m) for m in self.masks)
+
+
+def _conjunction(keeps) -> Tensor | None:
+    """The & of the bool tensors given (None ones skipped), or None when there is none."""
+    out = None
+    for k in keeps:
+        if k is not None:
+            out = k if out is None else out & k
+    return out
 
 
 def as_mask(mask) -> Mask | None:
