@@ -192,8 +192,11 @@ class ValidLens(Mask):
         if lens.numel() and lens.device.type != "meta":
             if _compiling():
                 _value_check((lens >= 0).all(), "valid_lens must be >= 0")
-            elif int(lens.min()) < 0:
-                raise ValueError(f"valid_lens must be >= 0; got minimum {int(lens.min())}.")
+            else:  # one read of the values: the minimum checked now, the maximum kept for validate()
+                lo, hi = (int(x) for x in torch.aminmax(lens))
+                if lo < 0:
+                    raise ValueError(f"valid_lens must be >= 0; got minimum {lo}.")
+                object.__setattr__(self, "_max", (lens._version, hi))
         object.__setattr__(self, "lens", lens)
 
     @property
@@ -218,10 +221,11 @@ class ValidLens(Mask):
             )
         if lens.numel() and _compiling():
             _value_check((lens <= Lk).all(), f"valid_lens must be <= Lk={Lk} (the number of keys)")
-        elif lens.numel() and int(lens.max()) > Lk:
-            raise ValueError(
-                f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {int(lens.max())}."
-            )
+        elif lens.numel():
+            seen = self.__dict__.get("_max")  # read at construction, unless the tensor changed since
+            hi = seen[1] if seen is not None and seen[0] == lens._version else int(lens.max())
+            if hi > Lk:
+                raise ValueError(f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {hi}.")
 
     def keep(self, B, H, Lq, Lk, device=None):
         lens = self.lens if device is None else self.lens.to(device)
