@@ -68,12 +68,7 @@ class KVCache:
         cache -> every cached key (B, Hkv, L, D) and value (B, Hkv, L, Dv), L = length + n."""
         layer = self.layer(module)
         B, Hkv, n, D = k.shape
-        if B != self.batch_size:
-            raise ValueError(f"the cache holds batches of {self.batch_size}; this step has B={B}. Make a KVCache with "
-                             f"batch_size={B}, or keep the batch size fixed while decoding.")
-        if layer.length + n > self.max_len:
-            raise ValueError(f"{layer.name}: {layer.length} cached positions + {n} new ones exceed max_len="
-                             f"{self.max_len}; make the KVCache with a larger max_len.")
+        self.check(module, B, n)
         if layer.k is None:
             layer.k = k.new_zeros(B, Hkv, self.max_len, D)  # (B, Hkv, Lmax, D)
             layer.v = v.new_zeros(B, Hkv, self.max_len, v.shape[-1])  # (B, Hkv, Lmax, Dv)
@@ -85,6 +80,16 @@ class KVCache:
         layer.v[:, :, layer.length:end] = v
         layer.length = end
         return layer.k[:, :, :end], layer.v[:, :, :end]
+
+    def check(self, module: nn.Module, B: int, n: int) -> None:
+        """Refuse a step of B sequences and n new positions that the cache cannot take (before any computation)."""
+        layer = self.layer(module)
+        if B != self.batch_size:
+            raise ValueError(f"the cache holds batches of {self.batch_size}; this step has B={B}. Make a KVCache with "
+                             f"batch_size={B}, or keep the batch size fixed while decoding.")
+        if layer.length + n > self.max_len:
+            raise ValueError(f"{layer.name}: {layer.length} cached positions + {n} new ones exceed max_len="
+                             f"{self.max_len}; make the KVCache with a larger max_len.")
 
     def memory(self, module: nn.Module) -> tuple[Tensor, Tensor] | None:
         """Cross-attention's projected memory (k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)), or None before the first call."""

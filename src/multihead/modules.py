@@ -316,12 +316,14 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if not cross:  # self-attention: the step's tokens are the keys; masks cover every cached position
             Lk = cache.length(self) + queries.shape[1]
             queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
+            cache.check(self, queries.shape[0], queries.shape[1])  # batch and room, before any computation
             q, k, v = self._project(queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (B, n, Hkv, Dv)
             k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
             if queries.shape[1] > 1 or m is not None:  # one new position sees every cached one: no mask needed
                 m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
         else:
             queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
+            cache.check(self, queries.shape[0], 0)
             memory = cache.memory(self)
             q_proj, k_proj, v_proj, _ = self.projections()
             H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
