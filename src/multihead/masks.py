@@ -228,11 +228,19 @@ class ValidLens(Mask):
                 raise ValueError(f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {hi}.")
 
     def keep(self, B, H, Lq, Lk, device=None):
+        compiling = _compiling()  # (checked first: torch.compile then traces no cache read)
+        seen = None if compiling else self.__dict__.get("_keep")  # the last one built, while the lengths are unchanged
+        if seen is not None and seen[0] == (Lk, str(device), self.lens._version):
+            return seen[1]
         lens = self.lens if device is None else self.lens.to(device)
         pos = torch.arange(Lk, device=lens.device)  # (Lk,)
         if lens.dim() == 1:
-            return pos < lens[:, None, None, None]  # (B, 1, 1, Lk)
-        return pos < lens[:, None, :, None]  # (B, 1, Lq, Lk)
+            keep = pos < lens[:, None, None, None]  # (B, 1, 1, Lk)
+        else:
+            keep = pos < lens[:, None, :, None]  # (B, 1, Lq, Lk)
+        if not compiling and type(self) is ValidLens:
+            object.__setattr__(self, "_keep", ((Lk, str(device), self.lens._version), keep))
+        return keep
 
     def key_keep(self, Lk, device=None):
         if self.lens.dim() != 1:  # per-query lengths are not padding

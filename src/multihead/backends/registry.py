@@ -133,6 +133,18 @@ _CHOICE: dict = {}
 _CHOICE_MAX = 512
 
 
+def choice_key(head: tuple, dropout_p: float, needs_grad: bool, mask: Mask | None) -> tuple:
+    """What "auto"'s remembered choice is keyed on: (device type, dtype, B, H, Hkv, Lq, Lk, D, Dv),
+    whether there is dropout, whether gradients are needed, and the mask's kind."""
+    return (head, dropout_p > 0, needs_grad, None if mask is None else mask.dispatch_key())
+
+
+def remembered(key: tuple) -> Backend | None:
+    """"auto"'s remembered choice for a call of this kind (see :func:`choice_key`), if any and
+    nothing is forced by ``use()``."""
+    return None if _FORCED else _CHOICE.get(key)
+
+
 def forget() -> None:
     """Drop the remembered choices (a backend's capability changed, e.g. its compiler failed)."""
     _CHOICE.clear()
@@ -187,7 +199,7 @@ def _auto(req: Request, exclude: frozenset[str]) -> Backend:
     """"auto"'s choice, remembered per kind of call when every backend is cacheable."""
     remember = not exclude and not torch.compiler.is_compiling()
     if remember:
-        key = (req[:9], req.dropout_p > 0, req.needs_grad, None if req.mask is None else req.mask.dispatch_key())
+        key = choice_key(req[:9], req.dropout_p, req.needs_grad, req.mask)
         b = _CHOICE.get(key)
         if b is not None:
             return b
