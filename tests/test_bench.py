@@ -33,3 +33,12 @@ def test_decode_workload_same_tokens_three_ways(tmp_path):
     assert set(decode_bench.WAYS) <= set(row) and row["speedup_vs_recompute"] > 0
     md = decode_bench.markdown(data)
     assert "| 2 | multihead + KVCache |" in md and "cache vs recompute" in md
+
+
+def test_bench_w5_writes_a_report_that_loads_back(tmp_path):
+    assert main(["bench", "--workloads", "W5", "--decode-steps", "6", "--decode-batches", "2", "--out",
+                 str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["steps"] == 6 and data["batches"]["2"]["same_tokens"] is True
+    md = (tmp_path / "decode.md").read_text()
+    assert f"{data['batches']['2']['speedup_vs_recompute']:.1f}x faster" in md

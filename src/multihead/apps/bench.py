@@ -375,7 +375,7 @@ def _write(data: dict, out: Path, log=print) -> None:
 
 def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
         peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print,
-        compile: bool = False) -> dict:
+        compile: bool = False, decode_steps: int = 256, decode_batches: tuple[int, ...] = (1, 16)) -> dict:
     peers = peers or list(PEERS)
     torch.set_num_threads(torch.get_num_threads())
     info = {
@@ -387,7 +387,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
         from multihead.apps import decode_bench
 
         names = [n for n in names if n != "W5"]
-        d = decode_bench.run(log=log)
+        d = decode_bench.run(batches=decode_batches, steps=decode_steps, log=log)
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode.json").write_text(json.dumps({"machine": info, **d}, indent=2))
         (out / "decode.md").write_text(decode_bench.markdown(d))

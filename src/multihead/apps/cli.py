@@ -152,7 +152,8 @@ def _bench(args) -> int:
         bench.remeasure_memory(Path(args.out), peers)
         return 0
     bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
-              compile=args.compile)
+              compile=args.compile, decode_steps=args.decode_steps,
+              decode_batches=tuple(int(b) for b in args.decode_batches.split(",")))
     return 0
 
 
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
     p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
+    p.add_argument("--decode-steps", type=int, default=256, help="W5: tokens decoded")
+    p.add_argument("--decode-batches", default="1,16", help="W5: batch sizes, comma-separated")
     p.add_argument("--compile", action="store_true",
                    help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile")
     p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
