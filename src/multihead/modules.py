@@ -334,9 +334,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 memory = (k, v)
                 cache.set_memory(self, k, v)
             k_all, v_all = memory
-            q = q_proj(queries).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
+            q = _apply(q_proj, queries, not any(_GLOBAL_HOOKS)).view(*queries.shape[:2], H, D)  # -> (B, n, H, D)
         out = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), m)  # (B, n, H, Dv)
-        return self.projections()[3](out.flatten(-2))  # (B, n, out_features)
+        return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, n, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
