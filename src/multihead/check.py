@@ -194,7 +194,7 @@ def _mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
     raise ValueError(f"mask must be one of {CONVENTIONS} or None; got {conv!r}.")
 
 
-def _caller(call, conv):
+def _caller(call):
     if callable(call):
         return lambda m, q, k, v, mk: call(m, q, k, v, mk)
     if call == "x":
@@ -235,7 +235,7 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters: a multi-head attention module learns its "
                          "projections (W_q, W_k, W_v, W_o).")
-    run = _caller(call, mask)
+    run = _caller(call)
     E = embed_dim or next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), None)
     if E is None:
         raise ValueError("cannot tell the module's input size: pass embed_dim=.")

@@ -20,7 +20,7 @@ from torch import nn
 from multihead.apps.pruning import Setup
 
 
-def _load(path: Path):
+def _load(path: Path, *, with_peer: bool = True):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
@@ -41,7 +41,7 @@ def _load(path: Path):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     model = mhf.attach(auto.from_pretrained(path).eval())
-    peer = auto.from_pretrained(path, attn_implementation="sdpa").eval()
+    peer = auto.from_pretrained(path, attn_implementation="sdpa").eval() if with_peer else None
     return model, peer, tok, causal
 
 
@@ -154,7 +154,7 @@ def draw(path: str | Path, text: str, out: Path) -> list[Path]:
     import multihead
     from multihead.viz import explorer, heatmaps, rollout
 
-    model, _, tok, causal = _load(Path(path))
+    model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
     enc = tok([text], return_tensors="pt")
     tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
     with torch.no_grad(), multihead.capture(model) as cap:
