@@ -246,6 +246,17 @@ def _local_checks(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale, N: 
     return None
 
 
+def _lengths_digest(mask: Mask | None) -> int:
+    """A number that differs when the global (B,) lengths of ValidLens/Padding differ between ranks."""
+    out = 0
+    for p in (mask.parts() if mask is not None else ()):
+        if isinstance(p, masks.ValidLens) and p.lens.dim() == 1 and p.lens.numel():
+            lens = p.lens.to(torch.int64)
+            w = torch.arange(1, lens.numel() + 1, device=lens.device)  # (B,)
+            out = (out * 1_000_003 + int((lens * w).sum()) + 7 * int(lens.sum())) % (1 << 61)
+    return out
+
+
 def _shard_mask(mask: Mask | None, group, Lq: int, Lk: int, N: int) -> _ShardMask:
     """The mask's parts for blocks of global positions (gathers key padding: (B, Lk) per rank)."""
     if mask is None:
@@ -257,7 +268,7 @@ def _shard_mask(mask: Mask | None, group, Lq: int, Lk: int, N: int) -> _ShardMas
         band = masks.And(tuple(diag)).band(Lq * N, Lk * N)
     for p in parts:
         hi = None
-        if isinstance(p, masks.ValidLens):
+        if isinstance(p, masks.ValidLens) and p.lens.dim() == 1:  # global lengths: the same on every rank
             known = p.__dict__.get("_max")  # (version, maximum length), read on the host when the mask was built
             hi = known[1] if known is not None and known[0] == p.lens._version else None
         if type(p) is masks.Padding:
@@ -408,7 +419,6 @@ class RingStats:
     bytes_sent: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
-    steps: int = 0
 
     @property
     def comm_share(self) -> float:
@@ -718,9 +728,11 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, group, layout: str, scale) -
     device = q.device if isinstance(q, Tensor) else torch.device("cpu")
     shapes = [*q.shape, *k.shape, v.shape[-1]] if error is None else [0] * 9
     kinds = [zlib.crc32(" & ".join(type(p).__name__ for p in mask.parts()).encode())] if mask is not None else [0]
-    _agree(group, device, error, shapes + kinds + [LAYOUTS.index(layout)],
+    _agree(group, device, error, shapes + kinds + [_lengths_digest(mask) if error is None else 0,
+                                                   LAYOUTS.index(layout)],
            what="ring_attention",
-           names=["B", "H", "Lq", "D", "key B", "Hkv", "Lk", "key D", "Dv", "mask kinds", "layout"])
+           names=["B", "H", "Lq", "D", "key B", "Hkv", "Lk", "key D", "Dv", "mask kinds", "global lengths digest",
+                  "layout"])
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     sm = _shard_mask(mask, group, Lq, Lk, N)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import backends, checks, masks, varlen
+from multihead import backends, checks, distributed, masks, varlen
 from multihead.cache import KVCache
 from multihead.functional import _run
 from multihead.functional import explain as _explain
@@ -230,10 +230,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             s += f", value_head_dim={self.value_head_dim}"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
 
-    def _inputs(self, queries, keys, values, valid_lens, mask, *, Lk: int | None = None):
+    def _inputs(self, queries, keys, values, valid_lens, mask, *, Lk: int | None = None, sharded: bool = False):
         """Defaults (keys = queries, values = keys), checks, and one validated mask from
         valid_lens & mask (over ``Lk`` keys, default the keys' length): everything is
-        checked before any projection runs."""
+        checked before any projection runs. ``sharded``: the inputs are shards of a sequence
+        (context parallel), whose masks :func:`multihead.distributed.ring_attention` checks
+        against the whole sequence."""
         keys = queries if keys is None else keys
         values = keys if values is None else values
         q, k, v, _ = self.projections()
@@ -244,7 +246,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if valid_lens is not None:
             vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
             m = vl if m is None else vl & m
-        if m is not None:
+        if m is not None and not sharded:
             m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
                        queries.device)
         return queries, keys, values, m
@@ -293,6 +295,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         """
         if cache is not None:
             return self._forward_cached(queries, keys, values, valid_lens, mask, cache)
+        if distributed._ACTIVE:
+            return self._forward_sharded(queries, keys, values, valid_lens, mask, distributed._ACTIVE[-1])
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
         packed = self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling() else None
@@ -338,6 +342,32 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         out = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), m)  # (B, n, H, Dv)
         return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, n, out_features)
 
+    def _forward_sharded(self, queries, keys, values, valid_lens, mask, cp) -> Tensor:
+        """Inside :func:`multihead.distributed.context_parallel`: the inputs are this rank's shards
+        (B, L/N, ·), attention runs over the whole sequence with ring attention (masks as
+        :func:`~multihead.distributed.ring_attention` takes them) -> this rank's (B, Lq/N, out_features)."""
+        if self.training and self.dropout > 0:
+            raise ValueError(
+                f"dropout={self.dropout} on the attention weights is not supported under context_parallel; "
+                "call model.eval(), or build the module with dropout=0."
+            )
+        if self.attention_hooks.observers:
+            raise ValueError("capture() cannot record weights under context_parallel (each rank sees a shard of "
+                             "the keys); gather the inputs and capture on one process.")
+        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
+        if self.num_heads == 0:  # every head pruned
+            return self.projections()[3](queries.new_zeros(*queries.shape[:2], 0))
+        q, k, v = self._project(queries, keys, values)  # (B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv)
+        out = cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), m,
+                           scale=self.scale)  # (B, H, Lq, Dv)
+        del q, k, v
+        out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
+        real = cp.query_keep(m, out.shape[1], out.device)  # (B, Lq) or None
+        if self.attention_hooks.transforms:
+            out = self.attention_hooks.transform(self, out, real)
+        out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, Lq, out_features)
+        return out if real is None else out.masked_fill(~real[..., None], 0.0)
+
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
         ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.varlen.unpad`) -> (N, out_features).
@@ -366,7 +396,19 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None) -> PathExplanation:
         """Which path a forward with these inputs takes (packed varlen or dense) and
-        which attention backend runs, and why (a str; a table in a notebook)."""
+        which attention backend runs, and why (a str; a table in a notebook). Under
+        :func:`multihead.distributed.context_parallel` it is collective (every rank calls it)
+        and says what the ring does on this rank."""
+        if distributed._ACTIVE:
+            cp = distributed._ACTIVE[-1]
+            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
+            B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+            q = queries.new_empty(B, self.num_heads, Lq, self.head_dim)  # (B, H, Lq, D), only shapes matter
+            k = queries.new_empty(B, self.num_kv_heads, Lk, self.head_dim)  # (B, Hkv, Lk, D)
+            v = queries.new_empty(B, self.num_kv_heads, Lk, self.value_head_dim)  # (B, Hkv, Lk, Dv)
+            return PathExplanation("path: context parallel (sequence-sharded inputs)\n"
+                                   + distributed.explain(q, k, v, m, group=cp.group, layout=cp.layout,
+                                                         scale=self.scale))
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         packed = self._packing(m, queries, keys) if m is not None else "no padding in the mask"

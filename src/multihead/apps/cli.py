@@ -151,6 +151,14 @@ def _bench(args) -> int:
     if args.memory_only:
         bench.remeasure_memory(Path(args.out), peers)
         return 0
+    if "W6" in names:  # context parallel: its own processes
+        from multihead.apps import cp_bench
+
+        cp_bench.run(ranks=args.ranks, length=args.cp_length, reps=args.cp_reps,
+                     out=Path(args.out) / "context_parallel")
+        names.remove("W6")
+        if not names:
+            return 0
     bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
               compile=args.compile, decode_steps=args.decode_steps,
               decode_batches=tuple(int(b) for b in args.decode_batches.split(",")))
@@ -210,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embed-dim", type=int, default=None, help="the input size, when no Linear tells it")
     p.set_defaults(func=_check)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
-    p.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated: W1, W2, W3, W4, W5 (decoding)")
+    p.add_argument("--workloads", default="W1,W2,W3,W4",
+                   help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
@@ -220,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile")
     p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
+    p.add_argument("--ranks", type=int, default=4, help="W6: processes the sequence is sharded over")
+    p.add_argument("--cp-length", type=int, default=16384, help="W6: the whole sequence's length")
+    p.add_argument("--cp-reps", type=int, default=3, help="W6: timed calls per case")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
