@@ -81,3 +81,22 @@ def test_cache_errors():
         other(x, cache=cache)
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         KVCache(m, 2, 0)
+
+
+def test_one_token_steps_find_their_backend_without_choosing_again(monkeypatch):
+    """A step of one new token has no mask; its key length grows every step, and "auto"'s remembered
+    choice (keyed without the lengths when there is no mask) serves every step after the first."""
+    from multihead.backends import registry
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16).eval()
+    x = torch.randn(2, 12, 16)
+    registry.forget()
+    chosen = []
+    real = registry._auto
+    monkeypatch.setattr(registry, "_auto", lambda req, exclude: chosen.append(req.Lk) or real(req, exclude))
+    cache = KVCache(m, batch_size=2, max_len=12)
+    with torch.no_grad():
+        steps = [m(x[:, t:t + 1], cache=cache) for t in range(12)]
+    assert chosen == [1], f"auto chose again at key lengths {chosen}"
+    assert torch.allclose(torch.cat(steps, 1), m(x, mask=masks.Causal()), atol=1e-5)

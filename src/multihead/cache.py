@@ -68,7 +68,8 @@ class KVCache:
         cache -> every cached key (B, Hkv, L, D) and value (B, Hkv, L, Dv), L = length + n."""
         layer = self.layer(module)
         B, Hkv, n, D = k.shape
-        self.check(module, B, n)
+        if B != self.batch_size or layer.length + n > self.max_len:
+            self.check(module, B, n)  # raises, naming what does not fit
         if layer.k is None:
             layer.k = k.new_zeros(B, Hkv, self.max_len, D)  # (B, Hkv, Lmax, D)
             layer.v = v.new_zeros(B, Hkv, self.max_len, v.shape[-1])  # (B, Hkv, Lmax, Dv)
@@ -76,10 +77,10 @@ class KVCache:
             raise ValueError(f"{layer.name}: the cache holds Hkv={layer.k.shape[1]} heads of D={layer.k.shape[3]}; this "
                              f"step has {Hkv} of {D} (the module changed: make a new KVCache).")
         end = layer.length + n
-        layer.k[:, :, layer.length:end] = k
-        layer.v[:, :, layer.length:end] = v
+        layer.k.narrow(2, layer.length, n).copy_(k)  # (B, Hkv, n, D) into positions length..end
+        layer.v.narrow(2, layer.length, n).copy_(v)
         layer.length = end
-        return layer.k[:, :, :end], layer.v[:, :, :end]
+        return layer.k.narrow(2, 0, end), layer.v.narrow(2, 0, end)  # (B, Hkv, L, D), (B, Hkv, L, Dv)
 
     def check(self, module: nn.Module, B: int, n: int) -> None:
         """Refuse a step of B sequences and n new positions that the cache cannot take (before any computation)."""

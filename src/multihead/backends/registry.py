@@ -108,8 +108,9 @@ def register(
     call; "auto" tries backends from the highest ``priority`` down, skipping those
     that cannot run and those whose ``prefer(request)`` gives a reason not to pick
     them unasked. ``cacheable=True`` promises that both depend only on the request's
-    sizes, dtype, device, dropout, grad need and the mask's kind (``Mask.dispatch_key``), so
-    the choice for such a call can be remembered (the built-in backends make that promise)."""
+    sizes, dtype, device, dropout, grad need and the mask's kind (``Mask.dispatch_key``) and,
+    for a call without a mask, not on Lq or Lk, so the choice for such a call can be remembered
+    (the built-in backends make that promise)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; got {name!r}.")
     if name in _REGISTRY and not replace:
@@ -135,8 +136,12 @@ _CHOICE_MAX = 512
 
 def choice_key(head: tuple, dropout_p: float, needs_grad: bool, mask: Mask | None) -> tuple:
     """What "auto"'s remembered choice is keyed on: (device type, dtype, B, H, Hkv, Lq, Lk, D, Dv),
-    whether there is dropout, whether gradients are needed, and the mask's kind."""
-    return (head, dropout_p > 0, needs_grad, None if mask is None else mask.dispatch_key())
+    whether there is dropout, whether gradients are needed, and the mask's kind. Without a mask the
+    lengths are left out (no cacheable backend's choice depends on them then), so a decoder whose
+    key length grows by one each step finds its choice every step."""
+    if mask is None:
+        return (head[:5] + head[7:], dropout_p > 0, needs_grad, None)  # (device, dtype, B, H, Hkv, D, Dv)
+    return (head, dropout_p > 0, needs_grad, mask.dispatch_key())
 
 
 def remembered(key: tuple) -> Backend | None:
