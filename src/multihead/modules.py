@@ -244,12 +244,25 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                               ("value_size", _in_features(v))))
         m = masks.as_mask(mask)
         if valid_lens is not None:
-            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.ValidLens(valid_lens)
+            vl = valid_lens if isinstance(valid_lens, masks.Mask) else self._valid_lens(valid_lens)
             m = vl if m is None else vl & m
         if m is not None and not sharded:
             m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
                        queries.device)
         return queries, keys, values, m
+
+    def _valid_lens(self, lens) -> masks.ValidLens:
+        """``ValidLens(lens)``; the same object again while the same tensor comes back unchanged (its
+        values were checked when it was built, and it keeps its keep mask): the course's loops pass
+        one ``valid_lens`` tensor call after call. Not under torch.compile (a fresh one is traced)."""
+        if torch.compiler.is_compiling() or not isinstance(lens, Tensor):
+            return masks.ValidLens(lens)
+        seen = self.__dict__.get("_lens_seen")  # (weakref to the tensor, its version, the mask)
+        if seen is not None and seen[0]() is lens and seen[1] == lens._version:
+            return seen[2]
+        vl = masks.ValidLens(lens)
+        self.__dict__["_lens_seen"] = (weakref.ref(lens), lens._version, vl)
+        return vl
 
     def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
         """How the tokens are laid out: packed (padding not computed) or, with the reason, dense."""

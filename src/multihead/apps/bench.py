@@ -278,7 +278,7 @@ COMPILED_PEERS = ("torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padd
 
 
 def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print,
-                  compile: bool = False) -> list[Result]:
+                  compile: bool = False, cpp_wrapper: bool = False) -> list[Result]:
     torch.manual_seed(0)
     base = nn.MultiheadAttention(w.E, w.H, batch_first=True)
     results = []
@@ -301,6 +301,10 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
             built[name] = (call, ran)
             if compile and name in COMPILED_PEERS:  # the same call, compiled (dynamic=False: one shape per workload)
                 built[f"{name} (compiled)"] = (torch.compile(call, dynamic=False), ran + ", torch.compile")
+            if compile and cpp_wrapper and name in COMPILED_PEERS:  # inductor's C++ wrapper: less Python per call
+                built[f"{name} (compiled, cpp_wrapper)"] = (
+                    torch.compile(call, dynamic=False, options={"cpp_wrapper": True}),
+                    ran + ", torch.compile(options={'cpp_wrapper': True})")
         x, y = _inputs(w, backward)
         times: dict[str, list[float]] = {n: [] for n in built}
         for name, (call, _) in list(built.items()):
@@ -375,7 +379,8 @@ def _write(data: dict, out: Path, log=print) -> None:
 
 def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
         peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print,
-        compile: bool = False, decode_steps: int = 256, decode_batches: tuple[int, ...] = (1, 16)) -> dict:
+        compile: bool = False, decode_steps: int = 256, decode_batches: tuple[int, ...] = (1, 16),
+        cpp_wrapper: bool = False, decode_rounds: int = 3) -> dict:
     peers = peers or list(PEERS)
     torch.set_num_threads(torch.get_num_threads())
     info = {
@@ -387,7 +392,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
         from multihead.apps import decode_bench
 
         names = [n for n in names if n != "W5"]
-        d = decode_bench.run(batches=decode_batches, steps=decode_steps, log=log)
+        d = decode_bench.run(batches=decode_batches, steps=decode_steps, rounds=decode_rounds, log=log)
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode.json").write_text(json.dumps({"machine": info, **d}, indent=2))
         (out / "decode.md").write_text(decode_bench.markdown(d))
@@ -397,7 +402,8 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
     results: list[Result] = []
     for w in workloads(names, lengths):
         log(f"{w.name}: B={w.B} Lq={w.Lq} Lk={w.Lk} E={w.E} H={w.H} ({w.note})")
-        results += time_workload(w, peers, reps, log=log, compile=compile and not w.name.startswith("W4"))
+        results += time_workload(w, peers, reps, log=log, compile=compile and not w.name.startswith("W4"),
+                                 cpp_wrapper=cpp_wrapper)
         if memory and w.name.startswith("W4"):
             for peer in peers:
                 for backward in (False, True):

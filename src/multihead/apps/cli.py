@@ -161,7 +161,8 @@ def _bench(args) -> int:
             return 0
     bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
               compile=args.compile, decode_steps=args.decode_steps,
-              decode_batches=tuple(int(b) for b in args.decode_batches.split(",")))
+              decode_batches=tuple(int(b) for b in args.decode_batches.split(",")), cpp_wrapper=args.cpp_wrapper,
+              decode_rounds=args.decode_rounds)
     return 0
 
 
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-batches", default="1,16", help="W5: batch sizes, comma-separated")
     p.add_argument("--compile", action="store_true",
                    help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="with --compile: also compile with inductor's C++ wrapper (options={'cpp_wrapper': True})")
+    p.add_argument("--decode-rounds", type=int, default=3, help="W5: interleaved rounds (median, min-max)")
     p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
     p.add_argument("--ranks", type=int, default=4, help="W6: processes the sequence is sharded over")
     p.add_argument("--cp-length", type=int, default=16384, help="W6: the whole sequence's length")
