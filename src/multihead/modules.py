@@ -109,10 +109,12 @@ class AttentionCore:
         """Every multihead attention module alive now."""
         return list(AttentionCore._alive)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None, *,
+                heads_first: bool = False) -> Tensor:
         """The one attention call, with the module's hooks around it.
 
-        Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv).
+        Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv);
+        with ``heads_first`` k and v come as (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) (a KV cache's layout).
         Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
         hooks = self.attention_hooks
         p = self.dropout if self.training else 0.0
@@ -120,7 +122,9 @@ class AttentionCore:
         if self.num_heads == 0:  # every head pruned (multihead.heads.prune): nothing to attend
             return q.new_zeros(*q.shape[:-2], 0, self.value_head_dim)
         if packed is None:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, L, h, d) -> (B, h, L, d)
+            q = q.transpose(1, 2)  # (B, Lq, H, D) -> (B, H, Lq, D)
+            if not heads_first:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
             if hooks.observers:
                 hooks.observe(self, q, k, mask, self.scale)
             out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
@@ -352,7 +356,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 cache.set_memory(self, k, v)
             k_all, v_all = memory
             q = _apply(q_proj, queries, not any(_GLOBAL_HOOKS)).view(*queries.shape[:2], H, D)  # -> (B, n, H, D)
-        out = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), m)  # (B, n, H, Dv)
+        out = self._attend(q, k_all, v_all, m, heads_first=True)  # (B, n, H, Dv)
         return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, n, out_features)
 
     def _forward_sharded(self, queries, keys, values, valid_lens, mask, cp) -> Tensor:

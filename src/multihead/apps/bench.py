@@ -222,6 +222,12 @@ def peer_multihead(w: Workload, base, padding: bool = False):
     return m, lambda x, y: m(x, y, y, mask=mask), ran
 
 
+def peer_valid_lens(w: Workload, base):
+    """The course's own call: ``mha(queries, keys, values, valid_lens)`` with the (B,) lengths tensor."""
+    m, _, ran = peer_multihead(w, base)
+    return m, lambda x, y: m(x, y, y, w.lens), ran + ", valid_lens tensor"
+
+
 PEERS: dict[str, Callable] = {
     "torch.nn.MHA": peer_torch,
     "SDPA+4 Linear": peer_sdpa,
@@ -231,6 +237,7 @@ PEERS: dict[str, Callable] = {
     "multihead": peer_multihead,
     "multihead (Padding)": lambda w, base: (peer_multihead(w, base, padding=True)
                                             if w.lens is not None and w.self_attention else None),
+    "multihead (valid_lens)": lambda w, base: peer_valid_lens(w, base) if w.name == "W1" else None,
 }
 
 
@@ -274,7 +281,7 @@ def _step(call, x, y, backward: bool):
 
 
 #: the peers timed again under torch.compile with ``--compile``
-COMPILED_PEERS = ("torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padding)")
+COMPILED_PEERS = ("torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padding)", "multihead (valid_lens)")
 
 
 def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print,
