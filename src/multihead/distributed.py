@@ -570,32 +570,35 @@ def _exchange(c: _Call, wire: _Wire, k: Tensor, v: Tensor, pieces, rank: int, co
     the own block once the first transfers are on their way."""
     plan, N, D = c.plan, c.plan.N, c.D
     ticks = _schedule(plan)
-    B, Hkv = k.shape[0], k.shape[1]
-    width = D + v.shape[-1]
-
-    def post(i: int):
-        if i >= len(ticks):
-            return None
-        s, p = ticks[i]
-        dst, src = (rank + s) % N, (rank - s) % N
-        sends, recvs, buf = [], [], None
-        if plan.needs(dst, rank, p):
-            wire.settle(1)
-            sends.append((_kv_piece(k, v, pieces[rank][p]), dst, _tag(0, s, p, plan)))
-        if plan.needs(rank, src, p):
-            buf = k.new_empty(B, Hkv, pieces[src][p][2], width)  # (B, Hkv, keys, D + Dv)
-            recvs.append((buf, src, _tag(0, s, p, plan)))
-        return wire.post(sends, recvs), buf
-
-    nxt = post(0)
+    nxt = _post_kv(wire, plan, ticks, 0, rank, k, v, pieces, in_flight=1)
     own()
     for i, (s, p) in enumerate(ticks):
         works, buf = nxt
-        nxt = post(i + 1)
+        nxt = _post_kv(wire, plan, ticks, i + 1, rank, k, v, pieces, in_flight=1)
         if buf is not None:
             wire.wait(works)
             compute((rank - s) % N, p, buf[..., :D], buf[..., D:])
     wire.settle(0)
+
+
+def _post_kv(wire: _Wire, plan: _Plan, ticks: list, i: int, rank: int, k: Tensor, v: Tensor, pieces,
+             in_flight: int):
+    """Post tick i's key/value traffic: this rank's piece to rank+s if it needs it (once at most
+    ``in_flight`` earlier sends are still under way), and a buffer for rank-s's piece if this
+    rank needs it. Returns (the receive's works, the buffer or None), or None past the last tick."""
+    if i >= len(ticks):
+        return None
+    s, p = ticks[i]
+    N = plan.N
+    dst, src = (rank + s) % N, (rank - s) % N
+    sends, recvs, buf = [], [], None
+    if plan.needs(dst, rank, p):
+        wire.settle(in_flight)
+        sends.append((_kv_piece(k, v, pieces[rank][p]), dst, _tag(0, s, p, plan)))
+    if plan.needs(rank, src, p):
+        buf = k.new_empty(k.shape[0], k.shape[1], pieces[src][p][2], k.shape[-1] + v.shape[-1])  # (B, Hkv, keys, D+Dv)
+        recvs.append((buf, src, _tag(0, s, p, plan)))
+    return wire.post(sends, recvs), buf
 
 
 def _tag(kind: int, s: int, p: int, plan: _Plan) -> int:
@@ -646,28 +649,13 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
 
     ticks = _schedule(plan)
     width = D + Dv
-
-    def post_kv(i: int):
-        if i >= len(ticks):
-            return None
-        s, p = ticks[i]
-        dst, src = (rank + s) % N, (rank - s) % N
-        sends, recvs, buf = [], [], None
-        if plan.needs(dst, rank, p):
-            wire.settle(3)
-            sends.append((_kv_piece(k, v, pieces[rank][p]), dst, _tag(0, s, p, plan)))
-        if plan.needs(rank, src, p):
-            buf = k.new_empty(B, Hkv, pieces[src][p][2], width)  # (B, Hkv, keys, D + Dv)
-            recvs.append((buf, src, _tag(0, s, p, plan)))
-        return wire.post(sends, recvs), buf
-
     pending = None  # (works, buffer, piece) of the gradients coming back for one of this rank's pieces
-    nxt = post_kv(0)
+    nxt = _post_kv(wire, plan, ticks, 0, rank, k, v, pieces, in_flight=3)
     for p, (ls, _, n, _) in enumerate(pieces[rank]):  # step 0: the own block, while the first pieces travel
         compute(rank, p, k[:, :, ls:ls + n], v[:, :, ls:ls + n], dk[:, :, ls:ls + n], dv[:, :, ls:ls + n])
     for i, (s, p) in enumerate(ticks):
         works, buf = nxt
-        nxt = post_kv(i + 1)
+        nxt = _post_kv(wire, plan, ticks, i + 1, rank, k, v, pieces, in_flight=3)
         dst, src = (rank + s) % N, (rank - s) % N
         sends, recvs, back = [], [], None
         if buf is not None:
