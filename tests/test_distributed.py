@@ -250,3 +250,27 @@ def test_torchrun_example_runs(tmp_path):
     assert saved["output"].shape == (1, 256, 64)
     assert saved["reference"].shape == (1, 256, 64)
     assert (saved["output"] - saved["reference"]).abs().max() < 1e-4
+
+
+def test_bench_w6_writes_a_report_that_loads_back(tmp_path):
+    """`multihead bench --workloads W6` (small): the JSON it writes loads back, agrees with itself and with the
+    markdown table it wrote, and shows zigzag's balanced causal work."""
+    import json
+
+    from multihead.apps import cp_bench
+    from multihead.apps.cli import main
+
+    assert main(["bench", "--workloads", "W6", "--ranks", "2", "--cp-length", "1024", "--cp-reps", "1",
+                 "--out", str(tmp_path)]) == 0
+    out = tmp_path / "context_parallel"
+    data = json.loads((out / "cp.json").read_text())
+    assert data["config"]["ranks"] == 2 and data["config"]["L"] == 1024
+    assert {(r["mask"], r["mode"]) for r in data["rows"]} == {(m, mode) for m in ("none", "causal")
+                                                              for mode in ("fwd", "fwd+bwd")}
+    for r in data["rows"]:
+        mine = [x for x in data["ranks"] if x["mask"] == r["mask"] and x["mode"] == r["mode"]]
+        assert len(mine) == 2 and r["ring_peak_mib_per_rank"] == max(x["peak_mib"] for x in mine)
+        assert r["ring_s"] > 0 and r["sdpa_s"] > 0 and 0 <= r["comm_wait_share"] <= 1
+    causal = [r for r in data["rows"] if r["mask"] == "causal"]
+    assert all(r["layout"] == "zigzag" and r["work_max_over_min"] <= 1.1 for r in causal)
+    assert (out / "cp.md").read_text() == cp_bench.table(data)

@@ -178,7 +178,7 @@ def run(*, ranks: int = 4, length: int = 16384, batch: int = 1, heads: int = 8, 
         work = [r["entries"] for r in mine]
         rows.append({"mask": base["mask"], "layout": mine[0]["layout"], "mode": base["mode"],
                      "sdpa_peak_mib": base["peak_mib"], "ring_peak_mib_per_rank": peak,
-                     "peak_ratio": round(peak / base["peak_mib"], 3),
+                     "peak_ratio": round(peak / base["peak_mib"], 3) if base["peak_mib"] > 0 else None,
                      "sdpa_s": base["median_s"], "ring_s": slow, "time_ratio": round(slow / base["median_s"], 2),
                      "comm_wait_share": round(max(r["comm_wait_share"] for r in mine), 3),
                      "work_max_over_min": round(max(work) / max(1, min(work)), 3),
@@ -203,7 +203,11 @@ def table(result: dict) -> str:
     ]
     for r in result["rows"]:
         lines.append(f"| {r['mask']} | {r['layout']} | {r['mode']} | {r['sdpa_peak_mib']} | "
-                     f"{r['ring_peak_mib_per_rank']} | {r['peak_ratio']:.3f}x | {r['sdpa_s']:.2f} | {r['ring_s']:.2f} | "
+                     f"{r['ring_peak_mib_per_rank']} | {_ratio(r['peak_ratio'])} | {r['sdpa_s']:.2f} | {r['ring_s']:.2f} | "
                      f"{r['time_ratio']:.2f}x | {r['comm_wait_share']:.1%} | {r['work_max_over_min']:.3f} | "
                      f"{r['mib_sent_per_rank']} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}x"
