@@ -295,22 +295,37 @@ def _shard_mask(mask: Mask | None, group, Lq: int, Lk: int, N: int) -> _ShardMas
 class _Plan:
     """Host-side schedule, the same on every rank (positions only, no tensor values).
 
-    tiles[r]: rank r's query tiles, (local start, global start, rows); pieces[r]: rank r's key
-    pieces, (local start, global start, length). kind(r, t, p_owner, p) is 0 (nothing
-    visible: skipped), 1 (every pair visible as far as the band goes) or 2 (the band cuts it)."""
+    segments[r]: rank r's runs of global query positions; tiles[r]: rank r's query tiles, and
+    pieces[r]: rank r's key pieces, each (local start, global start, length). A block (tile, piece)
+    is of kind 0 (nothing visible: skipped), 1 (every pair visible as far as the band goes) or 2
+    (the band cuts it); ``kinds`` holds this rank's blocks, others are worked out when asked."""
 
     N: int
+    rank: int
     layout: str
     Lq: int
     Lk: int
+    segments: tuple
     tiles: tuple
     pieces: tuple
     band: tuple[float, float] | None
     key_limit: int | None
     kinds: dict = field(compare=False, hash=False)
+    _needed: dict = field(compare=False, hash=False, default_factory=dict)
+
+    def kind(self, r: int, t: int, owner: int, p: int) -> int:
+        if r == self.rank:
+            return self.kinds[t, owner, p]
+        return _kind(self.tiles[r][t], self.pieces[owner][p], self.band, self.key_limit)
 
     def needs(self, receiver: int, owner: int, p: int) -> bool:
-        return any(self.kinds[receiver, t, owner, p] for t in range(len(self.tiles[receiver])))
+        """Whether any query of ``receiver`` can see piece p of ``owner``'s keys (its whole runs of
+        positions are checked: the tiles cut them, so this is the same as any tile seeing it)."""
+        key = (receiver, owner, p)
+        if key not in self._needed:
+            piece = self.pieces[owner][p]
+            self._needed[key] = any(_kind(seg, piece, self.band, self.key_limit) for seg in self.segments[receiver])
+        return self._needed[key]
 
 
 def _split(n: int, segs, size: int):
@@ -337,12 +352,13 @@ def _kind(q: tuple[int, int, int], k: tuple[int, int, int], band, key_limit) -> 
 
 
 @lru_cache(maxsize=64)
-def _plan(N: int, layout: str, Lq: int, Lk: int, rows: int, piece: int, band, key_limit) -> _Plan:
-    tiles = tuple(_split(Lq, _segments(Lq, r, N, layout), rows) for r in range(N))
+def _plan(N: int, rank: int, layout: str, Lq: int, Lk: int, rows: int, piece: int, band, key_limit) -> _Plan:
+    segments = tuple(_segments(Lq, r, N, layout) for r in range(N))
+    tiles = tuple(_split(Lq, segments[r], rows) for r in range(N))
     pieces = tuple(_split(Lk, _segments(Lk, r, N, layout), piece) for r in range(N))
-    kinds = {(r, t, o, p): _kind(tq, kp, band, key_limit)
-             for r in range(N) for t, tq in enumerate(tiles[r]) for o in range(N) for p, kp in enumerate(pieces[o])}
-    return _Plan(N, layout, Lq, Lk, tiles, pieces, band, key_limit, kinds)
+    kinds = {(t, o, p): _kind(tq, kp, band, key_limit)  # this rank's blocks: N * tiles * pieces entries
+             for t, tq in enumerate(tiles[rank]) for o in range(N) for p, kp in enumerate(pieces[o])}
+    return _Plan(N, rank, layout, Lq, Lk, segments, tiles, pieces, band, key_limit, kinds)
 
 
 def _sizes(B: int, H: int, Hkv: int, D: int, Dv: int, Lq: int, Lk: int, itemsize: int) -> tuple[int, int]:
@@ -522,7 +538,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     def compute(owner: int, p: int, kp: Tensor, vp: Tensor) -> None:
         t0 = time.perf_counter()
         for t, rows in enumerate(plan.tiles[rank]):
-            kind = plan.kinds[rank, t, owner, p]
+            kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
             keep = _block_keep(sm, kind, rows, pieces[owner][p], q.device)
@@ -545,16 +561,13 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     return out, lse
 
 
-def _schedule(plan: _Plan):
+@lru_cache(maxsize=64)
+def _schedule(plan: _Plan) -> tuple[tuple[int, int], ...]:
     """Every rank's ticks, in one order all ranks share: (step s, piece index p) for s = 1..N-1
     and every piece index, skipping those no rank sends."""
     N = plan.N
-    ticks = []
-    for s in range(1, N):
-        for p in range(len(plan.pieces[0])):
-            if any(plan.needs((o + s) % N, o, p) for o in range(N)):
-                ticks.append((s, p))
-    return ticks
+    return tuple((s, p) for s in range(1, N) for p in range(len(plan.pieces[0]))
+                 if any(plan.needs((o + s) % N, o, p) for o in range(N)))
 
 
 def _kv_piece(k: Tensor, v: Tensor, piece: tuple) -> Tensor:
@@ -581,7 +594,7 @@ def _exchange(c: _Call, wire: _Wire, k: Tensor, v: Tensor, pieces, rank: int, co
     wire.settle(0)
 
 
-def _post_kv(wire: _Wire, plan: _Plan, ticks: list, i: int, rank: int, k: Tensor, v: Tensor, pieces,
+def _post_kv(wire: _Wire, plan: _Plan, ticks: tuple, i: int, rank: int, k: Tensor, v: Tensor, pieces,
              in_flight: int):
     """Post tick i's key/value traffic: this rank's piece to rank+s if it needs it (once at most
     ``in_flight`` earlier sends are still under way), and a buffer for rank-s's piece if this
@@ -631,7 +644,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
         t0 = time.perf_counter()
         kp, vp = kp.to(acc), vp.to(acc)
         for t, rows in enumerate(plan.tiles[rank]):
-            kind = plan.kinds[rank, t, owner, p]
+            kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
             keep = _block_keep(sm, kind, rows, pieces[owner][p], q.device)
@@ -727,7 +740,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, group, layout: str, scale) -
     rows, piece = _sizes(B, H, Hkv, D, v.shape[-1], Lq, Lk, q.element_size())
     piece = min(piece, Lk if layout == "contiguous" else Lk // 2)
     rows = min(rows, Lq if layout == "contiguous" else Lq // 2)
-    plan = _plan(N, layout, Lq, Lk, rows, piece, sm.band, sm.key_limit)
+    plan = _plan(N, dist.get_rank(group), layout, Lq, Lk, rows, piece, sm.band, sm.key_limit)
     return _Call(group, plan, sm, 1.0 / math.sqrt(D) if scale is None else float(scale), H // Hkv, D)
 
 
@@ -793,7 +806,7 @@ def _work(plan: _Plan, BH: int) -> list[int]:
         for t, (_, _, rows) in enumerate(plan.tiles[r]):
             for o in range(plan.N):
                 for p, (_, _, keys) in enumerate(plan.pieces[o]):
-                    if plan.kinds[r, t, o, p]:
+                    if plan.kind(r, t, o, p):
                         n += BH * rows * keys
         out.append(n)
     return out
