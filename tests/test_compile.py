@@ -138,3 +138,55 @@ def test_patched_transformer_encoder_compiles_fullgraph_with_a_padding_mask():
     compiled = torch.compile(enc, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         assert (compiled(x, mask=None, src_key_padding_mask=pad) - enc(x, src_key_padding_mask=pad)).abs().max() < 1e-10
+
+
+def _every_kind(B, Lq, Lk):
+    lens = torch.tensor([Lk, 1])[:B]
+    return [None, masks.ValidLens(lens), masks.ValidLens(torch.ones(B, Lq, dtype=torch.long)), masks.Padding(lens),
+            masks.KeyPadding(torch.ones(B, Lk, dtype=torch.bool)), masks.Causal(), masks.Causal("bottom-right"),
+            masks.SlidingWindow(64), masks.SlidingWindow(8, 3, "bottom-right"), masks.Dense(torch.ones(Lq, Lk) > 0),
+            masks.Dense(torch.zeros(1, 1, Lq, Lk)), masks.ValidLens(lens) & masks.SlidingWindow(32),
+            masks.KeyPadding(torch.ones(B, Lk, dtype=torch.bool)) & masks.Causal()]
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 7), (2, 2048, 2048), (1, 64, 4096)])
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_traced_choice_is_the_eager_choice(shape, needs_grad, device):
+    """While tracing, "auto" decides on a stand-in of the mask built from its dispatch key (no values):
+    for every mask kind, at sizes and devices where different backends win (sdpa, blocked on CPU, flex
+    on CUDA: requests only, nothing runs), it picks what eager selection picks."""
+    from multihead.backends import registry
+
+    B, Lq, Lk = shape
+    chosen = set()
+    for m in _every_kind(B, Lq, Lk):
+        head = (device, torch.float32, B, 4, 2, Lq, Lk, 16, 16)
+        eager = registry.select("auto", registry.Request(*head, m, 0.0, needs_grad)).name
+        key = None if m is None else m.dispatch_key()
+        if key is not None:
+            assert masks.stand_in(key, B, Lq, Lk).dispatch_key() == key
+        assert registry.traced_choice(head, key, 0.0, needs_grad, None) == eager, (m, shape)
+        assert registry.traced_choice(head, key, 0.0, needs_grad, "reference") == "reference"
+        chosen.add(eager)
+    if shape == (2, 2048, 2048) and not needs_grad:
+        assert chosen == {"sdpa", "blocked" if device == "cpu" else "flex"}
+
+
+def test_a_users_own_mask_kind_is_selected_while_tracing():
+    """A Mask subclass the stand-ins do not know: no baked choice; selection is traced, with no graph break."""
+    from multihead.backends import registry
+
+    class EvenKeys(masks.Mask):
+        def keep(self, B, H, Lq, Lk, device=None):
+            return (torch.arange(Lk, device=device) % 2 == 0)[None, None, None, :]  # (1, 1, 1, Lk)
+
+    m = EvenKeys()
+    assert registry.traced_choice(("cpu", torch.float32, 2, 4, 4, 5, 6, 8, 8), m.dispatch_key(), 0.0, False,
+                                  None) is None
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    fn = lambda q, k, v: multihead.attention(q, k, v, m)  # noqa: E731
+    assert _breaks(fn, q, k, v)[0] == 0
+    dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert torch.allclose(got, multihead.reference_attention(q, k, v, m), atol=1e-6)

@@ -83,6 +83,16 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
                 return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
             except registry.Unavailable:
                 pass  # the full path below reports it and falls back
+    if backend == "auto" and torch.compiler.is_compiling():  # chosen once, while tracing (see traced_choice)
+        B, H, Lq, D = query.shape
+        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])
+        name = registry.traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
+                                      registry._FORCED[-1] if registry._FORCED else None)
+        if name is not None:
+            try:
+                return registry.get(name).run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+            except registry.Unavailable:
+                pass  # the full path below reports it and falls back
     req = _request(query, key, value, mask, dropout_p)
     return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p)
 

@@ -601,6 +601,29 @@ def _conjunction(keeps) -> Tensor | None:
     return out
 
 
+def stand_in(key: tuple, B: int, Lq: int, Lk: int) -> Mask | None:
+    """A mask with this :meth:`Mask.dispatch_key` (what backends decide on), holding no values: its
+    tensors are on the meta device. None for a kind this module does not know (a user's own Mask).
+    The backend registry decides with it while torch.compile traces a call (see
+    :func:`multihead.backends.registry.traced_choice`)."""
+    if key and isinstance(key[0], tuple):  # an And: one key per part
+        parts = [stand_in(k, B, Lq, Lk) for k in key]
+        return None if any(p is None for p in parts) else And(tuple(parts))
+    kind = key[0] if key else None
+    if kind in ("ValidLens", "Padding") and len(key) == 2:
+        shape = (B,) if key[1] == 1 else (B, Lq)
+        return (ValidLens if kind == "ValidLens" else Padding)(torch.empty(shape, dtype=torch.long, device="meta"))
+    if kind == "KeyPadding":
+        return KeyPadding(torch.empty(B, Lk, dtype=torch.bool, device="meta"))
+    if kind == "Causal":
+        return Causal(key[1])
+    if kind == "SlidingWindow":
+        return SlidingWindow(key[2], key[3], key[1])
+    if kind == "Dense":
+        return Dense(torch.empty((1,) * key[2], dtype=torch.bool if key[1] else torch.float32, device="meta"))
+    return None
+
+
 def as_mask(mask) -> Mask | None:
     """None, a :class:`Mask`, or a bool/float tensor (wrapped in :class:`Dense`)."""
     if mask is None or isinstance(mask, Mask):

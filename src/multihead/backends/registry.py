@@ -218,6 +218,26 @@ def _auto(req: Request, exclude: frozenset[str]) -> Backend:
     raise RuntimeError(f"no attention backend can run this call: {req}")
 
 
+@torch.compiler.assume_constant_result
+def traced_choice(head: tuple, mask_key: tuple | None, dropout_p: float, needs_grad: bool,
+                  forced: str | None) -> str | None:
+    """"auto"'s choice while torch.compile traces a call, made once and baked into the graph: the
+    name of the backend :func:`select` picks for (device type, dtype, B, H, Hkv, Lq, Lk, D, Dv), a
+    mask of kind ``mask_key`` (:meth:`Mask.dispatch_key`; cacheable backends decide on nothing
+    else), dropout and grad need, ``forced`` being the innermost :func:`use` (read by the caller, so
+    the graph is guarded on it). None when a backend is not cacheable or the mask's kind is not one
+    :func:`multihead.masks.stand_in` knows: the caller then selects while tracing. Nothing about
+    the registry is re-checked on each compiled call (it cost a small call ~15 us of guards); a
+    backend registered after compiling takes part once ``torch.compiler.reset()`` retraces."""
+    from multihead.masks import stand_in
+
+    mask = None if mask_key is None else stand_in(mask_key, head[2], head[5], head[6])
+    if (mask_key is not None and mask is None) or not all(b.cacheable for b in _REGISTRY.values()):
+        return None
+    req = Request(*head, mask, dropout_p, needs_grad)
+    return select(forced, req).name if forced is not None else _auto(req, frozenset()).name
+
+
 _REPORTED: set[tuple[str, str]] = set()
 
 
