@@ -74,23 +74,18 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
         return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if backend == "auto" and not torch.compiler.is_compiling():  # a call of a kind seen before: its backend
+    if backend == "auto":
         B, H, Lq, D = query.shape
         head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request[:9]
-        b = registry.remembered(registry.choice_key(head, dropout_p, needs_grad, mask))
+        if torch.compiler.is_compiling():  # chosen once, while tracing (see registry.traced_choice)
+            name = registry.traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
+                                          registry._FORCED[-1] if registry._FORCED else None)
+            b = None if name is None else registry.get(name)
+        else:  # a call of a kind seen before: its remembered backend
+            b = registry.remembered(registry.choice_key(head, dropout_p, needs_grad, mask))
         if b is not None:
             try:
                 return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
-            except registry.Unavailable:
-                pass  # the full path below reports it and falls back
-    if backend == "auto" and torch.compiler.is_compiling():  # chosen once, while tracing (see traced_choice)
-        B, H, Lq, D = query.shape
-        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])
-        name = registry.traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
-                                      registry._FORCED[-1] if registry._FORCED else None)
-        if name is not None:
-            try:
-                return registry.get(name).run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
             except registry.Unavailable:
                 pass  # the full path below reports it and falls back
     req = _request(query, key, value, mask, dropout_p)
