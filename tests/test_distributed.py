@@ -76,7 +76,7 @@ def _cases(B: int, Lq: int, Lk: int):
 
 def _against_reference(rank: int, N: int, store: str) -> None:
     """Outputs and gradients of every mask, both layouts, GQA, D != Dv, self- and cross-attention
-    lengths, equal the float64 reference on the whole sequence within 1e-5 (fp32)."""
+    lengths, default and given scale, equal the float64 reference on the whole sequence within 1e-5 (fp32)."""
     _init(rank, N, store)
     B, H, Hkv, D, Dv = 3, 4, 2, 5, 7
     for layout in cp.LAYOUTS:
@@ -90,10 +90,11 @@ def _against_reference(rank: int, N: int, store: str) -> None:
                     return cp.shard(t, dim=dim, layout=layout)
 
                 ql, kl, vl = (sh(t, 2, "").requires_grad_() for t in (q, k, v))
-                out = cp.ring_attention(ql, kl, vl, local(sh), layout=layout)
+                scale = None if Lq == Lk else 0.37  # the default 1/sqrt(D), and a given one
+                out = cp.ring_attention(ql, kl, vl, local(sh), layout=layout, scale=scale)
                 out.backward(sh(dout, 2, ""))
                 q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-                ref = reference_attention(q64, k64, v64, whole)
+                ref = reference_attention(q64, k64, v64, whole, scale=scale)
                 ref.backward(dout.double())
                 what = f"N={N} {layout} Lq={Lq} Lk={Lk} {name}"
                 got = cp.gather(out.detach(), dim=2, layout=layout)
