@@ -316,7 +316,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             return self._forward_sharded(queries, keys, values, valid_lens, mask, distributed._ACTIVE[-1])
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
-        packed = self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling() else None
+        packed = (self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling()
+                  and varlen.could_pay(keys.shape[1], self._flop_per_token()) else None)
         if not isinstance(packed, varlen.Packed):
             packed = None
         else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)

@@ -154,6 +154,12 @@ class Plan:
     reason: str
 
 
+def could_pay(Lk: int, flop_per_token: float) -> bool:
+    """Whether packing could pay at all: skipping even every one of Lk keys of a sequence saves
+    more than the per-sequence loop costs (the cost model of :func:`packing_cost`)."""
+    return Lk * flop_per_token > LOOP_COST_FLOP
+
+
 def packing_cost(n_padded: int, B: int, flop_per_token: float) -> str | None:
     """The cost model: packing pays when the work it saves on padded tokens
     (``flop_per_token`` each: the projections) exceeds what the per-sequence loop costs
@@ -175,7 +181,7 @@ def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_
     (``force`` skips the cost model)."""
     if mask is None:
         return "no padding in the mask"
-    if not force and Lk * flop_per_token <= LOOP_COST_FLOP:  # even all-padding could not pay for the loop
+    if not force and not could_pay(Lk, flop_per_token):  # even all-padding could not pay for the loop
         return (f"Lk={Lk}: skipping padded keys saves at most ~{Lk * flop_per_token / 1e6:.1f} MFLOP per sequence, "
                 f"less than the per-sequence loop costs (~{LOOP_COST_FLOP / 1e6:.0f} MFLOP)")
     rest = []
