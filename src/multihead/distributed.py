@@ -191,20 +191,13 @@ def _agree(group, device, error: str | None, meta: list[int], *, what: str, name
 
 @dataclass(frozen=True)
 class _ShardMask:
-    """A mask taken apart for blocks of global positions: a band of diagonals (Causal,
-    SlidingWindow), per-sequence lengths (ValidLens (B,), Padding), per-query lengths
-    (ValidLens (B, Lq), local shard) and key padding (gathered to (B, Lk_global))."""
+    """A mask taken apart for blocks of global positions: the band of its diagonal parts (Causal,
+    SlidingWindow), which decides which blocks are skipped or cut, and every other part made whole
+    (over the global sequence) and applied through its own ``mask_mod(b, h, q_idx, kv_idx)``."""
 
     band: tuple[float, float] | None = None
-    lens: Tensor | None = None  # (B,) keys at global positions >= lens[b] are hidden
-    query_lens: Tensor | None = None  # (B, Lq) local shard of per-query lengths
-    padding: Tensor | None = None  # (B,) Padding: keys and queries at positions >= lens[b]
-    key_keep: Tensor | None = None  # (B, Lk_global) gathered KeyPadding
+    rest: Mask | None = None  # the other parts over the whole sequence (global positions)
     key_limit: int | None = None  # no key at a global position >= this is visible (from lengths known on the host)
-
-    def cache_key(self):
-        return (self.band, self.key_limit)
-
 
 _SHARDABLE = "Causal, SlidingWindow, ValidLens ((B,) global lengths or (B, Lq) local shard), Padding, KeyPadding"
 
@@ -257,35 +250,26 @@ def _lengths_digest(mask: Mask | None) -> int:
     return out
 
 
-def _shard_mask(mask: Mask | None, group, Lq: int, Lk: int, N: int) -> _ShardMask:
-    """The mask's parts for blocks of global positions (gathers key padding: (B, Lk) per rank)."""
+def _shard_mask(mask: Mask | None, group, layout: str, Lq: int, Lk: int, N: int) -> _ShardMask:
+    """The mask over the whole sequence: per-sequence lengths as they are (global already), the
+    sharded parts (KeyPadding (B, Lk), ValidLens (B, Lq)) gathered from every rank (collective)."""
     if mask is None:
         return _ShardMask()
-    band, lens, qlens, padding, key_keep, limit = None, None, None, None, None, None
     parts = mask.parts()
     diag = [p for p in parts if isinstance(p, (masks.Causal, masks.SlidingWindow))]
-    if diag:
-        band = masks.And(tuple(diag)).band(Lq * N, Lk * N)
+    band = masks.And(tuple(diag)).band(Lq * N, Lk * N) if diag else None
+    rest, limit = [], None
     for p in parts:
-        hi = None
-        if isinstance(p, masks.ValidLens) and p.lens.dim() == 1:  # global lengths: the same on every rank
+        if type(p) is masks.KeyPadding:  # uint8: every communication backend carries it
+            rest.append(masks.KeyPadding(gather(p.keep_mask.to(torch.uint8), group, layout=layout).bool()))
+        elif type(p) is masks.ValidLens and p.lens.dim() == 2:
+            rest.append(masks.ValidLens(gather(p.lens, group, layout=layout)))  # (B, Lq) -> (B, N*Lq)
+        elif isinstance(p, masks.ValidLens):  # (B,) global lengths, the same on every rank
+            rest.append(p)
             known = p.__dict__.get("_max")  # (version, maximum length), read on the host when the mask was built
-            hi = known[1] if known is not None and known[0] == p.lens._version else None
-        if type(p) is masks.Padding:
-            padding = p.lens if padding is None else torch.minimum(padding, p.lens)
-        elif type(p) is masks.ValidLens and p.lens.dim() == 1:
-            lens = p.lens if lens is None else torch.minimum(lens, p.lens)
-        elif type(p) is masks.ValidLens:
-            qlens = p.lens if qlens is None else torch.minimum(qlens, p.lens)
-        elif type(p) is masks.KeyPadding:
-            mine = p.keep_mask.to(torch.uint8).contiguous()  # (B, Lk); uint8: every backend carries it
-            got = [torch.empty_like(mine) for _ in range(N)]
-            dist.all_gather(got, mine, group=group)
-            whole = torch.cat(got, 1).bool()  # (B, N*Lk) in rank order, local order within each
-            key_keep = whole if key_keep is None else key_keep & whole
-        if hi is not None:
-            limit = hi if limit is None else min(limit, hi)
-    return _ShardMask(band, lens, qlens, padding, key_keep, limit)
+            if known is not None and known[0] == p.lens._version:
+                limit = known[1] if limit is None else min(limit, known[1])
+    return _ShardMask(band, None if not rest else rest[0] if len(rest) == 1 else masks.And(tuple(rest)), limit)
 
 
 # --- the plan: which (query tile, key piece) blocks each rank computes ------------------
@@ -371,10 +355,11 @@ def _sizes(B: int, H: int, Hkv: int, D: int, Dv: int, Lq: int, Lk: int, itemsize
 # --- the block computation ---------------------------------------------------------------
 
 
-def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, device) -> Tensor | None:
-    """Bool keep mask broadcastable to (B, Hkv, g, rows, keys) for one block, or None (all kept)."""
-    ql, qg, qn = q
-    _, kg, kn = k[:3]
+def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, Lq: int, Lk: int, device) -> Tensor | None:
+    """Bool keep mask broadcastable to (B, Hkv, g, rows, keys) for one block of global positions
+    (whole sequence: Lq x Lk), or None (all kept)."""
+    _, qg, qn = q
+    _, kg, kn = k
     i = torch.arange(qg, qg + qn, device=device)[:, None]  # (rows, 1) global query positions
     j = torch.arange(kg, kg + kn, device=device)[None, :]  # (1, keys) global key positions
     keep = None
@@ -383,19 +368,10 @@ def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, device) -> Tensor
         keep = j <= i + hi  # (rows, keys)
         if lo != -math.inf:
             keep = keep & (j >= i + lo)
-    extra = []
-    if sm.lens is not None:
-        extra.append((j < sm.lens[:, None, None])[:, None, None])  # (B, 1, 1, 1, keys)
-    if sm.query_lens is not None:
-        extra.append((j < sm.query_lens[:, ql:ql + qn, None])[:, None, None])  # (B, 1, 1, rows, keys)
-    if sm.padding is not None:
-        t = sm.padding[:, None, None]  # (B, 1, 1)
-        extra.append(((j < t) & (i < t))[:, None, None])  # (B, 1, 1, rows, keys)
-    if sm.key_keep is not None:
-        col = k[3]  # the piece's first column in the gathered key padding (rank order, then local order)
-        extra.append(sm.key_keep[:, None, None, None, col:col + kn])  # (B, 1, 1, 1, keys)
-    for e in extra:
-        keep = e if keep is None else keep & e
+    if sm.rest is not None:
+        b = torch.arange(sm.rest.batch_size, device=device)[:, None, None]  # (B, 1, 1)
+        r = sm.rest.mask_mod(Lq, Lk, device)(b, 0, i[None], j[None])  # (B, rows|1, keys)
+        keep = r[:, None, None] if keep is None else keep & r[:, None, None]  # (B, 1, 1, rows|1, keys)
     return keep
 
 
@@ -510,14 +486,6 @@ class _Call:
     D: int
 
 
-def _pieces_with_columns(plan: _Plan):
-    """pieces[r][p] + (column of the piece in the gathered key padding,)."""
-    out = []
-    for r, ps in enumerate(plan.pieces):
-        out.append(tuple(p + (r * plan.Lk + p[0],) for p in ps))
-    return tuple(out)
-
-
 def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, H, Lq, Dv) in the
     accumulation dtype, lse (B, H, Lq) float."""
@@ -532,7 +500,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     lse = torch.full((B, H, Lq), -math.inf, dtype=acc, device=q.device)
     out5 = out.view(B, H // g, g, Lq, Dv)  # (B, Hkv, g, Lq, Dv)
     lse4 = lse.view(B, H // g, g, Lq)  # (B, Hkv, g, Lq)
-    pieces = _pieces_with_columns(plan)
+    pieces = plan.pieces
     wire = _Wire(c.group, stats)
 
     def compute(owner: int, p: int, kp: Tensor, vp: Tensor) -> None:
@@ -541,7 +509,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
             kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
-            keep = _block_keep(sm, kind, rows, pieces[owner][p], q.device)
+            keep = _block_keep(sm, kind, rows, pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
             s = _scores(_tile(q, g, rows).to(acc), kp.to(acc), c.scale, keep, g)  # (B, Hkv, g*rows, keys)
             m = torch.logsumexp(s, -1)  # (B, Hkv, g*rows)
             pr = s.sub_(_finite(m)[..., None]).exp_()  # the block's own softmax
@@ -553,7 +521,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
         stats.compute_s += time.perf_counter() - t0
 
     def own() -> None:  # step 0: the own block, while the first pieces travel
-        for p, (ls, _, n, _) in enumerate(pieces[rank]):
+        for p, (ls, _, n) in enumerate(pieces[rank]):
             compute(rank, p, k[:, :, ls:ls + n], v[:, :, ls:ls + n])
 
     _exchange(c, wire, k, v, pieces, rank, compute, own)
@@ -572,7 +540,7 @@ def _schedule(plan: _Plan) -> tuple[tuple[int, int], ...]:
 
 def _kv_piece(k: Tensor, v: Tensor, piece: tuple) -> Tensor:
     """This rank's keys and values at one piece, side by side: (B, Hkv, keys, D + Dv), contiguous."""
-    ls, _, n = piece[:3]
+    ls, _, n = piece
     return torch.cat([k[:, :, ls:ls + n], v[:, :, ls:ls + n]], -1)
 
 
@@ -636,7 +604,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
     dout = dout.to(acc)
     delta = (dout * out.to(acc)).sum(-1)  # (B, H, Lq): rowsum(dO * O)
     lse_safe = _finite(lse.to(acc))  # (B, H, Lq)
-    pieces = _pieces_with_columns(plan)
+    pieces = plan.pieces
     wire = _Wire(c.group, stats)
 
     def compute(owner: int, p: int, kp: Tensor, vp: Tensor, dkp: Tensor, dvp: Tensor) -> None:
@@ -647,7 +615,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
             kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
-            keep = _block_keep(sm, kind, rows, pieces[owner][p], q.device)
+            keep = _block_keep(sm, kind, rows, pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
             qt, dot = _tile(q, g, rows).to(acc), _tile(dout, g, rows)  # (B, Hkv, g*rows, D), (.., Dv)
             pr = _scores(qt, kp, c.scale, keep, g)  # (B, Hkv, g*rows, keys)
             pr = pr.sub_(_rows(lse_safe, g, rows)[..., None]).exp_()  # the final softmax's weights on these keys
@@ -664,7 +632,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
     width = D + Dv
     pending = None  # (works, buffer, piece) of the gradients coming back for one of this rank's pieces
     nxt = _post_kv(wire, plan, ticks, 0, rank, k, v, pieces, in_flight=3)
-    for p, (ls, _, n, _) in enumerate(pieces[rank]):  # step 0: the own block, while the first pieces travel
+    for p, (ls, _, n) in enumerate(pieces[rank]):  # step 0: the own block, while the first pieces travel
         compute(rank, p, k[:, :, ls:ls + n], v[:, :, ls:ls + n], dk[:, :, ls:ls + n], dv[:, :, ls:ls + n])
     for i, (s, p) in enumerate(ticks):
         works, buf = nxt
@@ -692,7 +660,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
 def _add_back(wire: _Wire, pending, dk: Tensor, dv: Tensor, D: int) -> None:
     works, back, piece = pending
     wire.wait(works)
-    ls, _, n = piece[:3]
+    ls, _, n = piece
     dk[:, :, ls:ls + n].add_(back[..., :D])
     dv[:, :, ls:ls + n].add_(back[..., D:])
 
@@ -736,7 +704,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, group, layout: str, scale) -
                   "layout"])
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    sm = _shard_mask(mask, group, Lq, Lk, N)
+    sm = _shard_mask(mask, group, layout, Lq, Lk, N)
     rows, piece = _sizes(B, H, Hkv, D, v.shape[-1], Lq, Lk, q.element_size())
     piece = min(piece, Lk if layout == "contiguous" else Lk // 2)
     rows = min(rows, Lq if layout == "contiguous" else Lq // 2)
