@@ -110,11 +110,13 @@ class AttentionCore:
         return list(AttentionCore._alive)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None, *,
-                heads_first: bool = False) -> Tensor:
+                heads_first: bool = False, cp: distributed._Context | None = None) -> Tensor:
         """The one attention call, with the module's hooks around it.
 
         Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv);
-        with ``heads_first`` k and v come as (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) (a KV cache's layout).
+        with ``heads_first`` k and v come as (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) (a KV cache's layout);
+        with ``cp`` (inside :func:`multihead.distributed.context_parallel`) they are this rank's shards
+        and the call is ring attention over the whole sequence.
         Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
         hooks = self.attention_hooks
         p = self.dropout if self.training else 0.0
@@ -127,10 +129,13 @@ class AttentionCore:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
             if hooks.observers:
                 hooks.observe(self, q, k, mask, self.scale)
-            out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
+            if cp is None:
+                out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
+            else:
+                out = cp.attention(q, k, v, mask, scale=self.scale)  # (B, H, Lq, Dv)
             out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
             if hooks.transforms and mask is not None:
-                live = mask.query_keep(out.shape[1], out.device)  # (B, Lq) or None
+                live = self._query_keep(mask, out.shape[1], out.device, cp)  # (B, Lq) or None
         else:
             if hooks.observers:
                 qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
@@ -140,6 +145,23 @@ class AttentionCore:
         if hooks.transforms:
             out = hooks.transform(self, out, live)
         return out
+
+    def _check_sharded(self) -> None:
+        """What context parallel cannot do, refused before any computation."""
+        if self.training and self.dropout > 0:
+            raise ValueError(f"dropout={self.dropout} on the attention weights is not supported under "
+                             "context_parallel; call model.eval(), or build the module with dropout=0.")
+        if self.attention_hooks.observers:
+            raise ValueError("capture() cannot record weights under context_parallel (each rank sees a shard of "
+                             "the keys); gather the inputs and capture on one process.")
+
+    @staticmethod
+    def _query_keep(mask, Lq: int, device, cp: distributed._Context | None) -> Tensor | None:
+        """(B, Lq) True = a real query row (``Padding``'s padded rows come out as zeros), None = every
+        row is real; by global position under context parallel."""
+        if mask is None:
+            return None
+        return mask.query_keep(Lq, device) if cp is None else cp.query_keep(mask, Lq, device)
 
 
 class MultiHeadAttention(AttentionCore, nn.Module):
@@ -312,23 +334,24 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         """
         if cache is not None:
             return self._forward_cached(queries, keys, values, valid_lens, mask, cache)
-        if distributed._ACTIVE:
-            return self._forward_sharded(queries, keys, values, valid_lens, mask, distributed._ACTIVE[-1])
-        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
+        cp = distributed._ACTIVE[-1] if distributed._ACTIVE else None  # sequence-sharded inputs: ring attention
+        if cp is not None:
+            self._check_sharded()
+        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=cp is not None)
         # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
-        packed = (self._packing(m, queries, keys) if m is not None and not torch.compiler.is_compiling()
+        packed = (self._packing(m, queries, keys) if m is not None and cp is None and not torch.compiler.is_compiling()
                   and varlen.could_pay(keys.shape[1], self._flop_per_token()) else None)
         if not isinstance(packed, varlen.Packed):
             packed = None
         else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
             queries, keys, values = packed.gather(queries, keys, values)
         q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
-        out = self._attend(q, k, v, m, packed)  # (..., Lq, H, Dv)
+        out = self._attend(q, k, v, m, packed, cp=cp)  # (..., Lq, H, Dv)
         del q, k, v, queries, keys, values  # freed before the output projection allocates
         out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # merge, project: (.., Lq, out)
         if packed is not None:
             return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros
-        if m is not None and (real := m.query_keep(out.shape[1], out.device)) is not None:
+        if (real := self._query_keep(m, out.shape[1], out.device, cp)) is not None:
             out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
 
@@ -359,32 +382,6 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             q = _apply(q_proj, queries, not any(_GLOBAL_HOOKS)).view(*queries.shape[:2], H, D)  # -> (B, n, H, D)
         out = self._attend(q, k_all, v_all, m, heads_first=True)  # (B, n, H, Dv)
         return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, n, out_features)
-
-    def _forward_sharded(self, queries, keys, values, valid_lens, mask, cp) -> Tensor:
-        """Inside :func:`multihead.distributed.context_parallel`: the inputs are this rank's shards
-        (B, L/N, ·), attention runs over the whole sequence with ring attention (masks as
-        :func:`~multihead.distributed.ring_attention` takes them) -> this rank's (B, Lq/N, out_features)."""
-        if self.training and self.dropout > 0:
-            raise ValueError(
-                f"dropout={self.dropout} on the attention weights is not supported under context_parallel; "
-                "call model.eval(), or build the module with dropout=0."
-            )
-        if self.attention_hooks.observers:
-            raise ValueError("capture() cannot record weights under context_parallel (each rank sees a shard of "
-                             "the keys); gather the inputs and capture on one process.")
-        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
-        if self.num_heads == 0:  # every head pruned
-            return self.projections()[3](queries.new_zeros(*queries.shape[:2], 0))
-        q, k, v = self._project(queries, keys, values)  # (B, Lq, H, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv)
-        out = cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), m,
-                           scale=self.scale)  # (B, H, Lq, Dv)
-        del q, k, v
-        out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
-        real = cp.query_keep(m, out.shape[1], out.device)  # (B, Lq) or None
-        if self.attention_hooks.transforms:
-            out = self.attention_hooks.transform(self, out, real)
-        out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, Lq, out_features)
-        return out if real is None else out.masked_fill(~real[..., None], 0.0)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
