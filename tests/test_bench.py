@@ -23,6 +23,20 @@ def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):
     assert summary.startswith("| workload | mode | torch.nn.MHA |") and "(1.00x)" in summary
 
 
+def test_bench_compile_times_the_compile_floor_beside_the_peers(tmp_path):
+    """--compile adds each peer compiled and torch.compile's own per-call floor, timed in the same rounds."""
+    from multihead.apps import bench
+
+    assert main(["bench", "--workloads", "W1", "--reps", "2", "--compile", "--peers", "torch.nn.MHA", "--no-memory",
+                 "--out", str(tmp_path)]) == 0
+    rows = {(r["peer"], r["mode"]): r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    for mode in ("fwd", "fwd+bwd"):
+        assert ("torch.nn.MHA (compiled)", mode) in rows
+        floor = rows[(bench.COMPILE_FLOOR, mode)]
+        assert floor["median_ms"] > 0 and "torch.compile" in floor["ran"]
+    assert bench.COMPILE_FLOOR in (tmp_path / "summary.md").read_text()
+
+
 def test_decode_workload_same_tokens_three_ways(tmp_path):
     """W5's three decoders (cache, recompute, hand-written) run the same weights to the same tokens."""
     from multihead.apps import decode_bench

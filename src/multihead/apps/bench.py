@@ -16,6 +16,9 @@ Peers: torch.nn.MultiheadAttention, SDPA + 4 nn.Linear, the course's code
 (bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
 installed), FlexAttention + 4 nn.Linear (compiled, forward only on CPU), and
 multihead (valid_lens, as the course; and Padding where queries are padded too).
+With ``--compile`` each of them is timed compiled too, beside torch.compile's own
+per-call floor (a compiled ``x[0, 0] + 1``), so a small call's compiled time can
+be read as floor + graph.
 """
 
 from __future__ import annotations
@@ -283,6 +286,15 @@ def _step(call, x, y, backward: bool):
 #: the peers timed again under torch.compile with ``--compile``
 COMPILED_PEERS = ("torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padding)", "multihead (valid_lens)")
 
+#: with ``--compile``: what torch.compile's machinery costs a call on its own (guards, the
+#: autograd and inductor wrappers around a graph of one small kernel), the floor under every
+#: compiled peer's time; timed in the same rounds as the peers
+COMPILE_FLOOR = "torch.compile floor (x[0, 0] + 1)"
+
+
+def _floor(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x[0, 0] + 1  # (E,): one small kernel
+
 
 def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print,
                   compile: bool = False, cpp_wrapper: bool = False) -> list[Result]:
@@ -312,6 +324,8 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
                 built[f"{name} (compiled, cpp_wrapper)"] = (
                     torch.compile(call, dynamic=False, options={"cpp_wrapper": True}),
                     ran + ", torch.compile(options={'cpp_wrapper': True})")
+        if compile:
+            built[COMPILE_FLOOR] = (torch.compile(_floor, dynamic=False), "torch.compile of x[0, 0] + 1, (E,)")
         x, y = _inputs(w, backward)
         times: dict[str, list[float]] = {n: [] for n in built}
         for name, (call, _) in list(built.items()):

@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=256, help="W5: tokens decoded")
     p.add_argument("--decode-batches", default="1,16", help="W5: batch sizes, comma-separated")
     p.add_argument("--compile", action="store_true",
-                   help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile")
+                   help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile, "
+                        "and torch.compile's per-call floor (a compiled x[0, 0] + 1)")
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="with --compile: also compile with inductor's C++ wrapper (options={'cpp_wrapper': True})")
     p.add_argument("--decode-rounds", type=int, default=3, help="W5: interleaved rounds (median, min-max)")
