@@ -131,16 +131,17 @@ def test_state_dict_round_trip_and_repr():
 
 
 def test_a_valid_lens_tensor_passed_again_is_checked_again_only_when_it_changed():
+    """The checked mask is remembered outside the module (masks.valid_lens), never in it."""
     torch.manual_seed(0)
     m = MultiHeadAttention(12, 3).eval()
     x = torch.randn(2, 4, 12)
     lens = torch.tensor([3, 2])
     a = m(x, x, x, lens)
-    first = m._valid_lens(lens)
-    assert m._valid_lens(lens) is first  # the same tensor, unchanged: the same checked mask
+    first = masks.valid_lens(lens)
+    assert masks.valid_lens(lens) is first  # the same tensor, unchanged: the same checked mask
     assert torch.equal(m(x, x, x, lens), a)
     lens[1] = 4  # changed in place: checked and built again
-    assert m._valid_lens(lens) is not first
+    assert masks.valid_lens(lens) is not first
     assert torch.equal(m(x, x, x, lens), m(x, x, x, torch.tensor([3, 4])))
     lens[0] = 9
     with pytest.raises(ValueError, match="valid_lens must be <= Lk=4"):

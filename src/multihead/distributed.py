@@ -267,7 +267,7 @@ def _shard_mask(mask: Mask | None, group, layout: str, Lq: int, Lk: int, N: int)
         elif isinstance(p, masks.ValidLens):  # (B,) global lengths, the same on every rank
             rest.append(p)
             known = p.__dict__.get("_max")  # (version, maximum length), read on the host when the mask was built
-            if known is not None and known[0] == p.lens._version:
+            if known is not None and known[0] == masks.stamp(p.lens):
                 limit = known[1] if limit is None else min(limit, known[1])
     return _ShardMask(band, None if not rest else rest[0] if len(rest) == 1 else masks.And(tuple(rest)), limit)
 

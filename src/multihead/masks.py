@@ -24,6 +24,7 @@ backend, never NaN.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,6 +71,13 @@ def _value_check(ok: Tensor, message: str) -> None:
         torch._assert_async(ok, message)
     elif not bool(ok):
         raise ValueError(message)
+
+
+def stamp(t: Tensor):
+    """A value that changes whenever ``t`` is changed in place: its version counter. A tensor made
+    under ``torch.inference_mode()`` has none; it gets a fresh object that equals nothing, so
+    anything remembered about it is never reused (computed again, which is always right)."""
+    return object() if t.is_inference() else t._version
 
 
 def _full(keep: Tensor, B: int, H: int, Lq: int, Lk: int) -> Tensor:
@@ -196,7 +204,7 @@ class ValidLens(Mask):
                 lo, hi = (int(x) for x in torch.aminmax(lens))
                 if lo < 0:
                     raise ValueError(f"valid_lens must be >= 0; got minimum {lo}.")
-                object.__setattr__(self, "_max", (lens._version, hi))
+                object.__setattr__(self, "_max", (stamp(lens), hi))
         object.__setattr__(self, "lens", lens)
 
     @property
@@ -223,14 +231,14 @@ class ValidLens(Mask):
             _value_check((lens <= Lk).all(), f"valid_lens must be <= Lk={Lk} (the number of keys)")
         elif lens.numel():
             seen = self.__dict__.get("_max")  # read at construction, unless the tensor changed since
-            hi = seen[1] if seen is not None and seen[0] == lens._version else int(lens.max())
+            hi = seen[1] if seen is not None and seen[0] == stamp(lens) else int(lens.max())
             if hi > Lk:
                 raise ValueError(f"valid_lens must be <= Lk={Lk} (the number of keys); got maximum {hi}.")
 
     def keep(self, B, H, Lq, Lk, device=None):
         compiling = _compiling()  # (checked first: torch.compile then traces no cache read)
         seen = None if compiling else self.__dict__.get("_keep")  # the last one built, while the lengths are unchanged
-        if seen is not None and seen[0] == (Lk, str(device), self.lens._version):
+        if seen is not None and seen[0] == (Lk, str(device), stamp(self.lens)):
             return seen[1]
         lens = self.lens if device is None else self.lens.to(device)
         pos = torch.arange(Lk, device=lens.device)  # (Lk,)
@@ -239,7 +247,7 @@ class ValidLens(Mask):
         else:
             keep = pos < lens[:, None, :, None]  # (B, 1, Lq, Lk)
         if not compiling and type(self) is ValidLens:
-            object.__setattr__(self, "_keep", ((Lk, str(device), self.lens._version), keep))
+            object.__setattr__(self, "_keep", ((Lk, str(device), stamp(self.lens)), keep))
         return keep
 
     def key_keep(self, Lk, device=None):
@@ -264,6 +272,29 @@ class ValidLens(Mask):
 
     def __repr__(self):
         return f"ValidLens({self.lens.tolist()})"
+
+
+#: the last few length tensors made into a ValidLens by :func:`valid_lens`: {id: (weakref, stamp, mask)}
+_CHECKED: dict[int, tuple] = {}
+_CHECKED_MAX = 8
+
+
+def valid_lens(lens) -> ValidLens:
+    """``ValidLens(lens)``; the same object again while the same tensor comes back unchanged (its
+    values were checked when it was built, and it keeps its keep mask): the course's loops pass one
+    ``valid_lens`` tensor call after call. A small bounded table outside any module (modules hold
+    only parameters and buffers); not under torch.compile (a fresh one is traced), never for an
+    inference tensor (:func:`stamp`)."""
+    if _compiling() or not isinstance(lens, Tensor) or lens.is_inference():
+        return ValidLens(lens)
+    seen = _CHECKED.get(id(lens))
+    if seen is not None and seen[0]() is lens and seen[1] == lens._version:
+        return seen[2]
+    vl = ValidLens(lens)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[id(lens)] = (weakref.ref(lens), lens._version, vl)
+    return vl
 
 
 @dataclass(frozen=True, eq=False)

@@ -270,25 +270,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                               ("value_size", _in_features(v))))
         m = masks.as_mask(mask)
         if valid_lens is not None:
-            vl = valid_lens if isinstance(valid_lens, masks.Mask) else self._valid_lens(valid_lens)
+            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.valid_lens(valid_lens)
             m = vl if m is None else vl & m
         if m is not None and not sharded:
             m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
                        queries.device)
         return queries, keys, values, m
-
-    def _valid_lens(self, lens) -> masks.ValidLens:
-        """``ValidLens(lens)``; the same object again while the same tensor comes back unchanged (its
-        values were checked when it was built, and it keeps its keep mask): the course's loops pass
-        one ``valid_lens`` tensor call after call. Not under torch.compile (a fresh one is traced)."""
-        if torch.compiler.is_compiling() or not isinstance(lens, Tensor):
-            return masks.ValidLens(lens)
-        seen = self.__dict__.get("_lens_seen")  # (weakref to the tensor, its version, the mask)
-        if seen is not None and seen[0]() is lens and seen[1] == lens._version:
-            return seen[2]
-        vl = masks.ValidLens(lens)
-        self.__dict__["_lens_seen"] = (weakref.ref(lens), lens._version, vl)
-        return vl
 
     def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
         """How the tokens are laid out: packed (padding not computed) or, with the reason, dense."""
@@ -397,16 +384,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def _flop_per_token(self) -> float:
         """Projection work per token (multiply-adds x 2), what packing saves on each padded token
-        (remembered for the projection objects it was computed from: replacing one recomputes it)."""
-        projs = self.projections()
-        key = tuple(map(id, projs))
-        cached = self.__dict__.get("_flop_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        flop = 2.0 * sum(n * p.out_features for p in projs if (n := _in_features(p)) is not None)
-        if all(_in_features(p) is not None for p in projs):  # a lazy layer's size is still to come
-            self.__dict__["_flop_cache"] = (key, flop, projs)  # the objects are held so their ids stay theirs
-        return flop
+        (a lazy layer that has not seen an input yet counts nothing)."""
+        return 2.0 * sum(n * p.out_features for p in self.projections() if (n := _in_features(p)) is not None)
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None) -> PathExplanation:
