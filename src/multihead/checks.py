@@ -61,7 +61,8 @@ def heads(H: int, Hkv: int, *, where: str = "") -> None:
 _LETTERS = {"query": "(B, H, Lq, D)", "key": "(B, Hkv, Lk, D)", "value": "(B, Hkv, Lk, Dv)"}
 
 
-def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p=0.0) -> Mask | None:
+def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p=0.0, softcap=None,
+                     sinks=None) -> Mask | None:
     """Validate a functional attention call: query (B, H, Lq, D), key (B, Hkv, Lk, D),
     value (B, Hkv, Lk, Dv) or None (weights only). Returns the mask as a :class:`Mask`."""
     named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
@@ -99,10 +100,29 @@ def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p
     heads(H, Hkv, where=f"; got query {_shape(query)}, key {_shape(key)}")
     valid_scale(scale)
     valid_dropout(dropout_p, "dropout_p")
+    score_modifiers(softcap, sinks, H, query)
     mask = as_mask(mask)
     if mask is not None:
         mask.validate(B, H, Lq, Lk, query.device)
     return mask
+
+
+def score_modifiers(softcap, sinks, H: int, query: Tensor) -> None:
+    """softcap: None or a positive finite number; sinks: None or a floating (H,) tensor on the
+    query's device."""
+    if softcap is not None:
+        valid_scale(softcap, "softcap")
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (H,) = ({H},), one logit per query head; got "
+                        f"{type(sinks).__name__}.")
+    if not sinks.dtype.is_floating_point or tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must be a floating tensor of shape (H,) = ({H},), one logit per query head; got "
+                         f"shape {_shape(sinks)}, dtype {sinks.dtype}.")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}; move it with "
+                         f"sinks.to({str(query.device)!r}).")
 
 
 def module_inputs(named: tuple[tuple[str, Tensor], ...], sizes: tuple[tuple[str, int | None], ...]) -> None:

@@ -26,12 +26,13 @@ from multihead.masks import Mask
 __all__ = ["attention", "attention_weights", "explain", "reference_attention"]
 
 
-def _request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float) -> registry.Request:
+def _request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float,
+             softcap: float | None = None, sinks: Tensor | None = None) -> registry.Request:
     B, H, Lq, D = query.shape
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
     return registry.Request(
         query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1],
-        mask, float(dropout_p), needs_grad,
+        mask, float(dropout_p), needs_grad, None if softcap is None else float(softcap), sinks is not None,
     )
 
 
@@ -44,6 +45,8 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Scaled dot-product attention for all heads at once.
 
@@ -57,23 +60,36 @@ def attention(
         dropout_p: dropout on the attention weights (applied whenever > 0: pass 0
             when not training).
         backend: "auto" or a registered name (see :func:`multihead.backends.available`).
+        softcap: score modifier (Gemma 2's ``attn_logit_softcapping``): the scores become
+            ``softcap * tanh(scores / softcap)`` before the mask's bias is added.
+        sinks: (H,) score modifier (gpt-oss' attention sinks): one logit per query head that
+            joins each row's softmax denominator and is then dropped.
+
+        A backend that does not compute a score modifier never runs a call that has it
+        (:func:`explain` says so); ``"math"`` and ``"reference"`` compute both.
 
     Returns:
         (B, H, Lq, Dv). A query row with nothing to attend to (all keys masked, or
         Lk = 0) gives zeros, never NaN.
     """
-    mask = checks.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p)
-    return _run(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), backend=backend)
+    mask = checks.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
+                                   sinks=sinks)
+    return _run(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), backend=backend, softcap=softcap,
+                sinks=sinks)
 
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None,
-         dropout_p: float, backend: str) -> Tensor:
+         dropout_p: float, backend: str, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """:func:`attention` on inputs that :mod:`multihead.checks` has passed (the modules
     validate once, before their projections, and call this)."""
     if key.shape[2] == 0:  # no keys: every row has nothing to attend to
         return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if softcap is not None or sinks is not None:  # score modifiers: the full selection, which gates on them
+        req = _request(query, key, value, mask, dropout_p, softcap, sinks)
+        return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p,
+                            softcap=None if softcap is None else float(softcap), sinks=sinks)
     if backend == "auto":
         B, H, Lq, D = query.shape
         head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request[:9]
@@ -92,33 +108,38 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
     return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p)
 
 
-def attention_weights(query: Tensor, key: Tensor, mask=None, *, scale: float | None = None) -> Tensor:
+def attention_weights(query: Tensor, key: Tensor, mask=None, *, scale: float | None = None,
+                      softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """The attention weights (B, H, Lq, Lk) of :func:`attention` under the same mask
-    (before dropout): each row sums to 1, or is all zeros when it has nothing to
-    attend to. Computed in at least float32 and returned in the inputs' dtype.
+    and score modifiers (before dropout): each row sums to 1 (less with ``sinks``, whose
+    share is dropped), or is all zeros when it has nothing to attend to. Computed in at
+    least float32 and returned in the inputs' dtype.
 
     query (B, H, Lq, D), key (B, Hkv, Lk, D).
     """
-    mask = checks.attention_inputs(query, key, None, mask, scale=scale)
-    return _weights(query, key, mask, scale)
+    mask = checks.attention_inputs(query, key, None, mask, scale=scale, softcap=softcap, sinks=sinks)
+    return _weights(query, key, mask, scale, softcap, sinks)
 
 
-def _weights(query: Tensor, key: Tensor, mask: Mask | None, scale: float | None) -> Tensor:
+def _weights(query: Tensor, key: Tensor, mask: Mask | None, scale: float | None, softcap: float | None = None,
+             sinks: Tensor | None = None) -> Tensor:
     """:func:`attention_weights` on validated inputs."""
     H, Hkv, D = query.shape[1], key.shape[1], query.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dt = torch.promote_types(query.dtype, torch.float32)
     k = key.to(dt).repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Lk, D) -> (B, H, Lk, D)
-    return weights(query.to(dt), k, mask, scale).to(query.dtype)
+    sinks = None if sinks is None else sinks.to(dt)
+    return weights(query.to(dt), k, mask, scale, softcap, sinks).to(query.dtype)
 
 
 def explain(query: Tensor, key: Tensor, value: Tensor, mask=None, *, dropout_p: float = 0.0,
-            training: bool = False, backend: str = "auto"):
+            training: bool = False, backend: str = "auto", softcap: float | None = None,
+            sinks: Tensor | None = None):
     """Which backend :func:`attention` would run for these inputs, and why every
     other backend would not. ``training=True`` asks as if gradients were needed.
     Returns an :class:`~multihead.backends.registry.Explanation`; print it."""
-    mask = checks.attention_inputs(query, key, value, mask, dropout_p=dropout_p)
-    req = _request(query, key, value, mask, dropout_p)
+    mask = checks.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
+    req = _request(query, key, value, mask, dropout_p, softcap, sinks)
     if training:
         req = req._replace(needs_grad=True)
     return backends.explain_request(req, backend)

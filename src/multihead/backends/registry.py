@@ -48,11 +48,21 @@ class Request(NamedTuple):
     mask: Mask | None
     dropout_p: float
     needs_grad: bool
+    #: score modifiers of the call (see :func:`multihead.attention`): the tanh cap, None = none
+    softcap: float | None = None
+    #: whether per-head sink logits join each row's softmax denominator
+    sinks: bool = False
+
+    def modifiers(self) -> frozenset[str]:
+        """The score modifiers this call asks for: a subset of {"softcap", "sinks"}."""
+        return frozenset(n for n, on in (("softcap", self.softcap is not None), ("sinks", self.sinks)) if on)
 
 
 class RunFn(Protocol):
     """A backend's computation: validated (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
-    -> (B, H, Lq, Dv); a row with nothing to attend to gives zeros."""
+    -> (B, H, Lq, Dv); a row with nothing to attend to gives zeros. A backend registered with
+    ``modifiers`` also receives those score modifiers as keywords when a call has them
+    (``softcap=`` a float, ``sinks=`` an (H,) tensor); it never receives one it did not list."""
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,
                  dropout_p: float) -> Tensor: ...
@@ -80,9 +90,20 @@ class Backend:
     #: its can_run and prefer depend only on the request's sizes, dtype, device, dropout, grad need and the
     #: mask's kind (Mask.dispatch_key), never on tensor values: "auto"'s choice may then be cached
     cacheable: bool = False
+    #: the score modifiers its ``run`` computes ({"softcap", "sinks"}); a call with any other is not its
+    modifiers: frozenset[str] = frozenset()
+
+    def why_not(self, req: Request) -> str | None:
+        """None when this backend can compute ``req``, else why not (score modifiers first)."""
+        missing = req.modifiers() - self.modifiers
+        if missing:
+            return f"does not compute the score modifier{'s' if len(missing) > 1 else ''} {', '.join(sorted(missing))}"
+        return self.can_run(req)
 
 
 _REGISTRY: dict[str, Backend] = {}
+#: the score modifiers a call may carry (see :func:`multihead.attention`)
+MODIFIERS = frozenset({"softcap", "sinks"})
 #: the names ``use()`` has forced, innermost last (a plain list, which torch.compile traces: a
 #: context variable would break the graph; ``use`` is therefore process-wide, not per thread)
 _FORCED: list[str] = []
@@ -103,6 +124,7 @@ def register(
     describe: Callable[[Request], str] | None = None,
     replace: bool = False,
     cacheable: bool = False,
+    modifiers: frozenset[str] | set[str] | tuple[str, ...] = (),
 ) -> Backend:
     """Add a backend. ``can_run(request)`` returns None or why it cannot compute the
     call; "auto" tries backends from the highest ``priority`` down, skipping those
@@ -110,14 +132,18 @@ def register(
     them unasked. ``cacheable=True`` promises that both depend only on the request's
     sizes, dtype, device, dropout, grad need and the mask's kind (``Mask.dispatch_key``) and,
     for a call without a mask, not on Lq or Lk, so the choice for such a call can be remembered
-    (the built-in backends make that promise)."""
+    (the built-in backends make that promise). ``modifiers``: the score modifiers ``run`` computes
+    (``"softcap"``, ``"sinks"``); it receives them as keywords, and only those."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; got {name!r}.")
     if name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it.")
     if not callable(run):
         raise TypeError(f"run must be callable (query, key, value, mask, *, scale, dropout_p); got {type(run).__name__}.")
-    b = Backend(name, run, can_run or _always, priority, doc, describe, prefer, cacheable)
+    unknown = set(modifiers) - MODIFIERS
+    if unknown:
+        raise ValueError(f"unknown score modifiers {sorted(unknown)}; known: {sorted(MODIFIERS)}.")
+    b = Backend(name, run, can_run or _always, priority, doc, describe, prefer, cacheable, frozenset(modifiers))
     _REGISTRY[name] = b
     _CHOICE.clear()
     return b
@@ -142,6 +168,12 @@ def choice_key(head: tuple, dropout_p: float, needs_grad: bool, mask: Mask | Non
     if mask is None:
         return (head[:5] + head[7:], dropout_p > 0, needs_grad, None)  # (device, dtype, B, H, Hkv, D, Dv)
     return (head, dropout_p > 0, needs_grad, mask.dispatch_key())
+
+
+def _key(req: Request) -> tuple:
+    """:func:`choice_key` of a request, with its score modifiers (calls with modifiers are keyed apart)."""
+    key = choice_key(req[:9], req.dropout_p, req.needs_grad, req.mask)
+    return key + (req.softcap is not None, req.sinks) if req.modifiers() else key
 
 
 def remembered(key: tuple) -> Backend | None:
@@ -194,7 +226,7 @@ def select(name: str, req: Request, *, exclude: frozenset[str] = frozenset()) ->
             return _auto(req, exclude)
         name = forced
     b = get(name)
-    why = b.can_run(req)
+    why = b.why_not(req)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {why}. Use backend='auto' or one of {available()}.")
     return b
@@ -204,12 +236,12 @@ def _auto(req: Request, exclude: frozenset[str]) -> Backend:
     """"auto"'s choice, remembered per kind of call when every backend is cacheable."""
     remember = not exclude and not torch.compiler.is_compiling()
     if remember:
-        key = choice_key(req[:9], req.dropout_p, req.needs_grad, req.mask)
+        key = _key(req)
         b = _CHOICE.get(key)
         if b is not None:
             return b
     for b in _ranked():
-        if b.name not in exclude and b.can_run(req) is None and (b.prefer is None or b.prefer(req) is None):
+        if b.name not in exclude and b.why_not(req) is None and (b.prefer is None or b.prefer(req) is None):
             if remember and all(x.cacheable for x in _REGISTRY.values()):
                 if len(_CHOICE) >= _CHOICE_MAX:
                     _CHOICE.clear()
@@ -242,14 +274,15 @@ _REPORTED: set[tuple[str, str]] = set()
 
 
 def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,
-        dropout_p: float) -> Tensor:
+        dropout_p: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Select a backend for ``req`` and run it; a backend that raises :class:`Unavailable`
     is reported once (a warning) and the next choice runs."""
     exclude: frozenset[str] = frozenset()
+    mods = modifier_kwargs(softcap, sinks)
     while True:
         b = select(name, req, exclude=exclude)
         try:
-            return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+            return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p, **mods)
         except Unavailable as e:
             if (b.name, str(e)) not in _REPORTED:
                 _REPORTED.add((b.name, str(e)))
@@ -257,6 +290,16 @@ def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask
                               stacklevel=3)
             exclude = exclude | {b.name}
             name = "auto"
+
+
+def modifier_kwargs(softcap: float | None, sinks: Tensor | None) -> dict:
+    """The score-modifier keywords a call passes to its backend: only those it has."""
+    mods = {}
+    if softcap is not None:
+        mods["softcap"] = softcap
+    if sinks is not None:
+        mods["sinks"] = sinks
+    return mods
 
 
 @dataclass
@@ -273,7 +316,8 @@ class Explanation:
         lines = [
             f"attention call: B={r.B} H={r.H} Hkv={r.Hkv} Lq={r.Lq} Lk={r.Lk} D={r.D} Dv={r.Dv} "
             f"{str(r.dtype).replace('torch.', '')} on {r.device_type}; mask: {mask}; "
-            f"dropout_p={r.dropout_p}; needs grad: {r.needs_grad}",
+            f"dropout_p={r.dropout_p}; needs grad: {r.needs_grad}"
+            + (f"; score modifiers: {', '.join(sorted(r.modifiers()))}" if r.modifiers() else ""),
             f"  runs: {self.chosen}",
         ]
         width = max(len(n) for n in self.reasons) if self.reasons else 0
@@ -293,7 +337,7 @@ def explain_request(req: Request, name: str = "auto") -> Explanation:
     chosen = select(name, req).name
     reasons: dict[str, str] = {}
     for b in _ranked():
-        why = b.can_run(req)
+        why = b.why_not(req)
         detail = f" ({b.describe(req)})" if b.describe and why is None else ""
         if b.name == chosen:
             how = f"forced by use({forced!r})" if name == "auto" and forced else (
