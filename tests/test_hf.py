@@ -176,8 +176,14 @@ def test_from_pretrained_with_attn_implementation(tmp_path):
     loaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="multihead").eval()
     assert loaded.config._attn_implementation == "multihead"
     assert torch.allclose(_out(loaded, x), _out(model, x), atol=1e-5)
-    with pytest.raises(ValueError, match=r"call multihead.hf.attach\(model\) first"):
-        with multihead.capture(T.LlamaForCausalLM(model.config)):
+    with torch.no_grad(), multihead.capture(loaded) as cap:  # no attach needed to see the heads
+        loaded(**x)
+    assert list(cap) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert cap["model.layers.0.self_attn"].shape == (3, 4, 9, 9)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"call multihead.hf.attach\(model\) first .* or load it with "
+                                         "attn_implementation='multihead'"):
+        with multihead.capture(model):
             pass
 
 
@@ -235,13 +241,21 @@ def test_bad_input():
         heads.prune(model, {"encoder.layer.0.attention.self": [7]})
     with pytest.raises(ValueError, match="config.json does not exist"):
         mhf.load("/nonexistent-dir")
-    gptj = T.GPTJModel(T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=32))
-    with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
-        mhf.attach(gptj)
+    refused = {
+        "GPTJModel": T.GPTJModel(T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
+                                              n_positions=32)),
+        "FalconModel": T.FalconModel(T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=4)),
+        "DebertaV2Model": T.DebertaV2Model(T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                             num_attention_heads=4, intermediate_size=64)),
+    }
+    for cls, m in refused.items():
+        with pytest.raises(ValueError, match=rf"{cls}: none of its modules calls transformers' attention interface "
+                                             r"\(ALL_ATTENTION_FUNCTIONS\); .*Attention compute attention themselves"):
+            mhf.attach(m)
+        assert m.config._attn_implementation != "multihead"  # refused before anything changed
     t5 = T.T5Model(T.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
-    with pytest.raises(ValueError, match=r"T5Model has no attention module multihead knows the heads of; supported "
-                                         r"families: .*bart .*bert .*gpt2 .*llama"):
-        mhf.attach(t5)
+    assert len(mhf.attention_modules(mhf.attach(t5))) == 3  # encoder self, decoder self and cross
 
 
 def test_minilm_through_transformers_and_multihead():

@@ -64,8 +64,8 @@ class Captured(Mapping):
             return bool(inc(name, module))
         return any(fnmatch.fnmatchcase(name, pat) for pat in inc)
 
-    def record(self, module, q: Tensor, k: Tensor, mask, scale) -> None:
-        """The observer hook: q (B, H, Lq, D), k (B, Hkv, Lk, D)."""
+    def record(self, module, q: Tensor, k: Tensor, mask, scale, softcap=None, sinks=None) -> None:
+        """The observer hook: q (B, H, Lq, D), k (B, Hkv, Lk, D), and the call's score modifiers."""
         name = self._name(module)
         if name is None or not self._wanted(name, module):
             return
@@ -75,7 +75,7 @@ class Captured(Mapping):
             self.skipped[name] = f"weights of {n} elements (B={B}, H={H}, Lq={Lq}, Lk={k.shape[2]}) > max_elements"
             return
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach):
-            w = _weights(q, k, mask, scale)  # (B, H, Lq, Lk)
+            w = _weights(q, k, mask, scale, softcap, sinks)  # (B, H, Lq, Lk)
         if self.to_cpu:
             w = w.cpu()
         self._calls.setdefault(name, []).append(w)
@@ -125,7 +125,8 @@ def capture(
     mods = list(hooked_modules(model).values()) if model is not None else AttentionCore.alive()
     if model is not None and not mods:
         raise ValueError(f"{type(model).__name__} has no multihead attention module to record; for a transformers "
-                         "model call multihead.hf.attach(model) first (import multihead.hf).")
+                         "model call multihead.hf.attach(model) first (import multihead.hf), or load it with "
+                         "attn_implementation='multihead'.")
     handles = [m.attention_hooks.add_observer(rec.record) for m in mods]
     try:
         yield rec

@@ -21,6 +21,7 @@ This is the only file of the package that imports transformers.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from multihead import hooks as hooks_mod
 from multihead import masks
 from multihead.functional import _weights, attention
 from multihead.hooks import AttentionHooks
@@ -57,43 +59,190 @@ _check_version()
 from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
+#: keywords transformers hands every attention function that do not change what attention computes,
+#: with the reason each is safe to receive (anything else not named in the signature is refused)
+NOT_ATTENTION = {
+    "position_ids": "positions are applied by the model (rotary embeddings) before the call; packed rows reach "
+                    "the call as the block-diagonal mask transformers builds from them",
+    "use_cache": "the model's cache is updated before the call; the keys and values arrive complete",
+    "output_hidden_states": "a model-level output flag",
+    "output_router_logits": "a mixture-of-experts output flag",
+    "num_items_in_batch": "a loss normaliser",
+    "deterministic": "a flash-attention backward flag; multihead's forward is deterministic",
+}
+
+
+def _causal(module: nn.Module, is_causal: bool | None, attention_mask, Lq: int) -> bool:
+    """transformers' sdpa rule: the argument, else the module's ``is_causal`` (default True); only
+    when there is no mask and more than one query (a mask, when given, already holds causality)."""
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    return Lq > 1 and attention_mask is None and causal
+
+
+def _refuse(module: nn.Module, kwargs: dict) -> None:
+    unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION and v is not None)
+    if unknown:
+        raise TypeError(f"{type(module).__name__} passes {', '.join(repr(k) for k in unknown)} to its attention "
+                        "function; multihead does not compute "
+                        f"{'these arguments' if len(unknown) > 1 else 'this argument'} and will not ignore "
+                        f"{'them' if len(unknown) > 1 else 'it'}. Load the model with attn_implementation='sdpa' "
+                        "or 'eager' for this family.")
+
+
+def _live(mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
+    """(B, Lq) True = a real query row, for head statistics: with self-attention over one sequence
+    (Lq == Lk), row i is padding when key i may be seen by no row; otherwise a row with nothing to
+    attend to. None: every row is real."""
+    if mask is None:
+        return None
+    keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B|1, H|1, Lq|1, Lk)
+    keep = keep.expand(keep.shape[0], keep.shape[1], Lq, Lk).any(1)  # (B|1, Lq, Lk)
+    live = keep.any(1) if Lq == Lk else keep.any(-1)  # (B|1, Lq)
+    return None if bool(live.all()) else live
+
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
-                      position_bias: Tensor | None = None, **kwargs) -> tuple[Tensor, Tensor | None]:
-    """transformers' attention-function contract on multihead.
+                      position_bias: Tensor | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
+                      sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None,
+                      cu_seq_lens_k: Tensor | None = None, max_length_q: int | None = None,
+                      max_length_k: int | None = None, output_attentions: bool | None = False,
+                      **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function contract on multihead; every argument is computed or refused.
 
     query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); attention_mask a bool
-    keep mask or float bias broadcastable to (B, H, Lq, Lk) (or None); position_bias (T5) a
-    float bias -> (out (B, Lq, H, Dv), weights (B, H, Lq, Lk) when ``output_attentions`` else None).
+    keep mask or float bias broadcastable to (B, H, Lq, Lk) (or None)
+    -> (out (B, Lq, H, Dv), weights (B, H, Lq, Lk) when ``output_attentions`` else None).
+
+    - ``scaling``, ``dropout``, ``is_causal`` (defaulted as transformers' sdpa does);
+    - ``position_bias`` (T5): added to the scores; a layer whose heads were pruned takes its rows;
+    - ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss' sinks): score modifiers of the spec;
+    - ``sliding_window``: the window is in the mask transformers' mask function builds (the one
+      sdpa gets); a call without a mask whose window would cut keys is refused;
+    - ``cu_seq_lens_q/k``, ``max_length_q/k``: packed rows (B = 1) run varlen, sequence by sequence;
+    - the keywords in :data:`NOT_ATTENTION` do not change attention; any other is refused.
     """
-    Lq, Lk = query.shape[2], key.shape[2]
-    causal = is_causal if is_causal is not None else bool(module.__dict__.get("is_causal", False))
+    _refuse(module, kwargs)
+    hooks = module.__dict__.get("attention_hooks")
+    if hooks is None:  # a model loaded with attn_implementation="multihead" and not attached yet
+        hooks = module.__dict__["attention_hooks"] = AttentionHooks()
+    B, H, Lq, _ = query.shape
+    Lk = key.shape[2]
+    if hooks.num_heads is None:
+        hooks.num_heads = H
+    elif hooks.num_heads != H and hooks:
+        raise ValueError(f"{type(module).__name__} was given {hooks.num_heads} heads by multihead but calls attention "
+                         f"with H={H} (query {tuple(query.shape)}): its head count changed without multihead.heads.prune.")
+    if H == 0:  # every head pruned: nothing to attend; the output projection gives its bias
+        return query.new_zeros(B, Lq, 0, value.shape[-1]), None
+    if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
+        position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                       softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                       output_attentions)
+    causal = _causal(module, is_causal, attention_mask, Lq)
+    if attention_mask is None and sliding_window is not None and Lk > sliding_window and Lq > 1:
+        raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} with Lk={Lk} keys but no "
+                         "attention mask: the window is not in the mask, and its alignment is the model's. Build the "
+                         "model's masks with transformers (multihead registers sdpa's mask function).")
     mask = masks.from_hf(attention_mask)
-    if attention_mask is None and causal and Lq > 1:
+    if causal:
         if Lk > Lq:  # prefill into an empty static cache: the keys past Lq are not written yet (as sdpa)
             key, value = key[:, :, :Lq], value[:, :, :Lq]
             position_bias = None if position_bias is None else position_bias[..., :Lq]
         mask = masks.Causal()
     if position_bias is not None:
         mask = masks.Dense(position_bias) if mask is None else mask & masks.Dense(position_bias)
-    hooks = module.__dict__.get("attention_hooks")
-    if hooks is None:  # a model loaded with attn_implementation="multihead" and not attached yet
-        hooks = module.__dict__["attention_hooks"] = AttentionHooks()
-    if query.shape[1] == 0:  # every head pruned: nothing to attend; the output projection gives its bias
-        return query.new_zeros(query.shape[0], Lq, 0, value.shape[-1]), None
+    mods = {"softcap": softcap, "sinks": None if s_aux is None else s_aux.to(query.dtype)}
     if hooks.observers:
-        hooks.observe(module, query, key, mask, scaling)
-    out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)  # (B, H, Lq, Dv)
+        hooks.observe(module, query, key, mask, scaling, **{k: v for k, v in mods.items() if v is not None})
+    out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout, **mods)  # (B, H, Lq, Dv)
     out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
     if hooks.transforms:
-        out = hooks.transform(module, out, None)
-    weights = _weights(query, key, mask, scaling) if kwargs.get("output_attentions") else None
+        out = hooks.transform(module, out, _live(attention_mask, Lq, key.shape[2]))
+    weights = _weights(query, key, mask, scaling, **mods) if output_attentions else None
     return out.contiguous(), weights
+
+
+def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, softcap,
+            s_aux, sliding_window, cu_q, cu_k, max_q, max_k, output_attentions):
+    """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments: sequence b is
+    tokens cu[b]:cu[b+1]; causal within each sequence when the module is. Runs varlen."""
+    from multihead.varlen import attention_varlen
+
+    name = type(module).__name__
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux, "sliding_window": sliding_window}
+    extra = [k for k, v in extra.items() if v is not None]
+    if extra or output_attentions or hooks.observers:
+        what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
+        raise ValueError(f"{name}: packed sequences (cu_seq_lens_q/k) with {what} are not computed varlen; pass a "
+                         "padded batch instead.")
+    if query.shape[0] != 1:
+        raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query {tuple(query.shape)}.")
+    for nm, cu, n, mx in (("q", cu_q, query.shape[2], max_q), ("k", cu_k, key.shape[2], max_k)):
+        if int(cu[-1]) != n:
+            raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {int(cu[-1])} but the packed row holds {n} tokens.")
+        if mx is not None and int(mx) != int((cu[1:] - cu[:-1]).max()):
+            raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
+                             f"{int((cu[1:] - cu[:-1]).max())} tokens.")
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
+    out = attention_varlen(q, k, v, cu_q, cu_k, masks.Causal("bottom-right") if causal else None, scale=scaling,
+                           dropout_p=dropout)  # (N, H, Dv)
+    out = out[None]  # (N, H, Dv) -> (1, N, H, Dv)
+    if hooks.transforms:
+        out = hooks.transform(module, out, None)
+    return out.contiguous(), None
 
 
 AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the boolean masks sdpa gets: padding is never dropped
+
+
+def _calls_interface(cls: type) -> bool:
+    """Whether a module class's forward calls transformers' attention interface (read from its source,
+    as transformers itself decides whether a model can switch implementation)."""
+    known = _CALLS.get(cls)
+    if known is None:
+        fwd = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
+        try:
+            src = inspect.getsource(fwd) if fwd is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        known = _CALLS[cls] = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src
+    return known
+
+
+_CALLS: dict[type, bool] = {}
+
+
+def _head_count(m: nn.Module) -> int | None:
+    """H of an attention module before any call: its own attribute, else its config's."""
+    for a in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+        if isinstance(m.__dict__.get(a), int):
+            return m.__dict__[a]
+    cfg = getattr(m, "config", None)
+    n = getattr(cfg, "num_attention_heads", None)
+    return n if isinstance(n, int) else None
+
+
+def _discover(model: nn.Module) -> None:
+    """Give a hook list to every module of a transformers model running multihead's attention that
+    calls the attention interface (what ``capture`` and ``heads`` look for)."""
+    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != NAME:
+        return
+    for m in model.modules():
+        if "attention_hooks" not in m.__dict__ and _calls_interface(type(m)):
+            hooks = AttentionHooks()
+            hooks.num_heads = _head_count(m)
+            m.__dict__["attention_hooks"] = hooks
+
+
+hooks_mod.DISCOVERERS.append(_discover)
 
 
 # --- head layouts: which weights hold head h, per family ---
@@ -178,45 +327,42 @@ _layout("whisper", ("WhisperAttention",), q="q_proj", k="k_proj", v="v_proj", o=
 _layout("gpt2", ("GPT2Attention",), q="c_attn", k="c_attn", v="c_attn", o="c_proj", fused=True)
 
 
-def supported_families() -> str:
-    return ", ".join(sorted({f"{layout.family} ({', '.join(sorted(c for c, lo in LAYOUTS.items() if lo is layout))})"
-                             for layout in LAYOUTS.values()}))
-
-
-def _is_attention(m: nn.Module) -> bool:
-    return type(m).__name__ in LAYOUTS
-
-
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every attention module of a transformers model that multihead knows the layout of."""
-    return {n: m for n, m in model.named_modules() if _is_attention(m)}
+    """Every attention module of a transformers model running multihead's attention: the modules
+    whose forward calls transformers' attention interface, by qualified name, in order."""
+    _discover(model)
+    return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("attention_hooks"), AttentionHooks)}
+
+
+def _refusal(model: nn.Module) -> str:
+    attn = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+    return (f"{type(model).__name__}: none of its modules calls transformers' attention interface "
+            f"(ALL_ATTENTION_FUNCTIONS){'; ' + ', '.join(attn) + ' compute attention themselves' if attn else ''}, "
+            "so multihead can neither see nor replace its attention. Use multihead's own modules, or keep "
+            "attn_implementation='sdpa' for this model.")
 
 
 def attach(model: nn.Module) -> nn.Module:
-    """Switch a loaded transformers model to multihead's attention and give every attention
-    module its hook list and head layout. Returns the model."""
+    """Switch a loaded transformers model to multihead's attention. Every module that calls
+    transformers' attention interface gets its hook list (``capture``, ``heads.gated``,
+    ``heads.importance`` work on it) and, where it can be derived, its head layout (which
+    ``heads.prune`` uses). Returns the model."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"attach takes a transformers PreTrainedModel; got {type(model).__name__}. For torch.nn "
                         "models use multihead.interop.patch.")
+    if not any(_calls_interface(type(m)) for m in model.modules()):
+        raise ValueError(_refusal(model))
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
-        raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
-                         "AttentionInterface, so multihead cannot attach to it.")
+        raise ValueError(_refusal(model))
     parents = dict(model.named_modules())
-    found = 0
-    for name, m in model.named_modules():
-        if not _is_attention(m):
-            continue
-        layout = LAYOUTS[type(m).__name__]
-        parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
-        H, Hkv = layout.counts(m, parent)
-        hooks = m.__dict__.get("attention_hooks") or AttentionHooks()
-        hooks.num_heads, hooks.layout, hooks.parent = H, layout, parent
-        m.__dict__["attention_hooks"] = hooks
-        found += 1
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no attention module multihead knows the heads of; supported "
-                         f"families: {supported_families()}.")
+    for name, m in attention_modules(model).items():
+        hooks = m.attention_hooks
+        layout = LAYOUTS.get(type(m).__name__)
+        if layout is not None and hooks.layout is None:
+            parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
+            hooks.num_heads, _ = layout.counts(m, parent)
+            hooks.layout, hooks.parent = layout, parent
     return model
 
 
@@ -318,8 +464,8 @@ def save(model: nn.Module, path: str | Path) -> Path:
         f.unlink()
     save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
-    cfg[HEADS_KEY] = {name: list(LAYOUTS[type(m).__name__].counts(m, m.attention_hooks.parent))
-                      for name, m in attention_modules(model).items()}
+    cfg[HEADS_KEY] = {name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
+                      for name, m in attention_modules(model).items() if m.attention_hooks.layout is not None}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
@@ -351,7 +497,9 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         if name not in mods:
             raise ValueError(f"{cfg_file} records heads for {name!r}, not an attention module of {model_class.__name__}.")
         m = mods[name]
-        layout = LAYOUTS[type(m).__name__]
+        layout = m.attention_hooks.layout
+        if layout is None:
+            raise ValueError(f"{cfg_file} records heads for {name!r}, whose head layout multihead cannot derive.")
         H0, Hkv0 = layout.counts(m, m.attention_hooks.parent)
         if (H, Hkv) != (H0, Hkv0):  # sizes only (the weights are loaded next); uneven GQA groups may hold Hkv > Hkv0
             layout.prune(m, list(range(H)), [i % Hkv0 for i in range(Hkv)])
@@ -360,7 +508,9 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     with safe_open(str(w_file), "pt") as f:
         keys = set(f.keys())
     for name, m in mods.items():  # a mean-compensated prune gave a bias-free output projection a bias
-        layout = LAYOUTS[type(m).__name__]
+        layout = m.attention_hooks.layout
+        if layout is None:
+            continue
         owner, owner_name = (m.attention_hooks.parent, name.rsplit(".", 1)[0]) if layout.o_from_parent else (m, name)
         o = owner.get_submodule(layout.o)
         if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:

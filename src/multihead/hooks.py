@@ -4,7 +4,8 @@ Every multihead attention module holds ``attention_hooks``, an :class:`Attention
 Around its one attention call it
 
 - hands the per-head query and key tensors to every **observer**
-  ``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale) -> None``
+  ``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale, **modifiers) -> None``
+  (``softcap=`` / ``sinks=``, the score modifiers, only when the call has them)``
   (``multihead.capture`` records the weights this way), and
 - passes the per-head output through every **transform**
   ``fn(module, out (..., H, Dv), live) -> out`` before the heads are merged
@@ -48,6 +49,9 @@ class AttentionHooks:
         self.num_heads: int | None = None
         self.layout = None
         self.parent = None
+        #: after pruning, the original indices of the kept heads (a per-head input shared between
+        #: layers, T5's position bias, is cut to them); None = unpruned
+        self.kept: list[int] | None = None
 
     def add_observer(self, fn: Observer) -> _Handle:
         """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""
@@ -59,9 +63,9 @@ class AttentionHooks:
         self.transforms.append(fn)
         return _Handle(self.transforms, fn)
 
-    def observe(self, module, q: Tensor, k: Tensor, mask, scale) -> None:
+    def observe(self, module, q: Tensor, k: Tensor, mask, scale, **modifiers) -> None:
         for fn in self.observers:
-            fn(module, q, k, mask, scale)
+            fn(module, q, k, mask, scale, **modifiers)
 
     def transform(self, module, out: Tensor, live: Tensor | None) -> Tensor:
         for fn in self.transforms:
@@ -75,9 +79,17 @@ class AttentionHooks:
         return f"AttentionHooks({len(self.observers)} observers, {len(self.transforms)} transforms)"
 
 
+#: functions ``fn(model)`` that give foreign attention modules of ``model`` their hook list before
+#: :func:`hooked_modules` looks (``multihead.hf`` registers one for transformers models)
+DISCOVERERS: list = []
+
+
 def hooked_modules(model) -> dict:
     """Every module of ``model`` that has an attention hook list: multihead's own modules and
-    foreign attention modules given one (``multihead.hf.attach``), by qualified name."""
+    foreign attention modules given one (a transformers model on multihead's attention), by
+    qualified name."""
+    for fn in DISCOVERERS:
+        fn(model)
     return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("attention_hooks"), AttentionHooks)}
 
 
