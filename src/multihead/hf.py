@@ -72,6 +72,19 @@ NOT_ATTENTION = {
 }
 
 
+#: keywords some families pass that multihead does not compute, each refused with its reason
+REFUSED = {
+    "indices": "sparse top-k attention (a learned indexer picks the keys)",
+    "block_indices": "block-sparse attention",
+    "sinks": "a second sink convention (s_aux is gpt-oss'); not verified to mean the same",
+    "query": "a model that hands its own query/key/value a second time by keyword",
+    "key": "a model that hands its own query/key/value a second time by keyword",
+    "value": "a model that hands its own query/key/value a second time by keyword",
+    "cache": "transformers' paged cache (continuous batching)",
+    "seq_idx": "packed-sequence indices of a state-space layer",
+}
+
+
 def _causal(module: nn.Module, is_causal: bool | None, attention_mask, Lq: int) -> bool:
     """transformers' sdpa rule: the argument, else the module's ``is_causal`` (default True); only
     when there is no mask and more than one query (a mask, when given, already holds causality)."""
@@ -82,8 +95,9 @@ def _causal(module: nn.Module, is_causal: bool | None, attention_mask, Lq: int) 
 def _refuse(module: nn.Module, kwargs: dict) -> None:
     unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION and v is not None)
     if unknown:
+        why = "; ".join(f"{k}: {REFUSED[k]}" for k in unknown if k in REFUSED)
         raise TypeError(f"{type(module).__name__} passes {', '.join(repr(k) for k in unknown)} to its attention "
-                        "function; multihead does not compute "
+                        + (f"function ({why}); " if why else "function; ") + "multihead does not compute "
                         f"{'these arguments' if len(unknown) > 1 else 'this argument'} and will not ignore "
                         f"{'them' if len(unknown) > 1 else 'it'}. Load the model with attn_implementation='sdpa' "
                         "or 'eager' for this family.")
@@ -189,9 +203,12 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
             raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
                              f"{int((cu[1:] - cu[:-1]).max())} tokens.")
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    if causal and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise ValueError(f"{name}: causal packed sequences with different query and key boundaries (cu_seq_lens_q "
+                         f"{cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()}): the causal alignment would be a guess.")
     q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
-    out = attention_varlen(q, k, v, cu_q, cu_k, masks.Causal("bottom-right") if causal else None, scale=scaling,
+    out = attention_varlen(q, k, v, cu_q, cu_k, masks.Causal() if causal else None, scale=scaling,
                            dropout_p=dropout)  # (N, H, Dv)
     out = out[None]  # (N, H, Dv) -> (1, N, H, Dv)
     if hooks.transforms:
