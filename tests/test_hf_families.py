@@ -248,3 +248,13 @@ def test_every_keyword_any_family_passes_is_computed_declared_or_refused():
                    if k not in computed and k not in mhf.NOT_ATTENTION and k not in mhf.REFUSED}
     assert not unaccounted, f"keywords multihead neither computes, declares nor refuses: {unaccounted}"
     assert {"softcap", "s_aux", "position_bias", "sliding_window", "cu_seq_lens_q"} <= set(seen) & computed
+
+
+def test_prune_refuses_a_module_without_a_layout_before_changing_it():
+    model, x = _build("qwen3")
+    mhf.attach(model)
+    before = _out(model, x)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn \(Qwen3Attention\) can be seen and gated, but "
+                                         r"multihead has no head layout for it"):
+        heads.prune(model, {"model.layers.0.self_attn": [0]})
+    assert torch.equal(_out(model, x), before)

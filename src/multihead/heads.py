@@ -323,9 +323,13 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
             layout = m.attention_hooks.layout
             keep, kv = _kept(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
             layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
-        else:
+        elif isinstance(m, TorchMultiheadAttention):
             raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "
                             "multihead.interop.from_torch first.")
+        else:
+            raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but multihead has no head layout for "
+                             "it (which rows of its projections hold head h), so it cannot be pruned physically; gate "
+                             "its heads with heads.gated instead.")
     return kept
 
 
