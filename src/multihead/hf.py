@@ -142,11 +142,12 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         hooks = module.__dict__["attention_hooks"] = AttentionHooks()
     B, H, Lq, _ = query.shape
     Lk = key.shape[2]
-    if hooks.num_heads is None:
-        hooks.num_heads = H
-    elif hooks.num_heads != H and hooks:
-        raise ValueError(f"{type(module).__name__} was given {hooks.num_heads} heads by multihead but calls attention "
-                         f"with H={H} (query {tuple(query.shape)}): its head count changed without multihead.heads.prune.")
+    if hooks.num_heads != H:
+        if hooks:  # gates or observers were made for the count read before any call: refuse, never mis-gate
+            raise ValueError(f"{type(module).__name__}: multihead read {hooks.num_heads} heads from its attributes or "
+                             f"config, but it calls attention with H={H} (query {tuple(query.shape)}); run the model "
+                             "once outside heads.gated / capture so the count is taken from the call.")
+        hooks.num_heads = H  # the call is the truth
     if H == 0:  # every head pruned: nothing to attend; the output projection gives its bias
         return query.new_zeros(B, Lq, 0, value.shape[-1]), None
     if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
