@@ -1,124 +1,154 @@
-"""multihead.check: a zoo of learner's modules with one bug each, diagnosed by name; correct
-implementations pass; bad input handled."""
+"""multihead.check: correct modules of every style pass (exit 0); one-bug and two-bug modules are
+located and named; the module comes back as it was; contradictory calls and bad input refused."""
 
 from __future__ import annotations
 
-import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import multihead
-from multihead.check import ADVICE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_zoo import BUGGY, PAIRS, STYLES, FourLinear  # noqa: E402
 
 
-class Learner(nn.Module):
-    """Multi-head attention as a learner writes it, with an optional bug. forward(q, k, v, mask)
-    with the Keras tutorial's mask convention (1 = blocked)."""
-
-    def __init__(self, d_model=32, num_heads=4, bug=None, causal=False):
-        super().__init__()
-        self.num_heads, self.d_k, self.bug, self.causal = num_heads, d_model // num_heads, bug, causal
-        self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-        self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-
-    def split(self, x):
-        Bx, L, _ = x.shape
-        if self.bug == "heads split without the transpose":
-            return x.reshape(Bx, self.num_heads, L, self.d_k)
-        return x.view(Bx, L, self.num_heads, self.d_k).transpose(1, 2)
-
-    def forward(self, q, k, v, mask=None):
-        Q, K = self.split(self.W_q(q)), self.split(self.W_k(k))
-        V = K if self.bug == "keys used as values" else self.split(self.W_v(v))
-        s = Q @ K.transpose(-2, -1)
-        if self.bug == "scores divided by d_k" or self.bug == "vit":
-            s = s / self.d_k
-        elif self.bug != "scores not scaled":
-            s = s / math.sqrt(self.d_k)
-        blocked = None
-        if mask is not None:
-            blocked = mask.bool()
-        if self.causal:
-            L = s.shape[-1]
-            fut = torch.ones(L, L).triu(0 if self.bug == "causal mask off by one" else 1).bool()
-            blocked = fut if blocked is None else blocked | fut
-        if blocked is not None and self.bug == "mask polarity inverted":
-            blocked = ~blocked
-        if self.bug in ("softmax skipped (values times raw scores)", "vit"):
-            w = s.masked_fill(blocked, 0.0) if blocked is not None else s
-        elif self.bug == "mask applied after the softmax":
-            w = torch.softmax(s, -1).masked_fill(blocked, 0.0)
-        else:
-            if blocked is not None:
-                s = s.masked_fill(blocked, float("-inf"))
-            w = torch.softmax(s, -2 if self.bug == "softmax over the wrong axis" else -1).nan_to_num()
-        if self.bug == "dropout active in eval":
-            w = F.dropout(w, 0.2, training=True)
-        o = w @ V
-        Bx, H, L, D = o.shape
-        o = o.reshape(Bx, L, H * D) if self.bug == "heads merged in the wrong order" else \
-            o.transpose(1, 2).reshape(Bx, L, H * D)
-        return o if self.bug == "output projection missing" else self.W_o(o)
-
-
-ZOO = [n for n in ADVICE if n != "causal mask off by one"]
-
-
-@pytest.mark.parametrize("bug", ZOO)
-def test_each_bug_is_named(bug):
+def grade(style, bugs=(), **kw):
+    make, call, mask, causal = STYLES[style]
     torch.manual_seed(0)
-    rep = multihead.check(Learner(bug=bug), call="qkv_mask", mask="block")
-    assert not rep.ok
-    assert [f.name for f in rep.diagnosis] == [bug], str(rep)
+    return multihead.check(make(bug=bugs), call=call, mask=mask, causal=causal, **kw)
 
 
-def test_causal_off_by_one_is_named():
-    torch.manual_seed(0)
-    rep = multihead.check(Learner(bug="causal mask off by one", causal=True), call="qkv", causal=True)
-    assert [f.name for f in rep.diagnosis] == ["causal mask off by one"], str(rep)
-    good = multihead.check(Learner(causal=True), call="qkv", causal=True)
-    assert good.ok, str(good)
-
-
-def test_the_vit_notebooks_module_is_flagged_for_both_bugs():
-    torch.manual_seed(0)
-    rep = multihead.check(Learner(bug="vit"), call="qkv_mask", mask="block")
-    assert {f.name for f in rep.diagnosis} == {"scores divided by d_k", "softmax skipped (values times raw scores)"}
-    assert "NOT OK" in str(rep)
-
-
-@pytest.mark.parametrize("call, mask", [("qkv_mask", "block"), ("qkv", None), ("x", None)])
-def test_a_correct_module_passes(call, mask):
-    torch.manual_seed(0)
-    m = Learner()
-    if call == "x":
-        m.forward = lambda x, _f=m.forward: _f(x, x, x)
-    rep = multihead.check(m, call=call, mask=mask)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_a_correct_module_of_every_style_passes(style):
+    bugs = {"nan_to_num"} if style == "wrapper, causal" else ()
+    rep = grade(style, bugs)
     assert rep.ok, str(rep)
-    assert any(c.name == "matches the float64 reference" and c.passed for c in rep.checks)
+    assert any(c.name == "matches the float64 reference" and c.passed for c in rep.checks), str(rep)
 
 
-def test_the_course_modules_and_torch_nn_pass():
+@pytest.mark.parametrize("style, bugs, names", BUGGY, ids=[f"{s}: {'+'.join(sorted(b))}" for s, b, _ in BUGGY])
+def test_each_bug_is_located_and_named(style, bugs, names):
+    rep = grade(style, bugs)
+    assert not rep.ok
+    assert [f.name for f in rep.diagnosis] == names, str(rep)
+    f = rep.diagnosis[0]
+    assert f.stage and f.advice and (f.expected or f.name == "dropout active in eval"), str(rep)
+
+
+@pytest.mark.parametrize("style, bugs, names", PAIRS, ids=[f"{s}: {'+'.join(sorted(b))}" for s, b, _ in PAIRS])
+def test_two_bugs_at_once_are_both_named(style, bugs, names):
+    rep = grade(style, bugs)
+    assert sorted(f.name for f in rep.diagnosis) == sorted(names), str(rep)
+
+
+def test_the_finding_says_the_stage_what_was_expected_and_found():
+    rep = grade("four Linear", {"scale d_model"})
+    (f,) = rep.diagnosis
+    assert f.stage == "scores" and "1/sqrt(8)" in f.expected and "1/sqrt(d_model)" in f.found, str(f)
+    text = str(rep)
+    assert "[stage: scores]" in text and "expected:" in text and "found:" in text and "fix:" in text
+
+
+def test_any_fill_value_for_the_mask_is_correct():
+    for fill in (float("-inf"), -1e9, -1e4):
+        torch.manual_seed(0)
+        rep = multihead.check(FourLinear(fill=fill, bug={"nan_to_num"}), call="qkv_mask", mask="block")
+        assert rep.ok, (fill, str(rep))
+    torch.manual_seed(0)
+    rep = multihead.check(FourLinear(fill=-1e9, bug={"axis queries"}), call="qkv_mask", mask="block")
+    assert [f.name for f in rep.diagnosis] == ["softmax over the wrong axis"], str(rep)
+    torch.manual_seed(0)
+    rep = multihead.check(FourLinear(fill=-1e9, bug={"inverted"}), call="qkv_mask", mask="block")
+    assert [f.name for f in rep.diagnosis] == ["mask polarity inverted"], str(rep)
+
+
+def test_nan_on_fully_masked_rows_is_a_warning_not_a_failure():
+    torch.manual_seed(0)
+    m = FourLinear()  # masked_fill(-inf) and softmax: a row with every key masked is NaN, as in torch.nn
+    rep = multihead.check(m, call="qkv_mask", mask="block")
+    assert rep.ok and [c.name for c in rep.warnings] == ["fully masked rows finite", "attention weights can be seen"]
+    assert "OK: the module computes multi-head attention. (2 warnings)" in str(rep)
+    strict = multihead.check(m, call="qkv_mask", mask="block", strict=True)
+    assert not strict.ok and not strict.failures and "fully masked rows finite" in strict.summary()
+
+
+def test_the_module_comes_back_as_it_was():
+    torch.manual_seed(0)
+    m = FourLinear(bug={"dropout"})
+    m.train()
+    m.W_o.eval()  # a mixed state, kept as it is
+    x = torch.randn(2, 3, 32)
+    m(x, x, x).sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    multihead.check(m, call="qkv_mask", mask="block")
+    assert m.training and m.W_q.training and not m.W_o.training
+    assert all(torch.equal(p.grad, grads[n]) for n, p in m.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in m.named_parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_contradictory_call_is_refused_before_any_check():
+    m = FourLinear()
+    calls = []
+    m.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"call='x' with mask='keep' cannot be honoured: m\(x\) passes no mask"):
+        multihead.check(m, call="x", mask="keep")
+    with pytest.raises(ValueError, match=r"call='qkv' with mask='block'.*Use call='qkv_mask'"):
+        multihead.check(m, call="qkv", mask="block")
+    with pytest.raises(ValueError, match="never uses its fifth argument"):
+        multihead.check(m, call=lambda mod, q, k, v, mk: mod(q, k, v), mask="block")
+    with pytest.raises(TypeError, match=r"f\(module, q, k, v, mask\)"):
+        multihead.check(m, call=lambda mod, q: mod(q, q, q))
+    assert not calls
+
+
+def test_bad_input_is_reported():
+    with pytest.raises(ValueError, match="has no parameters"):
+        multihead.check(nn.Identity())
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        multihead.check(lambda x: x)
+    with pytest.raises(ValueError, match=r"mask must be one of"):
+        multihead.check(FourLinear(), call="qkv_mask", mask="ones")
+    rep = multihead.check(FourLinear(d_model=32), call="qkv", embed_dim=16)  # the wrong size: it raises inside
+    assert not rep.ok and rep.checks[0].name == "runs on probe inputs" and "RuntimeError" in rep.checks[0].detail
+
+
+def test_the_course_modules_torch_nn_and_a_causal_valid_lens_module_pass():
     from multihead.compat import D2LMultiHeadAttention, KerasTutorialMultiHeadAttention
 
     torch.manual_seed(0)
     d2l = D2LMultiHeadAttention(key_size=32, query_size=32, value_size=32, num_hiddens=32, num_heads=4, dropout=0.1)
     rep = multihead.check(d2l, call="qkv_mask", mask="valid_lens")
-    assert rep.ok, str(rep)
+    assert rep.ok and not rep.warnings, str(rep)  # its weights are kept as attention_weights
     keras_tut = KerasTutorialMultiHeadAttention(h=4, d_k=32, d_v=32, d_model=32)
     keras_tut(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))  # infer the input sizes
-    rep = multihead.check(keras_tut, call="qkv_mask", mask="block",
-                          mapping={"q": "W_q", "k": "W_k", "v": "W_v", "o": "W_o", "heads": 4})
+    rep = multihead.check(keras_tut, call="qkv_mask", mask="block", mapping={"heads": 4})
     assert rep.ok, str(rep)  # its scale (1/sqrt of the total d_k, as the tutorial's code) is read off .scale
     tnn = nn.MultiheadAttention(32, 4, batch_first=True)
     rep = multihead.check(tnn, call=lambda m, q, k, v, mk: m(q, k, v, key_padding_mask=mk[:, 0, 0].bool())[0],
                           mask="block")
-    # torch.nn is right everywhere but one place, which the checker reports: a fully masked row gives NaN
-    failed = [c.name for c in rep.checks if c.passed is False]
-    assert failed == ["fully masked rows finite"] and not rep.diagnosis, str(rep)
+    assert rep.ok and [c.name for c in rep.warnings] == ["fully masked rows finite", "attention weights can be seen"]
+
+    class CausalLens(nn.Module):  # causal inside, and the course's valid_lens on top
+        def __init__(self):
+            super().__init__()
+            self.inner = FourLinear(bug={"nan_to_num"})
+
+        def forward(self, q, k, v, valid_lens):
+            L = k.shape[1]
+            blocked = (torch.arange(L) >= valid_lens[:, None])[:, None, None, :] | torch.ones(L, L).triu(1).bool()
+            return self.inner(q, k, v, blocked.float())
+
+    torch.manual_seed(0)
+    rep = multihead.check(CausalLens(), call="qkv_mask", mask="valid_lens", causal=True)
+    assert rep.ok, str(rep)
 
 
 def test_transformers_bert_self_attention_passes():
@@ -129,30 +159,56 @@ def test_transformers_bert_self_attention_passes():
     def call(mod, q, k, v, keep):
         return mod(q, attention_mask=torch.zeros(keep.shape).masked_fill(~keep, -1e9))[0]
 
-    rep = multihead.check(m, call=call, mask="keep", embed_dim=32, self_attention=True,
-                          mapping={"q": "query", "k": "key", "v": "value", "heads": 4})
-    assert rep.ok, str(rep)
+    rep = multihead.check(m, call=call, mask="keep", embed_dim=32, self_attention=True, mapping={"heads": 4})
+    assert not rep.failures and not rep.diagnosis, str(rep)
+    assert any(c.name == "matches the float64 reference" and c.passed for c in rep.checks), str(rep)
 
 
-def test_bad_input_is_reported():
-    with pytest.raises(ValueError, match="has no parameters"):
-        multihead.check(nn.Identity())
-    with pytest.raises(ValueError, match=r"mask must be one of"):
-        multihead.check(Learner(), mask="ones")
-    rep = multihead.check(Learner(d_model=32), call="qkv", embed_dim=16)  # the wrong size: it raises inside
-    assert not rep.ok and rep.checks[0].name == "runs on probe inputs" and "RuntimeError" in rep.checks[0].detail
+def test_keras_layers():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "torch":
+        pytest.skip("Keras runs on another backend here")
+    layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
+    x = torch.zeros(1, 2, 32)
+    layer(x, x)  # build
+    rep = multihead.check(layer, call=lambda m, q, k, v, keep: m(q, v, key=k, attention_mask=keep[:, 0]),
+                          mask="keep", embed_dim=32)
+    assert not rep.failures and not rep.diagnosis, str(rep)
+
+    class KerasMHA(keras.layers.Layer):  # a learner's Keras 3 layer: Dense projections
+        def __init__(self, d_model, num_heads, scale_by_d_k=False):
+            super().__init__()
+            self.num_heads, self.d, self.by_dk = num_heads, d_model // num_heads, scale_by_d_k
+            self.W_q, self.W_k = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
+            self.W_v, self.W_o = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
+
+        def call(self, q, k, v):
+            ops = keras.ops
+
+            def heads(x):
+                return ops.transpose(ops.reshape(x, (x.shape[0], x.shape[1], self.num_heads, self.d)), (0, 2, 1, 3))
+
+            Q, K, V = heads(self.W_q(q)), heads(self.W_k(k)), heads(self.W_v(v))
+            s = ops.matmul(Q, ops.transpose(K, (0, 1, 3, 2))) / (self.d if self.by_dk else self.d ** 0.5)
+            o = ops.transpose(ops.matmul(ops.softmax(s, -1), V), (0, 2, 1, 3))
+            return self.W_o(ops.reshape(o, (o.shape[0], o.shape[1], -1)))
+
+    for by_dk in (False, True):
+        m = KerasMHA(32, 4, by_dk)
+        m(x, x, x)
+        rep = multihead.check(m, call="qkv")
+        names = [f.name for f in rep.diagnosis]
+        assert names == (["scores divided by d_k"] if by_dk else []), str(rep)
 
 
 def test_command_line_grades_a_file_with_exit_codes(tmp_path, capsys):
-    from pathlib import Path
-
     from multihead.apps.cli import main
 
     example = Path(__file__).resolve().parent.parent / "examples" / "vit_notebook_attention.py"
     code = main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8", "--call", "x"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "- scores divided by d_k:" in out and "- softmax skipped (values times raw scores):" in out
+    assert "- softmax skipped (values times raw scores)" in out and "- scores divided by d_k" in out
     fixed = tmp_path / "fixed.py"
     fixed.write_text(example.read_text().replace("/ self.d_k  #", "/ self.d_k**0.5  #").replace(
         "out = scores @ v", "out = weights @ v"))
@@ -162,19 +218,48 @@ def test_command_line_grades_a_file_with_exit_codes(tmp_path, capsys):
     assert main(["check", f"{example}:Missing"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "has no 'Missing'; it defines" in err
+    assert main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8", "--call", "x",
+                 "--mask", "keep"]) == 2
+    assert "cannot be honoured" in capsys.readouterr().err
 
 
-def test_keras_multi_head_attention_layer_passes():
-    keras = pytest.importorskip("keras")
-    if keras.backend.backend() != "torch":
-        pytest.skip("Keras runs on another backend here")
-    layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
-    x = torch.zeros(1, 2, 32)
-    layer(x, x)  # build
+def test_grading_a_folder_gives_every_submission_its_line(tmp_path, capsys):
+    import csv
+    import json
 
-    def call(m, q, k, v, keep):
-        return m(q, v, key=k, attention_mask=keep[:, 0])
+    from multihead.apps.cli import main
 
-    rep = multihead.check(layer, call=call, mask="keep", embed_dim=32)
-    failed = [c.name for c in rep.checks if c.passed is False]
-    assert not failed and not rep.diagnosis, str(rep)
+    zoo = (Path(__file__).resolve().parent / "check_zoo.py").read_text()
+    subs = tmp_path / "class"
+    subs.mkdir()
+
+    def submission(name, body):
+        (subs / f"{name}.py").write_text(zoo + "\n\n" + body)
+
+    submission("alice", "class MHA(FourLinear):\n    pass\n")
+    submission("bob", "class MHA(FourLinear):\n    def __init__(self, **kw):\n        super().__init__(bug={'scale d_k'}, "
+                      "**kw)\n")
+    submission("carol", "class MHA(FourLinear):\n    def forward(self, q, k, v, mask=None):\n        while True:\n"
+                        "            pass\n")
+    submission("dave", "class Attention(FourLinear):\n    pass\n")  # no class MHA
+    (subs / "erin.py").write_text("import torch\nraise RuntimeError('my notebook cell')\n")
+    report = tmp_path / "grades.csv"
+    code = main(["check", str(subs), "--name", "MHA", "--init", "d_model=32, num_heads=4", "--call", "qkv_mask",
+                 "--mask", "block", "--timeout", "20", "--report", str(report)])
+    out = capsys.readouterr().out
+    assert code == 1
+    rows = {Path(r["file"]).stem: r for r in csv.DictReader(report.open())}
+    assert set(rows) == {"alice", "bob", "carol", "dave", "erin"}, out
+    assert rows["alice"]["status"] == "ok" and rows["alice"]["ok"] == "True"
+    assert rows["bob"]["status"] == "not ok" and rows["bob"]["finding"].startswith("scores divided by d_k [scores]")
+    assert rows["carol"]["status"] == "timeout"
+    assert rows["dave"]["status"] == "error" and "has no 'MHA'" in rows["dave"]["finding"]
+    assert rows["erin"]["status"] == "error" and "RuntimeError: my notebook cell" in rows["erin"]["finding"]
+    assert "1 of 5 OK" in out
+    as_json = tmp_path / "grades.json"
+    assert main(["check", str(subs / "alice.py"), str(subs / "bob.py"), "--name", "MHA", "--call", "qkv_mask",
+                 "--mask", "block", "--report", str(as_json)]) == 1
+    assert [r["status"] for r in json.loads(as_json.read_text())] == ["ok", "not ok"]
+    assert main(["check", str(tmp_path / "nothing-*.py"), "--name", "MHA"]) == 2
+    assert main(["check", str(subs / "carol.py:MHA"), "--call", "qkv_mask", "--mask", "block", "--timeout", "3"]) == 2
+    assert "no answer within 3 s" in capsys.readouterr().err

@@ -18,7 +18,7 @@ def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     assert main(["demo", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "output shape: (2, 4, 100)" in text
-    assert "- scores divided by d_k:" in text and "- softmax skipped (values times raw scores):" in text
+    assert "- scores divided by d_k [stage: scores]" in text and "- softmax skipped (values times raw scores)" in text
     assert "runs: sdpa" in text and "reference" in text
     assert "transformer: loaded" in text and "ViT: loaded" in text
     rows = [line.split()[1:] for line in text.splitlines() if re.match(r"^q\d ", line)]

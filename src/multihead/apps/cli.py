@@ -90,56 +90,47 @@ def _prune(args) -> int:
 
 
 def _check(args) -> int:
-    """multihead check FILE.py:NAME: build the learner's module, grade it, exit 1 if a check fails."""
-    import importlib.util
+    """multihead check FILE.py:NAME | DIR | GLOB ...: grade one module (its whole report) or a class's
+    submissions (a table; --report CSV/JSON). Exit 0 OK, 1 not OK, 2 cannot be graded."""
+    from multihead.apps import grade
 
-    import multihead
-
-    target, _, name = args.target.rpartition(":")
-    path = Path(target)
-    if not target or not name:
-        print(f"multihead check: give FILE.py:NAME (the file and the class or function that builds the module); "
-              f"got {args.target!r}", file=sys.stderr)
+    mask = None if args.mask == "none" else args.mask
+    files = grade.targets(args.target, args.name)
+    if not files:
+        print(f"multihead check: nothing matches {' '.join(args.target)} (give FILE.py:NAME, a folder or a glob of "
+              ".py files)", file=sys.stderr)
         return 2
-    if not path.is_file():
-        print(f"multihead check: {path} does not exist", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location(f"_multihead_check_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as e:  # noqa: BLE001 - the learner's file
-        print(f"multihead check: importing {path} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if not hasattr(mod, name):
-        names = [n for n in vars(mod) if not n.startswith("_")]
-        print(f"multihead check: {path} has no {name!r}; it defines {', '.join(names)}", file=sys.stderr)
+    if args.call in ("x", "qkv") and mask is not None:
+        print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
+              "the module; use --call qkv_mask, or --mask none", file=sys.stderr)
         return 2
     try:
-        kwargs = _kwargs(args.init)
-        module = getattr(mod, name)(**kwargs)
-    except Exception as e:  # noqa: BLE001
-        print(f"multihead check: building {name}({args.init or ''}) failed: {type(e).__name__}: {e}", file=sys.stderr)
+        grade.kwargs_of(args.init)
+    except (SyntaxError, ValueError) as e:
+        print(f"multihead check: --init {args.init!r}: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    torch.manual_seed(0)
-    report = multihead.check(module, call=args.call, mask=None if args.mask == "none" else args.mask,
-                             causal=args.causal, embed_dim=args.embed_dim)
-    print(report)
-    return 0 if report.ok else 1
-
-
-def _kwargs(text: str | None) -> dict:
-    """'d_model=32, num_heads=4' -> {'d_model': 32, 'num_heads': 4} (literals only)."""
-    import ast
-
-    if not text:
-        return {}
-    call = ast.parse(f"f({text})", mode="eval").body
-    if call.args:
-        raise ValueError("--init takes keyword arguments only, e.g. --init 'd_model=32, num_heads=4'")
-    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
+                strict=args.strict)
+    one = args.target[0]
+    single = len(args.target) == 1 and (one.rpartition(":")[0].endswith(".py") or Path(one).is_file())
+    if single:
+        path, name = files[0]
+        row = grade.grade_file(path, name or "", timeout=args.timeout, show=print, **opts)
+        if row["status"] in ("error", "timeout"):
+            print(f"multihead check: {row['finding']}", file=sys.stderr)
+            return 2
+        rows = [row]
+    else:
+        if any(n is None for _, n in files):
+            print("multihead check: grading a folder or a glob needs --name NAME (the class each file defines)",
+                  file=sys.stderr)
+            return 2
+        rows = grade.grade_many(files, timeout=args.timeout, jobs=args.jobs, **opts)
+        print(grade.table(rows))
+    if args.report:
+        grade.write_report(rows, Path(args.report))
+        print(f"report: {args.report}")
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 def _bench(args) -> int:
@@ -207,16 +198,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="time allowed per batch size for the interleaved speed table")
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func=_prune)
-    p = sub.add_parser("check", help="grade your own multi-head attention module and name its bug (exit 1 if a "
-                                     "check fails)")
-    p.add_argument("target", help="FILE.py:NAME, the file and the class (or function) that builds the module")
+    p = sub.add_parser("check", help="grade your own multi-head attention module, or a class's submissions, and "
+                                     "locate each bug (exit 0 OK, 1 not OK, 2 cannot be graded)")
+    p.add_argument("target", nargs="+", help="FILE.py:NAME (one module, whole report), or folders / globs / files "
+                                             "with --name (each in its own process, a table)")
+    p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
     p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
     p.add_argument("--call", choices=["x", "qkv", "qkv_mask"], default="qkv",
                    help="how the module is called: m(x), m(q, k, v) or m(q, k, v, mask)")
     p.add_argument("--mask", choices=["none", "keep", "block", "additive", "valid_lens"], default="none",
                    help="the module's mask convention (with --call qkv_mask)")
     p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
-    p.add_argument("--embed-dim", type=int, default=None, help="the input size, when no Linear tells it")
+    p.add_argument("--embed-dim", type=int, default=None, help="the input size, when no layer tells it")
+    p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds each submission may take")
+    p.add_argument("--jobs", type=int, default=None, help="submissions graded at once (default: cores, at most 4)")
+    p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
     p.set_defaults(func=_check)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
     p.add_argument("--workloads", default="W1,W2,W3,W4",
