@@ -22,6 +22,8 @@ def weigh(Q, K, V, blocked, bugs, fill=float("-inf")):
         s = s / d
     elif "scale d_model" in bugs:
         s = s / math.sqrt(d * Q.shape[1])
+    elif "times sqrt" in bugs:
+        s = s * math.sqrt(d)
     elif "scale twice" in bugs:
         s = s / math.sqrt(d) / math.sqrt(d)
     elif "no scale" not in bugs:
@@ -42,6 +44,8 @@ def weigh(Q, K, V, blocked, bugs, fill=float("-inf")):
         return s @ V
     if "sigmoid" in bugs:
         return torch.sigmoid(s) @ V
+    if "log_softmax" in bugs:
+        return torch.log_softmax(s, -1) @ V
     axis = -2 if "axis queries" in bugs else (1 if "axis heads" in bugs else -1)
     w = torch.softmax(s, axis)
     if "nan_to_num" in bugs:
@@ -210,9 +214,9 @@ class Listed(nn.Module):
                    for lin, x in zip(self.linears, (q, k, v), strict=False))
         blocked = None
         if valid_lens is not None:
-            lens = valid_lens[:1].expand(b) if "first mask" in self.bug else valid_lens
+            lens = valid_lens[:1].expand(b) if "first mask" in self.bug else valid_lens + ("lens+1" in self.bug)
             blocked = (torch.arange(K.shape[2]) >= lens[:, None])[:, None, None, :]  # (B,) -> (B, 1, 1, Lk)
-        o = weigh(Q, K, V, blocked, self.bug - {"first mask"}, fill=-1e6)
+        o = weigh(Q, K, V, blocked, self.bug - {"first mask", "lens+1"}, fill=-1e6)
         return self.linears[3](o.transpose(1, 2).reshape(b, -1, self.h * Q.shape[-1]))
 
 
@@ -266,6 +270,9 @@ BUGGY = [
     ("additive mask", {"axis queries"}, ["softmax over the wrong axis"]),
     ("unnamed list, valid_lens", {"first mask"}, ["the first sequence's mask used for the whole batch"]),
     ("unnamed list, valid_lens", {"no scale"}, ["scores not scaled"]),
+    ("unnamed list, valid_lens", {"lens+1"}, ["valid lengths off by one (one key too many)"]),
+    ("wrapper, causal", {"times sqrt", "nan_to_num"}, ["scores scaled by sqrt(d_k)"]),
+    ("fused", {"log_softmax"}, ["log_softmax instead of softmax"]),
 ]
 
 # two bugs at once

@@ -416,53 +416,85 @@ def _fit_logits(W: Tensor, S: Tensor, X: Tensor, ax: int, thr: float = 1e-4):
     return best
 
 
-def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, r: Tensor, ax: int, causal: bool) -> list[Finding]:
-    """Compare which weights are zero with which keys the mask blocks, on the slices (along
-    the normalisation axis ``ax``) that keep at least one key."""
-    Z = W.abs() <= 1e-4
-    live = (~X).any(ax, keepdim=True).expand_as(X)
-    mixed = live & X.any(ax, keepdim=True).expand_as(X)
-    if bool((Z == X)[live].all()):
-        return []
-    if bool(mixed.any()) and bool((Z == ~X)[mixed].all()):
-        return [Finding("mask polarity inverted", "check the mask convention: the module attends exactly where the "
+def _predicted(S: Tensor, c: float, Xp: Tensor, ax: int, fill: float | None = None) -> tuple[Tensor, Tensor]:
+    """softmax along ``ax`` of c·S with the entries ``Xp`` blocked (or set to ``fill``), and the
+    slices it says something about (those that keep an entry)."""
+    logits = c * S
+    logits = logits.masked_fill(Xp, float("-inf")) if fill is None else torch.where(Xp, torch.full_like(S, fill),
+                                                                                   logits)
+    live = torch.ones_like(Xp) if fill is not None else (~Xp).any(ax, keepdim=True).expand_as(Xp)
+    return torch.softmax(logits, ax).nan_to_num(), live
+
+
+def _fits(W: Tensor, S: Tensor, c: float, Xp: Tensor, ax: int, fill: float | None = None) -> bool:
+    Wp, live = _predicted(S, c, Xp, ax, fill)
+    return bool(live.any()) and float((W - Wp).abs()[live].max()) < 2e-3
+
+
+_MASKS = {
+    "inverted": Finding("mask polarity inverted", "check the mask convention: the module attends exactly where the "
                         "mask says a key is blocked (True/1 means the opposite of what the module assumes).", "mask",
-                        "zero weight on the blocked keys", "zero weight on the kept keys, weight on the blocked ones")]
-    X0 = X[:1].expand_as(X)
-    if not torch.equal(X0, X) and bool((Z == X0)[live].all()):
-        return [Finding("the first sequence's mask used for the whole batch", "index the mask by the batch: mask[b] "
-                        "for sequence b (a mask of shape (B, 1, 1, Lk) broadcasts over heads and queries, not over "
-                        "the batch).", "mask", "each sequence's own keys blocked", "sequence 0's keys blocked in "
-                        "every sequence")]
+                        "zero weight on the blocked keys", "zero weight on the kept keys, weight on the blocked ones"),
+    "first": Finding("the first sequence's mask used for the whole batch", "index the mask by the batch: mask[b] for "
+                     "sequence b (a mask of shape (B, 1, 1, Lk) broadcasts over heads and queries, not over the "
+                     "batch).", "mask", "each sequence's own keys blocked", "sequence 0's keys blocked in every "
+                     "sequence"),
+    "diag": Finding("causal mask off by one", "a position may attend to itself and earlier ones: keep j <= i "
+                    "(torch.tril(ones(L, L)), diagonal 0; block with triu(..., diagonal=1)).", "mask",
+                    "position i attends to keys 0..i", "position i attends to keys 0..i-1 (itself blocked)"),
+    "ahead": Finding("causal mask lets each position see the next one", "keep j <= i: torch.tril(ones(L, L)) with "
+                     "diagonal=0, not diagonal=1.", "mask", "position i attends to keys 0..i",
+                     "position i attends to keys 0..i+1 (one step of the future)"),
+    "none": Finding("mask not applied", "set the blocked scores to -inf (masked_fill(~keep, float('-inf')) or add "
+                    "the additive mask) before the softmax.", "mask", "zero weight on the blocked keys",
+                    "the blocked keys weighted as if unmasked"),
+    "longer": Finding("valid lengths off by one (one key too many)", "keep the keys j < valid_len (positions "
+                      "0..valid_len-1), not j <= valid_len.", "mask", "keys 0..len-1 of each sequence",
+                      "keys 0..len (one padding key attended)"),
+    "shorter": Finding("valid lengths off by one (one key too few)", "keep the keys j < valid_len (positions "
+                       "0..valid_len-1): the last real key is blocked.", "mask", "keys 0..len-1 of each sequence",
+                       "keys 0..len-2 (the last real key blocked)"),
+}
+
+
+def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, ax: int, causal: bool) -> list[Finding]:
+    """Which blocking pattern reproduces the weights W (B, H, Lq, Lk) as a softmax along ``ax``
+    of c·S: the spec's X (True = blocked), or a named mistake's, or a finite fill value."""
+    if _fits(W, S, c, X, ax):
+        return []
+    Lq, Lk = W.shape[-2:]
+    patterns = {"inverted": ~X, "first": X[:1].expand_as(X)}
     if causal:
-        Lq, Lk = W.shape[-2:]
         eye = torch.eye(Lq, Lk, dtype=torch.bool)
         sup = torch.ones(Lq, Lk, dtype=torch.bool).triu(1) & ~torch.ones(Lq, Lk, dtype=torch.bool).triu(2)
-        if bool((Z == (X | eye))[live].all()):
-            return [Finding("causal mask off by one", "a position may attend to itself and earlier ones: keep j <= i "
-                            "(torch.tril(ones(L, L)), diagonal 0; block with triu(..., diagonal=1)).", "mask",
-                            "position i attends to keys 0..i", "position i attends to keys 0..i-1 (itself blocked)")]
-        if bool((Z == (X & ~sup))[live].all()):
-            return [Finding("causal mask lets each position see the next one", "keep j <= i: torch.tril(ones(L, L)) "
-                            "with diagonal=0, not diagonal=1.", "mask", "position i attends to keys 0..i",
-                            "position i attends to keys 0..i+1 (one step of the future)")]
-    leak = X & ~Z & live
-    if bool(leak.any()) and bool((Z == False)[live & X].all()):  # noqa: E712 - every blocked key got weight
-        f = (W.clamp_min(1e-300).log() - r)[leak]  # the logits the blocked entries had
-        cs = (c * S)[leak]
-        if float((f - cs).abs().max()) < 1e-2 * (float(cs.abs().max()) + 1):
-            return [Finding("mask not applied", "set the blocked scores to -inf (masked_fill(~keep, float('-inf')) "
-                            "or add the additive mask) before the softmax.", "mask", "zero weight on the blocked keys",
-                            "the blocked keys weighted as if unmasked")]
-        if float(f.max() - f.min()) < 1e-2 * (float(f.abs().max()) + 1):
-            fill = float(f.mean())
-            fill = 0.0 if abs(fill) < 1e-4 else float(f"{fill:.3g}")
-            return [Finding(f"blocked scores filled with {fill:g} instead of -inf", "fill the blocked scores with "
+        patterns.update(diag=X | eye, ahead=X & ~sup)
+    prefix = X.any() and bool((X == X[:, :, :1, :].expand_as(X)).all()) and bool((X[..., 1:] >= X[..., :-1]).all())
+    if prefix:  # key padding: each sequence keeps a prefix of its keys
+        lens = (~X[:, 0, 0]).sum(-1)  # (B,)
+        pos = torch.arange(Lk)
+        for nm, d in (("longer", 1), ("shorter", -1)):
+            patterns[nm] = (pos >= (lens + d).clamp(1, Lk)[:, None])[:, None, None, :].expand_as(X)
+    patterns["none"] = torch.zeros_like(X)
+    for nm, Xp in patterns.items():
+        if not torch.equal(Xp, X) and _fits(W, S, c, Xp, ax):
+            return [_MASKS[nm]]
+    # a finite fill: the blocked entries' logit, relative to a kept entry of the same slice
+    Wm, Sm, Xm = W.movedim(ax, -1), S.movedim(ax, -1), X.movedim(ax, -1)
+    ref = torch.where(~Xm, Wm, torch.zeros_like(Wm)).argmax(-1, keepdim=True)  # the largest kept entry
+    lw_ref, s_ref = Wm.gather(-1, ref).clamp_min(1e-300).log(), Sm.gather(-1, ref)
+    leak = Xm & (Wm > 1e-6) & (~Xm).any(-1, keepdim=True)
+    if bool(leak.any()):
+        f = (Wm.clamp_min(1e-300).log() - lw_ref + c * s_ref)[leak]
+        fill = float(f.median())
+        if _fits(W, S, c, X, ax, fill):
+            shown = 0.0 if abs(fill) < 1e-3 else float(f"{fill:.3g}")
+            return [Finding(f"blocked scores filled with {shown:g} instead of -inf", "fill the blocked scores with "
                             "-inf (or a large negative number like -1e9): a finite fill near the scores still gives "
                             "those keys weight.", "mask", "blocked scores = -inf (zero weight)",
-                            f"blocked scores = {fill:g} (weight {float(W[leak].max()):.3g} at most)")]
-    got_w = int((X & ~Z & live).sum())
-    lost = int((~X & Z & live).sum())
+                            f"blocked scores = {shown:g} (weight up to {float(W[X].max()):.3g} on blocked keys)")]
+    Wp, live = _predicted(S, c, X, ax)
+    got_w = int((X & (W > 1e-4) & live).sum())
+    lost = int((~X & (W < 1e-6) & (Wp > 1e-3) & live).sum())
     return [Finding("mask applied wrongly", "build the keep mask so that exactly the padded (or future) keys are "
                     "blocked, and apply it to the scores before the softmax.", "mask",
                     f"zero weight on exactly the {int((X & live).sum())} blocked (query, key) pairs",
@@ -678,6 +710,13 @@ def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, split
                             "(B, L, H*D) -> view(B, L, H, D) -> transpose(1, 2)",
                             "(B, L, H*D) viewed as (B, H, L, D) directly")
     ax = _normalised_axis(W, X)
+    if ax is None:  # log-probabilities: exp(W) normalised
+        We = W.clamp(max=50).exp()
+        if _normalised_axis(We, X) is not None:
+            return [Finding("log_softmax instead of softmax", "weigh the values with softmax(scores, dim=-1) (the "
+                            "probabilities), not log_softmax (their logarithms).", "normalisation",
+                            "softmax(scores) @ V", "log_softmax(scores) @ V")] + _weights(
+                                We, qk, X, H, E, parts, split_ok, causal)
     for ok, Q, K in qk:
         S = split(Q, H, ok) @ split(K, H, ok).transpose(-2, -1)  # (B, H, Lq, Lk), unscaled
         pre = [] if ok else [split_finding]
@@ -694,7 +733,7 @@ def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, split
             sf = _scale_finding(c, expected, D, E, H, parts.scale is not None)
             if sf is not None:
                 out.append(sf)
-            out += _mask_findings(W, S, X, c, r, ax, causal)
+            out += _mask_findings(W, S, X, c, ax, causal)
             return out
         # not normalised over any axis: the raw scores, or a softmax before the mask
         live = ~X
