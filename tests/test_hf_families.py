@@ -250,11 +250,74 @@ def test_every_keyword_any_family_passes_is_computed_declared_or_refused():
     assert {"softcap", "s_aux", "position_bias", "sliding_window", "cu_seq_lens_q"} <= set(seen) & computed
 
 
-def test_prune_refuses_a_module_without_a_layout_before_changing_it():
-    model, x = _build("qwen3")
+REFUSED_LAYOUT = {"phi3": "its forward fails once heads"}  # Phi-3 reads its head counts from the config
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REFUSED_LAYOUT])
+def test_layouts_are_derived_and_pruned_equals_gated_and_reloads(family, tmp_path):
+    """No table: the head layout is derived from the module and verified on a recorded call; cutting
+    (every head of the first module, three of the last's) equals gating; save/load rebuilds it."""
+    model, x = _build(family)
+    mhf.attach(model)
+    mods = mhf.attention_modules(model)
+    assert all(m.attention_hooks.layout is not None for m in mods.values()), mhf.derive(model)
+    names = list(mods)
+    first, last = names[0], names[-1]
+    H = mods[last].attention_hooks.num_heads
+    remove = {first: list(range(H)), last: [0, 1, 3]}  # GQA (Hkv = 2): kv head 0 goes, kv head 1 stays for head 2
+    gates = {n: torch.ones(H).index_fill(0, torch.tensor(hs), 0.0) for n, hs in remove.items()}
+    real = _real(x)
+    with heads.gated(model, gates):
+        gated = _out(model, x)
+    heads.prune(model, remove)
+    pruned = _out(model, x)
+    assert (_on_real(pruned, real) - _on_real(gated, real)).abs().max() < 1e-5
+    assert mods[last].attention_hooks.kept == [2]
+    mhf.save(model, tmp_path / "pruned")
+    back = mhf.load(tmp_path / "pruned")
+    assert {n: m.attention_hooks.num_heads for n, m in mhf.attention_modules(back).items()} == \
+        {n: m.attention_hooks.num_heads for n, m in mods.items()}
+    assert (_on_real(_out(back, x), real) - _on_real(pruned, real)).abs().max() < 1e-6
+
+
+def test_t5_pruned_layers_take_their_rows_of_the_shared_position_bias(tmp_path):
+    model, x = _build("t5")
+    mhf.attach(model)
+    first = "encoder.block.0.layer.0.SelfAttention"  # holds relative_attention_bias (32 buckets, 4 heads)
+    later = "encoder.block.1.layer.0.SelfAttention"
+    gates = {first: torch.tensor([1.0, 0.0, 1.0, 0.0]), later: torch.tensor([0.0, 1.0, 1.0, 0.0])}
+    with heads.gated(model, gates):
+        gated = _out(model, x)
+    heads.prune(model, {first: [1, 3], later: [0, 3]})
+    assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.shape == (32, 4)
+    assert (_out(model, x) - gated).abs().max() < 1e-5
+    mhf.save(model, tmp_path / "t5")
+    back = mhf.load(tmp_path / "t5")
+    assert back.encoder.block[1].layer[0].SelfAttention.attention_hooks.kept == [1, 2]
+    assert (_out(back, x) - gated).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_pruned_generate_gives_the_same_tokens_as_sdpa_on_the_pruned_model(family):
+    model, x = _build(family)
+    kw = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    mhf.attach(model)
+    heads.prune(model, {"model.layers.0.self_attn": [0, 1], "model.layers.1.self_attn": [3]})
+    with torch.no_grad():
+        got = model.generate(**x, **kw)
+    model.set_attn_implementation("sdpa")  # transformers' own attention on the cut weights
+    with torch.no_grad():
+        ref = model.generate(**x, **kw)
+    assert torch.equal(got, ref)
+
+
+def test_a_layout_that_does_not_verify_is_refused_with_the_reason_before_changing_anything():
+    model, x = _build("phi3")
     mhf.attach(model)
     before = _out(model, x)
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn \(Qwen3Attention\) can be seen and gated, but "
-                                         r"multihead has no head layout for it"):
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn \(Phi3Attention\) can be seen and gated, but "
+                                         r"multihead has no head layout for it .*its forward fails once heads"):
         heads.prune(model, {"model.layers.0.self_attn": [0]})
     assert torch.equal(_out(model, x), before)
+    with heads.gated(model, {"model.layers.0.self_attn": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
+        assert not torch.equal(_out(model, x), before)  # seeing and gating still work

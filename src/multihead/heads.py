@@ -327,9 +327,10 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
             raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "
                             "multihead.interop.from_torch first.")
         else:
+            why = m.attention_hooks.layout_reason or "call multihead.hf.attach(model) to derive it"
             raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but multihead has no head layout for "
-                             "it (which rows of its projections hold head h), so it cannot be pruned physically; gate "
-                             "its heads with heads.gated instead.")
+                             f"it (which rows of its projections hold head h): {why}. It cannot be pruned physically; "
+                             "gate its heads with heads.gated instead.")
     return kept
 
 

@@ -41,6 +41,7 @@ __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_
 SUPPORTED = (5, 6)  # >= 5.0, < 6
 NAME = "multihead"
 HEADS_KEY = "multihead_head_counts"
+KEPT_KEY = "multihead_kept_heads"  # {module: the original indices of its kept heads} (T5's shared bias needs them)
 
 
 def _check_version():
@@ -142,6 +143,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         hooks = module.__dict__["attention_hooks"] = AttentionHooks()
     B, H, Lq, _ = query.shape
     Lk = key.shape[2]
+    hooks.seen = (H, key.shape[1], query.shape[-1], value.shape[-1])
     if hooks.num_heads != H:
         if hooks:  # gates or observers were made for the count read before any call: refuse, never mis-gate
             raise ValueError(f"{type(module).__name__}: multihead read {hooks.num_heads} heads from its attributes or "
@@ -268,10 +270,11 @@ hooks_mod.DISCOVERERS.append(_discover)
 
 @dataclass
 class HeadLayout:
-    """One attention module's head surgery: the names of its q/k/v/o projections (a
-    fused qkv projection for GPT-2's ``c_attn``), where the output projection lives
-    (``o_parent``: a path from the attention module's parent, for BERT's ``output.dense``),
-    and which attributes hold the head count and inner size."""
+    """One attention module's head surgery: the names of its q/k/v/o projections (one fused
+    qkv projection when ``fused``), where the output projection lives (``o_from_parent``: a
+    path from the attention module's parent, for BERT's ``output.dense``), its per-head
+    parameters (shape (H,): gpt-oss' sinks), and which attributes hold the head count and
+    inner size. Derived from the module and verified on a recorded call (:func:`derive`)."""
 
     family: str
     q: str
@@ -279,17 +282,23 @@ class HeadLayout:
     v: str
     o: str
     o_from_parent: bool = False
-    fused: bool = False  # GPT-2: one Conv1D (E, 3E) holding q, k, v
+    #: False: separate q/k/v; "blocks": one projection [Q | K | V] (GPT-2's Conv1D, Phi-3's qkv_proj,
+    #: ModernBERT's Wqkv); "interleaved": per head [q_h k_h v_h] (GPT-NeoX's query_key_value)
+    fused: bool | str = False
     #: whether the family's forward works with zero heads; if not, pruning every head keeps one
     #: head whose output-projection columns are zero (it contributes nothing: the output is the bias)
     zero_heads_ok: bool = True
     count_attrs: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads")
     size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size")
+    per_head: tuple[str, ...] = ()  # parameters of shape (H,), one entry per query head
+    head_size: int | None = None  # D, for a module with no head-size attribute
 
     def head_dim(self, m: nn.Module) -> int:
-        for a in ("head_dim", "attention_head_size", "key_value_proj_dim"):
+        for a in ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size"):
             if isinstance(m.__dict__.get(a), int):
                 return m.__dict__[a]
+        if self.head_size is not None:
+            return self.head_size
         raise ValueError(f"{type(m).__name__}: cannot tell its head size")
 
     def projections(self, m: nn.Module, parent: nn.Module | None):
@@ -310,8 +319,11 @@ class HeadLayout:
         D = self.head_dim(m)
         q, k, _, _ = self.projections(m, parent)
         if self.fused:
-            H = _out_features(q) // 3 // D
-            return H, H
+            total = _out_features(q) // D  # H + 2 Hkv
+            g = m.__dict__.get("num_key_value_groups")
+            g = g if isinstance(g, int) and g > 0 and self.fused == "blocks" else 1  # H = g Hkv
+            H = total * g // (g + 2)
+            return H, H // g
         return _out_features(q) // D, _out_features(k) // D
 
 
@@ -321,28 +333,6 @@ def _out_features(p: nn.Module) -> int:
 
 def _is_conv1d(p: nn.Module) -> bool:
     return type(p).__name__ == "Conv1D"  # transformers' Conv1D: weight (in, out), y = x W + b
-
-
-LAYOUTS: dict[str, HeadLayout] = {}
-
-
-def _layout(family: str, classes: tuple[str, ...], **kw) -> None:
-    layout = HeadLayout(family, **kw)
-    for c in classes:
-        LAYOUTS[c] = layout
-
-
-_layout("bert", ("BertSelfAttention", "RobertaSelfAttention", "ElectraSelfAttention", "CamembertSelfAttention",
-                 "XLMRobertaSelfAttention", "BertCrossAttention", "RobertaCrossAttention", "ElectraCrossAttention"),
-        q="query", k="key", v="value", o="output.dense", o_from_parent=True)
-_layout("distilbert", ("DistilBertSelfAttention",), q="q_lin", k="k_lin", v="v_lin",
-        o="out_lin")
-_layout("llama", ("LlamaAttention", "MistralAttention", "Qwen2Attention", "ViTAttention", "DeiTAttention"),
-        q="q_proj", k="k_proj", v="v_proj", o="o_proj")
-_layout("bart", ("BartAttention", "MBartAttention", "MarianAttention"), q="q_proj", k="k_proj", v="v_proj",
-        o="out_proj")
-_layout("whisper", ("WhisperAttention",), q="q_proj", k="k_proj", v="v_proj", o="out_proj", zero_heads_ok=False)
-_layout("gpt2", ("GPT2Attention",), q="c_attn", k="c_attn", v="c_attn", o="c_proj", fused=True)
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -360,11 +350,12 @@ def _refusal(model: nn.Module) -> str:
             "attn_implementation='sdpa' for this model.")
 
 
-def attach(model: nn.Module) -> nn.Module:
+def attach(model: nn.Module, *, example: dict | None = None) -> nn.Module:
     """Switch a loaded transformers model to multihead's attention. Every module that calls
     transformers' attention interface gets its hook list (``capture``, ``heads.gated``,
-    ``heads.importance`` work on it) and, where it can be derived, its head layout (which
-    ``heads.prune`` uses). Returns the model."""
+    ``heads.importance`` work on it) and, where one derives and verifies (:func:`derive`), its
+    head layout (which ``heads.prune`` uses). ``example``: the model's keyword inputs for the
+    one probe call the derivation records (default: made from the config). Returns the model."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"attach takes a transformers PreTrainedModel; got {type(model).__name__}. For torch.nn "
                         "models use multihead.interop.patch.")
@@ -375,13 +366,202 @@ def attach(model: nn.Module) -> nn.Module:
         raise ValueError(_refusal(model))
     parents = dict(model.named_modules())
     for name, m in attention_modules(model).items():
-        hooks = m.attention_hooks
-        layout = LAYOUTS.get(type(m).__name__)
-        if layout is not None and hooks.layout is None:
-            parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
-            hooks.num_heads, _ = layout.counts(m, parent)
-            hooks.layout, hooks.parent = layout, parent
+        m.attention_hooks.parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
+    derive(model, example)
     return model
+
+
+# --- head layouts, derived from the module and verified on a recorded call ---
+
+
+def _probe_inputs(model: nn.Module) -> dict:
+    """The smallest inputs the model's forward takes, from its config: token ids, pixels, audio
+    features, decoder ids (one sequence each)."""
+    cfg = model.config
+    params = inspect.signature(model.forward).parameters
+    g = torch.Generator().manual_seed(0)
+    dev = next(model.parameters()).device
+    x = {}
+    text = cfg.get_text_config(decoder=False) if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    if "input_ids" in params and vocab:
+        x["input_ids"] = torch.randint(1, max(2, min(vocab, 1000)), (1, 6), generator=g)
+    if "pixel_values" in params:
+        vc = getattr(cfg, "vision_config", None) or cfg
+        size = getattr(vc, "image_size", 224)
+        hw = tuple(size) if isinstance(size, list | tuple) else (size, size)
+        x["pixel_values"] = torch.randn(1, getattr(vc, "num_channels", 3), *hw, generator=g)
+    if "input_features" in params and hasattr(cfg, "num_mel_bins"):
+        x["input_features"] = torch.randn(1, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params and vocab:
+        x["decoder_input_ids"] = torch.randint(1, max(2, min(vocab, 1000)), (1, 4), generator=g)
+    if "use_cache" in params:
+        x["use_cache"] = False
+    return {k: v.to(dev) if isinstance(v, Tensor) else v for k, v in x.items()}
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: int, Hkv: int, D: int,
+                Dv: int) -> list[HeadLayout] | str:
+    """The head layouts m's projections allow (names by role, sizes by the recorded call), or why none."""
+    from multihead.locate import role_of
+
+    lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or _is_conv1d(c)}
+    roles: dict[str, list[str]] = {}
+    for n in lin:
+        roles.setdefault(role_of(n), []).append(n)
+    o_name, from_parent = (roles.get("o") or roles.get("o?") or [None])[-1], False
+    if o_name is not None and (_in_features(lin[o_name]) != H * Dv):
+        o_name = None
+    if o_name is None:  # BERT: the output projection is the parent's (output.dense)
+        own = name[len(parent_name) + 1:] if parent_name else name
+        for n, c in parent.named_modules():
+            if n and not _inside(n, own) and (isinstance(c, nn.Linear) or _is_conv1d(c)) and \
+                    role_of(n) in ("o", "o?") and _in_features(c) == H * Dv:
+                o_name, from_parent = n, True
+                break
+    if o_name is None:
+        return f"no output projection taking the {H} heads' {H * Dv} features among {sorted(lin) or 'no layers'}"
+    per_head = tuple(n for n, p in m.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == H)
+    q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
+    if q and k and v:
+        sizes = (_out_features(lin[q]), _out_features(lin[k]), _out_features(lin[v]))
+        if sizes != (H * D, Hkv * D, Hkv * Dv):
+            return f"{q}/{k}/{v} give {sizes} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
+        return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D)]
+    if qkv:
+        out = _out_features(lin[qkv])
+        lays = []
+        if D == Dv and out == (H + 2 * Hkv) * D:
+            lays.append(HeadLayout("fused [Q | K | V]", qkv, qkv, qkv, o_name, from_parent, fused="blocks",
+                                   per_head=per_head, head_size=D))
+        if D == Dv and H == Hkv and out == 3 * H * D:
+            lays.append(HeadLayout("fused per head [q k v]", qkv, qkv, qkv, o_name, from_parent, fused="interleaved",
+                                   per_head=per_head, head_size=D))
+        return lays or f"{qkv} gives {out} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
+    return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
+
+
+def _in_features(p: nn.Module) -> int:
+    return p.weight.shape[0] if _is_conv1d(p) else p.weight.shape[1]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def _verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hkv: int, Dv: int) -> str | None:
+    """None if pruning by ``lay`` equals gating on the recorded call (the first group of heads removed,
+    and every head); else why not. The module itself is left unchanged (copies are cut)."""
+    import copy
+
+    from multihead.heads import _kept
+
+    hooks = m.attention_hooks
+    memo = {id(hooks.parent): hooks.parent}  # the parent is shared, never copied
+
+    def run(mod, gate):
+        h = None
+        if gate is not None:
+            h = mod.attention_hooks.add_transform(lambda _m, out, _l: out * gate.to(out)[None, None, :, None])
+        try:
+            with torch.no_grad():
+                a, kw = copy.deepcopy((args, kwargs), memo=dict(memo))
+                return _first(mod(*a, **kw))
+        finally:
+            if h is not None:
+                h.remove()
+
+    tries = [list(range(H // Hkv)) if Hkv > 1 else [0]] if H > 1 else []
+    for remove in tries:
+        keep, kv = _kept(H, Hkv, set(remove))
+        gate = torch.ones(H).index_fill(0, torch.tensor(remove), 0.0)
+        ref = run(m, gate)
+        cp = copy.deepcopy(m, memo=dict(memo))
+        try:
+            _prune(lay, cp, keep, kv, None, None, with_o=not lay.o_from_parent)
+            got = run(cp, None)
+        except Exception as e:  # noqa: BLE001 - the family's forward on a cut module
+            return f"its forward fails once heads {remove} are cut ({type(e).__name__}: {str(e)[:120]})"
+        if lay.o_from_parent:
+            ref = ref[..., _rows(keep, Dv)]
+        if got.shape != ref.shape or float((got - ref).abs().max()) > 1e-4 * (float(ref.abs().max()) + 1e-6):
+            return (f"cutting heads {remove} does not equal gating them (the rows it assigns to a head are not "
+                    "that head's)")
+    cp = copy.deepcopy(m, memo=dict(memo))
+    lay.zero_heads_ok = False
+    try:
+        lay.zero_heads_ok = True
+        _prune(lay, cp, [], [], None, None, with_o=not lay.o_from_parent)
+        got = run(cp, None)
+        lay.zero_heads_ok = bool(torch.isfinite(got).all())
+    except Exception:  # noqa: BLE001 - the family cannot run without heads: keep one null head
+        lay.zero_heads_ok = False
+    return None
+
+
+def derive(model: nn.Module, example: dict | None = None) -> dict[str, str]:
+    """Derive and verify every attention module's head layout on one recorded call of the model
+    (``example``: its keyword inputs; default from the config). Returns {module name: the layout,
+    or why none}; a module whose layout does not verify gets none (it can be seen and gated, not
+    cut)."""
+    import copy
+
+    mods = attention_modules(model)
+    calls, handles = {}, []
+
+    def record(name):
+        def pre(mod, args, kwargs):
+            if name not in calls:
+                try:
+                    calls[name] = copy.deepcopy((args, kwargs))
+                except Exception:  # noqa: BLE001 - an argument that does not copy: used as it is
+                    calls[name] = (args, kwargs)
+        return pre
+
+    for name, m in mods.items():
+        m.attention_hooks.seen = None
+        handles.append(m.register_forward_pre_hook(record(name), with_kwargs=True))
+    was = model.training
+    model.eval()
+    why = None
+    try:
+        x = example if example is not None else _probe_inputs(model)
+        with torch.no_grad():
+            model(**x)
+    except Exception as e:  # noqa: BLE001 - the probe: say why, do not fail attach
+        why = f"the probe call raised {type(e).__name__}: {str(e)[:160]}; pass example= (the model's inputs) to attach"
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    names = dict(model.named_modules())
+    rev = {id(mod): n for n, mod in names.items()}
+    for name, m in mods.items():
+        hooks = m.attention_hooks
+        hooks.layout = None
+        if name not in calls or hooks.seen is None:
+            hooks.layout_reason = why or "the probe call did not reach it"
+        else:
+            H, Hkv, D, Dv = hooks.seen
+            parent = hooks.parent
+            lays = _candidates(m, name, parent, rev.get(id(parent), ""), H, Hkv, D, Dv)
+            reasons = []
+            for lay in [] if isinstance(lays, str) else lays:
+                r = _verify(lay, m, *calls[name], H, Hkv, Dv)
+                if r is None:
+                    hooks.layout, hooks.num_heads, hooks.layout_reason = lay, H, None
+                    break
+                reasons.append(f"{lay.family}: {r}")
+            if hooks.layout is None:
+                hooks.layout_reason = lays if isinstance(lays, str) else "; ".join(reasons)
+        out[name] = (f"{hooks.layout.family} (q={hooks.layout.q}, o={hooks.layout.o})" if hooks.layout
+                     else f"no layout: {hooks.layout_reason}")
+    model.train(was)
+    return out
 
 
 # --- pruning ---
@@ -424,33 +604,41 @@ def _set(owner: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None,
-           gone: list[int] | None) -> None:
+           gone: list[int] | None, *, with_o: bool = True) -> None:
     hooks = m.__dict__["attention_hooks"]
     parent = hooks.parent
     D = layout.head_dim(m)
+    H0, Hkv0 = layout.counts(m, parent)
     q, k, v, o = layout.projections(m, parent)
     null = not keep and not layout.zero_heads_ok
     if null:  # keep one head that contributes nothing (its output-projection columns are zeroed below)
         keep, kv = [0], [0]
     with torch.no_grad():
-        if layout.fused:  # (E, 3E): [q | k | v] along the output
-            H = hooks.num_heads
-            rows = _rows(keep, D) + [H * D + r for r in _rows(kv, D)] + [2 * H * D + r for r in _rows(kv, D)]
+        if layout.fused == "interleaved":  # per head [q_h | k_h | v_h], 3 D rows each (H = Hkv)
+            _set(m, layout.q, _select(q, out_rows=_rows(keep, 3 * D)))
+        elif layout.fused:  # [Q (H D) | K (Hkv D) | V (Hkv D)] along the output
+            rows = _rows(keep, D) + [H0 * D + r for r in _rows(kv, D)] + [(H0 + Hkv0) * D + r for r in _rows(kv, D)]
             _set(m, layout.q, _select(q, out_rows=rows))
         else:
             _set(m, layout.q, _select(q, out_rows=_rows(keep, D)))
             _set(m, layout.k, _select(k, out_rows=_rows(kv, D)))
             _set(m, layout.v, _select(v, out_rows=_rows(kv, D)))
-        new_o = _select(o, in_cols=_rows(keep, D))
-        if null:
-            new_o.weight.zero_()
-        if mean_out is not None and gone:
-            w = o.weight.t() if _is_conv1d(o) else o.weight  # (out, H*Dv)
-            const = w[:, _rows(gone, D)] @ mean_out[gone].reshape(-1).to(w.dtype)  # (out,)
-            if new_o.bias is None:
-                new_o.bias = nn.Parameter(torch.zeros_like(const))
-            new_o.bias += const
-        _set(parent if layout.o_from_parent else m, layout.o, new_o)
+        for name in layout.per_head:  # (H,) -> (len(keep),)
+            owner, _, leaf = name.rpartition(".")
+            holder = m.get_submodule(owner) if owner else m
+            p = getattr(holder, leaf)
+            setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
+        if with_o:
+            new_o = _select(o, in_cols=_rows(keep, D))
+            if null:
+                new_o.weight.zero_()
+            if mean_out is not None and gone:
+                w = o.weight.t() if _is_conv1d(o) else o.weight  # (out, H*Dv)
+                const = w[:, _rows(gone, D)] @ mean_out[gone].reshape(-1).to(w.dtype)  # (out,)
+                if new_o.bias is None:
+                    new_o.bias = nn.Parameter(torch.zeros_like(const))
+                new_o.bias += const
+            _set(parent if layout.o_from_parent else m, layout.o, new_o)
     H, Hkv = len(keep), len(kv)
     for a in layout.count_attrs:
         if isinstance(m.__dict__.get(a), int):
@@ -462,6 +650,8 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
         m.__dict__["split_size"] = [0, 0, 0]  # GPT-2 splits c_attn's (B, L, 0) output into q, k, v: three empty parts
     if isinstance(m.__dict__.get("num_key_value_groups"), int):
         m.__dict__["num_key_value_groups"] = H // Hkv if Hkv else 1
+    before = hooks.kept if hooks.kept is not None else list(range(H0))
+    hooks.kept = [before[i] for i in keep]  # the original indices: a shared per-head input (T5's bias) is cut to them
     hooks.num_heads = H
 
 
@@ -482,8 +672,10 @@ def save(model: nn.Module, path: str | Path) -> Path:
         f.unlink()
     save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
+    mods = attention_modules(model).items()
     cfg[HEADS_KEY] = {name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
-                      for name, m in attention_modules(model).items() if m.attention_hooks.layout is not None}
+                      for name, m in mods if m.attention_hooks.layout is not None}
+    cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
@@ -517,10 +709,14 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         m = mods[name]
         layout = m.attention_hooks.layout
         if layout is None:
-            raise ValueError(f"{cfg_file} records heads for {name!r}, whose head layout multihead cannot derive.")
+            raise ValueError(f"{cfg_file} records heads for {name!r}, whose head layout multihead cannot derive: "
+                             f"{m.attention_hooks.layout_reason}.")
         H0, Hkv0 = layout.counts(m, m.attention_hooks.parent)
         if (H, Hkv) != (H0, Hkv0):  # sizes only (the weights are loaded next); uneven GQA groups may hold Hkv > Hkv0
             layout.prune(m, list(range(H)), [i % Hkv0 for i in range(Hkv)])
+    for name, kept in raw.get(KEPT_KEY, {}).items():
+        if name in mods:
+            mods[name].attention_hooks.kept = [int(h) for h in kept]
     from safetensors import safe_open
 
     with safe_open(str(w_file), "pt") as f:

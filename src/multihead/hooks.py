@@ -52,6 +52,9 @@ class AttentionHooks:
         #: after pruning, the original indices of the kept heads (a per-head input shared between
         #: layers, T5's position bias, is cut to them); None = unpruned
         self.kept: list[int] | None = None
+        #: (H, Hkv, D, Dv) of the last call, and why no head layout could be derived (None: not tried)
+        self.seen: tuple[int, int, int, int] | None = None
+        self.layout_reason: str | None = None
 
     def add_observer(self, fn: Observer) -> _Handle:
         """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""

@@ -143,6 +143,8 @@ def role_of(name: str) -> str | None:
             return None
     if len(roles) == 1:
         return roles.pop()
+    if roles == {"q", "k", "v"}:  # query_key_value
+        return "qkv"
     if not roles and {"proj", "dense", "fc", "linear", "projection"} & set(tokens):
         return "o?"  # an unnamed projection: the output one when q, k and v have names
     return None
