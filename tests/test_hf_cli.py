@@ -73,7 +73,7 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
     assert "Recovery: 5 distillation steps" in text and "transformers BertModel (sdpa)" in text
 
 
-def test_prune_and_viz_hf_command_line(tmp_path, corpus):
+def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     torch.manual_seed(0)
     lm = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=210, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).eval()
@@ -88,7 +88,13 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus):
     assert report["curve"][0]["metric"] == pytest.approx(0.0, abs=1e-6) and report["curve"][-1]["metric"] > 0
     back = mhf.load(out / "model")
     assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(back).values()) == 6
-    assert main(["viz", "--hf", str(d), "--text", "The value of the object", "--out", str(tmp_path / "v")]) == 0
+    capsys.readouterr()
+    assert main(["viz", "--hf", str(d), "--text", "The value of the object", "--out", str(tmp_path / "v"),
+                 "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "- model.layers.0.self_attn (LlamaAttention): H=4 Hkv=2 D=8" in text
+    assert "layout: separate q/k/v (q=q_proj, k=k_proj, v=v_proj, o=o_proj)" in text
+    assert "computes: scaling=0.3536, causal" in text, text
     assert (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000
     assert (tmp_path / "v" / "ckpt_heads.png").stat().st_size > 1000
 

@@ -321,3 +321,16 @@ def test_a_layout_that_does_not_verify_is_refused_with_the_reason_before_changin
     assert torch.equal(_out(model, x), before)
     with heads.gated(model, {"model.layers.0.self_attn": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
         assert not torch.equal(_out(model, x), before)  # seeing and gating still work
+
+
+def test_explain_says_per_module_the_layout_or_why_none_and_the_arguments_computed():
+    model, x = _build("gpt_oss")
+    mhf.attach(model)
+    _out(model, x)
+    text = mhf.explain(model)
+    assert "- model.layers.0.self_attn (GptOssAttention): H=4 Hkv=2 D=8" in text
+    assert "layout: separate q/k/v (q=q_proj, k=k_proj, v=v_proj, o=o_proj, per head: sinks)" in text
+    assert "sinks (H,)" in text and "sliding_window=4" in text
+    phi, _ = _build("phi3")
+    mhf.attach(phi)
+    assert "no layout (seen and gated, not cut): fused [Q | K | V]: its forward fails once heads" in mhf.explain(phi)

@@ -35,7 +35,8 @@ from multihead import masks
 from multihead.functional import _weights, attention
 from multihead.hooks import AttentionHooks
 
-__all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "load", "save"]
+__all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain", "load",
+           "save"]
 
 #: the transformers versions this integration is tested with (the ``hf`` extra pins them)
 SUPPORTED = (5, 6)  # >= 5.0, < 6
@@ -155,10 +156,14 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
         position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        hooks.args = (scaling, dropout, is_causal, softcap, s_aux is not None, sliding_window,
+                      position_bias is not None, True, attention_mask is not None)
         return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
                        softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
                        output_attentions)
     causal = _causal(module, is_causal, attention_mask, Lq)
+    hooks.args = (scaling, dropout, causal, softcap, s_aux is not None, sliding_window, position_bias is not None,
+                  False, attention_mask is not None)
     if attention_mask is None and sliding_window is not None and Lk > sliding_window and Lq > 1:
         raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} with Lk={Lk} keys but no "
                          "attention mask: the window is not in the mask, and its alignment is the model's. Build the "
@@ -562,6 +567,46 @@ def derive(model: nn.Module, example: dict | None = None) -> dict[str, str]:
                      else f"no layout: {hooks.layout_reason}")
     model.train(was)
     return out
+
+
+def explain(model: nn.Module) -> str:
+    """Per attention module: its class (the family), H / Hkv / D from its last call, the head layout
+    ``heads.prune`` uses (or why there is none), and the arguments transformers passed that
+    multihead computes (scaling, softcap, sinks, sliding window, position bias, packed rows, ...)."""
+    mods = attention_modules(model)
+    if not mods:
+        return _refusal(model)
+    lines = [f"{type(model).__name__}: {len(mods)} attention modules on multihead"]
+    for name, m in mods.items():
+        hooks = m.attention_hooks
+        seen = hooks.seen
+        heads = f"H={seen[0]} Hkv={seen[1]} D={seen[2]}" + (f" Dv={seen[3]}" if seen[3] != seen[2] else "") if seen \
+            else f"H={hooks.num_heads} (not called yet)"
+        lay = hooks.layout
+        if lay is not None:
+            where = f"{'parent.' if lay.o_from_parent else ''}{lay.o}"
+            cut = f"layout: {lay.family} (q={lay.q}" + ("" if lay.fused else f", k={lay.k}, v={lay.v}") + \
+                f", o={where}" + (f", per head: {', '.join(lay.per_head)}" if lay.per_head else "") + \
+                ("" if lay.zero_heads_ok else "; keeps one null head when all are cut") + ")"
+            if hooks.kept is not None:
+                cut += f"; kept heads {hooks.kept}"
+        else:
+            cut = f"no layout (seen and gated, not cut): {hooks.layout_reason or 'call multihead.hf.attach(model)'}"
+        args = getattr(hooks, "args", None)
+        if args is None:
+            got = "no call recorded"
+        else:
+            scaling, dropout, is_causal, softcap, sinks, window, bias, packed, mask = args
+            parts = [f"scaling={scaling:.4g}" if scaling is not None else "scaling=1/sqrt(D)"]
+            parts += ["causal"] * bool(is_causal) + ["mask"] * bool(mask)
+            parts += [f"dropout={dropout:g}"] if dropout else []
+            parts += [f"softcap={softcap:g}"] if softcap is not None else []
+            parts += ["sinks (H,)"] * bool(sinks)
+            parts += [f"sliding_window={window}"] if window is not None else []
+            parts += ["position_bias"] * bool(bias) + ["packed rows (varlen)"] * bool(packed)
+            got = ", ".join(parts)
+        lines += [f"- {name} ({type(m).__name__}): {heads}", f"    {cut}", f"    computes: {got}"]
+    return "\n".join(lines)
 
 
 # --- pruning ---

@@ -29,7 +29,7 @@ def _viz(args) -> int:
         from multihead.apps import hf_models
 
         paths = hf_models.draw(args.hf, args.text or "Multi-head attention lets the model look in several places.",
-                               out)
+                               out, explain=args.explain)
     elif args.model is None:
         print("multihead viz: give --model {toy,vit,minilm} or --hf DIR", file=sys.stderr)
         return 2
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "reads --text)")
     p.add_argument("--text", default=None)
     p.add_argument("--index", type=int, default=0, help="which test image, for --model vit")
+    p.add_argument("--explain", action="store_true", help="with --hf: per attention module, its heads, head layout "
+                                                          "(or why none) and the arguments multihead computes")
     p.add_argument("--out", default="out/viz")
     p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
     p.add_argument("--retrain", action="store_true")

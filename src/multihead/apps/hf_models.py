@@ -149,12 +149,16 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     return losses
 
 
-def draw(path: str | Path, text: str, out: Path) -> list[Path]:
-    """Every head of the checkpoint in ``path`` on ``text``: heatmaps, rollout and the explorer."""
+def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> list[Path]:
+    """Every head of the checkpoint in ``path`` on ``text``: heatmaps, rollout and the explorer;
+    with ``explain``, :func:`multihead.hf.explain` printed first."""
     import multihead
+    import multihead.hf as mhf
     from multihead.viz import explorer, heatmaps, rollout
 
     model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
+    if explain:
+        print(mhf.explain(model))
     enc = tok([text], return_tensors="pt")
     tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
     with torch.no_grad(), multihead.capture(model) as cap:
