@@ -254,6 +254,15 @@ def test_bad_input():
                                              r"\(ALL_ATTENTION_FUNCTIONS\); .*Attention compute attention themselves"):
             mhf.attach(m)
         assert m.config._attn_implementation != "multihead"  # refused before anything changed
+    cfgs = {"FalconModel": (T.FalconModel, T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4)),
+            "GPTJModel": (T.GPTJModel, T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
+                                                    n_positions=32))}
+    for cls, (make, cfg) in cfgs.items():  # built with "multihead": one clear error before the layers, no KeyError
+        cfg._attn_implementation = "multihead"
+        with pytest.raises(ValueError, match=rf"{cls}: its attention does not go through transformers' attention "
+                                             r"interface .*Load it with attn_implementation='sdpa'"):
+            make(cfg)
     t5 = T.T5Model(T.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
     assert len(mhf.attention_modules(mhf.attach(t5))) == 3  # encoder self, decoder self and cross
 

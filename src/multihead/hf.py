@@ -228,6 +228,54 @@ AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the boolean masks sdpa gets: padding is never dropped
 
 
+def _model_file_calls_interface(cls: type) -> bool:
+    """Whether the modeling file of ``cls`` (or of a class it derives from) calls the attention
+    interface at all: a model built from one that does not (Falcon, GPT-J, DeBERTa-v2) never reaches it."""
+    known = _FILES.get(cls)
+    if known is None:
+        known = False
+        for c in cls.__mro__:
+            if c is PreTrainedModel or not issubclass(c, PreTrainedModel):
+                continue  # the model's own classes only (the mixins live in modeling_utils)
+            try:
+                src = inspect.getsource(inspect.getmodule(c))
+            except (OSError, TypeError):
+                continue
+            if "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src:
+                known = True
+                break
+        _FILES[cls] = known
+    return known
+
+
+_FILES: dict[type, bool] = {}
+
+
+def _guard_construction() -> None:
+    """A model whose attention never goes through the interface, built with
+    ``attn_implementation="multihead"`` (``from_pretrained`` or a config), gets one clear ValueError
+    before its layers are built, not a KeyError from inside them. The guard wraps transformers'
+    ``PreTrainedModel.get_correct_attn_implementation`` and acts only on a request for "multihead"."""
+    orig = PreTrainedModel.get_correct_attn_implementation
+    if getattr(orig, "_multihead_guard", False):
+        return
+
+    def guarded(self, requested_attention, is_init_check=False):
+        if requested_attention == NAME and not _model_file_calls_interface(type(self)) and \
+                not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
+            raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
+                             "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
+                             "it; multihead can neither see nor replace its attention. Load it with "
+                             "attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
+        return orig(self, requested_attention, is_init_check)
+
+    guarded._multihead_guard = True
+    PreTrainedModel.get_correct_attn_implementation = guarded
+
+
+_guard_construction()
+
+
 def _calls_interface(cls: type) -> bool:
     """Whether a module class's forward calls transformers' attention interface (read from its source,
     as transformers itself decides whether a model can switch implementation)."""
