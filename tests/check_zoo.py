@@ -73,6 +73,8 @@ class FourLinear(nn.Module):
     def forward(self, q, k, v, mask=None):
         Q = self.heads(self.W_q(k if "q from k" in self.bug else q))
         K = self.heads(self.W_k(v if "k from v" in self.bug else k))
+        if "v as k" in self.bug:
+            K = self.heads(self.W_v(v))
         V = self.heads(self.W_v(k if "v from k" in self.bug else v))
         o = weigh(Q, K, V, None if mask is None else mask.bool(), self.bug, self.fill)
         b, h, n, d = o.shape
@@ -117,7 +119,7 @@ class Einsum(nn.Module):
     def forward(self, q, k, v, keep=None):
         h = self.n_heads
         Q, K, V = (torch.einsum("ble,ef->blf", x, w).unflatten(-1, (h, -1)).transpose(1, 2)
-                   for x, w in ((q, self.wq), (k, self.wk), (v, self.wv)))
+                   for x, w in ((q, self.wq), (k, self.wk), (k if "v from k" in self.bug else v, self.wv)))
         o = weigh(Q, K, V, None if keep is None else ~keep, self.bug, fill=-1e9)
         o = o.transpose(1, 2).flatten(2)
         return o if "no out" in self.bug else o @ self.wo
@@ -262,6 +264,8 @@ BUGGY = [
     ("einsum Parameters", {"axis queries"}, ["softmax over the wrong axis"]),
     ("einsum Parameters", {"inverted"}, ["mask polarity inverted"]),
     ("einsum Parameters", {"keys as values"}, ["keys used as values"]),
+    ("einsum Parameters", {"v from k"}, ["value projection applied to the key input"]),
+    ("four Linear", {"v as k"}, ["values used as keys"]),
     ("per-head lists", {"scale d_k"}, ["scores divided by d_k"]),
     ("per-head lists", {"fill 0"}, ["blocked scores filled with 0 instead of -inf"]),
     ("wrapper, causal", {"causal +1"}, ["causal mask lets each position see the next one"]),

@@ -444,7 +444,7 @@ def _white_box(module, rep, run, mask, E, causal, self_attn, mapping, order, g, 
                             f"rel. error {best[0]:.2e}"))
     # locate: on probes small enough that the weights can be recovered from the outside
     candidates = []
-    for parts in readings:
+    for parts in readings[:2]:  # the likeliest readings (raw Parameters: all x @ W, then all F.linear)
         for H in locate.head_counts(parts):
             width = parts.qkv.weight.shape[0] // 3 if parts.qkv is not None else parts.v.weight.shape[0]
             D = width // H

@@ -252,15 +252,21 @@ def find_parts(module: nn.Module, mapping: dict | None, E: int, order: list[nn.M
         elif len(seq) >= 4:
             named["q"], named["k"], named["v"], named["o"] = [seq[0]], [seq[1]], [seq[2]], [seq[3]]
     readings = []
-    n_orient = max([len(g[0]) for g in named.values() if g and isinstance(g[0], list)] or [1])
-    for i in range(n_orient):  # raw square Parameters: every one read the same way, x @ W first
+    raw = [r for r in ("q", "k", "v", "o", "qkv") if named[r] and isinstance(named[r][0], list)]
+    choices = [range(len(named[r][0])) for r in raw]
+    import itertools
 
-        def one(role, i=i):
+    combos = list(itertools.product(*choices)) if len(raw) <= 4 else [(i,) * len(raw) for i in range(2)]
+    combos.sort(key=lambda c: (len(set(c)) > 1, c))  # every Parameter read the same way first, x @ W first
+    for combo in combos:
+        pick = dict(zip(raw, combo, strict=True))
+
+        def one(role, pick=pick):
             got = named[role]
             if not got:
                 return None
             if isinstance(got[0], list):  # a raw Parameter: its readings
-                return got[0][min(i, len(got[0]) - 1)]
+                return got[0][min(pick[role], len(got[0]) - 1)]
             if len(got) > 1:  # a per-head list of layers
                 return _stack(got, ".".join(got[0].name.split(".")[:-1]) or role)
             return got[0]
@@ -598,7 +604,8 @@ def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, 
             keep = None if keep is None else keep[fin]
             v = v[fin]
         hyps = [(m_ok, s_ok, src) for m_ok in (True, False) for s_ok in (True, False)
-                for src in ("values", "keys", "queries", "value input")]
+                for src in ("values", "keys", "queries", "value input", "W_v(key)", "W_v(query)")]
+        v_hooked = parts.qkv is None and parts.v is not None and len(parts.v.modules) == 1
         best = None
         for merge_ok, split_ok, src in hyps:
             if src == "values":
@@ -609,10 +616,15 @@ def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, 
                 if Lq != Lk:
                     continue
                 Vsrc = [used["q"]] * len(Ms)
-            else:
+            elif src == "value input":
                 if vins is None or len(vins) != len(Ms) or v.shape[-1] != used["v"].shape[-1]:
                     continue
                 Vsrc = [x.double() for x in vins]
+            else:  # an unobserved value projection fed the wrong input
+                other = k if src == "W_v(key)" else q
+                if self_attn or v_hooked or parts.v is None or other.shape[1] != Lk:
+                    continue
+                Vsrc = [parts.v(other)] * len(Ms)
             Oh = torch.cat([unmerge(m_, H, merge_ok) for m_ in Ms], -1)  # (B, H, Lq, n*D)
             Vh = torch.cat([split(x, H, split_ok) for x in Vsrc], -1)  # (B, H, Lk, n*D)
             W, res = _solve_weights(Oh, Vh)
@@ -638,6 +650,10 @@ def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, 
         elif src == "queries":
             findings.append(Finding("queries used as values", "multiply the weights by the projected values "
                                     "V = W_v(v).", "values", "weights @ V", "weights @ Q"))
+        elif src in ("W_v(key)", "W_v(query)"):
+            got = "key" if src == "W_v(key)" else "query"
+            findings.append(Finding(f"value projection applied to the {got} input", "apply W_v to the value input: "
+                                    "V = W_v(value).", "projections", "W_v(value)", f"W_v({got})"))
         elif src == "value input":
             findings.append(Finding("value projection not applied", "project the values with W_v before weighting "
                                     "them.", "values", "weights @ W_v(v)", "weights @ v"))
@@ -646,6 +662,21 @@ def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, 
         qk = [(split_ok, used["q"], used["k"])]
         if split_ok:
             qk.append((False, used["q"], used["k"]))
+        if not self_attn:  # the scores of the wrong projected tensors
+            qk.append((split_ok, used["q"], used["v"], Finding("values used as keys", "compute the scores from the "
+                                                               "keys: Q Kᵀ, with K = W_k(key).", "scores", "Q Kᵀ",
+                                                               "Q Vᵀ")))
+        if not self_attn and parts.qkv is None:  # unobserved projections fed the wrong input
+            for role, nm, x in (("k", "value", v), ("k", "query", q), ("q", "key", k)):
+                proj = getattr(parts, role)
+                if proj is None or len(proj.modules) == 1 or x.shape[1] != (Lk if role == "k" else Lq):
+                    continue
+                alt = proj(x)
+                Qa, Ka = (alt, used["k"]) if role == "q" else (used["q"], alt)
+                full = {"q": "query", "k": "key"}[role]
+                qk.append((split_ok, Qa, Ka, Finding(f"{full} projection applied to the {nm} input",
+                                                     f"apply W_{role} to the {full} input.", "projections",
+                                                     f"W_{role}({full})", f"W_{role}({nm})")))
         findings += _weights(W, qk, X, H, E, parts, split_ok, causal)
         return findings
     finally:
@@ -719,9 +750,9 @@ def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, split
                             "probabilities), not log_softmax (their logarithms).", "normalisation",
                             "softmax(scores) @ V", "log_softmax(scores) @ V")] + _weights(
                                 We, qk, X, H, E, parts, split_ok, causal)
-    for ok, Q, K in qk:
+    for ok, Q, K, *extra in qk:
         S = split(Q, H, ok) @ split(K, H, ok).transpose(-2, -1)  # (B, H, Lq, Lk), unscaled
-        pre = [] if ok else [split_finding]
+        pre = ([] if ok else [split_finding]) + list(extra)
         if ax is not None:
             fit = _fit_logits(W, S, X, ax)
             if fit is None or fit[1] < 0.4:
