@@ -218,7 +218,10 @@ class Listed(nn.Module):
         if valid_lens is not None:
             lens = valid_lens[:1].expand(b) if "first mask" in self.bug else valid_lens + ("lens+1" in self.bug)
             blocked = (torch.arange(K.shape[2]) >= lens[:, None])[:, None, None, :]  # (B,) -> (B, 1, 1, Lk)
-        o = weigh(Q, K, V, blocked, self.bug - {"first mask", "lens+1"}, fill=-1e6)
+            if "repeat" in self.bug:  # the course's (B*H) layout with lengths cycled through the batch
+                per = valid_lens.repeat(self.h)  # (B*H,), should be repeat_interleave
+                blocked = (torch.arange(K.shape[2]) >= per[:, None]).view(b, self.h, 1, -1)  # (B*H,) -> (B, H, 1, Lk)
+        o = weigh(Q, K, V, blocked, self.bug - {"first mask", "lens+1", "repeat"}, fill=-1e6)
         return self.linears[3](o.transpose(1, 2).reshape(b, -1, self.h * Q.shape[-1]))
 
 
@@ -275,6 +278,7 @@ BUGGY = [
     ("unnamed list, valid_lens", {"first mask"}, ["the first sequence's mask used for the whole batch"]),
     ("unnamed list, valid_lens", {"no scale"}, ["scores not scaled"]),
     ("unnamed list, valid_lens", {"lens+1"}, ["valid lengths off by one (one key too many)"]),
+    ("unnamed list, valid_lens", {"repeat"}, ["lengths repeated with repeat instead of repeat_interleave"]),
     ("wrapper, causal", {"times sqrt", "nan_to_num"}, ["scores scaled by sqrt(d_k)"]),
     ("fused", {"log_softmax"}, ["log_softmax instead of softmax"]),
 ]

@@ -447,6 +447,11 @@ _MASKS = {
                      "sequence b (a mask of shape (B, 1, 1, Lk) broadcasts over heads and queries, not over the "
                      "batch).", "mask", "each sequence's own keys blocked", "sequence 0's keys blocked in every "
                      "sequence"),
+    "repeat": Finding("lengths repeated with repeat instead of repeat_interleave", "give every head of sequence b "
+                      "sequence b's lengths: torch.repeat_interleave(valid_lens, num_heads, dim=0) matches the "
+                      "(B*H, ...) order of transpose_qkv; valid_lens.repeat(num_heads) cycles through the batch.",
+                      "mask", "head h of sequence b masked by sequence b's length",
+                      "head h of sequence b masked by sequence (b*H + h) mod B's length"),
     "diag": Finding("causal mask off by one", "a position may attend to itself and earlier ones: keep j <= i "
                     "(torch.tril(ones(L, L)), diagonal 0; block with triu(..., diagonal=1)).", "mask",
                     "position i attends to keys 0..i", "position i attends to keys 0..i-1 (itself blocked)"),
@@ -471,7 +476,9 @@ def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, ax: int, causal: b
     if _fits(W, S, c, X, ax):
         return []
     Lq, Lk = W.shape[-2:]
-    patterns = {"inverted": ~X, "first": X[:1].expand_as(X)}
+    Bx, H = X.shape[:2]
+    idx = (torch.arange(Bx)[:, None] * H + torch.arange(H)[None, :]) % Bx  # (B, H): the sequence .repeat(H) gives
+    patterns = {"inverted": ~X, "first": X[:1].expand_as(X), "repeat": X[idx, 0]}
     if causal:
         eye = torch.eye(Lq, Lk, dtype=torch.bool)
         sup = torch.ones(Lq, Lk, dtype=torch.bool).triu(1) & ~torch.ones(Lq, Lk, dtype=torch.bool).triu(2)
