@@ -173,3 +173,23 @@ def test_our_bert_in_inference_mode_and_pickled():
     assert torch.allclose(got[real], want[real], atol=1e-6)
     back = pickle.loads(pickle.dumps(bert))
     assert torch.allclose(back(ids, am)[real], want[real], atol=1e-6)
+
+
+def test_backward_hooks_on_the_projections_fire_through_the_module():
+    """A full backward hook on a projection, or a global one, sees the projections (the fast path
+    that skips nn.Module.__call__ is taken only when no hook of any kind could observe them)."""
+    torch.manual_seed(0)
+    m = multihead.MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    seen = []
+    h = m.projections()[0].register_full_backward_hook(lambda mod, gi, go: seen.append("W_q"))
+    m(x, x, x).sum().backward()
+    h.remove()
+    assert seen == ["W_q"]
+    seen.clear()
+    g = torch.nn.modules.module.register_module_full_backward_hook(lambda mod, gi, go: seen.append(type(mod).__name__))
+    try:
+        m(x, x, x).sum().backward()
+    finally:
+        g.remove()
+    assert seen.count("Linear") == 4 and "MultiHeadAttention" in seen

@@ -100,3 +100,22 @@ def test_module_explain_reports_the_path():
     small = MultiHeadAttention(100, 5, query_size=100, key_size=100, value_size=100)
     assert small.explain(torch.randn(2, 4, 100), torch.randn(2, 6, 100), valid_lens=torch.tensor([3, 2])).startswith(
         "path: dense (")
+
+
+def test_forward_packed_checks_its_description_of_the_tokens():
+    import multihead
+
+    torch.manual_seed(0)
+    m = multihead.MultiHeadAttention(16, 4)
+    x = torch.randn(7, 16)  # sequences of 4 and 3 tokens
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    want = m.forward_packed(x, cu, 4)
+    assert torch.allclose(m.forward_packed(x, cu, 6), want)  # a wider padded layout is fine
+    with pytest.raises(ValueError, match=r"max_seqlen must be at least the longest sequence's length, 4"):
+        m.forward_packed(x, cu, 3)
+    with multihead.capture(m), pytest.raises(ValueError, match="max_seqlen must be at least"):
+        m.forward_packed(x, cu, 2)  # was an IndexError inside varlen.pad under capture
+    with pytest.raises(ValueError, match="must start at 0 and never decrease"):
+        m.forward_packed(x, torch.tensor([0, 5, 4]), 5)
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer tensor"):
+        m.forward_packed(x, torch.tensor([0.0, 4.0, 7.0]), 4)

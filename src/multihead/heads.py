@@ -76,10 +76,10 @@ def _gate(g: Tensor, fill: Tensor | None):
     """A transform: head h's output (..., H, Dv) becomes ``g[h] * out + (1 - g[h]) * fill[h]``."""
 
     def transform(module, out: Tensor, live) -> Tensor:
-        gh = g.to(out.dtype)[:, None]  # (H,) -> (H, 1)
+        gh = g.to(device=out.device, dtype=out.dtype)[:, None]  # (H,) -> (H, 1), on the output's device
         if fill is None:
             return out * gh
-        return out * gh + (1 - gh) * fill.to(out.dtype)  # fill (H, Dv)
+        return out * gh + (1 - gh) * fill.to(device=out.device, dtype=out.dtype)  # fill (H, Dv)
 
     return transform
 

@@ -49,13 +49,16 @@ def _linear(in_features: int | None, out_features: int, bias: bool) -> nn.Module
 
 
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
-                 nn.modules.module._global_forward_hooks_always_called)
+                 nn.modules.module._global_forward_hooks_always_called, nn.modules.module._global_backward_hooks,
+                 nn.modules.module._global_backward_pre_hooks)
 
 
 def _apply(lin: nn.Module, x: Tensor, no_global_hooks: bool) -> Tensor:
-    """``lin(x)``; a plain nn.Linear with no hook anywhere is applied as F.linear directly
-    (the module call machinery is a third of a toy-size projection's time)."""
-    if no_global_hooks and type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+    """``lin(x)``; a plain nn.Linear that no hook could observe (forward or backward, its own or
+    global) is applied as F.linear directly (the module call machinery is a third of a toy-size
+    projection's time)."""
+    if no_global_hooks and type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks or
+                                                          lin._backward_hooks or lin._backward_pre_hooks):
         return F.linear(x, lin.weight, lin.bias)
     return lin(x)
 

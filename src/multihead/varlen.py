@@ -248,8 +248,21 @@ class Packed:
 
     @classmethod
     def self_attention(cls, cu_seqlens: Tensor, max_seqlen: int) -> Packed:
-        """Packed self-attention tokens (queries = keys) described by ``cu_seqlens``."""
+        """Packed self-attention tokens (queries = keys) described by ``cu_seqlens`` (B+1,), which
+        must start at 0 and never decrease; ``max_seqlen``, the width of the padded layout the tokens
+        come from, must be at least the longest sequence's length (checked: a smaller value would
+        misplace tokens)."""
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+                cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor (B+1,) of cumulative lengths; got "
+                            f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}.")
         cu = cu_seqlens.tolist()
+        lens_l = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        if cu[0] != 0 or min(lens_l) < 0:
+            raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {cu}.")
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < max(lens_l):
+            raise ValueError(f"max_seqlen must be at least the longest sequence's length, {max(lens_l)} for "
+                             f"cu_seqlens {cu}; got {max_seqlen!r}.")
         idx = indices_of(cu_seqlens, max_seqlen)
         lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
         return cls(len(cu) - 1, max_seqlen, max_seqlen, idx, idx, cu, cu, None, masks.Padding(lens.long()))
