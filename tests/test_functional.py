@@ -254,3 +254,35 @@ def test_explain_reports_the_sdpa_mask_path():
     assert "is_causal=True" in str(multihead.explain(q, k, v, masks.Causal()))
     assert "dense mask" in str(multihead.explain(q, k, v, masks.Causal("bottom-right")))
     assert "needs grad: True" in str(multihead.explain(q, k, v, training=True))
+
+
+def test_a_backend_that_becomes_unavailable_is_evicted_reported_once_and_not_explained():
+    from multihead.backends import registry
+
+    q, k, v = qkv(1, 2, 2, 5, 5, 4, 4)
+    calls = []
+
+    def flaky(query, key, value, mask, *, scale, dropout_p):
+        calls.append(1)
+        if len(calls) > 1:  # chosen and remembered on the first call, then its compiler "fails"
+            raise registry.Unavailable("its kernel no longer builds")
+        return reference_attention(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+
+    backends.register("flaky", flaky, priority=1000, cacheable=True)
+    try:
+        want = reference_attention(q, k, v)
+        assert torch.allclose(attention(q, k, v), want, atol=1e-6) and len(calls) == 1
+        with pytest.warns(RuntimeWarning, match="'flaky' could not run"):
+            assert torch.allclose(attention(q, k, v), want, atol=1e-6)
+        assert len(calls) == 2  # run once, not twice
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # reported once
+            for _ in range(3):
+                attention(q, k, v)
+        assert len(calls) == 2  # never picked again for this kind of call
+        assert "runs: flaky" not in str(multihead.explain(q, k, v))
+    finally:
+        backends.unregister("flaky")
+        registry.forget()

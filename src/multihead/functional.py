@@ -92,7 +92,7 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
                             softcap=None if softcap is None else float(softcap), sinks=sinks)
     if backend == "auto":
         B, H, Lq, D = query.shape
-        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request[:9]
+        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
         if torch.compiler.is_compiling():  # chosen once, while tracing (see registry.traced_choice)
             name = registry.traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
                                           registry._FORCED[-1] if registry._FORCED else None)
@@ -102,8 +102,8 @@ def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
         if b is not None:
             try:
                 return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
-            except registry.Unavailable:
-                pass  # the full path below reports it and falls back
+            except registry.Unavailable as e:  # reported once and evicted; the full path below falls back
+                registry.failed(b, registry.choice_key(head, dropout_p, needs_grad, mask), e)
     req = _request(query, key, value, mask, dropout_p)
     return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p)
 

@@ -53,6 +53,11 @@ class Request(NamedTuple):
     #: whether per-head sink logits join each row's softmax denominator
     sinks: bool = False
 
+    @property
+    def head(self) -> tuple:
+        """(device_type, dtype, B, H, Hkv, Lq, Lk, D, Dv): the sizes a choice is keyed on."""
+        return (self.device_type, self.dtype, self.B, self.H, self.Hkv, self.Lq, self.Lk, self.D, self.Dv)
+
     def modifiers(self) -> frozenset[str]:
         """The score modifiers this call asks for: a subset of {"softcap", "sinks"}."""
         return frozenset(n for n, on in (("softcap", self.softcap is not None), ("sinks", self.sinks)) if on)
@@ -158,6 +163,9 @@ def unregister(name: str) -> None:
 #: remembered choices of "auto": {(forced, request without the mask, the mask's kind): Backend}
 _CHOICE: dict = {}
 _CHOICE_MAX = 512
+#: (choice key, backend name) of calls a backend raised Unavailable for: "auto" does not pick it
+#: for that kind of call again (reported once), so it is neither run twice nor named by explain
+_FAILED: set = set()
 
 
 def choice_key(head: tuple, dropout_p: float, needs_grad: bool, mask: Mask | None) -> tuple:
@@ -172,7 +180,7 @@ def choice_key(head: tuple, dropout_p: float, needs_grad: bool, mask: Mask | Non
 
 def _key(req: Request) -> tuple:
     """:func:`choice_key` of a request, with its score modifiers (calls with modifiers are keyed apart)."""
-    key = choice_key(req[:9], req.dropout_p, req.needs_grad, req.mask)
+    key = choice_key(req.head, req.dropout_p, req.needs_grad, req.mask)
     return key + (req.softcap is not None, req.sinks) if req.modifiers() else key
 
 
@@ -183,8 +191,10 @@ def remembered(key: tuple) -> Backend | None:
 
 
 def forget() -> None:
-    """Drop the remembered choices (a backend's capability changed, e.g. its compiler failed)."""
+    """Drop the remembered choices and failures (a backend's capability changed, e.g. its compiler
+    was fixed)."""
     _CHOICE.clear()
+    _FAILED.clear()
 
 
 def available() -> list[str]:
@@ -240,8 +250,10 @@ def _auto(req: Request, exclude: frozenset[str]) -> Backend:
         b = _CHOICE.get(key)
         if b is not None:
             return b
+    failed = {n for k, n in _FAILED if k == _key(req)} if _FAILED else set()
     for b in _ranked():
-        if b.name not in exclude and b.why_not(req) is None and (b.prefer is None or b.prefer(req) is None):
+        if b.name not in exclude and b.name not in failed and b.why_not(req) is None and \
+                (b.prefer is None or b.prefer(req) is None):
             if remember and all(x.cacheable for x in _REGISTRY.values()):
                 if len(_CHOICE) >= _CHOICE_MAX:
                     _CHOICE.clear()
@@ -284,12 +296,21 @@ def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask
         try:
             return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p, **mods)
         except Unavailable as e:
-            if (b.name, str(e)) not in _REPORTED:
-                _REPORTED.add((b.name, str(e)))
-                warnings.warn(f"attention backend {b.name!r} could not run ({e}); falling back", RuntimeWarning,
-                              stacklevel=3)
+            failed(b, _key(req), e)
             exclude = exclude | {b.name}
             name = "auto"
+
+
+def failed(b: Backend, key: tuple, e: Exception) -> None:
+    """``b`` raised Unavailable on a call of kind ``key``: reported once (a warning), evicted from
+    the remembered choices, and never "auto"'s choice for that kind again (until :func:`forget`)."""
+    if b.cacheable and len(_FAILED) < _CHOICE_MAX:
+        _FAILED.add((key, b.name))
+    if _CHOICE.get(key) is b:
+        del _CHOICE[key]
+    if (b.name, str(e)) not in _REPORTED:
+        _REPORTED.add((b.name, str(e)))
+        warnings.warn(f"attention backend {b.name!r} could not run ({e}); falling back", RuntimeWarning, stacklevel=4)
 
 
 def modifier_kwargs(softcap: float | None, sinks: Tensor | None) -> dict:
