@@ -15,6 +15,7 @@ import multihead
 from multihead import MultiHeadAttention, masks
 from multihead.compat import D2LMultiHeadAttention
 from multihead.viz import explorer, heatmaps, rollout
+from multihead.viz.rollout import stacks_of
 
 pytest.importorskip("matplotlib")
 
@@ -186,3 +187,22 @@ def test_explorer_long_input_and_image_in_chromium(tmp_path):
 
     (visible, png2), errors = _open(p2, exe, sync_api, act2)
     assert errors == [] and visible and _not_blank(png2)
+
+
+def test_rollout_refuses_to_multiply_across_the_stacks_of_an_encoder_decoder():
+    import multihead
+    from multihead.models.seq2seq import Seq2SeqConfig, Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(Seq2SeqConfig(d_model=16, heads=2, ffn=32)).eval()
+    src, tgt = torch.randint(3, 13, (1, 5)), torch.randint(3, 13, (1, 5))  # Lq = Lk = 5 everywhere: square cross maps
+    with torch.no_grad(), multihead.capture(model) as cap:
+        model(src, torch.tensor([5]), tgt)
+    with pytest.raises(ValueError, match=r"rollout multiplies self-attention maps of one stack; .*cross"):
+        rollout(cap)
+    stacks = stacks_of(cap)
+    assert len(stacks) == 2  # the encoder's and the decoder's self-attention
+    enc = next(iter(stacks.values()))
+    with pytest.raises(ValueError, match=r"rollout multiplies the layers of one stack; the capture holds 2"):
+        rollout(cap, names=[n for names in stacks.values() for n in names])
+    assert rollout(cap, names=enc).shape == (1, 5, 5)

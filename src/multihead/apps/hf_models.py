@@ -155,6 +155,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     import multihead
     import multihead.hf as mhf
     from multihead.viz import explorer, heatmaps, rollout
+    from multihead.viz.rollout import stacks_of
 
     model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
     if explain:
@@ -169,7 +170,9 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     fig = heatmaps(cap, queries=tokens, keys=tokens, max_labels=24)
     paths.append(out / f"{name}_heads.png")
     fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
-    fig = heatmaps(rollout(cap, causal=causal)[:, None], queries=tokens, keys=tokens, titles=["rollout"], cell=4)
+    stack = next(iter(stacks_of(cap).values()))  # an encoder-decoder: the encoder's stack (the text's tokens)
+    fig = heatmaps(rollout(cap, names=stack, causal=causal)[:, None], queries=tokens, keys=tokens, titles=["rollout"],
+                   cell=4)
     paths.append(out / f"{name}_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     paths.append(explorer(cap, tokens, out / f"{name}_explorer.html", title=f"{name}: {text}"))

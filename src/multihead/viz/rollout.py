@@ -12,6 +12,23 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+_CROSS = ("cross", "encdec", "encoder_attn", "enc_dec")
+
+
+def _stack(name: str) -> str:
+    """'decoder.layers.3.self_attn' -> 'decoder.layers.*.self_attn': the layers of one stack share it."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def stacks_of(captured: Mapping[str, Tensor]) -> dict[str, list[str]]:
+    """The capture's self-attention layers grouped by stack ({'encoder.layers.*.self_attn': [names]}),
+    in the order they ran; cross-attention layers are left out."""
+    stacks: dict[str, list[str]] = {}
+    for n in captured:
+        if not any(c in n.lower() for c in _CROSS):
+            stacks.setdefault(_stack(n), []).append(n)
+    return stacks
+
 
 def rollout(captured: Mapping[str, Tensor], *, names: Sequence[str] | None = None, residual: float = 0.5,
             causal: bool = False) -> Tensor:
@@ -24,12 +41,31 @@ def rollout(captured: Mapping[str, Tensor], *, names: Sequence[str] | None = Non
     ``causal=True`` is the decoder form: each layer's map is made lower-triangular
     (a position draws only on itself and earlier ones) before it is renormalized,
     so the product stays causal.
+
+    The layers must be one stack's self-attention (same name up to the layer index, same
+    positions): a capture of an encoder-decoder is refused with the stacks it holds, never
+    multiplied across them; pass ``names=`` one stack's layers.
     """
     names = list(captured) if names is None else list(names)
     if not names:
         raise ValueError("rollout needs at least one layer's weights.")
     if not 0.0 <= residual <= 1.0:
         raise ValueError(f"residual must be in [0, 1]; got {residual}.")
+    missing = [n for n in names if n not in captured]
+    if missing:
+        raise ValueError(f"rollout: {missing} are not in the capture; it holds {list(captured)}.")
+    cross = [n for n in names if any(c in n.lower() for c in _CROSS)]
+    if cross:
+        raise ValueError(f"rollout multiplies self-attention maps of one stack; {cross} are cross-attention. Pass "
+                         "names= the self-attention layers of one stack (the encoder's, or the decoder's).")
+    stacks = stacks_of({n: captured[n] for n in names})
+    if len(stacks) > 1 and any(p.isdigit() for n in names for p in n.split(".")):
+        first = next(iter(stacks.values()))
+        raise ValueError(f"rollout multiplies the layers of one stack; the capture holds {len(stacks)}: "
+                         f"{', '.join(sorted(stacks))}. Pass names= one of them, e.g. names={first}.")
+    sizes = {tuple(captured[n].shape[-2:]) for n in names}
+    if len(sizes) > 1:
+        raise ValueError(f"rollout needs every layer on the same positions; the weights have (Lq, Lk) {sorted(sizes)}.")
     out = None
     for n in names:
         w = captured[n]
