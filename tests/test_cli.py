@@ -67,3 +67,31 @@ def test_format_weights_grid():
     s = format_weights(torch.tensor([[0.25, 0.75], [1.0, 0.0]]))
     assert s.splitlines()[1].split() == ["q0", "0.25", "0.75"]
     assert s.splitlines()[0].split() == ["k0", "k1"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["prune", "--model", "toy", "--fraction", "1.5"], "--fraction: must be in (0, 1)"),
+    (["prune", "--model", "toy", "--fraction", "-0.2"], "--fraction: must be in (0, 1)"),
+    (["prune", "--model", "toy", "--fraction", "nan"], "--fraction: must be in (0, 1)"),
+    (["prune", "--model", "toy", "--step", "0"], "--step: must be in (0, 1)"),
+    (["prune", "--model", "toy", "--fraction", "0.2", "--step", "0.3"], "must not exceed --fraction"),
+    (["prune", "--hf", "x", "--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt does not exist"),
+    (["prune", "--model", "toy", "--recover", "-1"], "--recover: must be >= 0"),
+    (["viz", "--model", "vit", "--index", "-1"], "--index: must be >= 0"),
+    (["viz", "--model", "vit", "--index", "99999"], "--index must be in [0, "),
+    (["viz", "--model", "toy", "--index", "3"], "--index picks a test image of --model vit"),
+    (["viz", "--hf", "/nonexistent"], "config.json does not exist"),
+    (["bench", "--workloads", "W9"], "unknown workload W9; valid: W1, W2, W3, W4, W5, W6"),
+    (["bench", "--reps", "0"], "--reps: must be > 0"),
+    (["check", "x.py:M", "--timeout", "0"], "--timeout: must be > 0"),
+])
+def test_every_bad_value_is_one_line_and_exit_2_before_any_work(argv, says, tmp_path, capsys):
+    argv = argv + (["--out", str(tmp_path / "o")] if argv[0] in ("prune", "viz") else [])
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusal: usage line + one error line, exit 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in err and "Traceback" not in err, err
+    assert not (tmp_path / "o" / "checkpoints").exists()  # nothing trained

@@ -402,9 +402,17 @@ def pruning_curve(
     steps' speeds fairly, keep the models with ``on_step(row, model)`` and time them
     together afterwards, as ``multihead prune`` does). Importance is re-estimated after
     every step when ``reestimate``. Returns one dict per step (fraction 0 first), as a
-    :class:`Curve` (a list that a notebook shows as a table)."""
-    import copy
+    :class:`Curve` (a list that a notebook shows as a table).
 
+    Raises ValueError before any work unless 0 < step <= max_fraction <= 1."""
+    import copy
+    import math
+
+    for name, val in (("step", step), ("max_fraction", max_fraction)):
+        if not isinstance(val, int | float) or isinstance(val, bool) or math.isnan(val) or not 0 < val <= 1:
+            raise ValueError(f"{name} must be a share of the heads in (0, 1]; got {val!r}.")
+    if step > max_fraction:
+        raise ValueError(f"step ({step}) must not exceed max_fraction ({max_fraction}): no step would be taken.")
     work = copy.deepcopy(model).eval()
     total = sum(_num_heads(m) for m in attention_modules(work).values())
     # original head ids per module, to report which heads are gone

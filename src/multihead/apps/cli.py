@@ -9,6 +9,45 @@ from pathlib import Path
 from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
 
 
+#: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel)
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+
+
+def _in_open_unit(text: str) -> float:
+    """An argparse type: a number in (0, 1)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1); got {text!r}") from None
+    if not 0.0 < x < 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1) (a share of the heads); got {text}")
+    return x
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}; got {text!r}") from None
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+        return x
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
+    return x
+
+
 def _demo(args) -> int:
     from multihead.apps import demo
 
@@ -33,10 +72,19 @@ def _viz(args) -> int:
     elif args.model is None:
         print("multihead viz: give --model {toy,vit,minilm} or --hf DIR", file=sys.stderr)
         return 2
+    elif args.index is not None and args.model != "vit":
+        print(f"multihead viz: --index picks a test image of --model vit; --model {args.model} draws --text",
+              file=sys.stderr)
+        return 2
     elif args.model == "toy":
         paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), args.text or "31415926", out)
     elif args.model == "vit":
-        paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index, out)
+        n_test = len(demo.digits()[2])
+        if (args.index or 0) >= n_test:  # checked before any training
+            print(f"multihead viz: --index must be in [0, {n_test - 1}] (the digits test images); got {args.index}",
+                  file=sys.stderr)
+            return 2
+        paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index or 0, out)
     else:
         try:
             paths = demo.draw_minilm(args.text or "Multi-head attention lets the model look in several places.", out)
@@ -55,6 +103,12 @@ def _prune(args) -> int:
     from multihead.apps import pruning
 
     out = Path(args.out)
+    if args.step > args.fraction:
+        print(f"multihead prune: --step ({args.step}) must not exceed --fraction ({args.fraction})", file=sys.stderr)
+        return 2
+    if args.corpus and not Path(args.corpus).is_file():
+        print(f"multihead prune: --corpus {args.corpus} does not exist", file=sys.stderr)
+        return 2
     if args.hf:
         from multihead.apps import hf_models
 
@@ -137,8 +191,17 @@ def _bench(args) -> int:
     from multihead.apps import bench
 
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        print(f"multihead bench: unknown workload {', '.join(bad) or '(none given)'}; valid: {', '.join(WORKLOADS)}",
+              file=sys.stderr)
+        return 2
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
-    lengths = tuple(int(x) for x in args.lengths.split(","))
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        print(f"multihead bench: --lengths takes comma-separated integers; got {args.lengths!r}", file=sys.stderr)
+        return 2
     if args.memory_only:
         bench.remeasure_memory(Path(args.out), peers)
         return 0
@@ -172,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", default=None, metavar="DIR", help="a local transformers checkpoint directory (its tokenizer "
                                                             "reads --text)")
     p.add_argument("--text", default=None)
-    p.add_argument("--index", type=int, default=0, help="which test image, for --model vit")
+    p.add_argument("--index", type=_non_negative_int, default=None, help="which test image, for --model vit "
+                                                                       "(default 0)")
     p.add_argument("--explain", action="store_true", help="with --hf: per attention module, its heads, head layout "
                                                           "(or why none) and the arguments multihead computes")
     p.add_argument("--out", default="out/viz")
@@ -186,17 +250,19 @@ def main(argv: list[str] | None = None) -> int:
                         "causal LMs: KL of next-token distributions)")
     p.add_argument("--corpus", default=None, metavar="FILE", help="--hf: sentences, one per line (default: Python's "
                                                                   "own docs)")
-    p.add_argument("--recover", type=int, default=0, metavar="STEPS",
+    p.add_argument("--recover", type=_non_negative_int, default=0, metavar="STEPS",
                    help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
-    p.add_argument("--recover-sentences", type=int, default=None, metavar="N",
+    p.add_argument("--recover-sentences", type=_positive(int), default=None, metavar="N",
                    help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
-    p.add_argument("--fraction", type=float, default=0.4, help="share of all heads to prune")
-    p.add_argument("--step", type=float, default=0.1, help="share of heads pruned per step of the curve")
+    p.add_argument("--fraction", type=_in_open_unit, default=0.4, help="share of all heads to prune, in (0, 1) "
+                                                                       "(default 0.4)")
+    p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
+                                                                   "(0, 1) (default 0.1)")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")
     p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory")
-    p.add_argument("--sentences", type=int, nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
+    p.add_argument("--sentences", type=_positive(int), nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
                    help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
-    p.add_argument("--max-seconds", type=float, default=60.0,
+    p.add_argument("--max-seconds", type=_positive(float), default=60.0,
                    help="time allowed per batch size for the interleaved speed table")
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func=_prune)
@@ -211,16 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mask", choices=["none", "keep", "block", "additive", "valid_lens"], default="none",
                    help="the module's mask convention (with --call qkv_mask)")
     p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
-    p.add_argument("--embed-dim", type=int, default=None, help="the input size, when no layer tells it")
+    p.add_argument("--embed-dim", type=_positive(int), default=None, help="the input size, when no layer tells it")
     p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds each submission may take")
-    p.add_argument("--jobs", type=int, default=None, help="submissions graded at once (default: cores, at most 4)")
+    p.add_argument("--timeout", type=_positive(float), default=60.0, help="seconds each submission may take")
+    p.add_argument("--jobs", type=_positive(int), default=None, help="submissions graded at once (default: cores, at most 4)")
     p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
     p.set_defaults(func=_check)
     p = sub.add_parser("bench", help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
     p.add_argument("--workloads", default="W1,W2,W3,W4",
                    help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per peer (median, min, max)")
+    p.add_argument("--reps", type=_positive(int), default=20, help="timed calls per peer (median, min, max)")
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
     p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
@@ -239,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # our own checks on the user's input: one line, no traceback
+        print(f"multihead {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
