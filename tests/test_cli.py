@@ -47,8 +47,12 @@ def test_viz_toy_and_vit(trained, tmp_path, capsys):
     assert main(["viz", "--model", "vit", "--index", "3", "--out", str(tmp_path), "--checkpoints",
                  str(trained["dir"])]) == 0
     assert (tmp_path / "vit_explorer.html").exists()
-    with pytest.raises(ValueError, match="give --text with digits"):
-        main(["viz", "--model", "toy", "--text", "abc", "--out", str(tmp_path), "--checkpoints", str(trained["dir"])])
+    capsys.readouterr()
+    assert main(["viz", "--model", "toy", "--text", "abc", "--out", str(tmp_path), "--checkpoints",
+                 str(trained["dir"])]) == 2
+    err = capsys.readouterr().err
+    assert "multihead viz: the toy model reverses digit strings: give --text with digits" in err
+    assert "Traceback" not in err
 
 
 def test_viz_minilm(tmp_path):

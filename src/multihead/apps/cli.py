@@ -8,7 +8,6 @@ from pathlib import Path
 
 from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
 
-
 #: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel)
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
 
