@@ -263,3 +263,12 @@ def test_grading_a_folder_gives_every_submission_its_line(tmp_path, capsys):
     assert main(["check", str(tmp_path / "nothing-*.py"), "--name", "MHA"]) == 2
     assert main(["check", str(subs / "carol.py:MHA"), "--call", "qkv_mask", "--mask", "block", "--timeout", "3"]) == 2
     assert "no answer within 3 s" in capsys.readouterr().err
+
+
+def test_a_call_that_does_not_fit_the_forward_suggests_the_one_that_does(capsys):
+    from multihead.apps.cli import main
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "vit_notebook_attention.py"
+    assert main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8"]) == 2
+    err = capsys.readouterr().err
+    assert "the call raised: m(q, k, v)" in err and "(its forward(x) fits call='x')" in err

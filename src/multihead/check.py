@@ -154,6 +154,22 @@ def _caller(call, mask):
     return lambda m, q, k, v, mk: m(q, k, v, mk)
 
 
+def _call_hint(module: nn.Module, call) -> str:
+    """'; its forward(x) takes one input: try call='x'' when the module's forward signature fits
+    another call than ``call``."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return ""
+    required = [p for p in params if p.default is p.empty]
+    fits = [c for c, n in (("x", 1), ("qkv", 3), ("qkv_mask", 4)) if len(required) <= n <= len(params)]
+    if not fits or call in fits:
+        return ""
+    names = ", ".join(p.name for p in params)
+    return f" (its forward({names}) fits call={fits[0]!r}{'' if fits[0] != 'qkv_mask' else ' with a mask='})"
+
+
 def _mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
     """The mask in the module's convention (B, 1, Lq, Lk), or the lengths for valid_lens."""
     if conv is None:
@@ -329,8 +345,9 @@ def _check(module, run, call, mask, E, causal, self_attn, mapping, seed, strict)
             out, weights = call_(q, k, v)
     except Exception as e:  # noqa: BLE001 - the learner's module: report, do not crash
         how = {"x": "m(x)", "qkv": "m(q, k, v)", "qkv_mask": "m(q, k, v, mask)"}.get(call, "call(module, q, k, v, mask)")
+        hint = _call_hint(module, call) if isinstance(e, TypeError) else ""
         rep.checks.append(Check("runs on probe inputs", False, "", f"{how} with q {tuple(q.shape)}, k "
-                                f"{tuple(k.shape)}: {type(e).__name__}: {e}"))
+                                f"{tuple(k.shape)}: {type(e).__name__}: {e}{hint}"))
         return rep
     finally:
         for s in spies:
