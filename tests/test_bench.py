@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from multihead.apps.cli import main
 
 
@@ -56,3 +58,23 @@ def test_bench_w5_writes_a_report_that_loads_back(tmp_path):
     assert data["steps"] == 6 and data["batches"]["2"]["same_tokens"] is True
     md = (tmp_path / "decode.md").read_text()
     assert f"{data['batches']['2']['speedup_vs_recompute']:.1f}x faster" in md
+
+
+def test_a_peer_that_fails_is_a_row_of_the_table_and_multihead_failing_fails_the_run(tmp_path, monkeypatch):
+    from multihead.apps import bench
+
+    def broken(w, base):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setitem(bench.PEERS, "broken peer", broken)
+    data = bench.run(["W1"], reps=2, out=tmp_path, memory=False, peers=["torch.nn.MHA", "broken peer"],
+                     log=lambda *a: None)
+    bad = bench.failures(data)
+    assert {(r["peer"], r["mode"]) for r in bad} == {("broken peer", "fwd"), ("broken peer", "fwd+bwd")}
+    md = (tmp_path / "bench.md").read_text()
+    assert "| W1 | fwd | broken peer | — | — | — | | FAILED: could not be built: RuntimeError: no such kernel here |" in md
+    assert "FAILED" in (tmp_path / "summary.md").read_text()
+    monkeypatch.setitem(bench.PEERS, "multihead", broken)
+    with pytest.raises(RuntimeError, match="multihead itself failed in the benchmark"):
+        bench.run(["W1"], reps=2, out=tmp_path, memory=False, peers=["torch.nn.MHA", "multihead"],
+                  log=lambda *a: None)

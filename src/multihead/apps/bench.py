@@ -309,8 +309,9 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
                 continue  # no CPU backward
             try:
                 p = PEERS[name](w, base)
-            except Exception as e:  # a peer that cannot be built is reported, not fatal
+            except Exception as e:  # a peer that cannot be built is reported (a row of the table), not fatal
                 log(f"  {w.name} {mode}: {name} unavailable: {type(e).__name__}: {e}")
+                results.append(_failed(w, name, mode, f"could not be built: {type(e).__name__}: {str(e)[:160]}"))
                 continue
             if p is None:
                 continue
@@ -334,6 +335,7 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
                     _step(call, x, y, backward)
             except Exception as e:
                 log(f"  {w.name} {mode}: {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                results.append(_failed(w, name, mode, f"failed: {type(e).__name__}: {str(e)[:160]}"))
                 del built[name], times[name]
         for _ in range(reps):  # interleaved rounds
             for name, (call, _) in built.items():
@@ -346,6 +348,17 @@ def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log
             results.append(Result(w.name, name, mode, med, min(ts), max(ts), built[name][1], med / ref))
             log(f"  {w.name:8} {mode:8} {name:20} {med:9.2f} ms  ({med / ref:5.2f}x)  {built[name][1]}")
     return results
+
+
+def _failed(w: Workload, peer: str, mode: str, why: str) -> Result:
+    """A peer that could not be built or run: a row of the table saying why (no timing)."""
+    nan = float("nan")
+    return Result(w.name, peer, mode, nan, nan, nan, f"FAILED: {why}", nan, None, {"failed": True})
+
+
+def failures(data: dict) -> list[dict]:
+    """The rows of peers that could not be built or run, and the peak-memory runs that failed."""
+    return [r for r in data["results"] if r.get("extra", {}).get("failed")] + data.get("memory_failures", [])
 
 
 def peak_rss_mib() -> float:
@@ -371,8 +384,12 @@ def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "KERAS_BACKEND": "torch"})
-    if r.returncode != 0:
+    if r.returncode == 3:  # the peer does not run this workload
         return None
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise RuntimeError(f"peak-memory run of {peer} ({'fwd+bwd' if backward else 'fwd'}) ended with code "
+                           f"{r.returncode}: {tail}")
     return float(r.stdout.strip().splitlines()[-1])
 
 
@@ -421,6 +438,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
         if not names:
             return {"machine": info, "decode": d}
     results: list[Result] = []
+    mem_failed: list[dict] = []
     for w in workloads(names, lengths):
         log(f"{w.name}: B={w.B} Lq={w.Lq} Lk={w.Lk} E={w.E} H={w.H} ({w.note})")
         results += time_workload(w, peers, reps, log=log, compile=compile and not w.name.startswith("W4"),
@@ -430,14 +448,24 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
                 for backward in (False, True):
                     if backward and peer == "FlexAttention":
                         continue
-                    mib = peak_memory(w, peer, backward)
                     mode = "fwd+bwd" if backward else "fwd"
+                    try:
+                        mib = peak_memory(w, peer, backward)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        log(f"  {w.name} {mode:8} {peer:20} peak RSS not measured: {e}")
+                        mem_failed.append({"workload": w.name, "peer": peer, "mode": mode, "why": str(e)})
+                        mib = None
                     for r in results:
                         if r.workload == w.name and r.peer == peer and r.mode == mode:
                             r.peak_mib = mib
                     log(f"  {w.name} {mode:8} {peer:20} peak RSS {mib} MiB")
-    data = {"machine": info, "results": [r.__dict__ for r in results]}
+    data = {"machine": info, "results": [r.__dict__ for r in results], "memory_failures": mem_failed}
     _write(data, out, log)
+    bad = failures(data)
+    if bad:
+        log(f"{len(bad)} peer runs failed (rows marked FAILED in {out / 'bench.md'})")
+    if any(r["peer"].startswith("multihead") for r in bad if "peer" in r):
+        raise RuntimeError(f"multihead itself failed in the benchmark: {[r.get('ran', r.get('why')) for r in bad]}")
     return data
 
 
@@ -451,9 +479,14 @@ def markdown(data: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in data["results"]:
+        if r.get("extra", {}).get("failed"):
+            lines.append(f"| {r['workload']} | {r['mode']} | {r['peer']} | — | — | — | | {r['ran']} |")
+            continue
         mem = "" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         lines.append(f"| {r['workload']} | {r['mode']} | {r['peer']} | {r['median_ms']:.2f} | "
                      f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {r['ratio']:.2f}x | {mem} | {r['ran']} |")
+    for f in data.get("memory_failures", []):
+        lines.append(f"\npeak memory not measured for {f['peer']} {f['mode']} on {f['workload']}: {f['why']}")
     return "\n".join(lines) + "\n"
 
 
@@ -469,6 +502,8 @@ def summary(data: dict) -> str:
             r = next((r for r in rows if (r["workload"], r["mode"], r["peer"]) == (w, mode, p)), None)
             if r is None:
                 cells.append("—")
+            elif r.get("extra", {}).get("failed"):
+                cells.append("FAILED")
             else:
                 mem = "" if r["peak_mib"] is None else f"<br>{r['peak_mib']:.0f} MiB"
                 cells.append(f"{r['median_ms']:.1f} ms ({r['ratio']:.2f}x){mem}")
@@ -482,7 +517,7 @@ def chart(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in data["results"]]
+    rows = [r for r in data["results"] if not r.get("extra", {}).get("failed")]
     groups = sorted({(r["workload"], r["mode"]) for r in rows}, key=lambda k: (k[0], k[1] != "fwd"))
     peers = list(dict.fromkeys(r["peer"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
