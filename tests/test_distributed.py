@@ -179,6 +179,9 @@ def _bad_inputs(rank: int, N: int, store: str) -> None:
     got = cp.ring_attention(q, q, q, masks.Causal(), group=solo)
     assert torch.allclose(got, reference_attention(q, q, q, masks.Causal()), atol=1e-6)
     assert "group of size 1" in cp.explain(q, q, q, group=solo)
+    dense = masks.Dense(torch.rand(8, 8) > 0.3)  # a mask of pairs: refused by the ring, fine on one rank
+    got = cp.ring_attention(q, q, q, dense, group=solo)
+    assert torch.allclose(got, reference_attention(q, q, q, dense), atol=1e-6)
 
     # the group still works, and the padding recipe of the length error holds: L=7 padded to 8
     g = torch.Generator().manual_seed(0)
