@@ -220,7 +220,9 @@ def _module(rank: int, N: int, store: str) -> None:
                 out = mha(xs, **kw)
                 out.square().sum().backward()
                 if "mask" in kw and isinstance(kw["mask"], masks.Causal):
-                    assert "context parallel" in mha.explain(xs, **kw)
+                    text = mha.explain(xs, **kw)
+                    assert "context parallel" in text
+                    assert text._repr_markdown_() == "```\n" + str(text) + "\n```"  # shown as written
             what = f"{layout} {kw}"
             assert (cp.gather(out.detach(), layout=layout) - want).abs().max() < 1e-5, what
             for n, p in mha.named_parameters():

@@ -193,3 +193,13 @@ def test_backward_hooks_on_the_projections_fire_through_the_module():
     finally:
         g.remove()
     assert seen.count("Linear") == 4 and "MultiHeadAttention" in seen
+
+
+def test_the_path_explanation_renders_its_table_and_pickles():
+    m = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    text = m.explain(x, valid_lens=torch.tensor([5, 3]))
+    md = text._repr_markdown_()
+    assert md.startswith("**path:") and "| backend | decision |" in md and "→" in md
+    back = pickle.loads(pickle.dumps(text))
+    assert back == text and back._repr_markdown_() == md

@@ -72,9 +72,20 @@ def _in_features(lin: nn.Module) -> int | None:
 
 
 class PathExplanation(str):
-    """:meth:`MultiHeadAttention.explain`'s text (a str), shown as a table in a notebook."""
+    """:meth:`MultiHeadAttention.explain`'s text (a str), shown as a table in a notebook when it
+    is the registry's decision table (``table=True``), else as the text itself."""
+
+    def __new__(cls, text: str, *, table: bool = False):
+        obj = super().__new__(cls, text)
+        obj.table = table
+        return obj
+
+    def __reduce__(self):
+        return (_path_explanation, (str(self), self.table))
 
     def _repr_markdown_(self) -> str:
+        if not self.table:  # context parallel and other prose: shown as written, never re-parsed
+            return "```\n" + str(self) + "\n```"
         lines = self.splitlines()
         rows = [ln.strip() for ln in lines[2:]]
         body = ["| | backend | decision |", "|---|---|---|"]
@@ -83,6 +94,10 @@ class PathExplanation(str):
             name, _, why = r.removeprefix("->").strip().partition(" ")
             body.append(f"| {'→' if chosen else ''} | {name} | {why.strip()} |")
         return "\n".join([f"**{lines[0]}**", "", f"`{lines[1] if len(lines) > 1 else ''}`", "", *body])
+
+
+def _path_explanation(text: str, table: bool) -> PathExplanation:
+    return PathExplanation(text, table=table)
 
 
 class AttentionCore:
@@ -423,4 +438,4 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         v = queries.new_empty(shape[0], Hkv, shape[2], Dv)
         req = _explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
                        training=self.training, backend=self.backend)
-        return PathExplanation(head + "\n" + str(req))
+        return PathExplanation(head + "\n" + str(req), table=True)
