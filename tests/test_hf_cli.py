@@ -99,6 +99,7 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     assert (tmp_path / "v" / "ckpt_heads.png").stat().st_size > 1000
 
 
-def test_hf_bad_directories(tmp_path):
-    with pytest.raises(ValueError, match="config.json does not exist: --hf takes a local transformers checkpoint"):
-        main(["viz", "--hf", str(tmp_path), "--out", str(tmp_path / "v")])
+def test_hf_bad_directories(tmp_path, capsys):
+    assert main(["viz", "--hf", str(tmp_path), "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert "config.json does not exist: --hf takes a local transformers checkpoint" in err and "Traceback" not in err

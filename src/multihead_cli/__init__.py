@@ -1,0 +1,190 @@
+"""The ``multihead`` command's arguments, parsed without importing torch (``multihead --help``
+answers at once); the work is done by :mod:`multihead.apps.cli`, imported after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+#: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel)
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+
+
+def _in_open_unit(text: str) -> float:
+    """An argparse type: a number in (0, 1)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1); got {text!r}") from None
+    if not 0.0 < x < 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1) (a share of the heads); got {text}")
+    return x
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}; got {text!r}") from None
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+        return x
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
+    return x
+
+
+#: one or two examples per subcommand, and where its output goes (shown by --help)
+EXAMPLES = {
+    "demo": (
+        'examples:\n'
+        "  multihead demo                      # out/: the course's example, two trained models, every head drawn"
+    ),
+    "viz": (
+        'examples:\n'
+        '  multihead viz --model toy --text 31415       # reuses out/checkpoints from make demo\n'
+        '  multihead viz --hf DIR --explain             # a local transformers checkpoint\n'
+        'pictures and explorers go to --out (default out/viz)'
+    ),
+    "prune": (
+        'examples:\n'
+        '  multihead prune --model toy --fraction 0.4\n'
+        '  multihead prune --hf DIR --fraction 0.5 --recover 400\n'
+        'report.md, report.json, curve.png and the pruned model go to --out (default out/prune)'
+    ),
+    "check": (
+        'examples:\n'
+        "  multihead check my_attention.py:MultiHeadAttention --init 'd_model=32, num_heads=4' --call qkv_mask --mask block\n"
+        '  multihead check submissions/ --name MultiHeadAttention --call x --report grades.csv\n'
+        'exit 0 OK, 1 not OK, 2 cannot be graded'
+    ),
+    "bench": (
+        'examples:\n'
+        '  multihead bench --workloads W1 --reps 5\n'
+        '  multihead bench --workloads W1,W2,W3 --compile\n'
+        'bench.md, summary.md, bench.json and bench.png go to --out (default bench/results)'
+    ),
+}
+
+
+class _Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Examples kept as written, defaults shown."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; each subcommand's ``func`` names its handler in multihead.apps.cli."""
+    parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see and cut the heads.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", epilog=EXAMPLES["demo"], formatter_class=_Fmt,
+                       help="the course's example, two small models trained here, every head drawn")
+    p.add_argument("--out", default="out", help="output folder (checkpoints are kept in OUT/checkpoints)")
+    p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func="demo")
+    p = sub.add_parser("viz", epilog=EXAMPLES["viz"], formatter_class=_Fmt,
+                       help="draw every head of a model on an input")
+    p.add_argument("--model", choices=["toy", "vit", "minilm"], default=None,
+                   help="toy: the digit-reversing Transformer (text = digits); vit: the digits ViT (--index); "
+                        "minilm: the pretrained all-MiniLM-L6-v2")
+    p.add_argument("--hf", default=None, metavar="DIR", help="a local transformers checkpoint directory (its tokenizer "
+                                                            "reads --text)")
+    p.add_argument("--text", default=None)
+    p.add_argument("--index", type=_non_negative_int, default=None, help="which test image, for --model vit "
+                                                                       "(default 0)")
+    p.add_argument("--explain", action="store_true", help="with --hf: per attention module, its heads, head layout "
+                                                          "(or why none) and the arguments multihead computes")
+    p.add_argument("--out", default="out/viz")
+    p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
+    p.add_argument("--retrain", action="store_true")
+    p.set_defaults(func="viz")
+    p = sub.add_parser("prune", epilog=EXAMPLES["prune"], formatter_class=_Fmt,
+                       help="head importance, the pruning curve with measured speed, the pruned model")
+    p.add_argument("--model", choices=["toy", "minilm"], default=None)
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="a local transformers checkpoint directory (encoders: cosine of mean-pooled hidden states; "
+                        "causal LMs: KL of next-token distributions)")
+    p.add_argument("--corpus", default=None, metavar="FILE", help="--hf: sentences, one per line (default: Python's "
+                                                                  "own docs)")
+    p.add_argument("--recover", type=_non_negative_int, default=0, metavar="STEPS",
+                   help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
+    p.add_argument("--recover-sentences", type=_positive(int), default=None, metavar="N",
+                   help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
+    p.add_argument("--fraction", type=_in_open_unit, default=0.4, help="share of all heads to prune, in (0, 1) "
+                                                                       "(default 0.4)")
+    p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
+                                                                   "(0, 1) (default 0.1)")
+    p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")
+    p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory")
+    p.add_argument("--sentences", type=_positive(int), nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
+                   help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
+    p.add_argument("--max-seconds", type=_positive(float), default=60.0,
+                   help="time allowed per batch size for the interleaved speed table")
+    p.add_argument("--out", default="out/prune")
+    p.set_defaults(func="prune")
+    p = sub.add_parser("check", epilog=EXAMPLES["check"], formatter_class=_Fmt,
+                       help="grade your own multi-head attention module, or a class's submissions, and "
+                                     "locate each bug (exit 0 OK, 1 not OK, 2 cannot be graded)")
+    p.add_argument("target", nargs="+", help="FILE.py:NAME (one module, whole report), or folders / globs / files "
+                                             "with --name (each in its own process, a table)")
+    p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
+    p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
+    p.add_argument("--call", choices=["x", "qkv", "qkv_mask"], default="qkv",
+                   help="how the module is called: m(x), m(q, k, v) or m(q, k, v, mask)")
+    p.add_argument("--mask", choices=["none", "keep", "block", "additive", "valid_lens"], default="none",
+                   help="the module's mask convention (with --call qkv_mask)")
+    p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
+    p.add_argument("--embed-dim", type=_positive(int), default=None, help="the input size, when no layer tells it")
+    p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
+    p.add_argument("--timeout", type=_positive(float), default=60.0, help="seconds each submission may take")
+    p.add_argument("--jobs", type=_positive(int), default=None, help="submissions graded at once (default: cores, at most 4)")
+    p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
+    p.set_defaults(func="check")
+    p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
+                       help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
+    p.add_argument("--workloads", default="W1,W2,W3,W4",
+                   help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes)")
+    p.add_argument("--reps", type=_positive(int), default=20, help="timed calls per peer (median, min, max)")
+    p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
+    p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
+    p.add_argument("--no-memory", action="store_true", help="skip W4's peak-memory subprocesses")
+    p.add_argument("--decode-steps", type=int, default=256, help="W5: tokens decoded")
+    p.add_argument("--decode-batches", default="1,16", help="W5: batch sizes, comma-separated")
+    p.add_argument("--compile", action="store_true",
+                   help="W1-W3: also time torch.nn, SDPA + 4 Linear and multihead under torch.compile, "
+                        "and torch.compile's per-call floor (a compiled x[0, 0] + 1)")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="with --compile: also compile with inductor's C++ wrapper (options={'cpp_wrapper': True})")
+    p.add_argument("--decode-rounds", type=int, default=3, help="W5: interleaved rounds (median, min-max)")
+    p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
+    p.add_argument("--ranks", type=int, default=4, help="W6: processes the sequence is sharded over")
+    p.add_argument("--cp-length", type=int, default=16384, help="W6: the whole sequence's length")
+    p.add_argument("--cp-reps", type=int, default=3, help="W6: timed calls per case")
+    p.add_argument("--out", default="bench/results")
+    p.set_defaults(func="bench")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from multihead.apps import cli
+
+    try:
+        return getattr(cli, f"_{args.func}")(args)
+    except (ValueError, FileNotFoundError) as e:  # our own checks on the user's input: one line, no traceback
+        print(f"multihead {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
