@@ -117,3 +117,16 @@ def test_help_answers_without_importing_torch_and_shows_examples():
     assert "TORCH False" in r.stdout
     assert "multihead prune --model toy --fraction 0.4" in r.stdout and "(default: 0.4)" in r.stdout
     assert "exit 0 OK, 1 not OK, 2 cannot be graded" in r.stdout
+
+
+def test_viz_and_prune_find_the_demos_checkpoints(trained, tmp_path, monkeypatch, capsys):
+    from multihead.apps import cli
+
+    demo_ckpts = tmp_path / "demo_out" / "checkpoints"
+    shutil.copytree(trained["dir"], demo_ckpts)
+    monkeypatch.setattr(cli, "DEMO_CHECKPOINTS", demo_ckpts)
+    assert cli._checkpoints(None, tmp_path / "elsewhere") == demo_ckpts  # found, not retrained
+    assert cli._checkpoints(str(tmp_path / "mine"), tmp_path / "elsewhere") == tmp_path / "mine"
+    assert main(["viz", "--model", "toy", "--text", "123", "--out", str(tmp_path / "v")]) == 0
+    assert f"transformer: loaded {demo_ckpts / 'transformer'}" in capsys.readouterr().out
+    assert not (tmp_path / "v" / "checkpoints").exists()

@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true", help="with --hf: per attention module, its heads, head layout "
                                                           "(or why none) and the arguments multihead computes")
     p.add_argument("--out", default="out/viz")
-    p.add_argument("--checkpoints", default=None, help="where trained checkpoints live (default OUT/checkpoints)")
+    p.add_argument("--checkpoints", default=None,
+                   help="where trained checkpoints live (default: OUT/checkpoints or the demo's out/checkpoints, "
+                        "whichever holds them; trained into out/checkpoints when neither does)")
     p.add_argument("--retrain", action="store_true")
     p.set_defaults(func="viz")
     p = sub.add_parser("prune", epilog=EXAMPLES["prune"], formatter_class=_Fmt,
@@ -125,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
                                                                    "(0, 1) (default 0.1)")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")
-    p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory")
+    p.add_argument("--checkpoints", default=None, help="the toy model's checkpoint directory (default: OUT/checkpoints "
+                                                       "or the demo's out/checkpoints, whichever holds it)")
     p.add_argument("--sentences", type=_positive(int), nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
                    help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
     p.add_argument("--max-seconds", type=_positive(float), default=60.0,

@@ -7,6 +7,19 @@ from pathlib import Path
 
 from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
 
+DEMO_CHECKPOINTS = Path("out") / "checkpoints"  # where `make demo` (multihead demo --out out) keeps them
+
+
+def _checkpoints(given: str | None, out: Path) -> Path:
+    """The checkpoint folder: --checkpoints, else OUT/checkpoints or the demo's out/checkpoints,
+    whichever holds a trained model; else the demo's (trained there, found by the next command)."""
+    if given:
+        return Path(given)
+    for c in (out / "checkpoints", DEMO_CHECKPOINTS):
+        if any((c / m / "model.safetensors").exists() for m in ("transformer", "vit")):
+            return c
+    return DEMO_CHECKPOINTS
+
 
 def _demo(args) -> int:
     from multihead.apps import demo
@@ -23,7 +36,7 @@ def _viz(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpts = Path(args.checkpoints) if args.checkpoints else out / "checkpoints"
+    ckpts = _checkpoints(args.checkpoints, out)
     if args.hf:
         from multihead.apps import hf_models
 
@@ -81,7 +94,7 @@ def _prune(args) -> int:
         print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
         return 2
     elif args.model == "toy":
-        setup = pruning.toy_setup(Path(args.checkpoints) if args.checkpoints else out / "checkpoints" / "transformer")
+        setup = pruning.toy_setup(_checkpoints(args.checkpoints, out) / "transformer")
     else:
         try:
             setup = pruning.minilm_setup(*(args.sentences if args.sentences else ()))

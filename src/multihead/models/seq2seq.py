@@ -159,6 +159,12 @@ def load_or_train(ckpt: Path, retrain: bool = False) -> Seq2SeqTransformer:
     if (ckpt / "model.safetensors").exists() and not retrain:
         print(f"transformer: loaded {ckpt}")
         return checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, ckpt)
+    import time
+
+    print(f"transformer: no checkpoint in {ckpt}; training it first (about a minute on 2 cores), then saving it "
+          "there for the next command", flush=True)
+    t0 = time.perf_counter()
     model = train_reverser()
     checkpoint.save(model, ckpt)
+    print(f"transformer: trained in {time.perf_counter() - t0:.0f} s, saved to {ckpt}")
     return model

@@ -111,6 +111,12 @@ def load_or_train(ckpt: Path, retrain: bool = False) -> ViT:
     if (ckpt / "model.safetensors").exists() and not retrain:
         print(f"ViT: loaded {ckpt}")
         return checkpoint.load(ViT, ViTConfig, ckpt)
+    import time
+
+    print(f"ViT: no checkpoint in {ckpt}; training it first (about 20 s on 2 cores), then saving it there for the "
+          "next command", flush=True)
+    t0 = time.perf_counter()
     model, _ = train_vit()
     checkpoint.save(model, ckpt)
+    print(f"ViT: trained in {time.perf_counter() - t0:.0f} s, saved to {ckpt}")
     return model
