@@ -39,7 +39,7 @@ def weigh(Q, K, V, blocked, bugs, fill=float("-inf")):
         if "raw" in bugs:
             return s.masked_fill(blocked, 0.0) @ V
         if "ignore mask" not in bugs:
-            s = s.masked_fill(blocked, 0.0 if "fill 0" in bugs else fill)
+            s = s.masked_fill(blocked, 0.0 if "fill 0" in bugs else 1e9 if "fill +1e9" in bugs else fill)
     if "raw" in bugs:
         return s @ V
     if "sigmoid" in bugs:
@@ -271,6 +271,7 @@ BUGGY = [
     ("four Linear", {"v as k"}, ["values used as keys"]),
     ("per-head lists", {"scale d_k"}, ["scores divided by d_k"]),
     ("per-head lists", {"fill 0"}, ["blocked scores filled with 0 instead of -inf"]),
+    ("einsum Parameters", {"fill +1e9"}, ["blocked scores filled with a large positive value"]),
     ("wrapper, causal", {"causal +1"}, ["causal mask lets each position see the next one"]),
     ("wrapper, causal", {"causal diag", "nan_to_num"}, ["causal mask off by one"]),
     ("additive mask", {"scale twice"}, ["scores divided by d_k"]),

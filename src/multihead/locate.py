@@ -493,6 +493,16 @@ def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, ax: int, causal: b
     for nm, Xp in patterns.items():
         if not torch.equal(Xp, X) and _fits(W, S, c, Xp, ax):
             return [_MASKS[nm]]
+    # a large positive fill (+1e9, or keep and block swapped in masked_fill): the blocked keys share the
+    # weight evenly and the kept ones get none
+    mixed = (~X).any(ax, keepdim=True) & X.any(ax, keepdim=True)
+    nb = X.sum(ax, keepdim=True).clamp_min(1)
+    even = torch.where(X, 1.0 / nb, torch.zeros_like(W))
+    if bool(mixed.any()) and float((W - even).abs().masked_fill(~mixed.expand_as(W), 0).max()) < 1e-3:
+        return [Finding("blocked scores filled with a large positive value", "fill the blocked scores with -inf "
+                        "(or -1e9): a large positive fill gives the blocked keys all the weight, shared evenly.",
+                        "mask", "blocked scores = -inf (zero weight)",
+                        "the blocked keys share all the weight evenly; the kept keys get none")]
     # a finite fill: the blocked entries' logit, relative to a kept entry of the same slice
     Wm, Sm, Xm = W.movedim(ax, -1), S.movedim(ax, -1), X.movedim(ax, -1)
     ref = torch.where(~Xm, Wm, torch.zeros_like(Wm)).argmax(-1, keepdim=True)  # the largest kept entry
