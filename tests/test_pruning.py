@@ -17,6 +17,7 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--checkpoints",
                  str(trained["dir"] / "transformer"), "--out", str(out)]) == 0
     text = capsys.readouterr().out
+    assert f"transformer: loaded {trained['dir'] / 'transformer'}" in text  # the given checkpoint, not retrained
     report = json.loads((out / "report.json").read_text())
     curve = report["curve"]
     assert [r["heads_pruned"] for r in curve] == [0, 3, 6]  # 24 heads, steps of 12.5%

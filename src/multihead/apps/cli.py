@@ -94,7 +94,8 @@ def _prune(args) -> int:
         print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
         return 2
     elif args.model == "toy":
-        setup = pruning.toy_setup(_checkpoints(args.checkpoints, out) / "transformer")
+        setup = pruning.toy_setup(Path(args.checkpoints) if args.checkpoints  # the toy model's own directory
+                                  else _checkpoints(None, out) / "transformer")
     else:
         try:
             setup = pruning.minilm_setup(*(args.sentences if args.sentences else ()))
