@@ -84,7 +84,6 @@ class Parts:
     H: int | None = None
     scale: float | None = None
     layout: str = "blocks"  # fused qkv: "blocks" [Q | K | V] or "heads" [q_h k_h v_h] per head
-    others: list = field(default_factory=list)  # Linear-like layers with no role
 
     def projections(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(Q, K, V) as the spec computes them, float64 (B, L, H*D)."""
@@ -199,7 +198,6 @@ def find_parts(module: nn.Module, mapping: dict | None, E: int, order: list[nn.M
     mapping = dict(mapping or {})
     named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": []}
     lin_of: dict[nn.Module, Proj] = {}
-    others = []
     for name, m in module.named_modules():
         wb = _linear_like(m) if name else None
         if wb is None:
@@ -210,8 +208,6 @@ def find_parts(module: nn.Module, mapping: dict | None, E: int, order: list[nn.M
                               else None)
         if r is not None:
             named[r].append(pr)
-        else:
-            others.append(pr)
     for name, p in module.named_parameters():
         owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
         if _linear_like(owner) is not None or type(owner).__name__ in ("ParameterDict",):
@@ -278,9 +274,6 @@ def find_parts(module: nn.Module, mapping: dict | None, E: int, order: list[nn.M
             n_q = len(named["q"]) if isinstance(named["q"][0], Proj) else 1
             readings.append(Parts(q=one("q"), k=one("k"), v=one("v"), o=one("o"),
                                   H=H if H is not None or n_q < 2 else n_q, scale=scale))
-    used = {id(p) for r in readings for p in (r.q, r.k, r.v, r.o, r.qkv) if p is not None}
-    for r in readings:
-        r.others = [p for p in others if id(p) not in used]
     return readings
 
 
@@ -694,7 +687,7 @@ def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, 
                 qk.append((split_ok, Qa, Ka, Finding(f"{full} projection applied to the {nm} input",
                                                      f"apply W_{role} to the {full} input.", "projections",
                                                      f"W_{role}({full})", f"W_{role}({nm})")))
-        findings += _weights(W, qk, X, H, E, parts, split_ok, causal)
+        findings += _weights(W, qk, X, H, E, parts, causal)
         return findings
     finally:
         for h in handles:
@@ -750,8 +743,7 @@ def _merged(parts: Parts, obs: dict, out: Tensor, q: Tensor, findings: list[Find
     return M, True
 
 
-def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, split_ok: bool,
-             causal: bool) -> list[Finding]:
+def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, causal: bool) -> list[Finding]:
     """What is wrong with the solved weights W (B, H, Lq, Lk) given the scores' candidates."""
     D = qk[0][1].shape[-1] // H
     expected = parts.scale if parts.scale is not None else 1 / math.sqrt(D)
@@ -766,7 +758,7 @@ def _weights(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, split
             return [Finding("log_softmax instead of softmax", "weigh the values with softmax(scores, dim=-1) (the "
                             "probabilities), not log_softmax (their logarithms).", "normalisation",
                             "softmax(scores) @ V", "log_softmax(scores) @ V")] + _weights(
-                                We, qk, X, H, E, parts, split_ok, causal)
+                                We, qk, X, H, E, parts, causal)
     for ok, Q, K, *extra in qk:
         S = split(Q, H, ok) @ split(K, H, ok).transpose(-2, -1)  # (B, H, Lq, Lk), unscaled
         pre = ([] if ok else [split_finding]) + list(extra)
