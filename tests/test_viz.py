@@ -206,3 +206,28 @@ def test_rollout_refuses_to_multiply_across_the_stacks_of_an_encoder_decoder():
     with pytest.raises(ValueError, match=r"rollout multiplies the layers of one stack; the capture holds 2"):
         rollout(cap, names=[n for names in stacks.values() for n in names])
     assert rollout(cap, names=enc).shape == (1, 5, 5)
+
+
+def test_pictures_say_what_their_colours_measure(monkeypatch, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from multihead.heads import plot_curve
+
+    c = captured_stack(L=5)
+    fig = heatmaps(rollout(c)[:, None], value_label="rollout: share of the output drawn from each input")
+    assert fig.axes[-1].get_ylabel() == "rollout: share of the output drawn from each input"  # the colour bar
+    assert heatmaps(c).axes[-1].get_ylabel() == "attention weight"
+    ticks = heatmaps(c).axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)  # positions, not half-steps
+    rows = [{"fraction": 0.0, "metric": 1.0, "speed_ms": {"16": 10.0}},
+            {"fraction": 0.25, "metric": 0.9, "speed_ms": {"16": 8.0}}]
+    from matplotlib.figure import Figure
+
+    seen = {}
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (seen.setdefault("fig", self), save(self, *a, **k)))
+    plot_curve(rows, tmp_path / "curve.png", metric_name="mean cosine")
+    ax = seen["fig"].axes[0]
+    assert "pruning curve" in ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["mean cosine", "speed-up, batch 16"]

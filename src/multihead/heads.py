@@ -460,17 +460,19 @@ def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     fr = [100 * r["fraction"] for r in rows]
-    ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0")
+    lines = ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0", label=metric_name)
     ax.set_xlabel("heads pruned (%)")
     ax.set_ylabel(metric_name, color="C0")
+    ax.set_title(f"pruning curve: {metric_name}" + (" and speed-up" if rows and "speed_ms" in rows[0] else "")
+                 + " against the share of heads pruned", fontsize=9)
     if rows and "speed_ms" in rows[0]:
         ax2 = ax.twinx()
         base = baseline_ms or rows[0]["speed_ms"]
         for i, b in enumerate(sorted(rows[0]["speed_ms"], key=int)):
-            ax2.plot(fr, [base[b] / r["speed_ms"][b] for r in rows], "s--", color=f"C{i + 1}",
-                     label=f"speed-up, batch {b}")
-        ax2.set_ylabel("speed-up")
-        ax2.legend(fontsize=8, loc="lower left")
+            lines += ax2.plot(fr, [base[b] / r["speed_ms"][b] for r in rows], "s--", color=f"C{i + 1}",
+                              label=f"speed-up, batch {b}")
+        ax2.set_ylabel("speed-up (x the unpruned model)")
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="lower left")  # one legend for both axes
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return Path(path)

@@ -16,6 +16,10 @@ from multihead.models import vit as vit_model
 from multihead.models.seq2seq import DIGIT0, Seq2SeqTransformer, alignment
 from multihead.models.vit import ViT, accuracy, digits
 
+#: how a rollout picture is labelled: its values are shares of an output drawn from each input
+ROLLOUT_AXES = dict(value_label="rollout: share of the output drawn from each input", xlabel="input position",
+                    ylabel="output position")
+
 
 def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
     """One head's weights (Lq, Lk) as a text grid: rows are queries, columns keys."""
@@ -87,7 +91,8 @@ def draw_reverser(model: Seq2SeqTransformer, text: str, out: Path) -> list[Path]
     fig.suptitle(f"cross-attention: reversing {''.join(src_tok)}")
     paths.append(out / "transformer_cross_attention.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    fig = heatmaps(rollout(enc)[:, None], queries=src_tok, keys=src_tok, titles=["encoder rollout"])
+    fig = heatmaps(rollout(enc)[:, None], queries=src_tok, keys=src_tok, titles=["encoder rollout"],
+                   **ROLLOUT_AXES)
     paths.append(out / "transformer_encoder_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     dec = {n: w for n, w in cap.items() if n.startswith("decoder")}
@@ -119,11 +124,12 @@ def draw_vit(model: ViT, index: int, out: Path) -> list[Path]:
     axes[0].imshow(img[0, 0], cmap="gray")
     axes[0].set_title(f"digit {label}")
     axes[1].imshow(img[0, 0], cmap="gray")
-    axes[1].imshow(torch.nn.functional.interpolate(r[None, None].float(), size=img.shape[-2:], mode="nearest")[0, 0],
-                   cmap="Reds", alpha=0.6)
+    shown = axes[1].imshow(torch.nn.functional.interpolate(r[None, None].float(), size=img.shape[-2:],
+                                                           mode="nearest")[0, 0], cmap="Reds", alpha=0.6)
     axes[1].set_title("[CLS] rollout over patches")
     for a in axes:
         a.axis("off")
+    fig.colorbar(shown, ax=axes[1], shrink=0.8, label="rollout: share of [CLS] drawn from the patch")
     paths.append(out / "vit_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     plt.close("all")
@@ -145,7 +151,8 @@ def draw_minilm(text: str, out: Path) -> list[Path]:
     fig = heatmaps(cap, queries=tokens, keys=tokens, cell=1.3)
     paths.append(out / "minilm_heads.png")
     fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
-    fig = heatmaps(rollout(cap)[:, None], queries=tokens, keys=tokens, titles=["rollout"], cell=4)
+    fig = heatmaps(rollout(cap)[:, None], queries=tokens, keys=tokens, titles=["rollout"], cell=4,
+                   **ROLLOUT_AXES)
     paths.append(out / "minilm_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     paths.append(explorer(cap, tokens, out / "minilm_explorer.html", title=f"all-MiniLM-L6-v2: {text}"))

@@ -154,6 +154,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     with ``explain``, :func:`multihead.hf.explain` printed first."""
     import multihead
     import multihead.hf as mhf
+    from multihead.apps.demo import ROLLOUT_AXES
     from multihead.viz import explorer, heatmaps, rollout
     from multihead.viz.rollout import stacks_of
 
@@ -172,7 +173,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
     stack = next(iter(stacks_of(cap).values()))  # an encoder-decoder: the encoder's stack (the text's tokens)
     fig = heatmaps(rollout(cap, names=stack, causal=causal)[:, None], queries=tokens, keys=tokens, titles=["rollout"],
-                   cell=4)
+                   cell=4, **ROLLOUT_AXES)
     paths.append(out / f"{name}_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     paths.append(explorer(cap, tokens, out / f"{name}_explorer.html", title=f"{name}: {text}"))

@@ -61,14 +61,18 @@ def heatmaps(
     cmap: str = "Reds",
     cell: float = 2.2,
     max_labels: int = 40,
+    value_label: str = "attention weight",
 ):
     """A matplotlib Figure: one heatmap per (row, head), rows = layers (or what the
     first dim of a 4-D tensor is), one shared colour scale with a colour bar.
 
     ``queries``/``keys``: token labels for the axes (shown when at most
-    ``max_labels``). Save with ``fig.savefig("heads.png")`` (or .svg, .pdf).
+    ``max_labels``; otherwise positions, on integer ticks). ``value_label``: what the colour
+    bar measures (rollout values are not attention weights). Save with
+    ``fig.savefig("heads.png")`` (or .svg, .pdf).
     """
     import matplotlib.pyplot as plt  # the backend is the caller's: inline in a notebook, Agg when headless
+    from matplotlib.ticker import MaxNLocator
 
     grid, row_names = as_grid(weights, batch=batch, num_heads=num_heads)  # (rows, cols, Lq, Lk)
     R, C, Lq, Lk = grid.shape
@@ -96,5 +100,9 @@ def heatmaps(
             if queries is not None and Lq <= max_labels:
                 ax.set_yticks(range(Lq), labels=list(queries), fontsize=6)
             ax.tick_params(length=0, labelsize=6)
-    fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
+            if keys is None or Lk > max_labels:  # positions: whole numbers only
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if queries is None or Lq > max_labels:
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(im, ax=axes, shrink=0.6, label=value_label)
     return fig
