@@ -231,3 +231,17 @@ def test_pictures_say_what_their_colours_measure(monkeypatch, tmp_path):
     ax = seen["fig"].axes[0]
     assert "pruning curve" in ax.get_title()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["mean cosine", "speed-up, batch 16"]
+
+
+def test_a_missing_optional_dependency_names_its_extra(monkeypatch):
+    import sys
+
+    from multihead.heads import plot_curve
+
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # as if matplotlib were not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"heatmaps needs matplotlib, which is not installed: "
+                                          r"pip install 'multihead\[viz\]'"):
+        heatmaps(captured_stack())
+    with pytest.raises(ImportError, match=r"plot_curve needs matplotlib.*multihead\[viz\]"):
+        plot_curve([{"fraction": 0.0, "metric": 1.0}], "unused.png")

@@ -455,7 +455,9 @@ def pruning_curve(
 
 def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric", baseline_ms: dict | None = None):
     """The pruning curve: metric and (when measured) speed-up against the unpruned model."""
-    from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
+    from multihead.extras import require
+
+    Figure = require("matplotlib.figure", "plot_curve").Figure  # no pyplot: the caller's backend is left alone
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()

@@ -46,7 +46,9 @@ KEPT_KEY = "multihead_kept_heads"  # {module: the original indices of its kept h
 
 
 def _check_version():
-    import transformers
+    from multihead.extras import require
+
+    transformers = require("transformers", "multihead.hf")
 
     major = int(transformers.__version__.split(".")[0])
     if not SUPPORTED[0] <= major < SUPPORTED[1]:

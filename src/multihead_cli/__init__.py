@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return getattr(cli, f"_{args.func}")(args)
-    except (ValueError, FileNotFoundError) as e:  # our own checks on the user's input: one line, no traceback
+    except (ValueError, FileNotFoundError, ImportError) as e:  # our own checks, a missing extra: one line
         print(f"multihead {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -62,7 +62,9 @@ class ViT(nn.Module):
 
 def digits(seed: int = 0):
     """scikit-learn's 8x8 digits -> (train_x, train_y, test_x, test_y); x (n, 1, 8, 8) in [0, 1]."""
-    from sklearn.datasets import load_digits
+    from multihead.extras import require
+
+    load_digits = require("sklearn.datasets", "the digits data set").load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0  # (n, 1, 8, 8)

@@ -44,7 +44,9 @@ def _quantize(w: Tensor, max_cells: int) -> tuple[str, float, int, int]:
 
 
 def _image_data_url(image) -> str:
-    import matplotlib.pyplot as plt  # the backend is the caller's: inline in a notebook, Agg when headless
+    from multihead.extras import require
+
+    plt = require("matplotlib.pyplot", "the explorer")  # the backend is the caller's (inline, or Agg headless)
 
     img = image.detach().cpu().numpy() if isinstance(image, Tensor) else np.asarray(image)
     if img.ndim == 3 and img.shape[0] in (1, 3) and img.shape[-1] not in (1, 3):

@@ -71,7 +71,9 @@ def heatmaps(
     bar measures (rollout values are not attention weights). Save with
     ``fig.savefig("heads.png")`` (or .svg, .pdf).
     """
-    import matplotlib.pyplot as plt  # the backend is the caller's: inline in a notebook, Agg when headless
+    from multihead.extras import require
+
+    plt = require("matplotlib.pyplot", "heatmaps")  # the backend is the caller's: inline in a notebook, Agg headless
     from matplotlib.ticker import MaxNLocator
 
     grid, row_names = as_grid(weights, batch=batch, num_heads=num_heads)  # (rows, cols, Lq, Lk)
