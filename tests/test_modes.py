@@ -203,3 +203,33 @@ def test_the_path_explanation_renders_its_table_and_pickles():
     assert md.startswith("**path:") and "| backend | decision |" in md and "→" in md
     back = pickle.loads(pickle.dumps(text))
     assert back == text and back._repr_markdown_() == md
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_explain_reports_the_layout_forward_takes(seed):
+    """The packing decision is made once (MultiHeadAttention._layout): for random calls, the path
+    explain prints is the path forward runs (varlen = the core gets the packed tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    E = [16, 64, 256, 512][seed % 4]
+    m = MultiHeadAttention(E, 4 if E < 512 else 8)
+    B, L = 2 + seed % 2, [7, 40, 100][seed % 3]
+    lens = torch.randint(1, L + 1, (B,), generator=g)
+    lens[0] = L
+    for mask in (masks.Padding(lens), masks.ValidLens(lens), masks.KeyPadding(torch.arange(L) < lens[:, None]),
+                 masks.Causal(), None):
+        x = torch.randn(B, L, E, generator=g)
+        seen = []
+        attend = m._attend
+
+        def spy(q, k, v, mk, packed=None, seen=seen, attend=attend, **kw):
+            seen.append(packed is not None)
+            return attend(q, k, v, mk, packed, **kw)
+
+        m._attend = spy
+        try:
+            with torch.no_grad():
+                m(x, mask=mask)
+        finally:
+            del m._attend
+        text = m.explain(x, mask=mask)
+        assert seen == [text.startswith("path: varlen")], (E, L, lens.tolist(), mask, text.splitlines()[0])

@@ -295,6 +295,19 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                        queries.device)
         return queries, keys, values, m
 
+    def _layout(self, m, queries: Tensor, keys: Tensor, cp) -> varlen.Packed | str:
+        """The one decision forward executes and explain reports: packed (padding not computed)
+        or, with the reason, dense."""
+        if m is None:
+            return "no padding in the mask"
+        if cp is not None:
+            return "sequence-sharded inputs"
+        if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
+            return "under torch.compile (packing needs data-dependent shapes)"
+        if not varlen.could_pay(keys.shape[1], self._flop_per_token()):
+            return f"skipping padding cannot pay for the per-sequence loop at Lk={keys.shape[1]}"
+        return self._packing(m, queries, keys)
+
     def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
         """How the tokens are laid out: packed (padding not computed) or, with the reason, dense."""
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
@@ -343,9 +356,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if cp is not None:
             self._check_sharded()
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=cp is not None)
-        # packing needs data-dependent shapes: under torch.compile the dense path runs (one graph, no break)
-        packed = (self._packing(m, queries, keys) if m is not None and cp is None and not torch.compiler.is_compiling()
-                  and varlen.could_pay(keys.shape[1], self._flop_per_token()) else None)
+        packed = self._layout(m, queries, keys, cp)  # the decision explain reports
         if not isinstance(packed, varlen.Packed):
             packed = None
         else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
@@ -423,7 +434,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                                                          scale=self.scale))
         queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        packed = self._packing(m, queries, keys) if m is not None else "no padding in the mask"
+        packed = self._layout(m, queries, keys, None)  # the decision forward executes
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if isinstance(packed, varlen.Packed):
             n = max(b - a for a, b in zip(packed.cu_k, packed.cu_k[1:]))
