@@ -144,6 +144,10 @@ class Curve(list):
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
 
+    def plot(self, metric_name: str = "metric"):
+        """The curve as a figure (:func:`curve_figure`): the metric and the speed-up against the share pruned."""
+        return curve_figure(self, metric_name=metric_name)
+
 
 def _bar(it, desc: str, progress: bool, total: int | None = None):
     if not progress:
@@ -454,7 +458,14 @@ def pruning_curve(
 
 
 def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric", baseline_ms: dict | None = None):
-    """The pruning curve: metric and (when measured) speed-up against the unpruned model."""
+    """The pruning curve (:func:`curve_figure`) saved to ``path``."""
+    curve_figure(rows, metric_name=metric_name, baseline_ms=baseline_ms).savefig(path, dpi=110)
+    return Path(path)
+
+
+def curve_figure(rows: list[dict], *, metric_name: str = "metric", baseline_ms: dict | None = None):
+    """The pruning curve as a matplotlib Figure: the metric and (when measured) the speed-up against
+    the unpruned model, both against the share of heads pruned (a notebook shows it inline)."""
     from multihead.extras import require
 
     Figure = require("matplotlib.figure", "plot_curve").Figure  # no pyplot: the caller's backend is left alone
@@ -476,8 +487,7 @@ def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric
         ax2.set_ylabel("speed-up (x the unpruned model)")
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="lower left")  # one legend for both axes
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return Path(path)
+    return fig
 
 
 def save_curve(rows: list[dict], path: str | Path) -> Path:
