@@ -100,11 +100,11 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def _open(page_path, exe, sync_api, fn):
+def _open(page_path, exe, sync_api, fn, width=1200):
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, args=ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page = browser.new_page(viewport={"width": width, "height": 900})
             errors = []
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
@@ -245,3 +245,22 @@ def test_a_missing_optional_dependency_names_its_extra(monkeypatch):
         heatmaps(captured_stack())
     with pytest.raises(ImportError, match=r"plot_curve needs matplotlib.*multihead\[viz\]"):
         plot_curve([{"fraction": 0.0, "metric": 1.0}], "unused.png")
+
+
+def test_the_enlarged_head_and_its_scale_stay_on_screen_at_1024_px(tmp_path):
+    """A MiniLM-sized capture (6 layers x 12 heads): the thumbnails wrap below the enlarged head, whose
+    labels and colour scale stay inside a 1024 px window (they were pushed past 1500 px)."""
+    exe, sync_api = _chromium()
+    cap = {f"encoder.layer.{i}.attention.self": torch.softmax(torch.randn(1, 12, 14, 14), -1) for i in range(6)}
+    p = explorer(cap, tokens=[f"tok{i}" for i in range(14)], path=tmp_path / "wide.html")
+
+    def act(page):
+        page.click('#thumbs canvas[data-head="11"]')
+        boxes = {sel: page.eval_on_selector(sel, "e => { const r = e.getBoundingClientRect(); return [r.left, r.right]; }")
+                 for sel in ("#ylabels", "#big", "#scalewrap", "#thumbs")}
+        return boxes, page.evaluate("document.documentElement.scrollWidth"), page.text_content("#enlarged-title")
+
+    (boxes, scroll, title), errors = _open(p, exe, sync_api, act, width=1024)
+    assert errors == [] and "head 11" in title
+    assert all(0 <= left and right <= 1024 for left, right in boxes.values()), boxes
+    assert scroll <= 1024
