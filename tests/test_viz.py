@@ -215,8 +215,9 @@ def test_pictures_say_what_their_colours_measure(monkeypatch, tmp_path):
     from multihead.heads import plot_curve
 
     c = captured_stack(L=5)
-    fig = heatmaps(rollout(c)[:, None], value_label="rollout: share of the output drawn from each input")
+    fig = heatmaps(rollout(c)[:1, None], value_label="rollout: share of the output drawn from each input")
     assert fig.axes[-1].get_ylabel() == "rollout: share of the output drawn from each input"  # the colour bar
+    assert fig.axes[0].get_ylabel() == "Queries"  # one row: no "row 0" above the axis name
     assert heatmaps(c).axes[-1].get_ylabel() == "attention weight"
     ticks = heatmaps(c).axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)  # positions, not half-steps

@@ -43,8 +43,8 @@ def as_grid(weights, *, batch: int = 0, num_heads: int | None = None) -> tuple[T
             raise ValueError(f"weights' first dim {w.shape[0]} is not a multiple of num_heads={num_heads}.")
         w = w.reshape(-1, num_heads, w.shape[1], w.shape[2])  # (B*H, Lq, Lk) -> (B, H, Lq, Lk)
         return w, [f"sequence {i}" for i in range(w.shape[0])]
-    if w.dim() == 4:
-        return w, [f"row {i}" for i in range(w.shape[0])]
+    if w.dim() == 4:  # one row needs no name (a rollout (B=1, 1, L, L)); several are numbered
+        return w, [f"row {i}" for i in range(w.shape[0])] if w.shape[0] > 1 else [""]
     raise ValueError(f"weights must be 2-D, 3-D (with num_heads), 4-D or a mapping; got shape {tuple(w.shape)}.")
 
 
