@@ -476,7 +476,7 @@ def _white_box(module, rep, run, mask, E, causal, self_attn, mapping, order, g, 
                     return _output(run(module, a, b_, c, _mask_value(mask, keep2, lens2)))[0]
 
             try:
-                found = locate.localise(module, parts, H, run2, q2, k2, v2, keep2, self_attn=self_attn,
+                found = locate.localise(parts, H, run2, q2, k2, v2, keep2, self_attn=self_attn,
                                         causal=causal, E=E, g=g2)
             except (RuntimeError, ValueError):
                 continue

@@ -519,10 +519,11 @@ def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, ax: int, causal: b
                     f"{got_w} blocked pairs with weight, {lost} kept pairs with zero weight")]
 
 
-def localise(module: nn.Module, parts: Parts, H: int, run: Callable, q: Tensor, k: Tensor, v: Tensor,
+def localise(parts: Parts, H: int, run: Callable, q: Tensor, k: Tensor, v: Tensor,
              keep: Tensor | None, *, self_attn: bool, causal: bool, E: int, g: torch.Generator) -> list[Finding]:
-    """Findings, stage by stage, for ``module`` read as ``parts`` with H heads. ``run(q, k, v)`` calls
-    the module (no grad, eval) and returns its output; ``keep`` (B, 1, Lq, Lk) is the spec's mask."""
+    """Findings, stage by stage, for the module read as ``parts`` with H heads (its layers observed
+    through ``parts``' hookable modules). ``run(q, k, v)`` calls the module (no grad, eval) and returns
+    its output; ``keep`` (B, 1, Lq, Lk) is the spec's mask."""
     Bx, Lq, _ = q.shape
     Lk = k.shape[1]
     findings: list[Finding] = []
