@@ -44,6 +44,13 @@ def test_the_notebook_runs_and_shows_figures_tables_and_the_explorer(executed):
     assert "torch.Size([2, 4, 100])" in "".join(o["data"].get("text/plain", "") for o in _outputs(executed,
                                                                                                   "text/plain"))
     assert "the speed of the full model" in text
+    # no warning (tqdm's IProgress, torch's zero-element init, ...) lands in a cell
+    assert [o.get("text") for c in executed.cells if c.cell_type == "code" for o in c.outputs
+            if o.output_type == "stream" and o.get("name") == "stderr"] == []
+    import re
+
+    aligned = int(re.search(r"cross-attention on the aligned digit: (\d+)%", text).group(1))
+    assert aligned >= 80  # the anti-diagonal the text promises is there
 
 
 def test_the_inline_explorer_works_in_the_notebooks_html(executed, tmp_path):

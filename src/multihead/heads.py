@@ -30,6 +30,7 @@ from multihead.compat import TorchMultiheadAttention
 from multihead.hooks import hooked_modules
 from multihead.hooks import num_heads as _num_heads
 from multihead.modules import MultiHeadAttention
+from multihead.modules import linear as _empty_ok_linear
 
 __all__ = ["Importance", "attention_modules", "gated", "head_counts", "importance", "mean_head_outputs", "prune",
            "pruning_curve", "resize"]
@@ -246,7 +247,7 @@ def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: b
     def linear(old, in_features, rows=None, cols=None, bias=None):
         bias = old.bias is not None if bias is None else bias
         out_features = len(rows) if rows is not None else old.out_features
-        new = nn.Linear(in_features, out_features, bias=bias, device=dev, dtype=dt)
+        new = _empty_ok_linear(in_features, out_features, bias, device=dev, dtype=dt)
         if copy:
             w = old.weight if rows is None else old.weight[rows]
             new.weight.copy_(w if cols is None else w[:, cols])

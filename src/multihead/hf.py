@@ -34,6 +34,7 @@ from multihead import hooks as hooks_mod
 from multihead import masks
 from multihead.functional import _weights, attention
 from multihead.hooks import AttentionHooks
+from multihead.modules import linear
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain", "load",
            "save"]
@@ -684,7 +685,7 @@ def _select(p: nn.Module, out_rows: list[int] | None = None, in_cols: list[int] 
         new = type(p)(wt.shape[0], wt.shape[1])
         new.weight = nn.Parameter(wt.t().contiguous())
     else:
-        new = nn.Linear(wt.shape[1], wt.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+        new = linear(wt.shape[1], wt.shape[0], b is not None, device=w.device, dtype=w.dtype)
         new.weight = nn.Parameter(wt.contiguous())
     if b is not None:
         new.bias = nn.Parameter(b.contiguous())

@@ -41,11 +41,22 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
     return X.reshape(X.shape[0], X.shape[1], -1)  # (B, L, H, D) -> (B, L, H*D)
 
 
+def linear(in_features: int, out_features: int, bias: bool, **factory) -> nn.Linear:
+    """nn.Linear that may have no rows or columns (a layer whose heads were all pruned) without
+    torch's "Initializing zero-element tensors is a no-op" warning reaching the user: an empty
+    weight has nothing to initialise. factory: device, dtype."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        return nn.Linear(in_features, out_features, bias=bias, **factory)
+
+
 def _linear(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
     """nn.Linear, or nn.LazyLinear (becomes nn.Linear on the first call) when the input size is not given."""
     if in_features is None:
         return nn.LazyLinear(out_features, bias=bias)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return linear(in_features, out_features, bias)
 
 
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
@@ -257,7 +268,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         setattr(self, q, _linear(query_size, H * D, bias))
         setattr(self, k, _linear(key_size, Hkv * D, bias))
         setattr(self, v, _linear(value_size, Hkv * Dv, bias))
-        setattr(self, o, nn.Linear(H * Dv, self.out_features, bias=bias))
+        setattr(self, o, linear(H * Dv, self.out_features, bias))
 
     def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
         """The (q, k, v, o) projections, whatever they are named (read on every call,

@@ -145,7 +145,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
