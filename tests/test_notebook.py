@@ -29,7 +29,9 @@ def _outputs(nb, kind):
 
 def test_the_notebook_runs_and_shows_figures_tables_and_the_explorer(executed):
     assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert len(_outputs(executed, "image/png")) >= 3  # the heads, the cross-attention and the pruning curve, inline
+    assert len(_outputs(executed, "image/png")) >= 4  # the heads, cross-attention, rollout, pruning curve inline
+    roll = next(c for c in executed.cells if c.cell_type == "code" and "rollout(cap" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in roll.outputs)
     plot = next(c for c in executed.cells if c.cell_type == "code" and c.source.startswith("curve.plot("))
     assert any("image/png" in o.get("data", {}) for o in plot.outputs)  # the exercise's result as a plot
     assert any(t.startswith("| heads pruned | metric | ms @64 |") for t in

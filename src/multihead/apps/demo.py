@@ -17,8 +17,6 @@ from multihead.models.seq2seq import DIGIT0, Seq2SeqTransformer, alignment
 from multihead.models.vit import ViT, accuracy, digits
 
 #: how a rollout picture is labelled: its values are shares of an output drawn from each input
-ROLLOUT_AXES = dict(value_label="rollout: share of the output drawn from each input", xlabel="input position",
-                    ylabel="output position")
 
 
 def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
@@ -71,7 +69,7 @@ def vit(ckpt: Path, retrain: bool = False) -> ViT:
 
 
 def draw_reverser(model: Seq2SeqTransformer, text: str, out: Path) -> list[Path]:
-    from multihead.viz import explorer, heatmaps, rollout
+    from multihead.viz import ROLLOUT_AXES, explorer, heatmaps, rollout
 
     digits_ = [int(c) for c in text if c.isdigit()][:10]
     if len(digits_) < 1:
@@ -140,7 +138,7 @@ def draw_vit(model: ViT, index: int, out: Path) -> list[Path]:
 
 def draw_minilm(text: str, out: Path) -> list[Path]:
     from multihead.models import SentenceEncoder, minilm_path
-    from multihead.viz import explorer, heatmaps, rollout
+    from multihead.viz import ROLLOUT_AXES, explorer, heatmaps, rollout
 
     enc = SentenceEncoder.from_pretrained(minilm_path())
     ids, am = enc.tokenize([text])

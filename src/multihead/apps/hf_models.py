@@ -154,8 +154,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     with ``explain``, :func:`multihead.hf.explain` printed first."""
     import multihead
     import multihead.hf as mhf
-    from multihead.apps.demo import ROLLOUT_AXES
-    from multihead.viz import explorer, heatmaps, rollout
+    from multihead.viz import ROLLOUT_AXES, explorer, heatmaps, rollout
     from multihead.viz.rollout import stacks_of
 
     model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin

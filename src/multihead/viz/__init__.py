@@ -3,6 +3,6 @@ HTML explorer."""
 
 from multihead.viz.explorer import explorer
 from multihead.viz.heatmaps import heatmaps
-from multihead.viz.rollout import rollout, stacks_of
+from multihead.viz.rollout import ROLLOUT_AXES, rollout, stacks_of
 
-__all__ = ["explorer", "heatmaps", "rollout", "stacks_of"]
+__all__ = ["ROLLOUT_AXES", "explorer", "heatmaps", "rollout", "stacks_of"]

@@ -20,6 +20,11 @@ def _stack(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
+# heatmaps(rollout(...)[:, None], **ROLLOUT_AXES): the axes and colour scale of a rollout picture
+ROLLOUT_AXES = dict(value_label="rollout: share of the output drawn from each input", xlabel="input position",
+                    ylabel="output position")
+
+
 def stacks_of(captured: Mapping[str, Tensor]) -> dict[str, list[str]]:
     """The capture's self-attention layers grouped by stack ({'encoder.layers.*.self_attn': [names]}),
     in the order they ran; cross-attention layers are left out."""
