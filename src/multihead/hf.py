@@ -193,13 +193,15 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
 def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, softcap,
             s_aux, sliding_window, cu_q, cu_k, max_q, max_k, output_attentions):
     """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments: sequence b is
-    tokens cu[b]:cu[b+1]; causal within each sequence when the module is. Runs varlen."""
+    tokens cu[b]:cu[b+1]; causal within each sequence when the module is; a ``sliding_window`` w
+    keeps keys with |i - j| < w inside each sequence (transformers' masks: ``kv > q - w`` causal,
+    ``|q - kv| <= config.sliding_window = w - 1`` bidirectional, as ModernBERT passes it). Runs varlen."""
     from multihead.varlen import attention_varlen
 
     name = type(module).__name__
     cu_q = cu_k if cu_q is None else cu_q
     cu_k = cu_q if cu_k is None else cu_k
-    extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux, "sliding_window": sliding_window}
+    extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux}
     extra = [k for k, v in extra.items() if v is not None]
     if extra or output_attentions or hooks.observers:
         what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
@@ -219,8 +221,10 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
                          f"{cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()}): the causal alignment would be a guess.")
     q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
-    out = attention_varlen(q, k, v, cu_q, cu_k, masks.Causal() if causal else None, scale=scaling,
-                           dropout_p=dropout)  # (N, H, Dv)
+    mask = masks.Causal() if causal else None
+    if sliding_window is not None:  # transformers' window w (its flash path's (w-1, w-1)): |i - j| < w, causal or not
+        mask = masks.SlidingWindow(int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    out = attention_varlen(q, k, v, cu_q, cu_k, mask, scale=scaling, dropout_p=dropout)  # (N, H, Dv)
     out = out[None]  # (N, H, Dv) -> (1, N, H, Dv)
     if hooks.transforms:
         out = hooks.transform(module, out, None)
@@ -406,12 +410,17 @@ def _refusal(model: nn.Module) -> str:
             "attn_implementation='sdpa' for this model.")
 
 
-def attach(model: nn.Module, *, example: dict | None = None) -> nn.Module:
+def attach(model: nn.Module, *, example: dict | None = None, packed: bool = False) -> nn.Module:
     """Switch a loaded transformers model to multihead's attention. Every module that calls
     transformers' attention interface gets its hook list (``capture``, ``heads.gated``,
     ``heads.importance`` work on it) and, where one derives and verifies (:func:`derive`), its
     head layout (which ``heads.prune`` uses). ``example``: the model's keyword inputs for the
-    one probe call the derivation records (default: made from the config). Returns the model."""
+    one probe call the derivation records (default: made from the config).
+
+    ``packed=True``: a padded batch runs padding-free inside the layer stack (unpadded once after
+    the embeddings, every layer on the real tokens only, padded back after the last layer; see
+    :mod:`multihead.hf_packed`), verified on a padded probe batch first; a model whose layers are
+    not per-token outside attention is refused, naming the module. Returns the model."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"attach takes a transformers PreTrainedModel; got {type(model).__name__}. For torch.nn "
                         "models use multihead.interop.patch.")
@@ -424,6 +433,10 @@ def attach(model: nn.Module, *, example: dict | None = None) -> nn.Module:
     for name, m in attention_modules(model).items():
         m.attention_hooks.parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
     derive(model, example)
+    if packed:
+        from multihead import hf_packed
+
+        hf_packed.enable(model, attention_modules(model), example)
     return model
 
 
