@@ -103,3 +103,52 @@ def test_hf_bad_directories(tmp_path, capsys):
     assert main(["viz", "--hf", str(tmp_path), "--out", str(tmp_path / "v")]) == 2
     err = capsys.readouterr().err
     assert "config.json does not exist: --hf takes a local transformers checkpoint" in err and "Traceback" not in err
+
+
+def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp_path, corpus, capsys):
+    """`prune --hf DIR --fraction F --recover STEPS --quantize int8`: the model it writes loads back
+    quantized and padding-free with multihead.hf.load, equal to the model the report measured."""
+    from multihead.quantize import is_quantized
+
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("\n".join(corpus[:64]))
+    out = tmp_path / "q"
+    assert main(["prune", "--hf", str(bert_dir), "--fraction", "0.25", "--step", "0.25", "--recover", "3",
+                 "--quantize", "int8", "--corpus", str(corpus_file), "--sentences", "16", "32",
+                 "--max-seconds", "1", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["final"]["quantize"] == "int8" and report["recovery"]["steps"] == 3
+    assert "pruned 25% + int8 (multihead)" in report["speed"] and "quantized to int8:" in said
+    assert set(report["speed"]["pruned 25% + int8 (multihead)"]) == {"1", "16", "64"}
+    loaded = mhf.load(out / "model")
+    assert is_quantized(loaded) == "int8" and any(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")
+                                                 for m in loaded.modules())
+    from multihead import hf_packed
+
+    assert hf_packed.is_packed(loaded)
+    from multihead.apps import hf_models
+
+    setup = hf_models.hf_setup(bert_dir, corpus[:64], 16, 32)  # the same held-out sentences as the command's
+    assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
+    assert "Quantized to int8 last" in (out / "report.md").read_text()
+
+
+def test_quantize_refuses_what_it_cannot_do(bert_dir, tmp_path, capsys):
+    import multihead_cli
+    from multihead import quantize
+
+    assert multihead_cli.QUANTIZE == quantize.DTYPES  # the parser lists the library's dtypes
+    with pytest.raises(SystemExit) as e:
+        main(["prune", "--hf", str(bert_dir), "--quantize", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    assert main(["prune", "--model", "toy", "--quantize", "int8"]) == 2
+    assert "--quantize applies to transformers checkpoints: give --hf DIR" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"quantize: unknown dtype 'fp8'; supported: int8"):
+        quantize.quantize(torch.nn.Linear(2, 2), "fp8")
+    model = mhf.attach(T.BertModel.from_pretrained(bert_dir))
+    q = quantize.quantize(model)
+    with pytest.raises(ValueError, match=r"save takes the float model"):
+        mhf.save(q, tmp_path / "x")
+    with pytest.raises(ValueError, match=r"already quantized"):
+        quantize.quantize(q)

@@ -43,6 +43,8 @@ __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_
 SUPPORTED = (5, 6)  # >= 5.0, < 6
 NAME = "multihead"
 HEADS_KEY = "multihead_head_counts"
+PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))
+QUANTIZE_KEY = "multihead_quantize"  # None or "int8": load() quantizes the float weights
 KEPT_KEY = "multihead_kept_heads"  # {module: the original indices of its kept heads} (T5's shared bias needs them)
 
 
@@ -159,7 +161,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
         position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        hooks.args = (scaling, dropout, is_causal, softcap, s_aux is not None, sliding_window,
+        packed_causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        hooks.args = (scaling, dropout, packed_causal, softcap, s_aux is not None, sliding_window,
                       position_bias is not None, True, attention_mask is not None)
         return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
                        softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
@@ -767,14 +770,26 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
 # --- saving and loading pruned models ---
 
 
-def save(model: nn.Module, path: str | Path) -> Path:
+def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> Path:
     """A transformers-style directory: ``save_pretrained``'s config.json (plus the head counts
     of every attention module, {name: [H, Hkv]}) and model.safetensors holding the model's own
-    parameter names (tied weights stored once), so that :func:`load` rebuilds the pruned model."""
+    parameter names (tied weights stored once), so that :func:`load` rebuilds the pruned model.
+
+    ``quantize="int8"``: :func:`load` returns the model quantized (:func:`multihead.quantize.quantize`
+    of the float weights saved here, the same conversion as in memory, so the same outputs). A
+    padding-free model (``attach(packed=True)``) is rebuilt padding-free."""
     from safetensors.torch import save_model
+
+    from multihead import hf_packed
+    from multihead.quantize import check_dtype, is_quantized
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"save takes a transformers PreTrainedModel; got {type(model).__name__}.")
+    if is_quantized(model):
+        raise ValueError("save takes the float model: save(model, path, quantize='int8') and load() quantizes it "
+                         "(the int8 conversion is deterministic, so the loaded model equals quantize(model)).")
+    if quantize is not None:
+        check_dtype(quantize)
     path = Path(path)
     model.save_pretrained(path)
     for f in path.glob("model*.safetensors*"):  # transformers' (possibly sharded, renamed) weights
@@ -785,6 +800,8 @@ def save(model: nn.Module, path: str | Path) -> Path:
     cfg[HEADS_KEY] = {name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
                       for name, m in mods if m.attention_hooks.layout is not None}
     cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
+    cfg[PACKED_KEY] = hf_packed.is_packed(model)
+    cfg[QUANTIZE_KEY] = quantize
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
@@ -792,7 +809,8 @@ def save(model: nn.Module, path: str | Path) -> Path:
 def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     """Rebuild a model written by :func:`save` (pruned or not) from its directory: the model is
     built from config.json, its attention modules resized to the recorded head counts, the
-    weights loaded (strictly); returned attached, in eval mode."""
+    weights loaded (strictly); returned attached, in eval mode, padding-free and quantized when
+    it was saved so."""
     import transformers
     from safetensors import SafetensorError
     from safetensors.torch import load_model
@@ -846,4 +864,13 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"the weights in {w_file} do not fit {model_class.__name__} with the recorded head counts: "
                          f"missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}.")
-    return model.eval()
+    model.eval()
+    if raw.get(PACKED_KEY):
+        from multihead import hf_packed
+
+        hf_packed.enable(model, attention_modules(model))
+    if raw.get(QUANTIZE_KEY):
+        from multihead.quantize import quantize
+
+        model = quantize(model, raw[QUANTIZE_KEY])
+    return model

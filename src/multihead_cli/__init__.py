@@ -8,6 +8,8 @@ import sys
 
 #: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel)
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+#: the dtypes ``prune --quantize`` takes (multihead.quantize.DTYPES; a test keeps the two equal)
+QUANTIZE = ("int8",)
 
 
 def _in_open_unit(text: str) -> float:
@@ -60,7 +62,7 @@ EXAMPLES = {
     "prune": (
         'examples:\n'
         '  multihead prune --model toy --fraction 0.4\n'
-        '  multihead prune --hf DIR --fraction 0.5 --recover 400\n'
+        '  multihead prune --hf DIR --fraction 0.5 --recover 400 --quantize int8\n'
         'report.md, report.json, curve.png and the pruned model go to --out (default out/prune)'
     ),
     "check": (
@@ -120,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "own docs)")
     p.add_argument("--recover", type=_non_negative_int, default=0, metavar="STEPS",
                    help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="--hf: quantize the pruned (and recovered) model's Linear layers last; its fidelity and speed "
+                        "are reported and multihead.hf.load returns it quantized")
     p.add_argument("--recover-sentences", type=_positive(int), default=None, metavar="N",
                    help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
     p.add_argument("--fraction", type=_in_open_unit, default=0.4, help="share of all heads to prune, in (0, 1) "

@@ -82,6 +82,9 @@ def _prune(args) -> int:
     if args.corpus and not Path(args.corpus).is_file():
         print(f"multihead prune: --corpus {args.corpus} does not exist", file=sys.stderr)
         return 2
+    if args.quantize and not args.hf:
+        print("multihead prune: --quantize applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
+        return 2
     if args.hf:
         from multihead.apps import hf_models
 
@@ -103,13 +106,16 @@ def _prune(args) -> int:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
     report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate,
-                         max_seconds=args.max_seconds, recover=args.recover)
+                         max_seconds=args.max_seconds, recover=args.recover, quantize=args.quantize)
     f = report["final"]
     print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
           f"(unpruned {f['metric_unpruned']:.4f})")
     if report.get("recovery"):
         r = report["recovery"]
-        print(f"recovery: {r['steps']} steps took it from {r['metric_before']:.4f} to {r['metric_after']:.4f}")
+        if r.get("steps"):
+            print(f"recovery: {r['steps']} steps took it from {r['metric_before']:.4f} to {r['metric_after']:.4f}")
+        if r.get("quantize"):
+            print(f"quantized to {r['quantize']}: {r['metric_quantized']:.4f}")
     print(pruning.speed_table(report["speed"]))
     for note in report["timing_notes"]:
         print(f"note: {note}")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multihead.apps.pruning import Setup
+from multihead.quantize import quantize
 
 
 def _load(path: Path, *, with_peer: bool = True):
@@ -40,7 +41,14 @@ def _load(path: Path, *, with_peer: bool = True):
                          "tokenizer.json (or the tokenizer files) in the directory.") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
-    model = mhf.attach(auto.from_pretrained(path).eval())
+    model = auto.from_pretrained(path).eval()
+    try:  # padding-free where the model's layers allow it (verified on a padded batch), else padded
+        model = mhf.attach(model, packed=True)
+    except ValueError as e:
+        if "packed=True" not in str(e):
+            raise
+        print(f"note: {str(e).split(': ', 1)[1].split(' This model runs padded')[0]}; running padded.")
+        model = mhf.attach(model)
     peer = auto.from_pretrained(path, attn_implementation="sdpa").eval() if with_peer else None
     return model, peer, tok, causal
 
@@ -119,11 +127,13 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name
     setup = Setup(label, model, imp, loss_fn, metric_fn, name, speed,
                   lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
-                  lambda m, p: mhf.save(m, p), (f"transformers {type(peer).__name__} (sdpa)", peer,
+                  lambda m, p, quantize=None: mhf.save(m, p, quantize=quantize),
+                  (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
                   [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "
                    f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
     setup.recover_fn = lambda m, steps: recover(m, rec, steps, causal)
+    setup.quantize_fn = quantize
     return setup
 
 

@@ -45,6 +45,7 @@ class Setup:
     notes: list[str] = field(default_factory=list)
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
     recover_fn: Callable | None = None  # recover_fn(model, steps) -> losses: distil a pruned model to the unpruned
+    quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -119,9 +120,18 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
 
 
 def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
-        progress: bool = True, max_seconds: float = 60.0, recover: int = 0) -> dict:
+        progress: bool = True, max_seconds: float = 60.0, recover: int = 0, quantize: str | None = None) -> dict:
     """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
-    the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``."""
+    the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``.
+    ``quantize="int8"`` (transformers models): the pruned (and recovered) model is quantized
+    last, its fidelity measured, timed beside the others, and saved so that ``multihead.hf.load``
+    returns it quantized."""
+    if quantize is not None:
+        from multihead.quantize import check_dtype
+
+        check_dtype(quantize)
+        if setup.quantize_fn is None:
+            raise ValueError(f"--quantize is not available for {setup.name} (transformers checkpoints: --hf DIR).")
     out.mkdir(parents=True, exist_ok=True)
     base = setup.model
     imp = heads.importance(base, setup.batches, setup.loss_fn, setup.method, progress=progress,
@@ -145,10 +155,21 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
         recovery = {"steps": recover, "metric_before": rows[-1]["metric"], "metric_after": float(setup.metric_fn(final)),
                     "loss_first": losses[0], "loss_last": losses[-1]}
     setup.pruned = final
-    setup.save_fn(final, out / "model")
+    quantized = None
+    if quantize is not None:
+        quantized = setup.quantize_fn(final, quantize)
+        fid = float(setup.metric_fn(quantized))
+        recovery = {**(recovery or {}), "quantize": quantize, "metric_quantized": fid}
+        setup.pruned = quantized
+        setup.save_fn(final, out / "model", quantize=quantize)
+    else:
+        setup.save_fn(final, out / "model")
     # speed: every step's model and the peer, timed together (interleaved rounds, per batch size)
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
+    qname = f"{rows[-1]['fraction']:.0%} pruned + {quantize}"
+    if quantized is not None:
+        models[qname] = quantized
     if setup.peer is not None:
         models[setup.peer[0]] = setup.peer[1]
     runs = {n: (setup.peer[2] if setup.peer is not None and n == setup.peer[0] else setup.run_fn) for n in models}
@@ -168,6 +189,8 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
     heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
     speeds = {"unpruned (multihead)": timings[names[0]], f"pruned {rows[-1]['fraction']:.0%} (multihead)":
               timings[names[-1]]}
+    if quantized is not None:
+        speeds[f"pruned {rows[-1]['fraction']:.0%} + {quantize} (multihead)"] = timings[qname]
     if setup.peer is not None:
         speeds[setup.peer[0]] = timings[setup.peer[0]]
     report = {
@@ -175,8 +198,10 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
         "speed_ms": {n: {b: round(v["median_ms"], 2) for b, v in per.items()} for n, per in speeds.items()},
         "speed": speeds, "timing_notes": notes,
-        "final": {"fraction": rows[-1]["fraction"], "metric": recovery["metric_after"] if recovery else rows[-1]["metric"],
-                  "metric_unpruned": rows[0]["metric"]},
+        "final": {"fraction": rows[-1]["fraction"],
+                  "metric": (recovery["metric_quantized"] if quantized is not None else recovery["metric_after"]
+                             if recovery else rows[-1]["metric"]),
+                  "metric_unpruned": rows[0]["metric"], "quantize": quantize},
         "recovery": recovery,
         "notes": setup.notes,
     }
@@ -257,7 +282,10 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         *([f"Recovery: {r['recovery']['steps']} distillation steps towards the unpruned model took the metric from "
            f"{r['recovery']['metric_before']:.4f} to {r['recovery']['metric_after']:.4f}; the saved model is the "
-           "recovered one.", ""] if r.get("recovery") else []),
+           "recovered one.", ""] if (r.get("recovery") or {}).get("steps") else []),
+        *([f"Quantized to {r['recovery']['quantize']} last (Linear layers: int8 weights per output row, activations "
+           f"per call): metric {r['recovery']['metric_quantized']:.4f}; `multihead.hf.load` returns it quantized.", ""]
+          if (r.get("recovery") or {}).get("quantize") else []),
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",
     ])
