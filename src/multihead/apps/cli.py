@@ -187,6 +187,24 @@ def _bench(args) -> int:
     if args.memory_only:
         bench.remeasure_memory(Path(args.out), peers)
         return 0
+    if args.pruned and not Path(args.pruned, "config.json").is_file():
+        print(f"multihead bench: --pruned {args.pruned} has no config.json (give a directory written by "
+              "multihead prune --hf ..., e.g. OUT/model)", file=sys.stderr)
+        return 2
+    if "W7" in names:  # a transformers sentence encoder: its own runner and table
+        import json
+
+        from multihead.apps import hf_bench
+
+        r = hf_bench.run(args.pruned, max_seconds=args.max_seconds)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "minilm_hf.json").write_text(json.dumps(r, indent=2))
+        (out / "minilm_hf.md").write_text(hf_bench.markdown(r))
+        print(f"wrote {out / 'minilm_hf.md'}")
+        names.remove("W7")
+        if not names:
+            return 0
     if "W6" in names:  # context parallel: its own processes
         from multihead.apps import cp_bench
 
