@@ -439,7 +439,7 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
     if packed:
         from multihead import hf_packed
 
-        hf_packed.enable(model, attention_modules(model), example)
+        hf_packed.enable(model, attention_modules(model), example if example is not None else _probe_inputs(model))
     return model
 
 
@@ -868,7 +868,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     if raw.get(PACKED_KEY):
         from multihead import hf_packed
 
-        hf_packed.enable(model, attention_modules(model))
+        hf_packed.enable(model, attention_modules(model), _probe_inputs(model))
     if raw.get(QUANTIZE_KEY):
         from multihead.quantize import quantize
 

@@ -211,9 +211,11 @@ def disable(model: nn.Module) -> None:
                 m._forward_pre_hooks_with_kwargs.pop(k, None)
 
 
-def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict | None = None) -> nn.Module:
+def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> nn.Module:
     """Make ``model`` run padding-free (see the module's docstring); refuse, naming the module,
-    when a packed run of a padded batch does not give the padded run's real tokens."""
+    when a packed run of a padded batch does not give the padded run's real tokens. ``example``:
+    the model's keyword inputs (token ids; without an ``attention_mask`` a padded batch of three
+    is made from their vocabulary)."""
     if is_packed(model):
         return model
     stack_name, stack = _stack(model, attention)
@@ -244,10 +246,8 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict | No
     return model
 
 
-def _padded_example(model: nn.Module, example: dict | None) -> dict:
-    from multihead.hf import _probe_inputs
-
-    x = dict(example) if example is not None else _probe_inputs(model)
+def _padded_example(example: dict) -> dict:
+    x = dict(example)
     ids = x.get("input_ids")
     if not isinstance(ids, Tensor):
         raise ValueError("packed=True needs token inputs: give attach(..., example={'input_ids': ..., "
@@ -272,8 +272,8 @@ def _first(out):
     return out[0] if hasattr(out, "__getitem__") else out
 
 
-def _verify(model: nn.Module, p: Packing, example: dict | None) -> None:
-    x = _padded_example(model, example)
+def _verify(model: nn.Module, p: Packing, example: dict) -> None:
+    x = _padded_example(example)
     keep = x["attention_mask"].bool()  # (B, L)
     was = model.training
     model.eval()
