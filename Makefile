@@ -22,7 +22,7 @@ $(VENV)/.demo: pyproject.toml $(VENV)/.torch
 # the released d2l package's wheel is read by tests/test_d2l_release.py (never installed:
 # it pins an old torch stack); pip only downloads it
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz,train,dev,keras,hf,pretrained,browser,notebook]'
+	$(BIN)/pip install -q -e '.[viz,train,dev,keras,hf,pretrained,browser,notebook,onnx]'
 	$(BIN)/pip download -q --no-deps d2l==1.0.3 -d $(VENV)/wheels
 	touch $@
 

@@ -83,7 +83,7 @@ def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p
         got = ", ".join(f"{n} on {t.device}" for n, t in named)
         raise ValueError(f"query, key and value must be on one device; got {got}.")
     B, H, Lq, D = query.shape
-    if len({t.shape[0] for _, t in named}) > 1:
+    if any(t.shape[0] != B for _, t in named):  # compared, not hashed: sizes may be symbolic (torch.export)
         got = ", ".join(f"{n} {_shape(t)}" for n, t in named)
         raise ValueError(f"query, key and value must have the same batch size B; got {got}.")
     Hkv, Lk = key.shape[1], key.shape[2]

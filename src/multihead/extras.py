@@ -9,7 +9,7 @@ __all__ = ["require"]
 
 #: the extra of pyproject.toml that installs each optional top-level package
 EXTRA = {"matplotlib": "viz", "sklearn": "train", "tqdm": "train", "keras": "keras", "transformers": "hf",
-         "tokenizers": "hf", "playwright": "browser"}
+         "tokenizers": "hf", "playwright": "browser", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx"}
 
 
 def require(module: str, what: str) -> ModuleType:

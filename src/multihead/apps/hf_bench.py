@@ -6,7 +6,9 @@ pruning step saw (the held-out part of the corpus, as ``prune --hf`` splits it),
 and min-max per batch of 16: transformers' sdpa (the reference, 1.00x), the model attached to
 multihead (padded), attached padding-free (``attach(packed=True)``), and — with ``--pruned DIR``,
 a directory written by ``multihead prune --hf ... --quantize int8`` — that pruned, recovered,
-int8 model loaded with ``multihead.hf.load``. Fidelity: mean cosine of mean-pooled last hidden
+int8 model loaded with ``multihead.hf.load``; and with the onnx extra, ONNX Runtime's int8 model of
+the unpruned checkpoint (exported by ``multihead.hf.export_onnx``, ``onnxruntime.quantization.quantize_dynamic``,
+idle workers not spinning). Fidelity: mean cosine of mean-pooled last hidden
 states to the sdpa model's on every timed sentence.
 """
 
@@ -24,6 +26,40 @@ def _pooled(model, batch) -> torch.Tensor:
     h = model(**batch).last_hidden_state  # (B, L, E)
     m = batch["attention_mask"].to(h.dtype)[..., None]  # (B, L, 1)
     return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
+
+
+class _OrtModel:
+    """An ONNX Runtime session called like the transformers model (returns last_hidden_state)."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __call__(self, input_ids, attention_mask):
+        from types import SimpleNamespace
+
+        out = self.session.run(None, {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})[0]
+        return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
+
+
+def _ort_int8(model, example: dict) -> _OrtModel:
+    """The model exported (multihead.hf.export_onnx), dynamically quantized to int8 by onnxruntime, run with
+    as many threads as torch and its idle workers not spinning (they would slow torch beside them)."""
+    import tempfile
+
+    import multihead.hf as mhf
+    from multihead.extras import require
+
+    ort = require("onnxruntime", "W7's ONNX Runtime peer")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    d = Path(tempfile.mkdtemp())
+    mhf.export_onnx(model, d / "fp32.onnx", example={k: example[k] for k in ("input_ids", "attention_mask")})
+    quantize_dynamic(str(d / "fp32.onnx"), str(d / "int8.onnx"), weight_type=QuantType.QInt8)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return _OrtModel(ort.InferenceSession(str(d / "int8.onnx"), so, providers=["CPUExecutionProvider"]))
 
 
 def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8, max_seconds: float = 60.0,
@@ -44,8 +80,9 @@ def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8
     corpus = sentences()
     held_out = corpus[128 + min(256, len(corpus) // 4):]  # prune --hf's default split: never used for pruning
     sents = held_out[: batch * n_batches]
-    batches = [dict(tok(sents[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+    encoded = [tok(sents[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="pt")
                for i in range(0, len(sents), batch)]
+    batches = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded]  # (B, L) each
     models = {
         "transformers (sdpa)": transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(),
         "multihead, padded": mhf.attach(transformers.AutoModel.from_pretrained(path).eval()),
@@ -57,6 +94,10 @@ def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8
         from multihead.quantize import is_quantized
 
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
+    try:  # ONNX Runtime's int8 model of the unpruned checkpoint (the onnx extra), as a practitioner would make it
+        models["ONNX Runtime int8 (unpruned)"] = _ort_int8(models["multihead, padded"], batches[0])
+    except ImportError as e:
+        log(f"  ONNX Runtime not timed: {e}")
     lengths = [int(b["attention_mask"].sum(1).min()) for b in batches], [int(b["attention_mask"].sum(1).max())
                                                                          for b in batches]
     log(f"W7: all-MiniLM-L6-v2, {len(batches)} batches of {batch} held-out sentences, {min(lengths[0])}-"
