@@ -121,6 +121,13 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     assert report["final"]["quantize"] == "int8" and report["recovery"]["steps"] == 3
     assert "pruned 25% + int8 (multihead)" in report["speed"] and "quantized to int8:" in said
     assert set(report["speed"]["pruned 25% + int8 (multihead)"]) == {"1", "16", "64"}
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        pass
+    else:  # the onnx extra: ONNX Runtime's int8 model of the unpruned checkpoint timed in the same rounds
+        assert set(report["speed"]["ONNX Runtime int8 (unpruned)"]) == {"1", "16", "64"}
+        assert 0.5 < report["peer_metrics"]["ONNX Runtime int8 (unpruned)"] <= 1.0 + 1e-6
     loaded = mhf.load(out / "model")
     assert is_quantized(loaded) == "int8" and any(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")
                                                  for m in loaded.modules())

@@ -934,9 +934,15 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
     try:
         L_max = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
-        torch.onnx.export(_TokensToHidden(model).eval(), (ids, am), str(path), dynamo=True,
-                          input_names=["input_ids", "attention_mask"], output_names=["output"],
-                          dynamic_shapes={"input_ids": {0: B, 1: L}, "attention_mask": {0: B, 1: L}}, verbose=False)
+        import warnings
+
+        with warnings.catch_warnings():  # torch's own exporter deprecations, not the user's to act on
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
+            torch.onnx.export(_TokensToHidden(model).eval(), (ids, am), str(path), dynamo=True,
+                              input_names=["input_ids", "attention_mask"], output_names=["output"],
+                              dynamic_shapes={"input_ids": {0: B, 1: L}, "attention_mask": {0: B, 1: L}},
+                              verbose=False)
     finally:
         if packing is not None:
             packing.enabled = was

@@ -134,6 +134,21 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                    f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
     setup.recover_fn = lambda m, steps: recover(m, rec, steps, causal)
     setup.quantize_fn = quantize
+
+    def ort_peer():
+        """ONNX Runtime's int8 model of the unpruned checkpoint, when the onnx extra is installed."""
+        if causal:
+            return []
+        try:
+            from multihead.apps.hf_bench import _ort_int8
+
+            ids, am = speed[16][0]
+            ort = _ort_int8(peer, {"input_ids": ids, "attention_mask": am})
+        except ImportError:
+            return []
+        return [("ONNX Runtime int8 (unpruned)", ort, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))]
+
+    setup.more_peers = ort_peer
     return setup
 
 

@@ -46,6 +46,7 @@ class Setup:
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
     recover_fn: Callable | None = None  # recover_fn(model, steps) -> losses: distil a pruned model to the unpruned
     quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
+    more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -173,6 +174,11 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
     if setup.peer is not None:
         models[setup.peer[0]] = setup.peer[1]
     runs = {n: (setup.peer[2] if setup.peer is not None and n == setup.peer[0] else setup.run_fn) for n in models}
+    extra = setup.more_peers() if setup.more_peers is not None else []
+    extra_metric = {}
+    for name, m, fn in extra:
+        models[name], runs[name] = m, fn
+        extra_metric[name] = float(setup.metric_fn(m))
     timings: dict[str, dict[str, dict]] = {n: {} for n in models}
     notes = []
     for b, xs in setup.speed_inputs.items():
@@ -193,6 +199,8 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
         speeds[f"pruned {rows[-1]['fraction']:.0%} + {quantize} (multihead)"] = timings[qname]
     if setup.peer is not None:
         speeds[setup.peer[0]] = timings[setup.peer[0]]
+    for name, _, _ in extra:
+        speeds[name] = timings[name]
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
@@ -203,6 +211,7 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
                              if recovery else rows[-1]["metric"]),
                   "metric_unpruned": rows[0]["metric"], "quantize": quantize},
         "recovery": recovery,
+        "peer_metrics": extra_metric,
         "notes": setup.notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -286,6 +295,8 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         *([f"Quantized to {r['recovery']['quantize']} last (Linear layers: int8 weights per output row, activations "
            f"per call): metric {r['recovery']['metric_quantized']:.4f}; `multihead.hf.load` returns it quantized.", ""]
           if (r.get("recovery") or {}).get("quantize") else []),
+        *[f"{n}: metric {v:.4f} (timed above)." for n, v in r.get("peer_metrics", {}).items()],
+        "",
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",
     ])
