@@ -66,8 +66,8 @@ class _Call:
 class Packing:
     """The packing state of one model: where its stack is, and (during a call only) the call's plan."""
 
-    def __init__(self, stack: str, mask_arg: str, hidden_arg: str):
-        self.stack, self.mask_arg, self.hidden_arg = stack, mask_arg, hidden_arg
+    def __init__(self, stack: str):
+        self.stack = stack  # the layer stack's qualified name
         self.enabled = True
         self.causal = False  # any causal attention module (then a call that makes a cache runs padded)
         self.call: _Call | None = None
@@ -94,7 +94,7 @@ class _Start:
             return None
         params = list(_kwargs_of(module.forward))
         bound = dict(zip(params, args, strict=False)) | kwargs
-        mask = bound.get(p.mask_arg)
+        mask = bound.get("attention_mask")  # (B, L), as the base model receives it
         if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.dtype.is_floating_point and not (
                 (mask == 0) | (mask == 1)).all():
             return None  # no padding mask (or not a 0/1 one): nothing to drop
@@ -220,14 +220,13 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> 
         return model
     stack_name, stack = _stack(model, attention)
     base = _base(model, stack_name)
-    first_params = list(_kwargs_of(stack[0].forward).values())
     for i, layer in enumerate(stack):
         ps = _kwargs_of(layer.forward)
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values()):
             raise ValueError(f"packed=True: {stack_name}.{i} ({type(layer).__name__}) takes no **kwargs, so the "
                              "packed-sequence arguments (cu_seq_lens_q/k) cannot reach its attention; this model "
                              "runs padded.")
-    p = Packing(stack_name, "attention_mask", first_params[0].name)
+    p = Packing(stack_name)
     p.attention = list(attention.values())
     p.causal = any(getattr(m, "is_causal", False) for m in p.attention)
     handles = [base.register_forward_pre_hook(_Start(p), with_kwargs=True), base.register_forward_hook(_End(p))]
@@ -285,7 +284,7 @@ def _verify(model: nn.Module, p: Packing, example: dict) -> None:
 
             def hook(name, rec=rec, order=order):
                 def f(mod, args, out):
-                    o = _first(out) if not isinstance(out, Tensor) else out
+                    o = _first(out)
                     if isinstance(o, Tensor):
                         rec[name] = o.detach()
                         order.append(name)

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def _pooled(model, batch) -> torch.Tensor:
-    h = model(**batch).last_hidden_state  # (B, L, E)
-    m = batch["attention_mask"].to(h.dtype)[..., None]  # (B, L, 1)
-    return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
+    """Mean-pooled, normalised last hidden states (B, E): prune --hf's fidelity measure."""
+    from multihead.apps.hf_models import _pooled as pooled
+
+    return pooled(model, batch["input_ids"], batch["attention_mask"])
 
 
 class _OrtModel:
