@@ -20,46 +20,13 @@ from pathlib import Path
 
 import torch
 
+from multihead.apps import hf_models
+from multihead.apps.ort_peer import ort_int8
+
 
 def _pooled(model, batch) -> torch.Tensor:
     """Mean-pooled, normalised last hidden states (B, E): prune --hf's fidelity measure."""
-    from multihead.apps.hf_models import _pooled as pooled
-
-    return pooled(model, batch["input_ids"], batch["attention_mask"])
-
-
-class _OrtModel:
-    """An ONNX Runtime session called like the transformers model (returns last_hidden_state)."""
-
-    def __init__(self, session):
-        self.session = session
-
-    def __call__(self, input_ids, attention_mask):
-        from types import SimpleNamespace
-
-        out = self.session.run(None, {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})[0]
-        return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
-
-
-def _ort_int8(model, example: dict) -> _OrtModel:
-    """The model exported (multihead.hf.export_onnx), dynamically quantized to int8 by onnxruntime, run with
-    as many threads as torch and its idle workers not spinning (they would slow torch beside them)."""
-    import tempfile
-
-    import multihead.hf as mhf
-    from multihead.extras import require
-
-    ort = require("onnxruntime", "W7's ONNX Runtime peer")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    d = Path(tempfile.mkdtemp())
-    mhf.export_onnx(model, d / "fp32.onnx", example={k: example[k] for k in ("input_ids", "attention_mask")})
-    quantize_dynamic(str(d / "fp32.onnx"), str(d / "int8.onnx"), weight_type=QuantType.QInt8)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return _OrtModel(ort.InferenceSession(str(d / "int8.onnx"), so, providers=["CPUExecutionProvider"]))
+    return hf_models._pooled(model, batch["input_ids"], batch["attention_mask"])
 
 
 def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8, max_seconds: float = 60.0,
@@ -95,7 +62,7 @@ def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8
 
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
     try:  # ONNX Runtime's int8 model of the unpruned checkpoint (the onnx extra), as a practitioner would make it
-        models["ONNX Runtime int8 (unpruned)"] = _ort_int8(models["multihead, padded"], batches[0])
+        models["ONNX Runtime int8 (unpruned)"] = ort_int8(models["multihead, padded"], batches[0])
     except ImportError as e:
         log(f"  ONNX Runtime not timed: {e}")
     lengths = [int(b["attention_mask"].sum(1).min()) for b in batches], [int(b["attention_mask"].sum(1).max())

@@ -140,10 +140,10 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
         if causal:
             return []
         try:
-            from multihead.apps.hf_bench import _ort_int8
+            from multihead.apps.ort_peer import ort_int8
 
             ids, am = speed[16][0]
-            ort = _ort_int8(peer, {"input_ids": ids, "attention_mask": am})
+            ort = ort_int8(peer, {"input_ids": ids, "attention_mask": am})
         except ImportError:
             return []
         return [("ONNX Runtime int8 (unpruned)", ort, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))]
