@@ -215,14 +215,20 @@ def _module(rank: int, N: int, store: str) -> None:
             want.square().sum().backward()
             grads = {n: p.grad.clone() for n, p in mha.named_parameters()}
             mha.zero_grad()
-            with cp.context_parallel(layout=layout):
-                xs = cp.shard(x, layout=layout)
+            xs = cp.shard(x, layout=layout)
+            with cp.context_parallel(mha, layout=layout) as sharded:
                 out = mha(xs, **kw)
                 out.square().sum().backward()
                 if "mask" in kw and isinstance(kw["mask"], masks.Causal):
-                    text = mha.explain(xs, **kw)
-                    assert "context parallel" in text
-                    assert text._repr_markdown_() == "```\n" + str(text) + "\n```"  # shown as written
+                    ex = mha.explain(xs, **kw, sharded=sharded)  # the same plan forward executes
+                    text = str(ex)
+                    assert text.startswith("path: sharded (sequence-sharded inputs: ring attention over 2 ranks")
+                    assert ex.chosen == ("ring",) and f"layout {layout!r}, rank {rank}" in text
+                    ring = ex.decisions[0][1]
+                    assert "```\n" + ring + "\n```" in ex._repr_markdown_()  # shown as written, never re-parsed
+            assert not mha._forward_pre_hooks  # the block's injection is gone
+            again = mha(xs, **kw, sharded=cp.Sharded(layout=layout))  # the same, passed by hand
+            assert torch.equal(again, out)
             what = f"{layout} {kw}"
             assert (cp.gather(out.detach(), layout=layout) - want).abs().max() < 1e-5, what
             for n, p in mha.named_parameters():
@@ -230,7 +236,7 @@ def _module(rank: int, N: int, store: str) -> None:
                 assert (p.grad - grads[n]).abs().max() < 1e-4, f"{what} grad {n}"
     mha.train()
     mha.dropout = 0.1
-    with cp.context_parallel(), pytest.raises(ValueError, match="dropout=0.1.*not supported under context_parallel"):
+    with cp.context_parallel(mha), pytest.raises(ValueError, match="dropout=0.1.*not supported on sequence-sharded"):
         mha(cp.shard(x))
     dist.destroy_process_group()
 

@@ -173,7 +173,7 @@ def test_varlen_path_is_gated_too():
     mha = MultiHeadAttention(768, 12, query_size=768, key_size=768, value_size=768).eval()
     x = torch.randn(2, 300, 768)
     mask = masks.Padding(torch.tensor([300, 100]))
-    assert mha.explain(x, mask=mask).startswith("path: varlen")
+    assert str(mha.explain(x, mask=mask)).startswith("path: packed")
     g = torch.ones(12)
     g[[0, 5]] = 0
     with torch.no_grad(), heads.gated(mha, {"": g}):

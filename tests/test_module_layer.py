@@ -111,7 +111,7 @@ def test_capture_does_not_change_the_path_or_the_output(force_varlen):
     m = MultiHeadAttention(24, 6, bias=True, num_kv_heads=2, query_size=24, key_size=24, value_size=24).eval()
     x = torch.randn(3, 7, 24)
     for mask in (masks.Padding(torch.tensor([7, 4, 1])), masks.ValidLens(torch.tensor([7, 2, 5]))):
-        assert m.explain(x, mask=mask).startswith("path: varlen")
+        assert str(m.explain(x, mask=mask)).startswith("path: packed")
         outside = m(x, mask=mask)
         with multihead.capture(m) as cap:
             inside = m(x, mask=mask)
@@ -148,21 +148,21 @@ def test_gates_and_means_work_the_same_on_the_packed_path(force_varlen):
     g = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 1.0])
     fill = torch.randn(6, 4)
     outs, means = {}, {}
-    for path, cost in (("varlen", 0.0), ("dense", float("inf"))):
+    for path, cost in (("packed", 0.0), ("dense", float("inf"))):
         varlen.LOOP_COST_FLOP = cost
-        assert m.explain(x, mask=mask).startswith(f"path: {path}")
+        assert str(m.explain(x, mask=mask)).startswith(f"path: {path}")
         with heads.gated(m, {"": g}, fill={"": fill}):
             outs[path] = m(x, mask=mask)
         means[path] = heads.mean_head_outputs(m, [x], lambda mod, b: mod(b, mask=mask))[""]
-    assert torch.allclose(outs["varlen"], outs["dense"], atol=1e-5)
-    assert torch.allclose(means["varlen"], means["dense"], atol=1e-5)
+    assert torch.allclose(outs["packed"], outs["dense"], atol=1e-5)
+    assert torch.allclose(means["packed"], means["dense"], atol=1e-5)
     # the mean is over the 13 real rows only: compare with a hand computation
     q = m.q_proj(x).view(3, 7, 6, 4).transpose(1, 2)
     k = m.k_proj(x).view(3, 7, 6, 4).transpose(1, 2)
     v = m.v_proj(x).view(3, 7, 6, 4).transpose(1, 2)
     o = reference_attention(q, k, v, mask).transpose(1, 2)  # (B, L, H, Dv)
     real = torch.arange(7) < torch.tensor([7, 4, 2])[:, None]
-    assert torch.allclose(means["varlen"], o[real].mean(0), atol=1e-5)
+    assert torch.allclose(means["packed"], o[real].mean(0), atol=1e-5)
 
 
 # --- varlen as pure functions ---

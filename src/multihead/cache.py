@@ -46,6 +46,9 @@ class KVCache:
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
         self.batch_size = checks.positive_int("batch_size", batch_size)
         self.max_len = checks.positive_int("max_len", max_len)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"KVCache(model, batch_size, max_len) takes the model (an nn.Module; several modules: "
+                            f"an nn.ModuleList); got {type(model).__name__}.")
         self._names = {id(m): n or type(m).__name__ for n, m in hooked_modules(model).items()}
         if not self._names:
             raise ValueError(f"{type(model).__name__} has no multihead attention module to cache for.")

@@ -104,8 +104,12 @@ class D2LMultiHeadAttention(MultiHeadAttention):
         self.attention = LastWeights(self.dropout)
         self.attention_hooks.add_observer(self.attention.observe)
 
-    def forward(self, queries, keys, values, valid_lens):  # the course's signature: all four required
-        return super().forward(queries, keys, values, valid_lens)
+    def forward(self, queries, keys, values, valid_lens, *, sharded=None):  # the course's signature: all four required
+        return super().forward(queries, keys, values, valid_lens, sharded=sharded)
+
+    def explain(self, queries, keys, values, valid_lens, *, sharded=None):
+        """What :meth:`forward` with these arguments does (see :meth:`MultiHeadAttention.explain`)."""
+        return super().explain(queries, keys, values, valid_lens, sharded=sharded)
 
 
 def _to_tensor(x, name: str) -> Tensor:
@@ -142,9 +146,14 @@ class KerasTutorialMultiHeadAttention(MultiHeadAttention):
                          out_features=d_model, scale=1.0 / math.sqrt(d_k), **kwargs)
         self.heads, self.d_k, self.d_v, self.d_model = h, d_k, d_v, d_model
 
-    def forward(self, queries, keys, values, mask=None):
+    def forward(self, queries, keys, values, mask=None, *, sharded=None):
         q, k, v = _to_tensor(queries, "queries"), _to_tensor(keys, "keys"), _to_tensor(values, "values")
-        return super().forward(q, k, v, mask=masks.blocked(mask))
+        return super().forward(q, k, v, mask=masks.blocked(mask), sharded=sharded)
+
+    def explain(self, queries, keys, values, mask=None, *, sharded=None):
+        """What :meth:`forward` with these arguments does (see :meth:`MultiHeadAttention.explain`)."""
+        q, k, v = _to_tensor(queries, "queries"), _to_tensor(keys, "keys"), _to_tensor(values, "values")
+        return super().explain(q, k, v, mask=masks.blocked(mask), sharded=sharded)
 
     call = forward
 

@@ -53,6 +53,7 @@ from multihead.masks import Mask
 
 __all__ = [
     "RingStats",
+    "Sharded",
     "context_parallel",
     "explain",
     "gather",
@@ -782,12 +783,29 @@ def _work(plan: _Plan, BH: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class _Context:
-    group: object
-    layout: str
+class Sharded:
+    """Sequence-sharded inputs, as a module call is told so: the call's tokens are this rank's shard
+    (cut by :func:`shard` with ``layout``) of sequences spread over ``group``, and its attention is
+    :func:`ring_attention`. Pass it to :meth:`multihead.MultiHeadAttention.forward` (``sharded=``), or let
+    :func:`context_parallel` pass it to every attention module of a model. Checked when made."""
+
+    group: object = None
+    layout: str = "contiguous"
+
+    def __post_init__(self):
+        _check_layout(self.layout)
+        _world(self.group)
+
+    @property
+    def size(self) -> int:
+        """N, the group's size (1: attention runs locally)."""
+        return _world(self.group)[0]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask, *, scale) -> Tensor:
         return ring_attention(q, k, v, mask, group=self.group, layout=self.layout, scale=scale)
+
+    def explain(self, q: Tensor, k: Tensor, v: Tensor, mask, *, scale) -> str:
+        return explain(q, k, v, mask, group=self.group, layout=self.layout, scale=scale)
 
     def query_keep(self, mask: Mask | None, Lq: int, device) -> Tensor | None:
         """(B, Lq) True = a real query row of this shard (Padding's padded rows come out as zeros)."""
@@ -804,25 +822,52 @@ class _Context:
         return real
 
 
-_ACTIVE: list[_Context] = []
+def _takes_sharded(module) -> bool:
+    """Whether ``module.forward`` has a ``sharded`` parameter (MultiHeadAttention and the course's modules)."""
+    import inspect
 
-
-def active() -> _Context | None:
-    """The innermost :func:`context_parallel` in effect, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    try:
+        return "sharded" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @contextlib.contextmanager
-def context_parallel(group=None, *, layout: Layout = "contiguous"):
-    """Run :class:`multihead.MultiHeadAttention` on sequence-sharded inputs: inside this
-    context its attention is :func:`ring_attention` over ``group``, so a whole model (whose
-    other layers act token by token) runs on shards made by :func:`shard` and its output is
-    put back together by :func:`gather`. Masks follow :func:`ring_attention`'s conventions.
-    Eager mode only; dropout on the attention weights is refused while training."""
-    _check_layout(layout)
-    _world(group)
-    _ACTIVE.append(_Context(group, layout))
+def context_parallel(model, group=None, *, layout: Layout = "contiguous"):
+    """Run ``model``'s multihead attention modules on sequence-sharded inputs: inside the block
+    every one of them is called with ``sharded=Sharded(group, layout)`` (a forward pre-hook on each,
+    removed at the end), so its attention is :func:`ring_attention` over ``group`` and the whole
+    model (whose other layers act token by token) runs on shards made by :func:`shard`; put its
+    output back together with :func:`gather`. Only ``model``'s modules are affected (nothing is
+    process-wide). Masks follow :func:`ring_attention`'s conventions. Eager mode only; dropout on the
+    attention weights is refused while training. An attention module that cannot run sharded
+    (torch.nn's, or the drop-in :class:`~multihead.compat.TorchMultiheadAttention`) is refused
+    before anything runs, by name."""
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"context_parallel(model, group=None, *, layout=...) takes the model whose attention runs on "
+                        f"shards (an nn.Module); got {type(model).__name__}.")
+    takers, refused = [], []
+    for name, m in model.named_modules():
+        if _takes_sharded(m) and hasattr(m, "_attend"):
+            takers.append(m)
+        elif isinstance(m, nn.MultiheadAttention) or hasattr(m, "_attend"):
+            refused.append(f"{name or '(the model)'} ({type(m).__name__})")
+    if refused:
+        raise ValueError(f"these attention modules of {type(model).__name__} cannot run on sequence shards: "
+                         f"{', '.join(refused)}; use multihead.MultiHeadAttention there.")
+    if not takers:
+        raise ValueError(f"{type(model).__name__} has no multihead attention module to run on shards.")
+    s = Sharded(group, layout)
+
+    def inject(module, args, kwargs):
+        kwargs.setdefault("sharded", s)
+        return args, kwargs
+
+    handles = [m.register_forward_pre_hook(inject, with_kwargs=True) for m in takers]
     try:
-        yield
+        yield s
     finally:
-        _ACTIVE.pop()
+        for h in handles:
+            h.remove()

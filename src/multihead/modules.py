@@ -1,12 +1,14 @@
 """MultiHeadAttention: project, attend, merge the heads, project.
 
-Inputs are (B, L, E). The projections give (B, L, H, D); the one attention call
+Inputs are (B, L, E). A call is planned once (:meth:`MultiHeadAttention.plan`, a
+:class:`multihead.plan.Plan`: dense, packed, cached or sharded) and ``forward`` executes that plan;
+``explain`` shows the same plan. The projections give (B, L, H, D); the one attention call
 (:meth:`AttentionCore._attend`) runs the functional core on (B, H, L, D) views, or
 :func:`multihead.varlen.attention_varlen` on packed tokens (N, H, D) when padding
-need not be computed; the heads are merged and projected.
+need not be computed, or ring attention on sequence shards; the heads are merged and projected.
 
 Dependency order (each file imports only those before it): masks -> checks ->
-backends -> functional -> varlen -> hooks -> modules.
+backends -> functional -> varlen -> distributed -> plan -> hooks -> modules.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import backends, checks, distributed, masks, varlen
+from multihead import backends, checks, masks, varlen
+from multihead import plan as planning
 from multihead.cache import KVCache
+from multihead.distributed import Sharded
 from multihead.functional import _run
-from multihead.functional import explain as _explain
 from multihead.hooks import AttentionHooks
+from multihead.plan import CoreCall, Plan
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
@@ -82,35 +86,6 @@ def _in_features(lin: nn.Module) -> int | None:
     return lin.in_features
 
 
-class PathExplanation(str):
-    """:meth:`MultiHeadAttention.explain`'s text (a str), shown as a table in a notebook when it
-    is the registry's decision table (``table=True``), else as the text itself."""
-
-    def __new__(cls, text: str, *, table: bool = False):
-        obj = super().__new__(cls, text)
-        obj.table = table
-        return obj
-
-    def __reduce__(self):
-        return (_path_explanation, (str(self), self.table))
-
-    def _repr_markdown_(self) -> str:
-        if not self.table:  # context parallel and other prose: shown as written, never re-parsed
-            return "```\n" + str(self) + "\n```"
-        lines = self.splitlines()
-        rows = [ln.strip() for ln in lines[2:]]
-        body = ["| | backend | decision |", "|---|---|---|"]
-        for r in rows[1:]:
-            chosen = r.startswith("->")
-            name, _, why = r.removeprefix("->").strip().partition(" ")
-            body.append(f"| {'→' if chosen else ''} | {name} | {why.strip()} |")
-        return "\n".join([f"**{lines[0]}**", "", f"`{lines[1] if len(lines) > 1 else ''}`", "", *body])
-
-
-def _path_explanation(text: str, table: bool) -> PathExplanation:
-    return PathExplanation(text, table=table)
-
-
 class AttentionCore:
     """The one place every multihead module attends: :class:`MultiHeadAttention`,
     the course's compat modules and the torch.nn drop-in call :meth:`_attend` with
@@ -139,13 +114,13 @@ class AttentionCore:
         return list(AttentionCore._alive)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None, *,
-                heads_first: bool = False, cp: distributed._Context | None = None) -> Tensor:
+                heads_first: bool = False, sharded: Sharded | None = None) -> Tensor:
         """The one attention call, with the module's hooks around it.
 
         Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv);
         with ``heads_first`` k and v come as (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) (a KV cache's layout);
-        with ``cp`` (inside :func:`multihead.distributed.context_parallel`) they are this rank's shards
-        and the call is ring attention over the whole sequence.
+        with ``sharded`` they are this rank's shards and the call is ring attention over the whole
+        sequence (:class:`multihead.distributed.Sharded`).
         Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
         hooks = self.attention_hooks
         p = self.dropout if self.training else 0.0
@@ -158,13 +133,13 @@ class AttentionCore:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
             if hooks.observers:
                 hooks.observe(self, q, k, mask, self.scale)
-            if cp is None:
+            if sharded is None:
                 out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
             else:
-                out = cp.attention(q, k, v, mask, scale=self.scale)  # (B, H, Lq, Dv)
+                out = sharded.attention(q, k, v, mask, scale=self.scale)  # (B, H, Lq, Dv)
             out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
             if hooks.transforms and mask is not None:
-                live = self._query_keep(mask, out.shape[1], out.device, cp)  # (B, Lq) or None
+                live = self._query_keep(mask, out.shape[1], out.device, sharded)  # (B, Lq) or None
         else:
             if hooks.observers:
                 qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
@@ -176,21 +151,21 @@ class AttentionCore:
         return out
 
     def _check_sharded(self) -> None:
-        """What context parallel cannot do, refused before any computation."""
+        """What sequence-sharded inputs cannot do, refused before any computation."""
         if self.training and self.dropout > 0:
-            raise ValueError(f"dropout={self.dropout} on the attention weights is not supported under "
-                             "context_parallel; call model.eval(), or build the module with dropout=0.")
+            raise ValueError(f"dropout={self.dropout} on the attention weights is not supported on sequence-sharded "
+                             "inputs (context_parallel); call model.eval(), or build the module with dropout=0.")
         if self.attention_hooks.observers:
-            raise ValueError("capture() cannot record weights under context_parallel (each rank sees a shard of "
-                             "the keys); gather the inputs and capture on one process.")
+            raise ValueError("capture() cannot record weights on sequence-sharded inputs (context_parallel: each rank "
+                             "sees a shard of the keys); gather the inputs and capture on one process.")
 
     @staticmethod
-    def _query_keep(mask, Lq: int, device, cp: distributed._Context | None) -> Tensor | None:
+    def _query_keep(mask, Lq: int, device, sharded: Sharded | None) -> Tensor | None:
         """(B, Lq) True = a real query row (``Padding``'s padded rows come out as zeros), None = every
-        row is real; by global position under context parallel."""
+        row is real; by global position on sequence-sharded inputs."""
         if mask is None:
             return None
-        return mask.query_keep(Lq, device) if cp is None else cp.query_keep(mask, Lq, device)
+        return mask.query_keep(Lq, device) if sharded is None else sharded.query_keep(mask, Lq, device)
 
 
 class MultiHeadAttention(AttentionCore, nn.Module):
@@ -306,24 +281,84 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                        queries.device)
         return queries, keys, values, m
 
-    def _layout(self, m, queries: Tensor, keys: Tensor, cp) -> varlen.Packed | str:
-        """The one decision forward executes and explain reports: packed (padding not computed)
-        or, with the reason, dense."""
+    def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
+        """Whether a dense call with mask ``m`` skips its padding: the packed tokens' layout, or the
+        reason the dense layout runs."""
         if m is None:
             return "no padding in the mask"
-        if cp is not None:
-            return "sequence-sharded inputs"
         if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
             return "under torch.compile (packing needs data-dependent shapes)"
         if not varlen.could_pay(keys.shape[1], self._flop_per_token()):
             return f"skipping padding cannot pay for the per-sequence loop at Lk={keys.shape[1]}"
-        return self._packing(m, queries, keys)
-
-    def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
-        """How the tokens are laid out: packed (padding not computed) or, with the reason, dense."""
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
         p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
-        return varlen.Packed.from_plan(p, B, Lq, Lk, m) if isinstance(p, varlen.Plan) else p
+        return varlen.Packed.from_plan(p, B, Lq, Lk, m) if isinstance(p, varlen.Packing) else p
+
+    def _calls(self, B: int, Lq: int, Lk: int, mask) -> tuple[CoreCall, ...]:
+        """The one core call of a dense, cached or local sharded layout (none without heads or keys)."""
+        return () if self.num_heads == 0 or Lk == 0 else (CoreCall(B, Lq, Lk, mask),)
+
+    def _plan(self, queries, keys, values, valid_lens, mask, cache, sharded) -> tuple[Plan, Tensor, Tensor, Tensor]:
+        """Check everything and plan the call: (the plan, queries, keys, values with defaults filled)."""
+        if sharded is not None:
+            if not isinstance(sharded, Sharded):
+                raise TypeError(f"sharded must be a multihead.distributed.Sharded(group, layout) (or None); got "
+                                f"{type(sharded).__name__}.")
+            if cache is not None:
+                raise ValueError("cache and sharded cannot be given together: a KV cache decodes one sequence on one "
+                                 "process; gather the sequence first.")
+            self._check_sharded()
+            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
+            B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+            if sharded.size == 1:
+                why, calls = "sequence-sharded inputs; a group of one runs attention locally", self._calls(B, Lq, Lk, m)
+            else:
+                why = f"sequence-sharded inputs: ring attention over {sharded.size} ranks, layout {sharded.layout!r}"
+                calls = () if self.num_heads == 0 else (CoreCall(B, Lq, Lk, m),)
+            return Plan("sharded", why, m, calls, sharded=sharded), queries, keys, values
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a multihead.KVCache (or None); got {type(cache).__name__}.")
+            B, n = queries.shape[0], queries.shape[1]
+            if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
+                Lk = cache.length(self) + n
+                queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
+                cache.check(self, B, n)  # batch and room, before any computation
+                if n > 1 or m is not None:  # one new position sees every cached one: no mask needed
+                    m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
+                why = f"decoding step: {n} new position(s) appended to {Lk - n} cached"
+            else:  # cross-attention: the memory is projected on the first step and reused
+                queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
+                cache.check(self, B, 0)
+                memory = cache.memory(self)
+                Lk = keys.shape[1] if memory is None else memory[0].shape[2]
+                why = ("cross-attention step: the memory is projected once" if memory is None else
+                       "cross-attention step: the cached memory is reused")
+            return Plan("cached", why, m, self._calls(B, n, Lk, m)), queries, keys, values
+        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
+        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+        packed = self._packing(m, queries, keys)
+        if not isinstance(packed, varlen.Packed):
+            return Plan("dense", packed, m, self._calls(B, Lq, Lk, m)), queries, keys, values
+        return self._packed_plan(packed, m), queries, keys, values
+
+    def _packed_plan(self, packed: varlen.Packed, m) -> Plan:
+        calls: list[CoreCall] = []
+        if self.num_heads:
+            for B, Lq, Lk, mask in varlen.core_calls(packed.cu_q, packed.cu_k, packed.rest):
+                last = calls[-1] if calls else None
+                if last is not None and (last.B, last.Lq, last.Lk) == (B, Lq, Lk) and last.mask is mask:
+                    calls[-1] = CoreCall(B, Lq, Lk, mask, last.count + 1)
+                else:
+                    calls.append(CoreCall(B, Lq, Lk, mask))
+        return Plan("packed", packed.reason, m, tuple(calls), packed=packed)
+
+    def plan(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
+             valid_lens: Tensor | None = None, *, mask=None, cache: KVCache | None = None,
+             sharded: Sharded | None = None) -> Plan:
+        """How :meth:`forward` with these arguments runs (checked as forward checks them; nothing is
+        projected or computed): a :class:`multihead.plan.Plan`."""
+        return self._plan(queries, keys, values, valid_lens, mask, cache, sharded)[0]
 
     def _project(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(..., Lq, query_size), (..., Lk, key_size), (..., Lk, value_size) ->
@@ -346,6 +381,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         *,
         mask=None,
         cache: KVCache | None = None,
+        sharded: Sharded | None = None,
     ) -> Tensor:
         """queries (B, Lq, query_size), keys (B, Lk, key_size) (default: queries),
         values (B, Lk, value_size) (default: keys) -> (B, Lq, out_features).
@@ -360,55 +396,49 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         (no keys given) appends this step's keys and values and attends to every cached
         position plus its own (bottom-right causal; masks then cover Lk = all cached
         positions); cross-attention projects ``keys``/``values`` once and reuses them.
+
+        sharded: a :class:`multihead.distributed.Sharded`: the inputs are this rank's shards of
+        sequences spread over a process group and attention is ring attention over the whole
+        sequence (:func:`multihead.distributed.context_parallel` passes it to every module of a model).
+
+        The call is planned once (:meth:`plan`; :meth:`explain` shows the same plan) and executed.
         """
-        if cache is not None:
-            return self._forward_cached(queries, keys, values, valid_lens, mask, cache)
-        cp = distributed._ACTIVE[-1] if distributed._ACTIVE else None  # sequence-sharded inputs: ring attention
-        if cp is not None:
-            self._check_sharded()
-        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=cp is not None)
-        packed = self._layout(m, queries, keys, cp)  # the decision explain reports
-        if not isinstance(packed, varlen.Packed):
-            packed = None
-        else:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
+        plan, queries, keys, values = self._plan(queries, keys, values, valid_lens, mask, cache, sharded)
+        if plan.layout == "cached":
+            return self._step(plan, queries, keys, values, cache)
+        packed = plan.packed
+        if packed is not None:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
             queries, keys, values = packed.gather(queries, keys, values)
         q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
-        out = self._attend(q, k, v, m, packed, cp=cp)  # (..., Lq, H, Dv)
+        out = self._attend(q, k, v, plan.mask, packed, sharded=plan.sharded)  # (..., Lq, H, Dv)
         del q, k, v, queries, keys, values  # freed before the output projection allocates
         out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # merge, project: (.., Lq, out)
         if packed is not None:
             return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros
-        if (real := self._query_keep(m, out.shape[1], out.device, cp)) is not None:
+        if (real := self._query_keep(plan.mask, out.shape[1], out.device, plan.sharded)) is not None:
             out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
 
-    def _forward_cached(self, queries, keys, values, valid_lens, mask, cache: KVCache) -> Tensor:
-        """One decoding step with the cache: (B, n, query_size) -> (B, n, out_features)."""
-        cross = keys is not None and keys is not queries
-        if not cross:  # self-attention: the step's tokens are the keys; masks cover every cached position
-            Lk = cache.length(self) + queries.shape[1]
-            queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
-            cache.check(self, queries.shape[0], queries.shape[1])  # batch and room, before any computation
+    def _step(self, plan: Plan, queries: Tensor, keys: Tensor, values: Tensor, cache: KVCache) -> Tensor:
+        """One planned decoding step with the cache: (B, n, query_size) -> (B, n, out_features)."""
+        plain = not any(_GLOBAL_HOOKS)
+        if keys is queries:  # self-attention: the step's keys and values join the cache
             q, k, v = self._project(queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (B, n, Hkv, Dv)
             k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
-            if queries.shape[1] > 1 or m is not None:  # one new position sees every cached one: no mask needed
-                m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
         else:
-            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-            cache.check(self, queries.shape[0], 0)
-            memory = cache.memory(self)
             q_proj, k_proj, v_proj, _ = self.projections()
             H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+            memory = cache.memory(self)
             if memory is None:  # the first step projects the memory once
                 B, Lk = keys.shape[0], keys.shape[1]
-                k = k_proj(keys).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
-                v = v_proj(values).view(B, Lk, Hkv, Dv).transpose(1, 2)  # (B, Lk, Hkv*Dv) -> (B, Hkv, Lk, Dv)
+                k = _apply(k_proj, keys, plain).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
+                v = _apply(v_proj, values, plain).view(B, Lk, Hkv, Dv).transpose(1, 2)  # -> (B, Hkv, Lk, Dv)
                 memory = (k, v)
                 cache.set_memory(self, k, v)
             k_all, v_all = memory
-            q = _apply(q_proj, queries, not any(_GLOBAL_HOOKS)).view(*queries.shape[:2], H, D)  # -> (B, n, H, D)
-        out = self._attend(q, k_all, v_all, m, heads_first=True)  # (B, n, H, Dv)
-        return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (B, n, out_features)
+            q = _apply(q_proj, queries, plain).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
+        out = self._attend(q, k_all, v_all, plan.mask, heads_first=True)  # (B, n, H, Dv)
+        return _apply(self.projections()[3], out.flatten(-2), plain)  # (B, n, H*Dv) -> (B, n, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
@@ -418,9 +448,10 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if x.dim() != 2 or x.shape[0] != packed.cu_q[-1]:
             raise ValueError(f"x must be packed tokens (N, E) with N = cu_seqlens[-1] = {packed.cu_q[-1]}; "
                              f"got shape {tuple(x.shape)}.")
+        plan = self._packed_plan(packed, packed.mask)
         q, k, v = self._project(x, x, x)  # (N, H, D), (N, Hkv, D), (N, Hkv, Dv)
-        out = self._attend(q, k, v, packed.mask, packed)  # (N, H, Dv)
-        return self.projections()[3](out.flatten(-2))  # (N, H*Dv) -> (N, out_features)
+        out = self._attend(q, k, v, plan.mask, plan.packed)  # (N, H, Dv)
+        return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (N, H*Dv) -> (N, out)
 
     def _flop_per_token(self) -> float:
         """Projection work per token (multiply-adds x 2), what packing saves on each padded token
@@ -428,36 +459,48 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         return 2.0 * sum(n * p.out_features for p in self.projections() if (n := _in_features(p)) is not None)
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
-                valid_lens: Tensor | None = None, *, mask=None) -> PathExplanation:
-        """Which path a forward with these inputs takes (packed varlen or dense) and
-        which attention backend runs, and why (a str; a table in a notebook). Under
-        :func:`multihead.distributed.context_parallel` it is collective (every rank calls it)
-        and says what the ring does on this rank."""
-        if distributed._ACTIVE:
-            cp = distributed._ACTIVE[-1]
-            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
-            B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-            q = queries.new_empty(B, self.num_heads, Lq, self.head_dim)  # (B, H, Lq, D), only shapes matter
-            k = queries.new_empty(B, self.num_kv_heads, Lk, self.head_dim)  # (B, Hkv, Lk, D)
-            v = queries.new_empty(B, self.num_kv_heads, Lk, self.value_head_dim)  # (B, Hkv, Lk, Dv)
-            return PathExplanation("path: context parallel (sequence-sharded inputs)\n"
-                                   + distributed.explain(q, k, v, m, group=cp.group, layout=cp.layout,
-                                                         scale=self.scale))
-        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        packed = self._layout(m, queries, keys, None)  # the decision forward executes
+                valid_lens: Tensor | None = None, *, mask=None, cache: KVCache | None = None,
+                sharded: Sharded | None = None) -> planning.Explanation:
+        """What :meth:`forward` with these arguments does, from the same plan (:meth:`plan`): the
+        layout (dense, packed, cached, sharded) and why, the request each attention-core call makes
+        (``.requests``) and which backend runs it and why not the others. ``str()`` is the text; a
+        notebook shows a table. Nothing is projected or cached. On sequence-sharded inputs over
+        several ranks it is collective (every rank calls it) and says what the ring does on this rank."""
+        plan, queries, keys, values = self._plan(queries, keys, values, valid_lens, mask, cache, sharded)
+        dtype, needs_grad = self._probe(queries, keys, values, cache if plan.layout == "cached" else None)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        if isinstance(packed, varlen.Packed):
-            n = max(b - a for a, b in zip(packed.cu_k, packed.cu_k[1:]))
-            rows = max(b - a for a, b in zip(packed.cu_q, packed.cu_q[1:]))
-            head = f"path: varlen ({packed.reason}); attention runs per sequence, e.g. the longest:"
-            mask_in, shape = packed.rest, (1, rows, n)
-        else:
-            head = f"path: dense ({packed})"
-            mask_in, shape = m, (B, Lq, Lk)
-        q = queries.new_empty(shape[0], H, shape[1], D)  # (B, H, Lq, D), only shapes matter
-        k = queries.new_empty(shape[0], Hkv, shape[2], D)
-        v = queries.new_empty(shape[0], Hkv, shape[2], Dv)
-        req = _explain(q, k, v, mask_in, dropout_p=self.dropout if self.training else 0.0,
-                       training=self.training, backend=self.backend)
-        return PathExplanation(head + "\n" + str(req), table=True)
+        p = self.dropout if self.training and plan.layout != "sharded" else 0.0
+        reqs = plan.requests(H=H, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype, device_type=queries.device.type, dropout_p=p,
+                             needs_grad=needs_grad)
+        ring = None
+        if plan.layout == "sharded" and plan.sharded.size > 1:
+            B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+            q = queries.new_empty(B, H, Lq, D, dtype=dtype)  # (B, H, Lq, D): only shapes matter
+            k = queries.new_empty(B, Hkv, Lk, D, dtype=dtype)  # (B, Hkv, Lk, D)
+            v = queries.new_empty(B, Hkv, Lk, Dv, dtype=dtype)  # (B, Hkv, Lk, Dv)
+            ring = plan.sharded.explain(q, k, v, plan.mask, scale=self.scale)
+        backend = "auto" if plan.layout == "sharded" else self.backend
+        return planning.explanation(plan, reqs, backend, ring)
+
+    def _probe(self, queries: Tensor, keys: Tensor, values: Tensor, cache: KVCache | None) -> tuple[torch.dtype, bool]:
+        """(dtype, needs grad) of the per-head tensors the core would get: the projections applied to
+        one token each in the current modes (grad, autocast), without their hooks firing (a lazy
+        projection not built yet: the input's dtype, and whether anything could need grad)."""
+        grad = torch.is_grad_enabled()
+        dtypes, rg = [], []
+        for lin, x in zip(self.projections()[:3], (queries, keys, values)):
+            x1 = x[..., :1, :]  # one token: (B, 1, ·), or none when there are none
+            if isinstance(lin, nn.modules.lazy.LazyModuleMixin) and lin.has_uninitialized_params():
+                dtypes.append(x.dtype)
+                rg.append(grad and (x.requires_grad or any(p.requires_grad for p in lin.parameters())))
+                continue
+            y = F.linear(x1, lin.weight, lin.bias) if type(lin) is nn.Linear else lin.forward(x1)
+            dtypes.append(y.dtype)
+            rg.append(y.requires_grad)
+        if cache is not None:
+            layer = cache.layer(self)
+            if keys is not queries and (memory := cache.memory(self)) is not None:  # the cached memory is the keys
+                rg[1:] = [memory[0].requires_grad, memory[1].requires_grad]
+            elif keys is queries and layer.k is not None:  # the step is copied into the cache's buffers
+                rg[1:] = [rg[1] or layer.k.requires_grad, rg[2] or layer.v.requires_grad]
+        return dtypes[0], grad and any(rg)

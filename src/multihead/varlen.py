@@ -28,7 +28,7 @@ from torch import Tensor
 from multihead import checks, masks
 from multihead.functional import _run
 
-__all__ = ["Packed", "Plan", "attention_varlen", "pad", "packing_cost", "plan", "unpad"]
+__all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "pad", "packing_cost", "plan", "unpad"]
 
 #: what one sequence of the per-sequence loop costs, in floating-point operations
 #: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here;
@@ -118,15 +118,32 @@ def attention_varlen(
                              dropout_p=float(dropout_p), backend=backend)
 
 
+def _pads(q_lens: list[int], k_lens: list[int], mask: masks.Mask | None) -> bool:
+    """Short self-attention without a positional mask is padded to the longest sequence for one
+    batched call; anything else loops over the sequences."""
+    return mask is None and q_lens == k_lens and bool(q_lens) and max(q_lens) <= PAD_UP_TO
+
+
+def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None) -> list[tuple[int, int, int, masks.Mask | None]]:
+    """The calls :func:`attention_varlen` makes to the attention core, in order, as (B, Lq, Lk, mask):
+    one padded call ``Padding(lens)`` for short self-attention, else one per sequence (a sequence
+    without keys gets zeros and no call)."""
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    if _pads(q_lens, k_lens, mask):
+        Lm = max(q_lens)
+        return [(len(q_lens), Lm, Lm, masks.Padding(torch.tensor(q_lens)))] if Lm else []
+    return [(1, nq, nk, mask) for nq, nk in zip(q_lens, k_lens) if nk]
+
+
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, *,
                       scale: float | None, dropout_p: float, backend: str) -> Tensor:
-    """:func:`attention_varlen` on validated inputs, cumulative lengths as lists.
-    q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
+    """:func:`attention_varlen` on validated inputs, cumulative lengths as lists; the calls it makes
+    to the core are :func:`core_calls`'s. q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     H, Dv = q.shape[1], v.shape[-1]
-    if mask is None and q_lens == k_lens and q_lens and max(q_lens) <= PAD_UP_TO:
-        # short self-attention: pad to the longest for one batched call
+    if _pads(q_lens, k_lens, mask):  # short self-attention: pad to the longest for one batched call
         B, Lm = len(q_lens), max(q_lens)
         lens = torch.tensor(q_lens, device=q.device)
         idx = (torch.arange(Lm, device=q.device) < lens[:, None]).reshape(-1).nonzero().squeeze(1)  # (N,)
@@ -147,7 +164,7 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: li
 
 
 @dataclass
-class Plan:
+class Packing:
     key_keep: Tensor  # (B, Lk) bool: the keys that are real
     query_keep: Tensor | None  # (B, Lq) bool, or None = every query row is computed
     rest: masks.Mask | None  # what remains to apply inside each sequence (positions preserved)
@@ -176,7 +193,7 @@ def _prefix(keep: Tensor) -> bool:
 
 
 def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_token: float = 0.0,
-         force: bool = False) -> Plan | str:
+         force: bool = False) -> Packing | str:
     """A packing plan for ``mask``, or the reason the dense path runs instead
     (``force`` skips the cost model)."""
     if mask is None:
@@ -205,7 +222,7 @@ def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_
     rest_mask = None
     for r in rest:
         rest_mask = r if rest_mask is None else rest_mask & r
-    return Plan(key_keep, query_keep, rest_mask, f"packing: {padded:.0%} of the keys are padding")
+    return Packing(key_keep, query_keep, rest_mask, f"packing: {padded:.0%} of the keys are padding")
 
 
 @dataclass
@@ -228,7 +245,7 @@ class Packed:
     reason: str = "packed"
 
     @classmethod
-    def from_plan(cls, p: Plan, B: int, Lq: int, Lk: int, mask: masks.Mask) -> Packed:
+    def from_plan(cls, p: Packing, B: int, Lq: int, Lk: int, mask: masks.Mask) -> Packed:
         k_idx = p.key_keep.reshape(-1).nonzero().squeeze(1)  # (Nk,)
         k_lens = p.key_keep.sum(-1)  # (B,)
         if p.query_keep is None:

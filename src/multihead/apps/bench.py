@@ -219,9 +219,8 @@ def peer_multihead(w: Workload, base, padding: bool = False):
         mask = masks.Padding(w.lens) if padding else masks.ValidLens(w.lens)
     x = torch.zeros(w.B, w.Lq, w.E)
     y = x if w.self_attention else torch.zeros(w.B, w.Lk, w.E)
-    how = m.explain(x, y, y, mask=mask).splitlines()
-    ran = how[0].removeprefix("path: ").split(" (")[0] + ", " + next(
-        (line.split("runs: ")[1] for line in how if "runs: " in line), "?")
+    how = m.explain(x, y, y, mask=mask)
+    ran = how.plan.layout + ", " + ("/".join(dict.fromkeys(how.chosen)) or "no attention call")
     return m, lambda x, y: m(x, y, y, mask=mask), ran
 
 

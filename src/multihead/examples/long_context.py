@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     xs = cp.shard(x, layout=args.layout)  # (1, L/N, E)
     pos = cp.local_positions(xs.shape[1], layout=args.layout, device=device)  # (L/N,) global positions
-    with torch.no_grad(), cp.context_parallel(layout=args.layout):
+    with torch.no_grad(), cp.context_parallel(block, layout=args.layout):
         t0 = time.perf_counter()
         ys = block(xs + pe[pos], mask=masks.Causal())  # (1, L/N, E)
         elapsed = time.perf_counter() - t0
