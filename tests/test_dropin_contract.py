@@ -6,7 +6,9 @@ weights, a bias of another dtype, TorchScript."""
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -195,3 +197,93 @@ def test_every_combination_constructs_like_torch():
         ours = TorchMultiheadAttention.from_module(ref)
         assert list(ours.state_dict()) == list(ref.state_dict())
         assert ours.to_torch().state_dict().keys() == ref.state_dict().keys()
+
+
+@pytest.mark.parametrize("kv", [None, 6])
+@pytest.mark.parametrize("bias_kv", [False, True])
+def test_torchs_attributes_are_truthful(kv, bias_kv):
+    """F.multi_head_attention_forward with the module's own attributes (as PyTorch's tests call it)
+    computes what the module computes: ``_qkv_same_embed_dim`` says which weights hold the projections."""
+    torch.manual_seed(0)
+    m = TorchMultiheadAttention(8, 2, kdim=kv, vdim=kv, add_bias_kv=bias_kv).eval()
+    assert m._qkv_same_embed_dim == (kv is None) == (m.in_proj_weight is not None) == (m.q_proj_weight is None)
+    q, k = torch.randn(5, 3, 8), torch.randn(4, 3, kv or 8)
+    want, want_w = nn.functional.multi_head_attention_forward(
+        q, k, k, m.embed_dim, m.num_heads, m.in_proj_weight, m.in_proj_bias, m.bias_k, m.bias_v, m.add_zero_attn,
+        m.dropout, m.out_proj.weight, m.out_proj.bias, training=False, use_separate_proj_weight=not m._qkv_same_embed_dim,
+        q_proj_weight=m.q_proj_weight, k_proj_weight=m.k_proj_weight, v_proj_weight=m.v_proj_weight)
+    got, got_w = m(q, k, k)
+    assert torch.allclose(got, want, atol=ATOL) and torch.allclose(got_w, want_w, atol=ATOL)
+
+
+def test_torchs_fused_encoder_layer_is_not_taken(monkeypatch):
+    """In eval without grad torch's TransformerEncoderLayer would compute the whole layer natively
+    (bypassing its attention module); with the drop-in it runs its modules, this one included."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+    ours = copy.deepcopy(layer)
+    patch(ours)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = layer(x)
+
+    def fused(*args, **kwargs):
+        raise AssertionError("torch's fused encoder layer ran")
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", fused)
+    with torch.no_grad():
+        with pytest.raises(AssertionError, match="fused encoder layer ran"):
+            layer(x)  # torch.nn's own module takes it (the mock would catch ours too)
+        seen = []
+        g = nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(mod))  # global: not
+        try:  # one the layer looks for
+            got = ours(x)
+        finally:
+            g.remove()
+        assert ours.self_attn in seen and torch.allclose(got, want, atol=ATOL)
+        for again in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):  # the hook survives copies
+            assert torch.allclose(again(x), want, atol=ATOL)
+        ours.self_attn._forward_pre_hooks.clear()  # without the drop-in's own no-op hook, torch would fuse it
+        with pytest.raises(AssertionError, match="fused encoder layer ran"):
+            ours(x)
+
+
+def test_the_nested_tensor_reason_is_torchs():
+    """TransformerEncoder's enable_nested_tensor decision reads the drop-in's attributes and gives
+    torch.nn's reason (here: bias=False)."""
+    import warnings
+
+    for drop_in in (False, True):
+        layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, bias=False)
+        if drop_in:
+            patch(layer)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            enc = nn.TransformerEncoder(layer, 2)
+        assert not enc.use_nested_tensor
+        assert [str(w.message) for w in seen] == ["enable_nested_tensor is True, but self.use_nested_tensor is False "
+                                                  "because encoder_layer.self_attn was passed bias=False"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_tensors_as_torchs_encoder_hands_them():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2).eval()
+    ours = copy.deepcopy(enc)
+    patch(ours)
+    src = torch.randn(3, 7, 16)
+    keep = torch.ones(3, 7, dtype=torch.bool)
+    keep[1, 5:] = False
+    keep[2, 1:] = False
+    x = torch._nested_tensor_from_mask(src, keep, mask_check=False)  # 3 sequences of 7, 5, 1 tokens
+    with torch.no_grad():
+        want, got = enc(x), ours(x)
+    assert got.is_nested and [t.shape for t in got.unbind()] == [t.shape for t in want.unbind()]
+    assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(want.unbind(), got.unbind()))
+    with torch.no_grad():
+        assert torch.allclose(ours(src, src_key_padding_mask=~keep), enc(src, src_key_padding_mask=~keep), atol=ATOL)
+    mha = ours.layers[0].self_attn
+    with pytest.raises(ValueError, match="NestedTensor input for self-attention only .* need_weights=False"):
+        mha(x, x, x)  # need_weights=True
+    with pytest.raises(ValueError, match="NestedTensor input for self-attention only"):
+        mha(x, x, x, need_weights=False, key_padding_mask=~keep)

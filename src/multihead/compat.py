@@ -158,6 +158,13 @@ class KerasTutorialMultiHeadAttention(MultiHeadAttention):
     call = forward
 
 
+def keep_torch_fast_path_off(module, args):
+    """A forward pre-hook that does nothing. :class:`TorchMultiheadAttention` carries it so that
+    ``nn.TransformerEncoderLayer`` sees a hook on its attention and runs its own modules (this one
+    included) instead of torch's fused native layer."""
+    return None
+
+
 class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
     """A drop-in for ``torch.nn.MultiheadAttention`` that computes with multihead.
 
@@ -173,11 +180,17 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
     - the returned weights are the softmax weights before dropout;
     - ``is_causal=True`` is torch.nn's hint (``attn_mask`` must be given, and is taken
       to be the causal mask: the causal kernel runs when nothing is appended);
-    - it reports ``_qkv_same_embed_dim = False`` (its packed layout is in
-      ``_packed``) so that torch's fused encoder fast path, which would bypass
-      this module, is never taken; tests that check that fast path was entered
-      (by mocking torch's fused kernels) cannot pass;
-    - nested-tensor inputs are refused, as torch.nn refuses them off its fast path;
+    - torch's fused encoder fast path (``nn.TransformerEncoderLayer`` computing the whole layer
+      in one native call, which would bypass this module) is never taken: the module carries a
+      no-op forward pre-hook (:func:`keep_torch_fast_path_off`), so the layer runs its own
+      modules and says why (``"forward pre-/hooks are attached to the module"``). Every attribute
+      is torch.nn's and truthful (``_qkv_same_embed_dim``, ``in_proj_weight`` / ``q_proj_weight``, ...:
+      ``F.multi_head_attention_forward`` with them computes what the module does). Tests that
+      check that fast path was entered (by mocking torch's fused kernels) cannot pass;
+    - nested-tensor inputs (``nn.TransformerEncoder``'s padding-free path hands them to its
+      layers) are taken for self-attention with ``batch_first=True`` and no masks, as torch.nn's
+      fast path takes them: the padding is masked and the output is nested again
+      (``need_weights`` must then be False);
     - ``torch.jit.script`` scripts a plain ``torch.nn.MultiheadAttention`` with the same
       weights (TorchScript cannot compile multihead's dispatch); scripting a patched
       model also puts that plain module back into the model (torch does it in place).
@@ -188,8 +201,7 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         checks.valid_dropout(dropout)
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device=device, dtype=dtype)
-        self._packed = self._qkv_same_embed_dim
-        self._qkv_same_embed_dim = False
+        self.register_forward_pre_hook(keep_torch_fast_path_off)
         self.num_kv_heads, self.value_head_dim = self.num_heads, self.head_dim
         self._init_core(dropout=dropout, scale=None, backend="auto")
 
@@ -225,7 +237,7 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
 
     def projection_weights(self):
         """(w_q, w_k, w_v, b_q, b_k, b_v): (E, E), (E, kdim), (E, vdim) and (E,) or None."""
-        if self._packed:
+        if self._qkv_same_embed_dim:
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
@@ -235,12 +247,26 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)  # (3E,) -> 3 x (E,)
         return w_q, w_k, w_v, b_q, b_k, b_v
 
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """Self-attention on a nested batch (B sequences of (L_b, E)), as torch.nn's fast path takes it:
+        padded to (B, L, E) with the padding masked, and nested again."""
+        if not (query is key and key is value) or not self.batch_first or key_padding_mask is not None \
+                or attn_mask is not None or is_causal or need_weights:
+            raise checks.TorchShapeError(
+                "MultiheadAttention takes NestedTensor input for self-attention only (query is key is value), with "
+                "batch_first=True, no attn_mask / key_padding_mask / is_causal and need_weights=False (as "
+                "nn.TransformerEncoder passes it); otherwise pad the batch (torch.nested.to_padded_tensor) and pass "
+                "a key_padding_mask.")
+        lens = [t.shape[0] for t in query.unbind()]  # L_b of each sequence
+        x = torch.nested.to_padded_tensor(query, 0.0)  # (B, L, E)
+        pad = torch.arange(x.shape[1], device=x.device) >= torch.tensor(lens, device=x.device)[:, None]  # (B, L)
+        out, _ = self.forward(x, x, x, key_padding_mask=pad, need_weights=False)  # (B, L, E)
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lens)], layout=query.layout), None
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if isinstance(query, Tensor) and query.is_nested:
-            raise checks.TorchShapeError(
-                "MultiheadAttention does not support NestedTensor outside of its fast path (as torch.nn); pad the "
-                "batch (nested.to_padded_tensor) and pass a key_padding_mask.")
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         batched = checks.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
                                           embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
                                           batch_first=self.batch_first, is_causal=is_causal)

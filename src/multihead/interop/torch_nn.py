@@ -32,9 +32,8 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     bias = module.in_proj_bias is not None
     new = MultiHeadAttention(E, H, module.dropout, bias, query_size=E, key_size=module.kdim, value_size=module.vdim)
     new.to(device=w.device, dtype=w.dtype)
-    packed = getattr(module, "_packed", module._qkv_same_embed_dim)
     with torch.no_grad():
-        if packed:
+        if module._qkv_same_embed_dim:
             ws = module.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
         else:
             ws = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
@@ -95,10 +94,9 @@ def patch(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
     Returns {qualified name: the module it replaced}. A model that *is* an
     ``nn.MultiheadAttention`` cannot be replaced in place: use ``from_module``.
 
-    ``nn.TransformerEncoder``s inside get ``use_nested_tensor = False``: their
-    nested-tensor fast path (eval, batch_first, a key padding mask) would hand
-    nested tensors to the layers. That path outputs zeros at padded positions;
-    the patched model computes them (valid positions match)."""
+    ``nn.TransformerEncoder``'s nested-tensor path (eval, batch_first, a key padding mask) keeps
+    working: the drop-in takes the nested tensors it hands to the layers, and the patched model
+    gives what torch's gives (zeros at padded positions included)."""
     if type(model) is nn.MultiheadAttention:
         raise TypeError("patch replaces modules inside a model; for a lone module use "
                         "TorchMultiheadAttention.from_module(module).")
@@ -108,8 +106,4 @@ def patch(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
             if type(child) is nn.MultiheadAttention:
                 setattr(parent, child_name, TorchMultiheadAttention.from_module(child))
                 replaced[f"{name}.{child_name}" if name else child_name] = child
-    if replaced:
-        for m in model.modules():
-            if isinstance(m, nn.TransformerEncoder):
-                m.use_nested_tensor = False
     return replaced
