@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from multihead import masks
 
@@ -114,3 +118,32 @@ def test_masks_are_immutable():
     m = masks.Causal()
     with pytest.raises(AttributeError):
         m.align = "bottom-right"
+
+
+# --- the band rule and the zero-row rule, each written once (masks.band_*, masks.zero_empty_rows) ---
+
+
+@settings(max_examples=200, deadline=None)
+@given(lo=st.one_of(st.just(-math.inf), st.integers(-12, 12)), width=st.one_of(st.just(math.inf), st.integers(0, 12)),
+       qs=st.integers(0, 10), qn=st.integers(1, 6), ks=st.integers(0, 10), kn=st.integers(1, 6))
+def test_the_band_helpers_agree_with_the_rule(lo, width, qs, qn, ks, kn):
+    hi = lo + width if lo != -math.inf else (width if width != math.inf else math.inf)
+    i = torch.arange(qs, qs + qn)[:, None]  # (qn, 1)
+    j = torch.arange(ks, ks + kn)[None, :]  # (1, kn)
+    keep = masks.band_keep(lo, hi, i, j)  # (qn, kn)
+    brute = torch.tensor([[lo <= b - a <= hi for b in range(ks, ks + kn)] for a in range(qs, qs + qn)])
+    assert torch.equal(keep, brute)
+    kind = masks.band_block(lo, hi, qs, qn, ks, kn)
+    assert kind == (0 if not brute.any() else 1 if brute.all() else 2)
+    first, end = masks.band_keys(lo, hi, qs, qs + qn, ks + kn)  # keys 0..ks+kn-1
+    seen = torch.tensor([[lo <= b - a <= hi for b in range(ks + kn)] for a in range(qs, qs + qn)]).any(0)
+    visible = seen.nonzero().flatten().tolist()
+    assert (visible == list(range(first, end))) if visible else end <= first
+
+
+def test_rows_with_nothing_to_attend_to_are_zeroed_once():
+    out = torch.randn(2, 1, 3, 4)
+    keep = torch.tensor([[True, False], [False, False], [False, True]])[None, None]  # (1, 1, Lq=3, Lk=2)
+    z = masks.zero_empty_rows(out, keep)
+    assert torch.equal(z[:, :, 1], torch.zeros(2, 1, 4)) and torch.equal(z[:, :, [0, 2]], out[:, :, [0, 2]])
+    assert masks.zero_empty_rows(out, keep, kernel_did=True) is out

@@ -329,11 +329,7 @@ def _kind(q: tuple[int, int, int], k: tuple[int, int, int], band, key_limit) -> 
         return 0
     if band is None:
         return 1
-    lo, hi = band
-    dmin, dmax = ka - (qa + qn - 1), (ka + kn - 1) - qa  # the range of (key - query) positions in the block
-    if dmin > hi or dmax < lo:
-        return 0
-    return 1 if (dmin >= lo and dmax <= hi) else 2
+    return masks.band_block(*band, qa, qn, ka, kn)
 
 
 @lru_cache(maxsize=64)
@@ -365,10 +361,7 @@ def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, Lq: int, Lk: int,
     j = torch.arange(kg, kg + kn, device=device)[None, :]  # (1, keys) global key positions
     keep = None
     if kind == 2:
-        lo, hi = sm.band
-        keep = j <= i + hi  # (rows, keys)
-        if lo != -math.inf:
-            keep = keep & (j >= i + lo)
+        keep = masks.band_keep(*sm.band, i, j)  # (rows, keys)
     if sm.rest is not None:
         b = torch.arange(sm.rest.batch_size, device=device)[:, None, None]  # (B, 1, 1)
         r = sm.rest.mask_mod(Lq, Lk, device)(b, 0, i[None], j[None])  # (B, rows|1, keys)

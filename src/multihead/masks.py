@@ -33,6 +33,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "band_keep",
+    "band_keys",
+    "band_block",
+    "zero_empty_rows",
     "Mask",
     "ValidLens",
     "KeyPadding",
@@ -85,6 +89,46 @@ def _full(keep: Tensor, B: int, H: int, Lq: int, Lk: int) -> Tensor:
     while keep.dim() < 4:
         keep = keep.unsqueeze(0)
     return keep.expand(B, H, Lq, Lk)
+
+
+
+# --- two rules every path shares, written once -------------------------------------------
+
+
+def band_keep(lo: float, hi: float, i: Tensor, j: Tensor) -> Tensor:
+    """The band rule: key j is visible to query i iff ``i + lo <= j <= i + hi`` (``lo = -inf`` /
+    ``hi = inf``: no bound). i, j: positions, broadcastable (e.g. (rows, 1) and (1, keys), or
+    FlexAttention's index scalars) -> bool, broadcast shape."""
+    d = j - i  # how far past query i's diagonal key j lies
+    if lo == -math.inf:
+        return d <= hi if hi != math.inf else d == d
+    return (d >= lo) & (d <= hi) if hi != math.inf else d >= lo
+
+
+def band_keys(lo: float, hi: float, qs: int, qe: int, Lk: int) -> tuple[int, int]:
+    """The keys [ks, ke) the band shows to any of the queries qs..qe-1 (ke <= ks: none)."""
+    ks = 0 if lo == -math.inf else max(0, int(qs + lo))
+    ke = Lk if hi == math.inf else min(Lk, int(qe - 1 + hi) + 1)
+    return ks, ke
+
+
+def band_block(lo: float, hi: float, qs: int, qn: int, ks: int, kn: int) -> int:
+    """How the band meets the block of queries qs..qs+qn-1 and keys ks..ks+kn-1: 0 nothing
+    visible, 1 every pair visible, 2 the band cuts the block."""
+    dmin, dmax = ks - (qs + qn - 1), (ks + kn - 1) - qs  # the range of (key - query) in the block
+    if dmin > hi or dmax < lo:
+        return 0
+    return 1 if (dmin >= lo and dmax <= hi) else 2
+
+
+def zero_empty_rows(out: Tensor, keep: Tensor, *, kernel_did: bool = False) -> Tensor:
+    """The zero-row rule: a query row with no key to attend to gives zeros, never NaN.
+    out (B, H, Lq, Dv), keep (B|1, H|1, Lq|1, Lk) bool. ``kernel_did``: the kernel already gives
+    zeros for such rows (SDPA's CPU kernels; tested in tests/test_functional.py), nothing to do.
+    (The reference backend's softmax gives them by construction.)"""
+    if kernel_did:
+        return out
+    return out.masked_fill(~keep.any(-1, keepdim=True), 0.0)
 
 
 class Mask:
@@ -408,19 +452,14 @@ class _Diagonal(Mask):
         lo, hi = self.band(Lq, Lk)
         i = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
         j = torch.arange(Lk, device=device)[None, :]  # (1, Lk)
-        keep = j <= i + hi  # (Lq, Lk)
-        if lo != -math.inf:
-            keep = keep & (j >= i + lo)
-        return keep[None, None]  # (1, 1, Lq, Lk)
+        return band_keep(lo, hi, i, j)[None, None]  # (1, 1, Lq, Lk)
 
     def dispatch_key(self):
         return (type(self).__name__, self.align, self.__dict__.get("left"), self.__dict__.get("right"))
 
     def mask_mod(self, Lq, Lk, device=None):
         lo, hi = self.band(Lq, Lk)
-        if lo == -math.inf:
-            return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + hi
-        return lambda b, h, q_idx, kv_idx: (kv_idx >= q_idx + lo) & (kv_idx <= q_idx + hi)
+        return lambda b, h, q_idx, kv_idx: band_keep(lo, hi, q_idx, kv_idx)
 
 
 @dataclass(frozen=True)

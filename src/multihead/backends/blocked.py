@@ -16,8 +16,6 @@ at ~70% of the machine's matmul throughput.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -40,8 +38,7 @@ def visited(lo: float, hi: float, Lq: int, Lk: int, block: int = BLOCK) -> int:
     n = 0
     for qs in range(0, Lq, block):
         qe = min(qs + block, Lq)
-        ks = 0 if lo == -math.inf else max(0, int(qs + lo))
-        ke = Lk if hi == math.inf else min(Lk, int(qe - 1 + hi) + 1)
+        ks, ke = masks.band_keys(lo, hi, qs, qe, Lk)
         n += (qe - qs) * max(0, ke - ks)
     return n
 
@@ -78,25 +75,19 @@ def run(query, key, value, mask, *, scale, dropout_p):
     outs = []
     for qs in range(0, Lq, BLOCK):
         qe = min(qs + BLOCK, Lq)
-        ks = 0 if lo == -math.inf else max(0, int(qs + lo))
-        ke = Lk if hi == math.inf else min(Lk, int(qe - 1 + hi) + 1)
+        ks, ke = masks.band_keys(lo, hi, qs, qe, Lk)
         if ke <= ks:  # the whole block sees nothing
             outs.append(query.new_zeros(B, H, qe - qs, Dv))
             continue
-        i = torch.arange(qs, qe, device=query.device)[:, None]  # (bq, 1)
-        j = torch.arange(ks, ke, device=query.device)[None, :]  # (1, bk)
-        keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=query.device)  # (bq, bk)
-        if lo != -math.inf:
-            keep &= j >= i + int(lo)
-        if hi != math.inf:
-            keep &= j <= i + int(hi)
         qb, kb, vb = query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke]  # (B, H, bq, D), (B, H, bk, D)
-        if bool(keep.all()):
+        if masks.band_block(lo, hi, qs, qe - qs, ks, ke - ks) == 1:  # the band covers the whole block
             o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, dropout_p=dropout_p)
         else:
+            i = torch.arange(qs, qe, device=query.device)[:, None]  # (bq, 1)
+            j = torch.arange(ks, ke, device=query.device)[None, :]  # (1, bk)
+            keep = masks.band_keep(lo, hi, i, j)  # (bq, bk)
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep, scale=scale, dropout_p=dropout_p)
-            if query.device.type != "cpu":  # rows that see nothing: zeros (SDPA's CPU kernel gives them)
-                o = o.masked_fill(~keep.any(-1, keepdim=True), 0.0)
+            o = masks.zero_empty_rows(o, keep, kernel_did=query.device.type == "cpu")
         outs.append(o)  # (B, H, bq, Dv)
     return torch.cat(outs, dim=2)  # (B, H, Lq, Dv)
 

@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 
+from multihead import masks
 from multihead.backends.registry import Request, Unavailable, forget, register
 
 _COMPILED: dict = {}
@@ -119,9 +120,8 @@ def run(query, key, value, mask, *, scale, dropout_p):
         _FAILED[(query.device.type, query.dtype, B, H, Hkv, Lq, Lk, D, value.shape[-1])] = reason
         forget()  # its capability changed: "auto"'s remembered choices are dropped
         raise Unavailable(f"its compile failed: {reason}") from e
-    if mask is not None:  # rows with nothing to attend to: zeros (as every backend)
-        keep = mask.keep(B, H, Lq, Lk, query.device)
-        out = out.masked_fill(~keep.any(-1, keepdim=True), 0.0)
+    if mask is not None:
+        out = masks.zero_empty_rows(out, mask.keep(B, H, Lq, Lk, query.device))
     return out
 
 

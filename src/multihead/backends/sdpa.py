@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from multihead import masks
 from multihead.backends.registry import Request, register
 from multihead.masks import Causal
 
@@ -61,11 +62,7 @@ def run(query, key, value, mask, *, scale, dropout_p, sinks=None):
     bias = mask.bias(B, H, Lq, Lk, query.device, query.dtype)
     attn_mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kw)  # (B, H, Lq, Dv)
-    if query.device.type != "cpu":
-        # SDPA's CPU kernels give zeros for rows with nothing to attend to (tested);
-        # elsewhere we do not rely on the kernel for it.
-        out = out.masked_fill(~keep.any(-1, keepdim=True), 0.0)
-    return out
+    return masks.zero_empty_rows(out, keep, kernel_did=query.device.type == "cpu")  # the CPU kernels give the zeros
 
 
 def describe(req: Request) -> str:
