@@ -31,6 +31,7 @@ from multihead.hooks import hooked_modules
 from multihead.hooks import num_heads as _num_heads
 from multihead.modules import MultiHeadAttention
 from multihead.modules import linear as _empty_ok_linear
+from multihead.surgery import fold_into_bias, head_rows, select
 
 __all__ = ["Importance", "attention_modules", "gated", "head_counts", "importance", "mean_head_outputs", "prune",
            "pruning_curve", "resize"]
@@ -231,10 +232,6 @@ def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module
         model.train(was_training)
 
 
-def _rows(idx: list[int], size: int) -> list[int]:
-    return [i * size + d for i in idx for d in range(size)]
-
-
 def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: bool, copy: bool) -> None:
     """The one rebuild of a module's projections for new head sets: query heads ``keep``
     and key/value heads ``kv`` (indices into the current ones). ``copy`` carries their
@@ -246,20 +243,17 @@ def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: b
 
     def linear(old, in_features, rows=None, cols=None, bias=None):
         bias = old.bias is not None if bias is None else bias
-        out_features = len(rows) if rows is not None else old.out_features
-        new = _empty_ok_linear(in_features, out_features, bias, device=dev, dtype=dt)
-        if copy:
-            w = old.weight if rows is None else old.weight[rows]
-            new.weight.copy_(w if cols is None else w[:, cols])
-            if bias and old.bias is not None:
-                new.bias.copy_(old.bias if rows is None else old.bias[rows])
-            elif bias:
-                new.bias.zero_()
+        if not copy:  # fresh layers of the new sizes, to be filled by a checkpoint
+            out_features = len(rows) if rows is not None else old.out_features
+            return _empty_ok_linear(in_features, out_features, bias, device=dev, dtype=dt)
+        new = select(old, rows, cols)  # the kept heads' rows / columns
+        if bias and new.bias is None:  # a bias to fold removed heads' mean outputs into
+            new.bias = nn.Parameter(new.weight.new_zeros(new.out_features))
         return new
 
     with torch.no_grad():
-        new = [linear(q, q.in_features, _rows(keep, D)), linear(k, k.in_features, _rows(kv, D)),
-               linear(v, v.in_features, _rows(kv, Dv)), linear(o, len(keep) * Dv, cols=_rows(keep, Dv), bias=o_bias)]
+        new = [linear(q, q.in_features, head_rows(keep, D)), linear(k, k.in_features, head_rows(kv, D)),
+               linear(v, v.in_features, head_rows(kv, Dv)), linear(o, len(keep) * Dv, cols=head_rows(keep, Dv), bias=o_bias)]
     for n, lin in zip(m._proj_names, new):
         setattr(m, n, lin)
     m.num_heads, m.num_kv_heads = len(keep), len(kv)
@@ -287,8 +281,7 @@ def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | No
     _rebuild(m, keep, kv, o_bias=o.bias is not None or compensate, copy=True)
     if compensate:  # a removed head's mean output, through o_proj, folded into its bias
         gone = sorted(remove)
-        with torch.no_grad():
-            m.projections()[3].bias += o.weight[:, _rows(gone, Dv)] @ mean_out[gone].reshape(-1).to(o.weight.dtype)
+        fold_into_bias(m.projections()[3], o, head_rows(gone, Dv), mean_out[gone])
 
 
 def head_counts(model: nn.Module) -> dict[str, list[int]]:

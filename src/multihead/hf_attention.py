@@ -1,0 +1,330 @@
+"""transformers' attention, computed by multihead: the attention function and mask function
+registered as ``"multihead"`` (importing :mod:`multihead.hf` imports this), and the discovery of
+the modules that call transformers' attention interface (each gets its hook list).
+
+Importing this module registers ``"multihead"`` through transformers' public extension
+points: :class:`transformers.AttentionInterface` (the attention function) and
+``transformers.masking_utils.AttentionMaskInterface`` (its mask function; without it a
+custom implementation silently receives no padding mask). Every attention call then
+goes through :func:`multihead.attention` (backends, ``explain``, a row with nothing to
+attend to gives zeros), with the module's hook list around it, so ``capture``,
+``heads.gated``, ``heads.importance`` and ``heads.mean_head_outputs`` work on the
+model unchanged.
+
+With :mod:`multihead.hf_heads` and :mod:`multihead.hf_packed`, the only files of the package
+that import transformers. Dependency order: hf_attention -> hf_heads -> hf.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from multihead import hooks as hooks_mod
+from multihead import masks
+from multihead.functional import _weights, attention
+from multihead.hooks import AttentionHooks
+
+__all__ = ["NAME", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "attention_forward", "attention_modules"]
+
+#: the transformers versions this integration is tested with (the ``hf`` extra pins them)
+SUPPORTED = (5, 6)  # >= 5.0, < 6
+NAME = "multihead"
+
+
+def _check_version():
+    from multihead.extras import require
+
+    transformers = require("transformers", "multihead.hf")
+
+    major = int(transformers.__version__.split(".")[0])
+    if not SUPPORTED[0] <= major < SUPPORTED[1]:
+        raise ImportError(
+            f"multihead.hf supports transformers >= {SUPPORTED[0]}.0, < {SUPPORTED[1]}.0; found "
+            f"{transformers.__version__}. Install a supported version: pip install 'multihead[hf]'."
+        )
+
+
+_check_version()
+
+from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+#: keywords transformers hands every attention function that do not change what attention computes,
+#: with the reason each is safe to receive (anything else not named in the signature is refused)
+NOT_ATTENTION = {
+    "position_ids": "positions are applied by the model (rotary embeddings) before the call; packed rows reach "
+                    "the call as the block-diagonal mask transformers builds from them",
+    "use_cache": "the model's cache is updated before the call; the keys and values arrive complete",
+    "output_hidden_states": "a model-level output flag",
+    "output_router_logits": "a mixture-of-experts output flag",
+    "num_items_in_batch": "a loss normaliser",
+    "deterministic": "a flash-attention backward flag; multihead's forward is deterministic",
+}
+
+
+#: keywords some families pass that multihead does not compute, each refused with its reason
+REFUSED = {
+    "indices": "sparse top-k attention (a learned indexer picks the keys)",
+    "block_indices": "block-sparse attention",
+    "sinks": "a second sink convention (s_aux is gpt-oss'); not verified to mean the same",
+    "query": "a model that hands its own query/key/value a second time by keyword",
+    "key": "a model that hands its own query/key/value a second time by keyword",
+    "value": "a model that hands its own query/key/value a second time by keyword",
+    "cache": "transformers' paged cache (continuous batching)",
+    "seq_idx": "packed-sequence indices of a state-space layer",
+}
+
+
+def _causal(module: nn.Module, is_causal: bool | None, attention_mask, Lq: int) -> bool:
+    """transformers' sdpa rule: the argument, else the module's ``is_causal`` (default True); only
+    when there is no mask and more than one query (a mask, when given, already holds causality)."""
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    return Lq > 1 and attention_mask is None and causal
+
+
+def _refuse(module: nn.Module, kwargs: dict) -> None:
+    unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION and v is not None)
+    if unknown:
+        why = "; ".join(f"{k}: {REFUSED[k]}" for k in unknown if k in REFUSED)
+        raise TypeError(f"{type(module).__name__} passes {', '.join(repr(k) for k in unknown)} to its attention "
+                        + (f"function ({why}); " if why else "function; ") + "multihead does not compute "
+                        f"{'these arguments' if len(unknown) > 1 else 'this argument'} and will not ignore "
+                        f"{'them' if len(unknown) > 1 else 'it'}. Load the model with attn_implementation='sdpa' "
+                        "or 'eager' for this family.")
+
+
+def _live(mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
+    """(B, Lq) True = a real query row, for head statistics: with self-attention over one sequence
+    (Lq == Lk), row i is padding when key i may be seen by no row; otherwise a row with nothing to
+    attend to. None: every row is real."""
+    if mask is None:
+        return None
+    keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B|1, H|1, Lq|1, Lk)
+    keep = keep.expand(keep.shape[0], keep.shape[1], Lq, Lk).any(1)  # (B|1, Lq, Lk)
+    live = keep.any(1) if Lq == Lk else keep.any(-1)  # (B|1, Lq)
+    return None if bool(live.all()) else live
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      position_bias: Tensor | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
+                      sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None,
+                      cu_seq_lens_k: Tensor | None = None, max_length_q: int | None = None,
+                      max_length_k: int | None = None, output_attentions: bool | None = False,
+                      **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function contract on multihead; every argument is computed or refused.
+
+    query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); attention_mask a bool
+    keep mask or float bias broadcastable to (B, H, Lq, Lk) (or None)
+    -> (out (B, Lq, H, Dv), weights (B, H, Lq, Lk) when ``output_attentions`` else None).
+
+    - ``scaling``, ``dropout``, ``is_causal`` (defaulted as transformers' sdpa does);
+    - ``position_bias`` (T5): added to the scores; a layer whose heads were pruned takes its rows;
+    - ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss' sinks): score modifiers of the spec;
+    - ``sliding_window``: the window is in the mask transformers' mask function builds (the one
+      sdpa gets); a call without a mask whose window would cut keys is refused;
+    - ``cu_seq_lens_q/k``, ``max_length_q/k``: packed rows (B = 1) run varlen, sequence by sequence;
+    - the keywords in :data:`NOT_ATTENTION` do not change attention; any other is refused.
+    """
+    _refuse(module, kwargs)
+    hooks = module.__dict__.get("attention_hooks")
+    if hooks is None:  # a model loaded with attn_implementation="multihead" and not attached yet
+        hooks = module.__dict__["attention_hooks"] = AttentionHooks()
+    B, H, Lq, _ = query.shape
+    Lk = key.shape[2]
+    hooks.seen = (H, key.shape[1], query.shape[-1], value.shape[-1])
+    if hooks.num_heads != H:
+        if hooks:  # gates or observers were made for the count read before any call: refuse, never mis-gate
+            raise ValueError(f"{type(module).__name__}: multihead read {hooks.num_heads} heads from its attributes or "
+                             f"config, but it calls attention with H={H} (query {tuple(query.shape)}); run the model "
+                             "once outside heads.gated / capture so the count is taken from the call.")
+        hooks.num_heads = H  # the call is the truth
+    if H == 0:  # every head pruned: nothing to attend; the output projection gives its bias
+        return query.new_zeros(B, Lq, 0, value.shape[-1]), None
+    if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
+        position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        packed_causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        hooks.args = (scaling, dropout, packed_causal, softcap, s_aux is not None, sliding_window,
+                      position_bias is not None, True, attention_mask is not None)
+        return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                       softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                       output_attentions)
+    causal = _causal(module, is_causal, attention_mask, Lq)
+    hooks.args = (scaling, dropout, causal, softcap, s_aux is not None, sliding_window, position_bias is not None,
+                  False, attention_mask is not None)
+    if attention_mask is None and sliding_window is not None and Lk > sliding_window and Lq > 1:
+        raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} with Lk={Lk} keys but no "
+                         "attention mask: the window is not in the mask, and its alignment is the model's. Build the "
+                         "model's masks with transformers (multihead registers sdpa's mask function).")
+    mask = masks.from_hf(attention_mask)
+    if causal:
+        if Lk > Lq:  # prefill into an empty static cache: the keys past Lq are not written yet (as sdpa)
+            key, value = key[:, :, :Lq], value[:, :, :Lq]
+            position_bias = None if position_bias is None else position_bias[..., :Lq]
+        mask = masks.Causal()
+    if position_bias is not None:
+        mask = masks.Dense(position_bias) if mask is None else mask & masks.Dense(position_bias)
+    mods = {"softcap": softcap, "sinks": None if s_aux is None else s_aux.to(query.dtype)}
+    if hooks.observers:
+        hooks.observe(module, query, key, mask, scaling, **{k: v for k, v in mods.items() if v is not None})
+    out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout, **mods)  # (B, H, Lq, Dv)
+    out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
+    if hooks.transforms:
+        out = hooks.transform(module, out, _live(attention_mask, Lq, key.shape[2]))
+    weights = _weights(query, key, mask, scaling, **mods) if output_attentions else None
+    return out.contiguous(), weights
+
+
+def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, softcap,
+            s_aux, sliding_window, cu_q, cu_k, max_q, max_k, output_attentions):
+    """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments: sequence b is
+    tokens cu[b]:cu[b+1]; causal within each sequence when the module is; a ``sliding_window`` w
+    keeps keys with |i - j| < w inside each sequence (transformers' masks: ``kv > q - w`` causal,
+    ``|q - kv| <= config.sliding_window = w - 1`` bidirectional, as ModernBERT passes it). Runs varlen."""
+    from multihead.varlen import attention_varlen
+
+    name = type(module).__name__
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux}
+    extra = [k for k, v in extra.items() if v is not None]
+    if extra or output_attentions or hooks.observers:
+        what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
+        raise ValueError(f"{name}: packed sequences (cu_seq_lens_q/k) with {what} are not computed varlen; pass a "
+                         "padded batch instead.")
+    if query.shape[0] != 1:
+        raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query {tuple(query.shape)}.")
+    for nm, cu, n, mx in (("q", cu_q, query.shape[2], max_q), ("k", cu_k, key.shape[2], max_k)):
+        if int(cu[-1]) != n:
+            raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {int(cu[-1])} but the packed row holds {n} tokens.")
+        if mx is not None and int(mx) != int((cu[1:] - cu[:-1]).max()):
+            raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
+                             f"{int((cu[1:] - cu[:-1]).max())} tokens.")
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    if causal and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise ValueError(f"{name}: causal packed sequences with different query and key boundaries (cu_seq_lens_q "
+                         f"{cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()}): the causal alignment would be a guess.")
+    q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
+    mask = masks.Causal() if causal else None
+    if sliding_window is not None:  # transformers' window w (its flash path's (w-1, w-1)): |i - j| < w, causal or not
+        mask = masks.SlidingWindow(int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    out = attention_varlen(q, k, v, cu_q, cu_k, mask, scale=scaling, dropout_p=dropout)  # (N, H, Dv)
+    out = out[None]  # (N, H, Dv) -> (1, N, H, Dv)
+    if hooks.transforms:
+        out = hooks.transform(module, out, None)
+    return out.contiguous(), None
+
+
+AttentionInterface.register(NAME, attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # the boolean masks sdpa gets: padding is never dropped
+
+
+def _model_file_calls_interface(cls: type) -> bool:
+    """Whether the modeling file of ``cls`` (or of a class it derives from) calls the attention
+    interface at all: a model built from one that does not (Falcon, GPT-J, DeBERTa-v2) never reaches it."""
+    known = _FILES.get(cls)
+    if known is None:
+        known = False
+        for c in cls.__mro__:
+            if c is PreTrainedModel or not issubclass(c, PreTrainedModel):
+                continue  # the model's own classes only (the mixins live in modeling_utils)
+            try:
+                src = inspect.getsource(inspect.getmodule(c))
+            except (OSError, TypeError):
+                continue
+            if "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src:
+                known = True
+                break
+        _FILES[cls] = known
+    return known
+
+
+_FILES: dict[type, bool] = {}
+
+
+def _guard_construction() -> None:
+    """A model whose attention never goes through the interface, built with
+    ``attn_implementation="multihead"`` (``from_pretrained`` or a config), gets one clear ValueError
+    before its layers are built, not a KeyError from inside them. The guard wraps transformers'
+    ``PreTrainedModel.get_correct_attn_implementation`` and acts only on a request for "multihead"."""
+    orig = PreTrainedModel.get_correct_attn_implementation
+    if getattr(orig, "_multihead_guard", False):
+        return
+
+    def guarded(self, requested_attention, is_init_check=False):
+        if requested_attention == NAME and not _model_file_calls_interface(type(self)) and \
+                not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
+            raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
+                             "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
+                             "it; multihead can neither see nor replace its attention. Load it with "
+                             "attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
+        return orig(self, requested_attention, is_init_check)
+
+    guarded._multihead_guard = True
+    PreTrainedModel.get_correct_attn_implementation = guarded
+
+
+_guard_construction()
+
+
+def _calls_interface(cls: type) -> bool:
+    """Whether a module class's forward calls transformers' attention interface (read from its source,
+    as transformers itself decides whether a model can switch implementation)."""
+    known = _CALLS.get(cls)
+    if known is None:
+        fwd = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
+        try:
+            src = inspect.getsource(fwd) if fwd is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        known = _CALLS[cls] = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src
+    return known
+
+
+_CALLS: dict[type, bool] = {}
+
+
+def _head_count(m: nn.Module) -> int | None:
+    """H of an attention module before any call: its own attribute, else its config's."""
+    for a in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+        if isinstance(m.__dict__.get(a), int):
+            return m.__dict__[a]
+    cfg = getattr(m, "config", None)
+    n = getattr(cfg, "num_attention_heads", None)
+    return n if isinstance(n, int) else None
+
+
+def _discover(model: nn.Module) -> None:
+    """Give a hook list to every module of a transformers model running multihead's attention that
+    calls the attention interface (what ``capture`` and ``heads`` look for)."""
+    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != NAME:
+        return
+    for m in model.modules():
+        if "attention_hooks" not in m.__dict__ and _calls_interface(type(m)):
+            hooks = AttentionHooks()
+            hooks.num_heads = _head_count(m)
+            m.__dict__["attention_hooks"] = hooks
+
+
+hooks_mod.DISCOVERERS.append(_discover)
+
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every attention module of a transformers model running multihead's attention: the modules
+    whose forward calls transformers' attention interface, by qualified name, in order."""
+    _discover(model)
+    return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("attention_hooks"), AttentionHooks)}
+
+
+def _refusal(model: nn.Module) -> str:
+    attn = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+    return (f"{type(model).__name__}: none of its modules calls transformers' attention interface "
+            f"(ALL_ATTENTION_FUNCTIONS){'; ' + ', '.join(attn) + ' compute attention themselves' if attn else ''}, "
+            "so multihead can neither see nor replace its attention. Use multihead's own modules, or keep "
+            "attn_implementation='sdpa' for this model.")
