@@ -169,6 +169,23 @@ def test_prune_errors():
         heads.importance(model, batches(), loss_fn, "random")
 
 
+@pytest.mark.parametrize("method", ["gradient", "ablation", "entropy"])
+def test_each_importance_method_is_its_own_function_with_one_result_type(method):
+    model = Stack()
+    via_name = heads.importance(model, batches(), loss_fn, method, progress=False)
+    own = heads.METHODS[method](model, batches(), loss_fn, progress=False)
+    assert type(own) is heads.Importance and own.method == method and own.names == via_name.names
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(own.scores, via_name.scores))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(own.raw, via_name.raw))
+    others = {"gradient": {"fill": {"layers.0": torch.zeros(6, 4)}}, "ablation": {"normalize": False},
+              "entropy": {"normalize": False}}[method]
+    (option, value), = others.items()
+    with pytest.raises(ValueError, match=rf"{option}= is an option of method='(ablation|gradient)'.*got method='{method}'"):
+        heads.importance(model, batches(), loss_fn, method, progress=False, **{option: value})
+    with pytest.raises(ValueError, match="importance needs at least one batch"):
+        heads.METHODS[method](model, [], loss_fn, progress=False)
+
+
 def test_varlen_path_is_gated_too():
     mha = MultiHeadAttention(768, 12, query_size=768, key_size=768, value_size=768).eval()
     x = torch.randn(2, 300, 768)

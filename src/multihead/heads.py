@@ -1,4 +1,6 @@
-"""Cut the heads: gates, head importance, physical pruning, the pruning curve.
+"""Cut the heads: physical pruning and the pruning curve; gates (:mod:`multihead.gates`) and head
+importance (:mod:`multihead.importance`) are re-exported here, so ``heads.gated`` and
+``heads.importance`` are where the course's exercise finds them.
 
 - :func:`gated` installs a gate ξ_h on every head's output (a transform in the
   module's own hook list, removed on exit: no flag threads through any forward);
@@ -13,122 +15,35 @@ Pruning every head of a layer is allowed: the module then outputs its output
 projection's bias (zeros without bias), exactly what gating all its heads gives.
 """
 
+
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from multihead.capture import capture
 from multihead.compat import TorchMultiheadAttention
-from multihead.hooks import hooked_modules
+from multihead.gates import attention_modules, gated
 from multihead.hooks import num_heads as _num_heads
+from multihead.importance import (
+    METHODS,
+    Importance,
+    ablation_importance,
+    entropy_importance,
+    gradient_importance,
+    importance,
+)
 from multihead.modules import MultiHeadAttention
 from multihead.modules import linear as _empty_ok_linear
 from multihead.surgery import fold_into_bias, head_rows, select
 
-__all__ = ["Importance", "attention_modules", "gated", "head_counts", "importance", "mean_head_outputs", "prune",
-           "pruning_curve", "resize"]
-
-
-def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every attention module in ``model`` with a hook list (multihead's own, and a transformers
-    model's after ``multihead.hf.attach``), by qualified name, in order."""
-    return hooked_modules(model)
-
-
-@contextlib.contextmanager
-def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requires_grad: bool = False,
-          fill: Mapping[str, Tensor] | None = None):
-    """Inside the block every head's output is scaled by its gate (default 1).
-    With ``fill`` ({module: (H, Dv)}), a head's output becomes
-    ``gate * output + (1 - gate) * fill``: gated off, it is replaced by ``fill``
-    (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
-    gates are removed afterwards."""
-    mods = attention_modules(model)
-    for name in list(values or ()) + list(fill or ()):
-        if name not in mods:
-            raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
-    gates, handles = {}, []
-    for name, m in mods.items():
-        H = _num_heads(m)
-        g = values[name].detach().clone() if values is not None and name in values else None
-        if g is None:
-            w = next(iter(m.parameters()))
-            g = torch.ones(H, device=w.device, dtype=w.dtype)
-        if g.shape != (H,):
-            raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
-        g.requires_grad_(requires_grad)
-        gates[name] = g
-        handles.append(m.attention_hooks.add_transform(_gate(g, None if fill is None else fill.get(name))))
-    try:
-        yield gates
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _gate(g: Tensor, fill: Tensor | None):
-    """A transform: head h's output (..., H, Dv) becomes ``g[h] * out + (1 - g[h]) * fill[h]``."""
-
-    def transform(module, out: Tensor, live) -> Tensor:
-        gh = g.to(device=out.device, dtype=out.dtype)[:, None]  # (H,) -> (H, 1), on the output's device
-        if fill is None:
-            return out * gh
-        return out * gh + (1 - gh) * fill.to(device=out.device, dtype=out.dtype)  # fill (H, Dv)
-
-    return transform
-
-
-@dataclass
-class Importance:
-    """Head scores: higher = more important. ``names[i]`` has ``scores[i]`` of shape (H_i,)."""
-
-    names: list[str]
-    scores: list[Tensor]
-    method: str
-    raw: list[Tensor] = field(default_factory=list)
-
-    def table(self) -> Tensor:
-        """(layers, max heads), NaN where a layer has fewer heads."""
-        H = max((len(s) for s in self.scores), default=0)
-        t = torch.full((len(self.scores), H), float("nan"))
-        for i, s in enumerate(self.scores):
-            t[i, : len(s)] = s
-        return t
-
-    def order(self) -> list[tuple[str, int]]:
-        """Every (module, head), least important first."""
-        items = [(float(s[h]), n, h) for n, s in zip(self.names, self.scores) for h in range(len(s))]
-        return [(n, h) for _, n, h in sorted(items)]
-
-    def least(self, count: int) -> dict[str, list[int]]:
-        """The ``count`` least important heads, as {module: [heads]} for :func:`prune`."""
-        out: dict[str, list[int]] = {}
-        for n, h in self.order()[:count]:
-            out.setdefault(n, []).append(h)
-        return out
-
-    def to_markdown(self, digits: int = 3) -> str:
-        H = self.table().shape[1]
-        lines = [f"| module ({self.method}) | " + " | ".join(f"h{h}" for h in range(H)) + " |",
-                 "|---|" + "---:|" * H]
-        for n, s in zip(self.names, self.scores):
-            cells = [f"{float(x):.{digits}f}" for x in s] + [""] * (H - len(s))
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        return {"method": self.method, "modules": {n: s.tolist() for n, s in zip(self.names, self.scores)}}
-
-    def _repr_markdown_(self) -> str:  # a table in a notebook
-        return self.to_markdown()
+__all__ = ["METHODS", "Curve", "Importance", "ablation_importance", "attention_modules", "entropy_importance", "gated",
+           "gradient_importance", "head_counts", "importance", "mean_head_outputs", "plot_curve", "prune",
+           "pruning_curve", "resize", "save_curve"]
 
 
 class Curve(list):
@@ -147,89 +62,11 @@ class Curve(list):
         return self.to_markdown()
 
     def plot(self, metric_name: str = "metric"):
-        """The curve as a figure (:func:`curve_figure`): the metric and the speed-up against the share pruned."""
+        """The curve as a figure (:func:`multihead.viz.curve_figure`): the metric and the speed-up
+        against the share pruned."""
+        from multihead.viz.curves import curve_figure
+
         return curve_figure(self, metric_name=metric_name)
-
-
-def _bar(it, desc: str, progress: bool, total: int | None = None):
-    if not progress:
-        return it
-    from tqdm.auto import tqdm
-
-    return tqdm(it, desc=desc, total=total, mininterval=1.0)
-
-
-def importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], Tensor],
-               method: str = "gradient", *, normalize: bool = True, progress: bool = True,
-               fill: Mapping[str, Tensor] | None = None) -> Importance:
-    """Score every head of ``model`` on ``batches``.
-
-    loss_fn(model, batch) -> a scalar loss. Methods:
-      - "gradient": I_h = mean over batches of |dL/dξ_h| at ξ = 1 (Michel et al. 2019),
-        divided by the layer's L2 norm when ``normalize``;
-      - "ablation": mean loss with head h alone gated off (replaced by ``fill`` when
-        given, else zeros), minus the mean loss of the full model (higher = the head
-        matters more);
-      - "entropy": minus the mean entropy of the head's attention rows (a focused head
-        scores higher); ``raw`` keeps the entropies. loss_fn only has to run the model.
-    """
-    if method not in ("gradient", "ablation", "entropy"):
-        raise ValueError(f"method must be 'gradient', 'ablation' or 'entropy'; got {method!r}.")
-    mods = attention_modules(model)
-    if not mods:
-        raise ValueError("the model has no multihead attention modules to score.")
-    names = list(mods)
-    batches = list(batches)
-    if not batches:
-        raise ValueError("importance needs at least one batch.")
-    was_training = model.training
-    model.eval()
-    try:
-        if method == "gradient":
-            total = {n: torch.zeros(_num_heads(mods[n])) for n in names}
-            with gated(model, requires_grad=True) as g:
-                for b in _bar(batches, "importance (gradient)", progress):
-                    loss = loss_fn(model, b)
-                    grads = torch.autograd.grad(loss, [g[n] for n in names], allow_unused=True)
-                    for n, gr in zip(names, grads):
-                        if gr is not None:
-                            total[n] += gr.detach().abs().cpu()
-            scores = [total[n] / len(batches) for n in names]
-            if normalize:
-                scores = [s / s.norm().clamp_min(1e-20) for s in scores]
-            return Importance(names, scores, method, [t / len(batches) for t in (total[n] for n in names)])
-        if method == "ablation":
-            with torch.no_grad():
-                base = sum(float(loss_fn(model, b)) for b in batches) / len(batches)
-                scores = []
-                todo = [(n, h) for n in names for h in range(_num_heads(mods[n]))]
-                results = {}
-                for n, h in _bar(todo, "importance (ablation)", progress):
-                    vals = torch.ones(_num_heads(mods[n]))
-                    vals[h] = 0.0
-                    with gated(model, {n: vals}, fill=fill):
-                        results[(n, h)] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
-                for n in names:
-                    scores.append(torch.tensor([results[(n, h)] for h in range(_num_heads(mods[n]))]))
-            return Importance(names, scores, method, [s.clone() for s in scores])
-        # entropy
-        sums = {n: torch.zeros(_num_heads(mods[n])) for n in names}
-        counts = dict.fromkeys(names, 0)
-        with torch.no_grad():
-            for b in _bar(batches, "importance (entropy)", progress):
-                with capture(model, to_cpu=True) as cap:
-                    loss_fn(model, b)
-                for n in names:
-                    for w in cap.calls(n) if n in cap else []:
-                        w = w.double()  # (B, H, Lq, Lk)
-                        ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # (B, H, Lq)
-                        live = (w.sum(-1) > 0.5).double()  # rows with something to attend to
-                        sums[n] += (ent * live).sum((0, 2)).float()
-                        counts[n] += int(live[:, 0].sum())
-        raw = [sums[n] / max(1, counts[n]) for n in names]
-        return Importance(names, [-r for r in raw], method, raw)
-    finally:
-        model.train(was_training)
 
 
 def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: bool, copy: bool) -> None:
@@ -452,36 +289,10 @@ def pruning_curve(
 
 
 def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric", baseline_ms: dict | None = None):
-    """The pruning curve (:func:`curve_figure`) saved to ``path``."""
-    curve_figure(rows, metric_name=metric_name, baseline_ms=baseline_ms).savefig(path, dpi=110)
-    return Path(path)
+    """The pruning curve (:func:`multihead.viz.curve_figure`) saved to ``path``."""
+    from multihead.viz.curves import plot_curve as plot
 
-
-def curve_figure(rows: list[dict], *, metric_name: str = "metric", baseline_ms: dict | None = None):
-    """The pruning curve as a matplotlib Figure: the metric and (when measured) the speed-up against
-    the unpruned model, both against the share of heads pruned (a notebook shows it inline)."""
-    from multihead.extras import require
-
-    Figure = require("matplotlib.figure", "plot_curve").Figure  # no pyplot: the caller's backend is left alone
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    fr = [100 * r["fraction"] for r in rows]
-    lines = ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0", label=metric_name)
-    ax.set_xlabel("heads pruned (%)")
-    ax.set_ylabel(metric_name, color="C0")
-    ax.set_title(f"pruning curve: {metric_name}" + (" and speed-up" if rows and "speed_ms" in rows[0] else "")
-                 + " against the share of heads pruned", fontsize=9)
-    if rows and "speed_ms" in rows[0]:
-        ax2 = ax.twinx()
-        base = baseline_ms or rows[0]["speed_ms"]
-        for i, b in enumerate(sorted(rows[0]["speed_ms"], key=int)):
-            lines += ax2.plot(fr, [base[b] / r["speed_ms"][b] for r in rows], "s--", color=f"C{i + 1}",
-                              label=f"speed-up, batch {b}")
-        ax2.set_ylabel("speed-up (x the unpruned model)")
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="lower left")  # one legend for both axes
-    fig.tight_layout()
-    return fig
+    return plot(rows, path, metric_name=metric_name, baseline_ms=baseline_ms)
 
 
 def save_curve(rows: list[dict], path: str | Path) -> Path:

@@ -1,0 +1,68 @@
+"""Head gates: a gate ξ_h on every head's output, installed in each attention module's own hook
+list for the length of a ``with`` block (no flag threads through any forward). What
+:mod:`multihead.importance` measures with and :mod:`multihead.heads` prunes to.
+
+Dependency order: hooks, capture -> gates -> importance -> heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from multihead.hooks import hooked_modules
+from multihead.hooks import num_heads as _num_heads
+
+__all__ = ["attention_modules", "gated"]
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every attention module in ``model`` with a hook list (multihead's own, and a transformers
+    model's after ``multihead.hf.attach``), by qualified name, in order."""
+    return hooked_modules(model)
+
+
+@contextlib.contextmanager
+def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requires_grad: bool = False,
+          fill: Mapping[str, Tensor] | None = None):
+    """Inside the block every head's output is scaled by its gate (default 1).
+    With ``fill`` ({module: (H, Dv)}), a head's output becomes
+    ``gate * output + (1 - gate) * fill``: gated off, it is replaced by ``fill``
+    (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
+    gates are removed afterwards."""
+    mods = attention_modules(model)
+    for name in list(values or ()) + list(fill or ()):
+        if name not in mods:
+            raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
+    gates, handles = {}, []
+    for name, m in mods.items():
+        H = _num_heads(m)
+        g = values[name].detach().clone() if values is not None and name in values else None
+        if g is None:
+            w = next(iter(m.parameters()))
+            g = torch.ones(H, device=w.device, dtype=w.dtype)
+        if g.shape != (H,):
+            raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
+        g.requires_grad_(requires_grad)
+        gates[name] = g
+        handles.append(m.attention_hooks.add_transform(_gate(g, None if fill is None else fill.get(name))))
+    try:
+        yield gates
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _gate(g: Tensor, fill: Tensor | None):
+    """A transform: head h's output (..., H, Dv) becomes ``g[h] * out + (1 - g[h]) * fill[h]``."""
+
+    def transform(module, out: Tensor, live) -> Tensor:
+        gh = g.to(device=out.device, dtype=out.dtype)[:, None]  # (H,) -> (H, 1), on the output's device
+        if fill is None:
+            return out * gh
+        return out * gh + (1 - gh) * fill.to(device=out.device, dtype=out.dtype)  # fill (H, Dv)
+
+    return transform
