@@ -229,10 +229,11 @@ def test_context_parallel_refuses_what_cannot_run_sharded():
             pass
     for attn in (torch.nn.MultiheadAttention(16, 4), TorchMultiheadAttention(16, 4)):
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), attn)
+        hooks = dict(attn._forward_pre_hooks)
         with pytest.raises(ValueError, match=rf"cannot run on sequence shards: 1 \({type(attn).__name__}\)"):
             with cp.context_parallel(model):
                 pass
-        assert not attn._forward_pre_hooks
+        assert dict(attn._forward_pre_hooks) == hooks  # refused before anything was attached
     with pytest.raises(ValueError, match="Linear has no multihead attention module"):
         with cp.context_parallel(torch.nn.Linear(2, 2)):
             pass

@@ -14,12 +14,15 @@ the conversion only, so it does not reach a user who asked for int8.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
-__all__ = ["DTYPES", "is_quantized", "quantize"]
+__all__ = ["DTYPES", "fake_quantized", "is_quantized", "quantize"]
 
 DTYPES = ("int8",)
 KEY = "multihead_quantized"
@@ -50,3 +53,47 @@ def quantize(model: nn.Module, dtype: str = "int8") -> nn.Module:
 def is_quantized(model: nn.Module) -> str | None:
     """The dtype ``model`` was quantized to, or None."""
     return model.__dict__.get(KEY)
+
+
+class _RowInt8(nn.Module):
+    """A weight (out, in) rounded as ``quantize`` stores it: int8, symmetric, one scale per output
+    row; the gradient passes straight through the rounding."""
+
+    def forward(self, w: Tensor) -> Tensor:
+        scale = (w.detach().abs().amax(1) / 127.5).clamp_min(1e-12).float()  # (out,)
+        zero = torch.zeros_like(scale, dtype=torch.int32)
+        return torch.fake_quantize_per_channel_affine(w, scale, zero, 0, -128, 127)
+
+
+def _activation_int8(module: nn.Module, args: tuple):
+    """The input rounded as the dynamic int8 kernel rounds it on each call: one affine scale for
+    the whole tensor from its min and max (uint8; 7 bits where the engine reduces the range)."""
+    (x,) = args
+    lo, hi = x.detach().amin().clamp_max(0.0), x.detach().amax().clamp_min(0.0)
+    qmax = 127 if torch.backends.quantized.engine in ("fbgemm", "x86") else 255
+    scale = float((hi - lo) / qmax) or 1.0
+    zero = int(min(qmax, max(0, round(-float(lo) / scale))))
+    return (torch.fake_quantize_per_tensor_affine(x, scale, zero, 0, qmax),)
+
+
+@contextlib.contextmanager
+def fake_quantized(model: nn.Module, dtype: str = "int8"):
+    """Inside the block every ``nn.Linear`` of ``model`` computes with its weight and its input
+    rounded as :func:`quantize` will round them (weights per output row, activations per call),
+    gradients passing straight through: training inside it (``prune --hf --recover N --quantize
+    int8``'s distillation) fits the model the int8 layers will run. The weights themselves stay
+    float and are left as trained when the block ends."""
+    check_dtype(dtype)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    hooks = []
+    try:
+        for m in linears:
+            parametrize.register_parametrization(m, "weight", _RowInt8())
+            hooks.append(m.register_forward_pre_hook(_activation_int8))
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in model.modules():
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)

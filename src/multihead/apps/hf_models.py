@@ -10,6 +10,7 @@ unpruned one on unlabelled sentences (the same fidelity as the loss).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
                   [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "
                    f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
-    setup.recover_fn = lambda m, steps: recover(m, rec, steps, causal)
+    setup.recover_fn = lambda m, steps, quantize=None: recover(m, rec, steps, causal, quantize=quantize)
     setup.quantize_fn = quantize
 
     def ort_peer():
@@ -152,25 +153,31 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     return setup
 
 
-def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5) -> list[float]:
+def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
+            quantize: str | None = None) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
     ``batches`` ((ids, am), the unpruned model's output); returns the losses. Dropout stays
-    off (eval mode): the target is the unpruned model's deterministic output."""
+    off (eval mode): the target is the unpruned model's deterministic output. ``quantize``:
+    the model will be quantized to it afterwards, so the distillation runs with its Linear layers
+    rounded as they will be (:func:`multihead.quantize.fake_quantized`)."""
     from tqdm.auto import tqdm
+
+    from multihead.quantize import fake_quantized
 
     pruned.eval()
     opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     losses = []
-    for s in tqdm(range(steps), desc="recovery (distillation)", mininterval=1.0):
-        (ids, am), ref = batches[s % len(batches)]
-        if causal:
-            loss = _kl(_logp(pruned, ids, am), ref, am)
-        else:
-            loss = 1 - (_pooled(pruned, ids, am) * ref).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    with fake_quantized(pruned, quantize) if quantize else contextlib.nullcontext():
+        for s in tqdm(range(steps), desc="recovery (distillation)", mininterval=1.0):
+            (ids, am), ref = batches[s % len(batches)]
+            if causal:
+                loss = _kl(_logp(pruned, ids, am), ref, am)
+            else:
+                loss = 1 - (_pooled(pruned, ids, am) * ref).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return losses
 
 

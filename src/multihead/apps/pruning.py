@@ -44,7 +44,7 @@ class Setup:
     peer: tuple[str, nn.Module, Callable] | None = None  # (name, model, run_fn) timed beside ours
     notes: list[str] = field(default_factory=list)
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
-    recover_fn: Callable | None = None  # recover_fn(model, steps) -> losses: distil a pruned model to the unpruned
+    recover_fn: Callable | None = None  # recover_fn(model, steps, quantize=) -> losses: distil a pruned model to the unpruned
     quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
     more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
 
@@ -152,7 +152,7 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
         if setup.recover_fn is None:
             raise ValueError(f"--recover is not available for {setup.name}.")
         final = copy.deepcopy(final)
-        losses = setup.recover_fn(final, recover)
+        losses = setup.recover_fn(final, recover, quantize=quantize)
         recovery = {"steps": recover, "metric_before": rows[-1]["metric"], "metric_after": float(setup.metric_fn(final)),
                     "loss_first": losses[0], "loss_last": losses[-1]}
     setup.pruned = final

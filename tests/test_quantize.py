@@ -1,0 +1,45 @@
+"""int8 for prediction: quantize() and the quantization-aware recovery that prepares for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multihead.quantize import fake_quantized, quantize
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fake_quantized_rounds_as_the_int8_model_does_and_leaves_float_weights():
+    m = _model().eval()
+    x = torch.randn(64, 16) * 3
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with torch.no_grad():
+        flt, q = m(x), quantize(m)(x)
+        with fake_quantized(m):
+            fake = m(x)
+    # the rounding inside the block is the int8 model's, up to the kernels' own arithmetic
+    assert (fake - q).abs().max() < 0.1 * (flt - q).abs().max()
+    assert all(torch.equal(weights[n], p) for n, p in m.named_parameters()) and len(weights) == 4  # untouched
+    assert all(type(p) is nn.Parameter for p in m.parameters()) and not any(
+        hasattr(layer, "parametrizations") for layer in m)  # nothing of the block left on the model
+
+
+def test_training_inside_fake_quantized_updates_the_float_weights():
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)  # made before the block: the same parameters are trained
+    before = m[0].weight.detach().clone()
+    x = torch.randn(8, 16)
+    with fake_quantized(m):
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+    assert m[0].weight.grad is not None and not torch.equal(m[0].weight.detach(), before)
+    with pytest.raises(ValueError, match="unknown dtype 'int4'; supported: int8"):
+        with fake_quantized(m, "int4"):
+            pass
