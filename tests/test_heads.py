@@ -198,3 +198,13 @@ def test_varlen_path_is_gated_too():
     heads.prune(mha, {"": [0, 5]})
     with torch.no_grad():
         assert torch.allclose(mha(x, mask=mask), expected, atol=1e-5)
+
+
+def test_gates_follow_the_output_to_its_device():
+    """Gates and fills made on the CPU act on a model elsewhere (here the meta device, standing in
+    for CUDA on this machine): they are moved to the output's device, as the README's call needs."""
+    m = MultiHeadAttention(16, 4, query_size=16, key_size=16, value_size=16).to("meta")
+    x = torch.randn(2, 5, 16, device="meta")
+    with heads.gated(m, {"": torch.tensor([1.0, 0.0, 1.0, 0.5])}, fill={"": torch.zeros(4, 4)}):
+        out = m(x)
+    assert out.device.type == "meta" and out.shape == (2, 5, 16)

@@ -43,3 +43,36 @@ def test_training_inside_fake_quantized_updates_the_float_weights():
     with pytest.raises(ValueError, match="unknown dtype 'int4'; supported: int8"):
         with fake_quantized(m, "int4"):
             pass
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_activations_get_all_8_bits_only_where_the_kernel_is_exact(monkeypatch):
+    import multihead.quantize as q
+
+    m = _model().eval()
+    x = torch.randn(256, 16) * 3
+    with torch.no_grad():
+        want = m(x)
+        if not q.full_range_exact():
+            pytest.skip("this machine's int8 kernel saturates 8-bit activations: 7 bits are used (tested below)")
+        full = quantize(m)
+        assert all(type(layer).__name__ == "FullRangeLinear" for layer in full if not isinstance(layer, nn.GELU))
+        monkeypatch.setitem(q._EXACT, torch.backends.quantized.engine, False)  # a machine that would saturate
+        seven = quantize(m)
+        assert not any(type(layer).__name__ == "FullRangeLinear" for layer in seven)
+        assert (full(x) - want).abs().mean() < 0.75 * (seven(x) - want).abs().mean()  # the 8th bit halves the error
+
+
+def test_the_exactness_probe_catches_a_saturating_kernel(monkeypatch):
+    """A kernel that saturates 16-bit pairs (as CPUs without VNNI do) is detected by the probe."""
+    import multihead.quantize as q
+
+    real = q._kernel
+
+    def saturating(x, packed, *, reduce_range):
+        y = real(x, packed, reduce_range=reduce_range)
+        return y if reduce_range else y.clamp(max=0.5 * float(y.max()))  # what a saturated sum looks like
+
+    monkeypatch.setattr(q, "_kernel", saturating)
+    monkeypatch.setattr(q, "_EXACT", {})
+    assert q.full_range_exact() is False

@@ -255,7 +255,9 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
         B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
         import warnings
 
-        with warnings.catch_warnings():  # torch's own exporter deprecations, not the user's to act on
+        from multihead.extras import quiet_logs
+
+        with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's to act on
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
             torch.onnx.export(_TokensToHidden(model).eval(), (ids, am), str(path), dynamo=True,

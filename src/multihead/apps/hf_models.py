@@ -69,6 +69,20 @@ def _pooled(model, ids, am):
     return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
 
 
+def _hidden(model, ids, am):
+    return model(input_ids=ids, attention_mask=am).last_hidden_state  # (B, L, E)
+
+
+def _distil_loss(h, ref, am):
+    """How far an encoder's hidden states h (B, L, E) are from the unpruned model's ref: 1 - the
+    cosine of their mean-pooled vectors (the fidelity metric) plus 1 - the mean cosine of the real
+    tokens' states (a target per token: less to overfit on a few hundred sentences)."""
+    m = am.to(h.dtype)[..., None]  # (B, L, 1)
+    pool = lambda x: F.normalize((x * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # noqa: E731 - (B, E)
+    tokens = 1 - F.cosine_similarity(h, ref, dim=-1)  # (B, L)
+    return (1 - (pool(h) * pool(ref)).sum(-1)).mean() + (tokens * am).sum() / am.sum()
+
+
 def _logp(model, ids, am):
     return F.log_softmax(model(input_ids=ids, attention_mask=am).logits.float(), -1)  # (B, L, V)
 
@@ -101,7 +115,8 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     out_fn = _logp if causal else _pooled
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
-        rec = [(b, out_fn(model, *b)) for b in _batches(tok, recover_set, 16, causal)] or imp
+        rec_fn = _logp if causal else _hidden  # recovery matches every token, not only the pooled vector
+        rec = [(b, rec_fn(model, *b)) for b in _batches(tok, recover_set or head, 16, causal)]
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
@@ -156,7 +171,9 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
             quantize: str | None = None) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
-    ``batches`` ((ids, am), the unpruned model's output); returns the losses. Dropout stays
+    ``batches`` ((ids, am), the unpruned model's output: next-token log-probabilities of a
+    decoder, hidden states (B, L, E) of an encoder, matched by :func:`_distil_loss`); returns the
+    losses. Dropout stays
     off (eval mode): the target is the unpruned model's deterministic output. ``quantize``:
     the model will be quantized to it afterwards, so the distillation runs with its Linear layers
     rounded as they will be (:func:`multihead.quantize.fake_quantized`)."""
@@ -173,7 +190,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             if causal:
                 loss = _kl(_logp(pruned, ids, am), ref, am)
             else:
-                loss = 1 - (_pooled(pruned, ids, am) * ref).sum(-1).mean()
+                loss = _distil_loss(_hidden(pruned, ids, am), ref, am)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -27,14 +27,15 @@ def ort_int8(model, example: dict) -> OrtModel:
     import tempfile
 
     import multihead.hf as mhf
-    from multihead.extras import require
+    from multihead.extras import quiet_logs, require
 
     ort = require("onnxruntime", "the ONNX Runtime peer")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     d = Path(tempfile.mkdtemp())
     mhf.export_onnx(model, d / "fp32.onnx", example={k: example[k] for k in ("input_ids", "attention_mask")})
-    quantize_dynamic(str(d / "fp32.onnx"), str(d / "int8.onnx"), weight_type=QuantType.QInt8)
+    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
+        quantize_dynamic(str(d / "fp32.onnx"), str(d / "int8.onnx"), weight_type=QuantType.QInt8)
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
     so.inter_op_num_threads = 1
