@@ -288,10 +288,11 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             return "no padding in the mask"
         if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
             return "under torch.compile (packing needs data-dependent shapes)"
-        if not varlen.could_pay(keys.shape[1], self._flop_per_token()):
+        flop = self._flop_per_token()
+        if not varlen.could_pay(keys.shape[1], flop):
             return f"skipping padding cannot pay for the per-sequence loop at Lk={keys.shape[1]}"
         B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=self._flop_per_token())
+        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=flop)
         return varlen.Packed.from_plan(p, B, Lq, Lk, m) if isinstance(p, varlen.Packing) else p
 
     def _calls(self, B: int, Lq: int, Lk: int, mask) -> tuple[CoreCall, ...]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -35,8 +35,7 @@ __all__ = ["CoreCall", "Explanation", "Plan"]
 Layout = Literal["dense", "packed", "cached", "sharded"]
 
 
-@dataclass(frozen=True)
-class CoreCall:
+class CoreCall(NamedTuple):
     """One call the attention core receives: queries (B, H, Lq, D) against keys (B, Hkv, Lk, D) under
     ``mask``, made ``count`` times in a row (the per-sequence loop of the packed layout)."""
 
@@ -47,13 +46,13 @@ class CoreCall:
     count: int = 1
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """How one module call runs: the layout and why, the validated mask over the padded call
     (B, H, Lq, Lk), and the calls the attention core gets, in order (none when no head is left or
     there are no keys: the output is zeros). ``packed`` (:class:`multihead.varlen.Packed`) says where
     the real tokens are for the packed layout; ``sharded`` is the caller's
-    :class:`multihead.distributed.Sharded` for the sharded one."""
+    :class:`multihead.distributed.Sharded` for the sharded one. (A NamedTuple, as CoreCall: one is
+    made on every call, and a tuple is made in a fraction of a frozen dataclass's time.)"""
 
     layout: Layout
     why: str
