@@ -6,14 +6,10 @@
     heads.prune(model, {"encoder.layer.0.attention.self": [0, 3]})
     multihead.hf.save(model, "pruned");  multihead.hf.load("pruned")
 
-Importing this module registers ``"multihead"`` through transformers' public extension
-points: :class:`transformers.AttentionInterface` (the attention function) and
-``transformers.masking_utils.AttentionMaskInterface`` (its mask function; without it a
-custom implementation silently receives no padding mask). Every attention call then
-goes through :func:`multihead.attention` (backends, ``explain``, a row with nothing to
-attend to gives zeros), with the module's hook list around it, so ``capture``,
-``heads.gated``, ``heads.importance`` and ``heads.mean_head_outputs`` work on the
-model unchanged. :func:`attach` gives each attention module its hook list and its
+Importing this module registers ``"multihead"`` with transformers (see :mod:`multihead.hf_attention`:
+every attention call then goes through :func:`multihead.attention` with the module's hook list
+around it, so ``capture``, ``heads.gated``, ``heads.importance`` work on the model unchanged).
+:func:`attach` gives each attention module its hook list and its
 head layout (which weights hold head h), which ``heads.prune`` uses.
 
 The package's transformers code lives in four files, imported one way:
