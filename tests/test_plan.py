@@ -188,6 +188,9 @@ def test_sharded_is_refused_with_a_cache_or_the_wrong_type():
         m(x, cache={})
     with pytest.raises(TypeError, match=r"KVCache\(model, batch_size, max_len\) takes the model .*got list"):
         KVCache([m], 1, 4)
+    named = MultiHeadAttention(16, 4, query_size=16, key_size=16, value_size=16, backend="math")
+    with pytest.raises(ValueError, match="backend='math' cannot run on sequence-sharded inputs.*'auto'"):
+        named(x, sharded=object.__new__(cp.Sharded))  # refused before the group is consulted
     with pytest.raises(ValueError, match="layout must be"):
         cp.Sharded(layout="spiral")
 

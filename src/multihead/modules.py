@@ -155,6 +155,10 @@ class AttentionCore:
         if self.training and self.dropout > 0:
             raise ValueError(f"dropout={self.dropout} on the attention weights is not supported on sequence-sharded "
                              "inputs (context_parallel); call model.eval(), or build the module with dropout=0.")
+        if self.backend != "auto":
+            raise ValueError(f"backend={self.backend!r} cannot run on sequence-sharded inputs: their attention is "
+                             "ring attention (multihead.distributed), which picks its own kernels; set the module's "
+                             "backend to 'auto' for the sharded call.")
         if self.attention_hooks.observers:
             raise ValueError("capture() cannot record weights on sequence-sharded inputs (context_parallel: each rank "
                              "sees a shard of the keys); gather the inputs and capture on one process.")
@@ -400,7 +404,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
         sharded: a :class:`multihead.distributed.Sharded`: the inputs are this rank's shards of
         sequences spread over a process group and attention is ring attention over the whole
-        sequence (:func:`multihead.distributed.context_parallel` passes it to every module of a model).
+        sequence (:func:`multihead.distributed.context_parallel` passes it to every module of a model);
+        the module's backend must then be "auto" and its attention dropout off (both refused otherwise).
 
         The call is planned once (:meth:`plan`; :meth:`explain` shows the same plan) and executed.
         """
@@ -480,8 +485,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             k = queries.new_empty(B, Hkv, Lk, D, dtype=dtype)  # (B, Hkv, Lk, D)
             v = queries.new_empty(B, Hkv, Lk, Dv, dtype=dtype)  # (B, Hkv, Lk, Dv)
             ring = plan.sharded.explain(q, k, v, plan.mask, scale=self.scale)
-        backend = "auto" if plan.layout == "sharded" else self.backend
-        return planning.explanation(plan, reqs, backend, ring)
+        return planning.explanation(plan, reqs, self.backend, ring)  # sharded: "auto" (checked by _check_sharded)
 
     def _probe(self, queries: Tensor, keys: Tensor, values: Tensor, cache: KVCache | None) -> tuple[torch.dtype, bool]:
         """(dtype, needs grad) of the per-head tensors the core would get: the projections applied to
