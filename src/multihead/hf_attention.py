@@ -198,16 +198,21 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
                          "padded batch instead.")
     if query.shape[0] != 1:
         raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query {tuple(query.shape)}.")
+    cus = {}
     for nm, cu, n, mx in (("q", cu_q, query.shape[2], max_q), ("k", cu_k, key.shape[2], max_k)):
-        if int(cu[-1]) != n:
-            raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {int(cu[-1])} but the packed row holds {n} tokens.")
-        if mx is not None and int(mx) != int((cu[1:] - cu[:-1]).max()):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name}: cu_seq_lens_{nm} must be a 1-D tensor (B+1,) of cumulative lengths; got {cu!r}.")
+        c = cus[nm] = cu.tolist()  # (B+1,) read once
+        if c[-1] != n:
+            raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {c[-1]} but the packed row holds {n} tokens.")
+        longest = max((b - a for a, b in zip(c, c[1:])), default=0)
+        if mx is not None and int(mx) != longest:
             raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
-                             f"{int((cu[1:] - cu[:-1]).max())} tokens.")
+                             f"{longest} tokens.")
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    if causal and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+    if causal and cus["q"] != cus["k"]:
         raise ValueError(f"{name}: causal packed sequences with different query and key boundaries (cu_seq_lens_q "
-                         f"{cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()}): the causal alignment would be a guess.")
+                         f"{cus['q']}, cu_seq_lens_k {cus['k']}): the causal alignment would be a guess.")
     q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
     mask = masks.Causal() if causal else None

@@ -24,6 +24,7 @@ deep-copies and ``state_dict``s as before.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -78,7 +79,19 @@ class Packing:
 
 
 def _kwargs_of(fn) -> dict[str, inspect.Parameter]:
-    return dict(inspect.signature(fn).parameters)
+    func = getattr(fn, "__func__", None)
+    return dict(_parameters(func, bound=True) if func is not None else _parameters(fn, bound=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(func, *, bound: bool) -> tuple:
+    """A function's (name, parameter) pairs, read once per function (the base model's ``forward``
+    signature is read on every call); ``bound``: as a bound method's (``self`` taken, as inspect does)."""
+    params = tuple(inspect.signature(func).parameters.items())
+    if bound and params and params[0][1].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    return params
 
 
 class _Start:

@@ -28,7 +28,7 @@ from torch import Tensor
 from multihead import checks, masks
 from multihead.functional import _run
 
-__all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "pad", "packing_cost", "plan", "unpad"]
+__all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "cumulative", "pad", "packing_cost", "plan", "unpad"]
 
 #: what one sequence of the per-sequence loop costs, in floating-point operations
 #: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here;
@@ -100,22 +100,30 @@ def attention_varlen(
         if not isinstance(t, Tensor) or t.dim() != 3:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a packed (N, heads, size) tensor; got {got}.")
-    for name, cu, n in (("cu_seqlens_q", cu_seqlens_q, query.shape[0]), ("cu_seqlens_k", cu_seqlens_k, key.shape[0])):
-        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 1:
-            raise ValueError(f"{name} must be a 1-D integer tensor (B+1,) of cumulative lengths; got {cu!r}.")
-        if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"{name} must rise from 0 to the number of packed tokens ({n}); got {cu.tolist()}.")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+    cu_q = cumulative("cu_seqlens_q", cu_seqlens_q, query.shape[0])
+    cu_k = cumulative("cu_seqlens_k", cu_seqlens_k, key.shape[0])
+    if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got "
-                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}.")
+                         f"{len(cu_q) - 1} and {len(cu_k) - 1}.")
     q4, k4, v4 = query[None].transpose(1, 2), key[None].transpose(1, 2), value[None].transpose(1, 2)  # (1, H, N, D)
     checks.attention_inputs(q4, k4, v4, None, scale=scale, dropout_p=dropout_p)
     mask = masks.as_mask(mask)
     if mask is not None and any(not p.packable for p in mask.parts()):
         raise ValueError(f"attention_varlen applies only positional, top-left aligned masks inside each sequence "
                          f"(Causal, SlidingWindow); got {mask!r}.")
-    return _attention_varlen(query, key, value, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), mask, scale=scale,
-                             dropout_p=float(dropout_p), backend=backend)
+    return _attention_varlen(query, key, value, cu_q, cu_k, mask, scale=scale, dropout_p=float(dropout_p),
+                             backend=backend)
+
+
+def cumulative(name: str, cu: object, n: int) -> list[int]:
+    """``cu`` checked as (B+1,) integer cumulative lengths rising from 0 to ``n`` tokens, as a list
+    (read once: the checks and the loop then cost no tensor operations)."""
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor (B+1,) of cumulative lengths; got {cu!r}.")
+    c = cu.tolist()
+    if c[0] != 0 or c[-1] != n or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"{name} must rise from 0 to the number of packed tokens ({n}); got {c}.")
+    return c
 
 
 def _pads(q_lens: list[int], k_lens: list[int], mask: masks.Mask | None) -> bool:
@@ -126,14 +134,20 @@ def _pads(q_lens: list[int], k_lens: list[int], mask: masks.Mask | None) -> bool
 
 def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None) -> list[tuple[int, int, int, masks.Mask | None]]:
     """The calls :func:`attention_varlen` makes to the attention core, in order, as (B, Lq, Lk, mask):
-    one padded call ``Padding(lens)`` for short self-attention, else one per sequence (a sequence
+    one padded call for short self-attention (``KeyPadding``: padded query rows are computed and
+    dropped), else one per sequence (a sequence
     without keys gets zeros and no call)."""
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     if _pads(q_lens, k_lens, mask):
         Lm = max(q_lens)
-        return [(len(q_lens), Lm, Lm, masks.Padding(torch.tensor(q_lens)))] if Lm else []
+        return [(len(q_lens), Lm, Lm, masks.KeyPadding(_keep(q_lens, Lm, "cpu")))] if Lm else []
     return [(1, nq, nk, mask) for nq, nk in zip(q_lens, k_lens) if nk]
+
+
+def _keep(lens: list[int], Lm: int, device) -> Tensor:
+    """(B, Lm) bool: True at the real tokens of sequences of these lengths padded to Lm."""
+    return torch.arange(Lm, device=device) < torch.tensor(lens, device=device)[:, None]  # (B, Lm)
 
 
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, *,
@@ -145,10 +159,16 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: li
     H, Dv = q.shape[1], v.shape[-1]
     if _pads(q_lens, k_lens, mask):  # short self-attention: pad to the longest for one batched call
         B, Lm = len(q_lens), max(q_lens)
-        lens = torch.tensor(q_lens, device=q.device)
-        idx = (torch.arange(Lm, device=q.device) < lens[:, None]).reshape(-1).nonzero().squeeze(1)  # (N,)
-        qp, kp, vp = (pad(t, idx, B, Lm).transpose(1, 2) for t in (q, k, v))  # (N, h, d) -> (B, h, Lm, d)
-        o = _run(qp, kp, vp, masks.Padding(lens), scale=scale, dropout_p=dropout_p, backend=backend)  # (B, H, Lm, Dv)
+        keep = _keep(q_lens, Lm, q.device).reshape(-1)  # (B·Lm,)
+        # the packed token each slot of (B, Lm) reads: a real slot its token, a padded slot the last
+        # token before it (one gather, no zero fill: finite, never attended to as a key under
+        # KeyPadding, and dropped as a query row below)
+        src = (keep.cumsum(0) - 1).clamp_min_(0)  # (B·Lm,)
+        qp, kp, vp = (t.index_select(0, src).view(B, Lm, *t.shape[1:]).transpose(1, 2)  # (N, h, d) -> (B, h, Lm, d)
+                      for t in (q, k, v))
+        o = _run(qp, kp, vp, masks.KeyPadding(keep.view(B, Lm)), scale=scale, dropout_p=dropout_p,
+                 backend=backend)  # (B, H, Lm, Dv)
+        idx = keep.nonzero().squeeze(1)  # (N,) the real tokens' slots in B·Lm
         return o.transpose(1, 2).reshape(B * Lm, H, Dv).index_select(0, idx)  # (B, H, Lm, Dv) -> (N, H, Dv)
     outs = []
     for qs, nq, ks, nk in zip(cu_q, q_lens, cu_k, k_lens):
