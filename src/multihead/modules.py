@@ -350,7 +350,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     def _packed_plan(self, packed: varlen.Packed, m) -> Plan:
         calls: list[CoreCall] = []
         if self.num_heads:
-            for B, Lq, Lk, mask in varlen.core_calls(packed.cu_q, packed.cu_k, packed.rest):
+            pair_flop = 2.0 * self.num_heads * (self.head_dim + self.value_head_dim)
+            for B, Lq, Lk, mask in varlen.core_calls(packed.cu_q, packed.cu_k, packed.rest, pair_flop):
                 last = calls[-1] if calls else None
                 if last is not None and (last.B, last.Lq, last.Lk) == (B, Lq, Lk) and last.mask is mask:
                     calls[-1] = CoreCall(B, Lq, Lk, mask, last.count + 1)

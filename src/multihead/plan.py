@@ -5,8 +5,8 @@ are laid out and which calls its attention core will get:
 
 - ``dense``: (B, L, ·) as given; one core call over (B, H, Lq, Lk) with the call's mask;
 - ``packed``: padding is not computed; the real tokens (N, ·) are projected and the core gets
-  :func:`multihead.varlen.core_calls`' calls (one padded call for short self-attention, else one
-  per sequence);
+  :func:`multihead.varlen.core_calls`' calls (for short self-attention one padded call per group
+  of sequences of like length, else one per sequence);
 - ``cached``: a decoding step with a :class:`multihead.KVCache` (the core gets the step's queries
   against every cached key);
 - ``sharded``: this rank's shard of sequences spread over a process group

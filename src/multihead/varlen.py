@@ -20,7 +20,11 @@ are a prefix of each sequence. Anything else takes the dense path.
 
 from __future__ import annotations
 
+import array
+import functools
+import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,8 +39,9 @@ __all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "cumulative", 
 #: ``bench/varlen_cost.py`` measures it)
 LOOP_COST_FLOP = 5e6
 
-#: self-attention over packed sequences no longer than this is padded to the longest
-#: for the attention alone (one batched call); longer ones loop over the sequences
+#: self-attention over packed sequences no longer than this is padded for the attention alone
+#: (batched calls over sequences of like length, :func:`padded_groups`); longer ones loop over the
+#: sequences
 PAD_UP_TO = 128
 
 
@@ -127,27 +132,119 @@ def cumulative(name: str, cu: object, n: int) -> list[int]:
 
 
 def _pads(q_lens: list[int], k_lens: list[int], mask: masks.Mask | None) -> bool:
-    """Short self-attention without a positional mask is padded to the longest sequence for one
-    batched call; anything else loops over the sequences."""
+    """Short self-attention without a positional mask is padded (:func:`padded_groups`); anything
+    else loops over the sequences."""
     return mask is None and q_lens == k_lens and bool(q_lens) and max(q_lens) <= PAD_UP_TO
 
 
-def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None) -> list[tuple[int, int, int, masks.Mask | None]]:
+def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None,
+               pair_flop: float) -> list[tuple[int, int, int, masks.Mask | None]]:
     """The calls :func:`attention_varlen` makes to the attention core, in order, as (B, Lq, Lk, mask):
-    one padded call for short self-attention (``KeyPadding``: padded query rows are computed and
-    dropped), else one per sequence (a sequence
-    without keys gets zeros and no call)."""
+    for short self-attention, one padded call per group of :func:`padded_groups` (``KeyPadding``:
+    padded query rows are computed and dropped); else one per sequence (a sequence without keys gets
+    zeros and no call). ``pair_flop``: the work of one (query, key) pair, 2·H·(D + Dv)."""
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     if _pads(q_lens, k_lens, mask):
-        Lm = max(q_lens)
-        return [(len(q_lens), Lm, Lm, masks.KeyPadding(_keep(q_lens, Lm, "cpu")))] if Lm else []
+        p, calls, at = padded_groups(tuple(q_lens), pair_flop), [], 0
+        if not p.groups:
+            return calls
+        keep = p.tensors("cpu")[1]  # (Σ B·Lm,)
+        for g in p.groups:
+            calls.append((g.B, g.Lm, g.Lm, masks.KeyPadding(keep[at:at + g.B * g.Lm].view(g.B, g.Lm))))
+            at += g.B * g.Lm
+        return calls
     return [(1, nq, nk, mask) for nq, nk in zip(q_lens, k_lens) if nk]
 
 
-def _keep(lens: list[int], Lm: int, device) -> Tensor:
-    """(B, Lm) bool: True at the real tokens of sequences of these lengths padded to Lm."""
-    return torch.arange(Lm, device=device) < torch.tensor(lens, device=device)[:, None]  # (B, Lm)
+class Group(NamedTuple):
+    """One padded call of short self-attention: B sequences padded to the longest, Lm tokens, N of
+    them real."""
+
+    B: int
+    Lm: int
+    N: int
+
+
+class Groups(NamedTuple):
+    """:func:`padded_groups`' answer: the groups, and their index arrays (machine integers, made into
+    tensors by :meth:`tensors` without a Python loop)."""
+
+    groups: tuple[Group, ...]
+    index: array.array  # int64: src (Σ B·Lm,) | real (Nq,) | back (Nq, with more than one group)
+    keep: array.array  # bytes 0/1 (Σ B·Lm,)
+
+    def tensors(self, device) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """src (Σ B·Lm,): the packed token each slot of the groups (one after another) reads, a padded
+        slot its sequence's last token; keep (Σ B·Lm,) bool: True at the real tokens' slots; real
+        (Nq,): each group's real slots (counted from the group's first), groups concatenated; back
+        (Nq,) with more than one group: where each token's row is in the groups' rows concatenated.
+        Fresh tensors (the cached arrays are never shared)."""
+        slots = len(self.keep)
+        index = torch.frombuffer(self.index, dtype=torch.int64).to(device, copy=True)
+        keep = torch.frombuffer(self.keep, dtype=torch.bool).to(device, copy=True)
+        n = sum(g.N for g in self.groups)
+        back = index[slots + n:] if len(self.groups) > 1 else None
+        return index[:slots], keep, index[slots:slots + n], back
+
+
+@functools.lru_cache(maxsize=256)
+def padded_groups(lens: tuple[int, ...], pair_flop: float) -> Groups:
+    """How short self-attention over sequences of these lengths is padded: the sequences with
+    tokens, sorted by length and cut into consecutive groups, each padded to its longest, wherever
+    the (query, key) pairs a cut saves on padding (``pair_flop`` each) outweigh one more call
+    (:data:`LOOP_COST_FLOP`): the best cut of a group, then of its parts, at most
+    :data:`MAX_GROUPS`. One group keeps the sequences in their order (its real rows are then the
+    tokens in order). Pure functions of their arguments, cached: every layer of a model asks with
+    the same lengths."""
+    order = sorted((b for b, n in enumerate(lens) if n), key=lens.__getitem__)
+    L = [lens[b] for b in order]  # ascending
+    def best_cut(i: int, j: int) -> tuple[float, int, int, int]:  # (-pairs saved, i, cut, j) of span [i, j)
+        if j - i < 2:
+            return (0.0, i, j, j)
+        whole = (j - i) * L[j - 1] ** 2
+        c = min(range(i + 1, j), key=lambda c: (c - i) * L[c - 1] ** 2 + (j - c) * L[j - 1] ** 2)
+        return (-(whole - (c - i) * L[c - 1] ** 2 - (j - c) * L[j - 1] ** 2), i, c, j)
+
+    spans, heap = [], [best_cut(0, len(order))]  # the span whose cut saves most is cut first
+    while heap:
+        saved, i, c, j = heapq.heappop(heap)
+        if -saved * pair_flop > LOOP_COST_FLOP and len(spans) + len(heap) + 2 <= MAX_GROUPS:
+            heapq.heappush(heap, best_cut(i, c))
+            heapq.heappush(heap, best_cut(c, j))
+        elif j > i:
+            spans.append((i, j))
+    spans.sort()
+    members = (tuple(b for b in range(len(lens)) if lens[b]),) if len(spans) == 1 else tuple(
+        tuple(order[i:j]) for i, j in spans)
+    return _layout(lens, members)
+
+
+#: the most padded calls short self-attention is cut into
+MAX_GROUPS = 8
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(lens: tuple[int, ...], members: tuple[tuple[int, ...], ...]) -> Groups:
+    """The index arrays of :class:`Groups` for these groups of sequences (indices into ``lens``)."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    groups, src, keep, real, tokens = [], [], bytearray(), [], []
+    for group in members:
+        Lm = max(lens[b] for b in group)
+        for i, b in enumerate(group):
+            s, n = starts[b], lens[b]
+            src += range(s, s + n)
+            src += [s + n - 1] * (Lm - n)  # a padded slot reads its sequence's last token
+            keep += b"\x01" * n + b"\x00" * (Lm - n)
+            real += range(i * Lm, i * Lm + n)
+            tokens += range(s, s + n)
+        groups.append(Group(len(group), Lm, sum(lens[b] for b in group)))
+    index = src + real
+    if len(groups) > 1:
+        index += sorted(range(len(tokens)), key=tokens.__getitem__)  # token t's row: the inverse order
+    return Groups(tuple(groups), array.array("q", index), array.array("b", keep))
 
 
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, *,
@@ -157,19 +254,26 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: li
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     H, Dv = q.shape[1], v.shape[-1]
-    if _pads(q_lens, k_lens, mask):  # short self-attention: pad to the longest for one batched call
-        B, Lm = len(q_lens), max(q_lens)
-        keep = _keep(q_lens, Lm, q.device).reshape(-1)  # (B·Lm,)
-        # the packed token each slot of (B, Lm) reads: a real slot its token, a padded slot the last
-        # token before it (one gather, no zero fill: finite, never attended to as a key under
-        # KeyPadding, and dropped as a query row below)
-        src = (keep.cumsum(0) - 1).clamp_min_(0)  # (B·Lm,)
-        qp, kp, vp = (t.index_select(0, src).view(B, Lm, *t.shape[1:]).transpose(1, 2)  # (N, h, d) -> (B, h, Lm, d)
-                      for t in (q, k, v))
-        o = _run(qp, kp, vp, masks.KeyPadding(keep.view(B, Lm)), scale=scale, dropout_p=dropout_p,
-                 backend=backend)  # (B, H, Lm, Dv)
-        idx = keep.nonzero().squeeze(1)  # (N,) the real tokens' slots in B·Lm
-        return o.transpose(1, 2).reshape(B * Lm, H, Dv).index_select(0, idx)  # (B, H, Lm, Dv) -> (N, H, Dv)
+    if _pads(q_lens, k_lens, mask):  # short self-attention: padded calls, sequences of like length together
+        p = padded_groups(tuple(q_lens), 2.0 * H * (q.shape[-1] + Dv))
+        if not p.groups:
+            return q.new_zeros(0, H, Dv)  # (0, H, Dv)
+        # one gather per tensor, no zero fill: a padded slot holds a copy of a real token (finite,
+        # never attended to as a key under KeyPadding, and its query row is dropped)
+        src, keep, real, back = p.tensors(q.device)  # (Σ B·Lm,), (Σ B·Lm,), (Nq,), (Nq,) or None
+        rows, at, n = [], 0, 0
+        for g in p.groups:
+            sl = slice(at, at + g.B * g.Lm)
+            qp, kp, vp = (t.index_select(0, src[sl]).view(g.B, g.Lm, *t.shape[1:]).transpose(1, 2)  # (B, h, Lm, d)
+                          for t in (q, k, v))
+            o = _run(qp, kp, vp, masks.KeyPadding(keep[sl].view(g.B, g.Lm)), scale=scale, dropout_p=dropout_p,
+                     backend=backend)  # (B, H, Lm, Dv)
+            o = o.transpose(1, 2).reshape(g.B * g.Lm, H, Dv)  # (B, H, Lm, Dv) -> (B·Lm, H, Dv)
+            rows.append(o.index_select(0, real[n:n + g.N]))  # (N_g, H, Dv)
+            at, n = at + g.B * g.Lm, n + g.N
+        if back is None:
+            return rows[0]  # one group: the sequences in their order, its rows the tokens in order
+        return torch.cat(rows).index_select(0, back)  # (Nq, H, Dv), token order
     outs = []
     for qs, nq, ks, nk in zip(cu_q, q_lens, cu_k, k_lens):
         qb = q[qs:qs + nq].transpose(0, 1)[None]  # (nq, H, D) -> (1, H, nq, D)
