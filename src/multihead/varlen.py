@@ -44,6 +44,9 @@ LOOP_COST_FLOP = 5e6
 #: sequences
 PAD_UP_TO = 128
 
+#: the most padded calls such self-attention is cut into (1: one call padded to the longest)
+MAX_GROUPS = 8
+
 
 # --- packing ---
 
@@ -146,7 +149,7 @@ def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None,
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     if _pads(q_lens, k_lens, mask):
-        p, calls, at = padded_groups(tuple(q_lens), pair_flop), [], 0
+        p, calls, at = padded_groups(tuple(q_lens), pair_flop, MAX_GROUPS), [], 0
         if not p.groups:
             return calls
         keep = p.tensors("cpu")[1]  # (Σ B·Lm,)
@@ -189,16 +192,17 @@ class Groups(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def padded_groups(lens: tuple[int, ...], pair_flop: float) -> Groups:
+def padded_groups(lens: tuple[int, ...], pair_flop: float, max_groups: int = MAX_GROUPS) -> Groups:
     """How short self-attention over sequences of these lengths is padded: the sequences with
     tokens, sorted by length and cut into consecutive groups, each padded to its longest, wherever
     the (query, key) pairs a cut saves on padding (``pair_flop`` each) outweigh one more call
-    (:data:`LOOP_COST_FLOP`): the best cut of a group, then of its parts, at most
-    :data:`MAX_GROUPS`. One group keeps the sequences in their order (its real rows are then the
-    tokens in order). Pure functions of their arguments, cached: every layer of a model asks with
-    the same lengths."""
+    (:data:`LOOP_COST_FLOP`): the best cut of a group, then of its parts, at most ``max_groups``
+    groups. One group keeps the sequences in their order (its real rows are then the tokens in
+    order). Pure functions of their arguments, cached: every layer of a model asks with the same
+    lengths."""
     order = sorted((b for b, n in enumerate(lens) if n), key=lens.__getitem__)
     L = [lens[b] for b in order]  # ascending
+
     def best_cut(i: int, j: int) -> tuple[float, int, int, int]:  # (-pairs saved, i, cut, j) of span [i, j)
         if j - i < 2:
             return (0.0, i, j, j)
@@ -209,7 +213,7 @@ def padded_groups(lens: tuple[int, ...], pair_flop: float) -> Groups:
     spans, heap = [], [best_cut(0, len(order))]  # the span whose cut saves most is cut first
     while heap:
         saved, i, c, j = heapq.heappop(heap)
-        if -saved * pair_flop > LOOP_COST_FLOP and len(spans) + len(heap) + 2 <= MAX_GROUPS:
+        if -saved * pair_flop > LOOP_COST_FLOP and len(spans) + len(heap) + 2 <= max_groups:
             heapq.heappush(heap, best_cut(i, c))
             heapq.heappush(heap, best_cut(c, j))
         elif j > i:
@@ -218,10 +222,6 @@ def padded_groups(lens: tuple[int, ...], pair_flop: float) -> Groups:
     members = (tuple(b for b in range(len(lens)) if lens[b]),) if len(spans) == 1 else tuple(
         tuple(order[i:j]) for i, j in spans)
     return _layout(lens, members)
-
-
-#: the most padded calls short self-attention is cut into
-MAX_GROUPS = 8
 
 
 @functools.lru_cache(maxsize=64)
@@ -255,7 +255,7 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: li
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     H, Dv = q.shape[1], v.shape[-1]
     if _pads(q_lens, k_lens, mask):  # short self-attention: padded calls, sequences of like length together
-        p = padded_groups(tuple(q_lens), 2.0 * H * (q.shape[-1] + Dv))
+        p = padded_groups(tuple(q_lens), 2.0 * H * (q.shape[-1] + Dv), MAX_GROUPS)
         if not p.groups:
             return q.new_zeros(0, H, Dv)  # (0, H, Dv)
         # one gather per tensor, no zero fill: a padded slot holds a copy of a real token (finite,
