@@ -105,7 +105,7 @@ def _live(mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
     keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B|1, H|1, Lq|1, Lk)
     keep = keep.expand(keep.shape[0], keep.shape[1], Lq, Lk).any(1)  # (B|1, Lq, Lk)
     live = keep.any(1) if Lq == Lk else keep.any(-1)  # (B|1, Lq)
-    return None if bool(live.all()) else live
+    return None if live.device.type == "meta" or bool(live.all()) else live
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,

@@ -108,9 +108,10 @@ class _Start:
         params = list(_kwargs_of(module.forward))
         bound = dict(zip(params, args, strict=False)) | kwargs
         mask = bound.get("attention_mask")  # (B, L), as the base model receives it
-        if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.dtype.is_floating_point and not (
-                (mask == 0) | (mask == 1)).all():
-            return None  # no padding mask (or not a 0/1 one): nothing to drop
+        if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device.type == "meta":
+            return None  # no padding mask, or no values to pack by (the meta device): run padded
+        if mask.dtype.is_floating_point and not ((mask == 0) | (mask == 1)).all():
+            return None  # not a 0/1 mask: nothing to drop
         keep = mask.bool()
         if bool(keep.all()):
             return None

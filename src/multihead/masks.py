@@ -70,10 +70,11 @@ def _compiling() -> bool:
 def _value_check(ok: Tensor, message: str) -> None:
     """A check on tensor *values*, before any computation: in eager mode a ValueError with
     ``message``; under torch.compile (where reading a value would break the graph) an
-    assertion compiled into the graph, raised when the graph runs."""
+    assertion compiled into the graph, raised when the graph runs. On the meta device there are
+    no values to check (shapes are checked as everywhere)."""
     if _compiling():
         torch._assert_async(ok, message)
-    elif not bool(ok):
+    elif ok.device.type != "meta" and not bool(ok):
         raise ValueError(message)
 
 
@@ -273,7 +274,7 @@ class ValidLens(Mask):
             )
         if lens.numel() and _compiling():
             _value_check((lens <= Lk).all(), f"valid_lens must be <= Lk={Lk} (the number of keys)")
-        elif lens.numel():
+        elif lens.numel() and lens.device.type != "meta":  # a meta tensor has no values to check
             seen = self.__dict__.get("_max")  # read at construction, unless the tensor changed since
             hi = seen[1] if seen is not None and seen[0] == stamp(lens) else int(lens.max())
             if hi > Lk:

@@ -181,7 +181,9 @@ class Bert(nn.Module):
         else:
             am = attention_mask.bool()
             lens = am.sum(-1)  # (B,)
-            prefix = bool((am == (torch.arange(am.shape[1], device=am.device) < lens[:, None])).all())
+            # the meta device has no values: there, a padded run (shapes only)
+            prefix = am.device.type != "meta" and bool(
+                (am == (torch.arange(am.shape[1], device=am.device) < lens[:, None])).all())
             if prefix and not bool(am.all()):
                 return self._packed(x, am)
             mask = masks.KeyPadding(am)
