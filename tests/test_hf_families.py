@@ -325,3 +325,70 @@ def test_explain_says_per_module_the_layout_or_why_none_and_the_arguments_comput
     phi, _ = _build("phi3")
     mhf.attach(phi)
     assert "no layout (seen and gated, not cut): fused [Q | K | V]: its forward fails once heads" in mhf.explain(phi)
+
+
+V_SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16,
+               patch_size=4)
+EAGER_MASK_FAMILIES = {  # classes that do not support sdpa: their modules were written for eager's masks
+    # GIT's text attention computes attention itself and adds the mask to its scores
+    "git": (lambda: T.GitModel(T.GitConfig(vision_config=V_SMALL, max_position_embeddings=64, **SMALL)), _ids),
+    # NLLB-MoE's decoder self-attention leaves causality to the mask (is_causal is not set)
+    "nllb_moe": (lambda: T.NllbMoeModel(T.NllbMoeConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_experts=4,
+        max_position_embeddings=64)), _seq2seq),
+}
+
+
+@pytest.mark.parametrize("family", list(EAGER_MASK_FAMILIES))
+def test_families_without_sdpa_get_the_masks_their_modules_expect(family):
+    """sdpa's boolean masks, dropped when there is no padding, changed these families' outputs by
+    0.04-0.07 (found by a sweep over transformers' families): a class that does not support sdpa now
+    gets eager's float masks, always built, and equals eager attention."""
+    make, inputs = EAGER_MASK_FAMILIES[family]
+    torch.manual_seed(0)
+    model, x = make().eval(), inputs()
+    want = _out(model, x)  # eager: these classes support nothing else
+    mhf.attach(model)
+    assert model.config._attn_implementation == "multihead_eager_masks"
+    assert _on_real(_out(model, x) - want, _real(x)).abs().max() < 1e-5
+    bert = T.BertModel(T.BertConfig(**SMALL))
+    mhf.attach(bert)
+    assert bert.config._attn_implementation == "multihead"  # a class that supports sdpa keeps sdpa's masks
+
+
+def test_attach_refuses_a_model_whose_output_it_would_change_and_names_the_module():
+    """The whole model is checked against eager attention on a padded probe call: a module that
+    computes attention itself from the mask (here: adds it to its scores, as eager expects, in a
+    class that says it supports sdpa) would be silently wrong; attach refuses, names it, and leaves
+    the model as it was."""
+    torch.manual_seed(0)
+    model = T.BertModel(T.BertConfig(**SMALL)).eval()
+    model.set_attn_implementation("sdpa")
+    own = model.encoder.layer[1].attention.self
+
+    def forward(hidden_states, attention_mask=None, **kwargs):  # attention by hand, the mask added
+        B, L, _ = hidden_states.shape
+        q, k, v = (p(hidden_states).view(B, L, 4, 8).transpose(1, 2) for p in (own.query, own.key, own.value))
+        s = q @ k.transpose(-1, -2) / 8 ** 0.5
+        if attention_mask is not None:
+            s = s + attention_mask
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, L, 32), None
+
+    own.forward = forward
+    x = _ids()
+    want = _out(model, x)
+    with pytest.raises(ValueError, match=r"differs from transformers' eager attention .* first module whose output "
+                                         r"differs is encoder\.layer\.1\.attention\.self \(BertSelfAttention\)"):
+        mhf.attach(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(_out(model, x), want)
+
+
+def test_packed_refuses_at_attach_what_cannot_run_on_the_real_tokens():
+    """A family whose attention the packed path does not compute (Gemma 2's softcap) is refused when
+    attached, with the reason, not at the user's first call."""
+    make, _ = FAMILIES["gemma2"]
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="packed=True: Gemma2ForCausalLM cannot run on the real tokens only.*softcap"):
+        mhf.attach(make().eval(), packed=True)

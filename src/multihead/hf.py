@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from multihead.hf_attention import (  # noqa: F401
     NAME,
+    NAMES,
     NOT_ATTENTION,
     REFUSED,
     SUPPORTED,
@@ -68,9 +69,11 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
                         "models use multihead.interop.patch.")
     if not any(_calls_interface(type(m)) for m in model.modules()):
         raise ValueError(_refusal(model))
+    previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
-    if model.config._attn_implementation != NAME:
+    if model.config._attn_implementation not in NAMES:
         raise ValueError(_refusal(model))
+    _verify_switch(model, example if example is not None else _probe_inputs(model), previous)
     parents = dict(model.named_modules())
     for name, m in attention_modules(model).items():
         m.attention_hooks.parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
@@ -80,6 +83,73 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
 
         hf_packed.enable(model, attention_modules(model), example if example is not None else _probe_inputs(model))
     return model
+
+
+def _verify_switch(model: nn.Module, example: dict, previous) -> None:
+    """The whole model on multihead's attention against transformers' eager attention, on one probe
+    call (a padded batch where the model takes an attention mask), compared on the real tokens: a
+    module that computes attention itself from the mask, or leaves causality to a mask it no longer
+    gets, would change the output with no attention call to blame. On a difference the model goes
+    back to ``previous`` and a ValueError names the first module whose output differs."""
+    from multihead.hf_packed import _first, _padded_example
+
+    x = dict(example)
+    if isinstance(x.get("input_ids"), Tensor) and "attention_mask" in inspect.signature(model.forward).parameters:
+        x = _padded_example(x)
+    keep = x.get("attention_mask")
+    target = model.config._attn_implementation
+    was = model.training
+    model.eval()
+    runs = {}
+    try:
+        for impl in ("eager", target):
+            model.set_attn_implementation(impl)
+            rec, order = {}, []
+
+            def hook(name, rec=rec, order=order):
+                def f(mod, args, out):
+                    o = _first(out)
+                    if isinstance(o, Tensor) and o.is_floating_point():
+                        rec[name] = o.detach()
+                        order.append(name)
+                return f
+
+            hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+            try:
+                with torch.no_grad():
+                    runs[impl] = (_first(model(**x)).detach(), rec, order)
+            except Exception:  # noqa: BLE001 - a probe the model cannot take: derive() says why
+                return
+            finally:
+                for h in hs:
+                    h.remove()
+    finally:
+        model.train(was)
+        model.set_attn_implementation(target)
+    (a, ref, _), (b, got, order) = runs.values()
+
+    def real(t):
+        return t[keep.bool()] if keep is not None and t.shape[:2] == keep.shape else t
+
+    def far(u, v):
+        tol = max(1e-4, 16 * torch.finfo(u.dtype).eps) * max(1.0, float(u.abs().max()) if u.numel() else 0.0)
+        return u.shape != v.shape or bool(((u.float() - v.float()).abs() > tol).any())
+
+    if not far(real(a), real(b)):
+        return
+    name = next((n for n in order if n in ref and far(real(ref[n]), real(got[n]))), None)
+    model.set_attn_implementation(previous)
+    where = ""
+    if name is not None:
+        where = f"; the first module whose output differs is {name} ({type(model.get_submodule(name)).__name__})"
+        if "." in name:
+            up = name.rsplit(".", 1)[0]
+            where += f", in {up} ({type(model.get_submodule(up)).__name__})"
+    raise ValueError(f"{type(model).__name__}: on multihead's attention the output differs from transformers' eager "
+                     f"attention (max {float((real(a).float() - real(b).float()).abs().max()):.3g} on a probe call)"
+                     f"{where}: it computes attention outside transformers' attention interface, or expects masks "
+                     "this implementation does not give. multihead will not run it differently; it stays on "
+                     f"attn_implementation={previous!r}.")
 
 
 # --- saving and loading pruned models ---

@@ -27,11 +27,16 @@ from multihead import masks
 from multihead.functional import _weights, attention
 from multihead.hooks import AttentionHooks
 
-__all__ = ["NAME", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "attention_forward", "attention_modules"]
+__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "attention_forward", "attention_modules"]
 
 #: the transformers versions this integration is tested with (the ``hf`` extra pins them)
 SUPPORTED = (5, 6)  # >= 5.0, < 6
 NAME = "multihead"
+#: the same attention function with the float masks eager attention gets, for the families whose
+#: modules were written for them (``_supports_sdpa = False``: a module may add the mask to its own
+#: scores, or leave causality to a mask sdpa's mask function would drop); chosen from the class
+EAGER_MASKS = "multihead_eager_masks"
+NAMES = (NAME, EAGER_MASKS)
 
 
 def _check_version():
@@ -50,7 +55,7 @@ def _check_version():
 _check_version()
 
 from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: E402
 
 #: keywords transformers hands every attention function that do not change what attention computes,
 #: with the reason each is safe to receive (anything else not named in the signature is refused)
@@ -227,6 +232,8 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
 
 AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the boolean masks sdpa gets: padding is never dropped
+AttentionInterface.register(EAGER_MASKS, attention_forward)
+AttentionMaskInterface.register(EAGER_MASKS, eager_mask)  # always built, float: what eager-only families expect
 
 
 def _model_file_calls_interface(cls: type) -> bool:
@@ -256,13 +263,20 @@ def _guard_construction() -> None:
     """A model whose attention never goes through the interface, built with
     ``attn_implementation="multihead"`` (``from_pretrained`` or a config), gets one clear ValueError
     before its layers are built, not a KeyError from inside them. The guard wraps transformers'
-    ``PreTrainedModel.get_correct_attn_implementation`` and acts only on a request for "multihead"."""
+    ``PreTrainedModel.get_correct_attn_implementation`` and acts only on a request for "multihead".
+
+    It also picks the masks: a class that supports sdpa gets sdpa's boolean masks (:data:`NAME`), one
+    that does not gets eager's float masks (:data:`EAGER_MASKS`), what its modules were written for.
+    Every model (and each sub-model of a composite one) decides for itself."""
     orig = PreTrainedModel.get_correct_attn_implementation
     if getattr(orig, "_multihead_guard", False):
         return
 
     def guarded(self, requested_attention, is_init_check=False):
-        if requested_attention == NAME and not _model_file_calls_interface(type(self)) and \
+        if requested_attention not in NAMES:
+            return orig(self, requested_attention, is_init_check)
+        requested_attention = NAME if getattr(self, "_supports_sdpa", False) else EAGER_MASKS
+        if not _model_file_calls_interface(type(self)) and \
                 not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
             raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
                              "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
@@ -307,7 +321,7 @@ def _head_count(m: nn.Module) -> int | None:
 def _discover(model: nn.Module) -> None:
     """Give a hook list to every module of a transformers model running multihead's attention that
     calls the attention interface (what ``capture`` and ``heads`` look for)."""
-    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != NAME:
+    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation not in NAMES:
         return
     for m in model.modules():
         if "attention_hooks" not in m.__dict__ and _calls_interface(type(m)):

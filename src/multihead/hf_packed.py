@@ -274,6 +274,8 @@ def _padded_example(example: dict) -> dict:
         am[1, L - 2:] = 0  # lengths L, L-2, 1: padding at the end (and a sequence of one token)
         am[2, 1:] = 0
         x["input_ids"], x["attention_mask"] = ids, am
+        x = {k: v.expand(3, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() and v.shape[0] == 1 else v
+             for k, v in x.items()}  # the other (1, ...) inputs (decoder ids, pixels) -> (3, ...)
     return x
 
 
@@ -308,6 +310,13 @@ def _verify(model: nn.Module, p: Packing, example: dict) -> None:
             try:
                 with torch.no_grad():
                     outs[packed] = _first(model(**x)).detach()
+            except Exception as e:
+                if not packed:
+                    raise
+                last = f" (the last module to finish: {order[-1]})" if order else ""
+                raise ValueError(f"packed=True: {type(model).__name__} cannot run on the real tokens only: the "
+                                 f"packed probe call raised {type(e).__name__}: {str(e)[:300]}{last}. This model "
+                                 "runs padded: attach it without packed=True.") from e
             finally:
                 for h in hs:
                     h.remove()
