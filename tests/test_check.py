@@ -272,3 +272,12 @@ def test_a_call_that_does_not_fit_the_forward_suggests_the_one_that_does(capsys)
     assert main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8"]) == 2
     err = capsys.readouterr().err
     assert "the call raised: m(q, k, v)" in err and "(its forward(x) fits call='x')" in err
+
+
+def test_a_nondeterministic_module_is_not_blamed_for_batch_dependence():
+    """Dropout left on in eval changes every call: batch independence cannot be measured then, and
+    the report says so instead of 'depends on the other sequences' (a finding it could not make)."""
+    rep = grade("four Linear", {"dropout"})
+    (c,) = [c for c in rep.checks if c.name == "batch independence"]
+    assert c.passed is None and c.figure == "not measured", str(rep)
+    assert "depends on the other sequences" not in str(rep) and not rep.ok, str(rep)
