@@ -78,7 +78,12 @@ class FourLinear(nn.Module):
         V = self.heads(self.W_v(k if "v from k" in self.bug else v))
         o = weigh(Q, K, V, None if mask is None else mask.bool(), self.bug, self.fill)
         b, h, n, d = o.shape
-        o = o.reshape(b, n, h * d) if "merge" in self.bug else o.permute(0, 2, 1, 3).reshape(b, n, h * d)
+        if "merge" in self.bug:
+            o = o.reshape(b, n, h * d)
+        elif "stack heads" in self.bug:  # the heads stacked on the last axis, then flattened: interleaved
+            o = torch.stack(o.unbind(1), -1).flatten(-2)  # (B, H, Lq, D) -> (B, Lq, D, H) -> (B, Lq, D*H)
+        else:
+            o = o.permute(0, 2, 1, 3).reshape(b, n, h * d)
         if "no out" in self.bug:
             return o
         return self.W_o(o) + (q if "residual" in self.bug else 0)
@@ -247,6 +252,7 @@ BUGGY = [
     ("four Linear", {"raw"}, ["softmax skipped (values times raw scores)"]),
     ("four Linear", {"split"}, ["heads split without the transpose"]),
     ("four Linear", {"merge"}, ["heads merged in the wrong order"]),
+    ("four Linear", {"stack heads"}, ["heads interleaved when merged"]),
     ("four Linear", {"inverted"}, ["mask polarity inverted"]),
     ("four Linear", {"after softmax"}, ["mask applied after the softmax"]),
     ("four Linear", {"keys as values"}, ["keys used as values"]),

@@ -288,10 +288,13 @@ def head_counts(parts: Parts) -> list[int]:
 # --- the stages ---------------------------------------------------------------------------
 
 
-def split(x: Tensor, H: int, ok: bool = True) -> Tensor:
+def split(x: Tensor, H: int, ok: bool | str = True) -> Tensor:
     """(B, L, H*D) -> (B, H, L, D); ``ok=False``: the mistake, a plain reshape that mixes
-    positions and heads."""
+    positions and heads; ``ok="interleaved"``: the features taken head-minor (feature d of head h
+    at d*H + h, what ``torch.stack(heads, -1).flatten(-2)`` makes)."""
     Bx, L, W = x.shape
+    if ok == "interleaved":
+        return x.reshape(Bx, L, W // H, H).permute(0, 3, 1, 2)  # (B, L, D*H) -> (B, L, D, H) -> (B, H, L, D)
     if ok:
         return x.reshape(Bx, L, H, W // H).transpose(1, 2)  # (B, L, H*D) -> (B, L, H, D) -> (B, H, L, D)
     return x.reshape(Bx, H, L, W // H)  # (B, L, H*D) -> (B, H, L, D), positions and heads mixed
@@ -305,7 +308,7 @@ def merge(o: Tensor, ok: bool = True) -> Tensor:
     return o.reshape(Bx, L, H * D)  # (B, H, Lq, D) -> (B, Lq, H*D), heads and positions mixed
 
 
-def unmerge(m: Tensor, H: int, ok: bool = True) -> Tensor:
+def unmerge(m: Tensor, H: int, ok: bool | str = True) -> Tensor:
     """The inverse of :func:`merge`: (B, Lq, H*D) -> (B, H, Lq, D)."""
     return split(m, H, ok)
 
@@ -614,7 +617,7 @@ def localise(parts: Parts, H: int, run: Callable, q: Tensor, k: Tensor, v: Tenso
             vins = None if vins is None else [x[fin] for x in vins]
             keep = None if keep is None else keep[fin]
             v = v[fin]
-        hyps = [(m_ok, s_ok, src) for m_ok in (True, False) for s_ok in (True, False)
+        hyps = [(m_ok, s_ok, src) for m_ok in (True, False, "interleaved") for s_ok in (True, False)
                 for src in ("values", "keys", "queries", "value input", "W_v(key)", "W_v(query)")]
         v_hooked = parts.qkv is None and parts.v is not None and len(parts.v.modules) == 1
         best = None
@@ -650,7 +653,14 @@ def localise(parts: Parts, H: int, run: Callable, q: Tensor, k: Tensor, v: Tenso
                                     "no weighting of the values (or of the keys or queries) gives the merged heads"))
             return findings
         merge_ok, split_ok, src, W = best
-        if not merge_ok:
+        if merge_ok == "interleaved":
+            findings.append(Finding("heads interleaved when merged", "concatenate the heads: out.transpose(1, 2)"
+                                    ".reshape(B, Lq, H*D) (torch.cat(heads, -1), not torch.stack(heads, -1)"
+                                    ".flatten(-2)), so head h's D features are columns h*D to h*D+D-1.",
+                                    "heads merge", "(B, H, Lq, D) -> transpose(1, 2) -> (B, Lq, H*D), head by head",
+                                    "(B, H, Lq, D) -> (B, Lq, D, H) -> (B, Lq, D*H): one feature of every head, "
+                                    "then the next"))
+        elif not merge_ok:
             findings.append(Finding("heads merged in the wrong order", "merge with out.transpose(1, 2).reshape(B, Lq, "
                                     "H*D): a plain reshape of (B, H, Lq, D) mixes heads and positions.", "heads merge",
                                     "(B, H, Lq, D) -> transpose(1, 2) -> (B, Lq, H*D)",
