@@ -103,7 +103,6 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
     runs = {}
     try:
         for impl in ("eager", target):
-            model.set_attn_implementation(impl)
             rec, order = {}, []
 
             def hook(name, rec=rec, order=order):
@@ -116,9 +115,10 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
 
             hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
             try:
+                model.set_attn_implementation(impl)
                 with torch.no_grad():
                     runs[impl] = (_first(model(**x)).detach(), rec, order)
-            except Exception:  # noqa: BLE001 - a probe the model cannot take: derive() says why
+            except Exception:  # noqa: BLE001 - no eager, or a probe the model cannot take: derive() says why
                 return
             finally:
                 for h in hs:
