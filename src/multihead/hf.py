@@ -91,7 +91,7 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
     module that computes attention itself from the mask, or leaves causality to a mask it no longer
     gets, would change the output with no attention call to blame. On a difference the model goes
     back to ``previous`` and a ValueError names the first module whose output differs."""
-    from multihead.hf_packed import _first, _padded_example
+    from multihead.hf_packed import _first, _padded_example, recording
 
     x = dict(example)
     if isinstance(x.get("input_ids"), Tensor) and "attention_mask" in inspect.signature(model.forward).parameters:
@@ -103,26 +103,13 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
     runs = {}
     try:
         for impl in ("eager", target):
-            rec, order = {}, []
-
-            def hook(name, rec=rec, order=order):
-                def f(mod, args, out):
-                    o = _first(out)
-                    if isinstance(o, Tensor) and o.is_floating_point():
-                        rec[name] = o.detach()
-                        order.append(name)
-                return f
-
-            hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
-            try:
-                model.set_attn_implementation(impl)
-                with torch.no_grad():
-                    runs[impl] = (_first(model(**x)).detach(), rec, order)
-            except Exception:  # noqa: BLE001 - no eager, or a probe the model cannot take: derive() says why
-                return
-            finally:
-                for h in hs:
-                    h.remove()
+            with recording(model) as (rec, order):
+                try:
+                    model.set_attn_implementation(impl)
+                    with torch.no_grad():
+                        runs[impl] = (_first(model(**x)).detach(), rec, order)
+                except Exception:  # noqa: BLE001 - no eager, or a probe the model cannot take: derive() says why
+                    return
     finally:
         model.train(was)
         model.set_attn_implementation(target)
@@ -137,7 +124,8 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
 
     if not far(real(a), real(b)):
         return
-    name = next((n for n in order if n in ref and far(real(ref[n]), real(got[n]))), None)
+    name = next((n for n in order if n in ref and got[n].is_floating_point() and far(real(ref[n]), real(got[n]))),
+                None)
     model.set_attn_implementation(previous)
     where = ""
     if name is not None:

@@ -24,6 +24,7 @@ deep-copies and ``state_dict``s as before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -287,6 +288,28 @@ def _first(out):
     return out[0] if hasattr(out, "__getitem__") else out
 
 
+@contextlib.contextmanager
+def recording(model: nn.Module, prefix: str = ""):
+    """Within the block, each module's (under ``prefix``) first output tensor is recorded as it
+    finishes: yields ({name: tensor}, [names in completion order]); the hooks go at the end."""
+    rec, order = {}, []
+
+    def hook(name):
+        def f(mod, args, out):
+            o = _first(out)
+            if isinstance(o, Tensor):
+                rec[name] = o.detach()
+                order.append(name)
+        return f
+
+    hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and n.startswith(prefix)]
+    try:
+        yield rec, order
+    finally:
+        for h in hs:
+            h.remove()
+
+
 def _verify(model: nn.Module, p: Packing, example: dict) -> None:
     x = _padded_example(example)
     keep = x["attention_mask"].bool()  # (B, L)
@@ -296,30 +319,17 @@ def _verify(model: nn.Module, p: Packing, example: dict) -> None:
         outs, ran = {}, {}
         for packed in (False, True):
             p.enabled = packed
-            rec, order = {}, []
-
-            def hook(name, rec=rec, order=order):
-                def f(mod, args, out):
-                    o = _first(out)
-                    if isinstance(o, Tensor):
-                        rec[name] = o.detach()
-                        order.append(name)
-                return f
-
-            hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n.startswith(p.stack + ".")]
-            try:
-                with torch.no_grad():
-                    outs[packed] = _first(model(**x)).detach()
-            except Exception as e:
-                if not packed:
-                    raise
-                last = f" (the last module to finish: {order[-1]})" if order else ""
-                raise ValueError(f"packed=True: {type(model).__name__} cannot run on the real tokens only: the "
-                                 f"packed probe call raised {type(e).__name__}: {str(e)[:300]}{last}. This model "
-                                 "runs padded: attach it without packed=True.") from e
-            finally:
-                for h in hs:
-                    h.remove()
+            with recording(model, p.stack + ".") as (rec, order):
+                try:
+                    with torch.no_grad():
+                        outs[packed] = _first(model(**x)).detach()
+                except Exception as e:
+                    if not packed:
+                        raise
+                    last = f" (the last module to finish: {order[-1]})" if order else ""
+                    raise ValueError(f"packed=True: {type(model).__name__} cannot run on the real tokens only: the "
+                                     f"packed probe call raised {type(e).__name__}: {str(e)[:300]}{last}. This "
+                                     "model runs padded: attach it without packed=True.") from e
             ran[packed] = (rec, order)
     finally:
         p.enabled = True
