@@ -1,28 +1,34 @@
 # Two commands: `make demo` (the main job) and `make test`. Each builds .venv from
-# nothing when it is missing. CUDA users: make test TORCH_SPEC='torch==2.13.0 --index-url ...'
+# nothing when it is missing, at the versions locked in constraints.txt (every package the
+# tests use; the library's own users get pyproject.toml's ranges).
+# CUDA users: make test TORCH_SPEC='torch==2.13.0 --index-url ...'
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx
+# the pip that resolves with the lock: constraints for everything, the build backend from the lock too
+PIP = $(BIN)/python -m pip install -q -c $(LOCK)
 
-.PHONY: demo test lint clean chromium
+.PHONY: demo test test-latest lock lint clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c $(LOCK) pip setuptools
 
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	touch $@
 
-$(VENV)/.demo: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz,train]'
+$(VENV)/.demo: pyproject.toml $(LOCK) $(VENV)/.torch
+	$(PIP) --no-build-isolation -e '.[viz,train]'
 	touch $@
 
 # the released d2l package's wheel is read by tests/test_d2l_release.py (never installed:
 # it pins an old torch stack); pip only downloads it
-$(VENV)/.test: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[viz,train,dev,keras,hf,pretrained,browser,notebook,onnx]'
+$(VENV)/.test: pyproject.toml $(LOCK) $(VENV)/.torch
+	$(PIP) --no-build-isolation -e '.[$(EXTRAS)]'
 	$(BIN)/pip download -q --no-deps d2l==1.0.3 -d $(VENV)/wheels
 	touch $@
 
@@ -37,10 +43,24 @@ demo: $(VENV)/.demo
 	$(BIN)/multihead demo
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check src tests $(wildcard bench)
+	$(BIN)/ruff check src tests tools $(wildcard bench)
 
 test: $(VENV)/.test chromium lint
 	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
+# Not part of CI: the suite on the newest releases pyproject.toml's ranges allow, in .venv-latest.
+# When it passes, `make lock` writes that environment into constraints.txt (commit it).
+test-latest: chromium
+	rm -rf .venv-latest
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip setuptools
+	.venv-latest/bin/python -m pip install -q $(TORCH_SPEC)
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[$(EXTRAS)]'
+	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
+	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q
+
+lock:
+	$(BIN)/python tools/lockfile.py write .venv-latest
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-latest

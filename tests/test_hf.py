@@ -54,6 +54,52 @@ def _audio():
 
 
 T = transformers
+
+def _modeling_file_calls_interface(cls) -> bool:
+    """Whether the installed modeling file of ``cls`` calls transformers' attention interface."""
+    import inspect
+
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(inspect.getmodule(cls))
+
+
+class _HandWrittenConfig(T.PretrainedConfig):
+    model_type = "multihead-test-hand-written"
+
+    def __init__(self, vocab_size=V, hidden_size=32, num_attention_heads=4, **kw):
+        super().__init__(**kw)
+        self.vocab_size, self.hidden_size, self.num_attention_heads = vocab_size, hidden_size, num_attention_heads
+
+
+class _HandWrittenAttention(torch.nn.Module):
+    """Computes attention itself (never through transformers' interface)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qkv = torch.nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def forward(self, x, attention_mask=None):
+        B, L, E = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
+        keep = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # (B, 1, 1, L)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # (B, H, L, D)
+        return o.transpose(1, 2).reshape(B, L, E)
+
+
+class _HandWrittenModel(T.PreTrainedModel):
+    config_class = _HandWrittenConfig
+    _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.attention = _HandWrittenAttention(config)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None):
+        return T.modeling_outputs.BaseModelOutput(last_hidden_state=self.attention(self.embed(input_ids), attention_mask))
+
+
 SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 FAMILIES = {
     "bert": (lambda: T.BertModel(T.BertConfig(max_position_embeddings=64, **SMALL)), _text),
@@ -241,25 +287,32 @@ def test_bad_input():
         heads.prune(model, {"encoder.layer.0.attention.self": [7]})
     with pytest.raises(ValueError, match="config.json does not exist"):
         mhf.load("/nonexistent-dir")
-    refused = {
-        "GPTJModel": T.GPTJModel(T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
-                                              n_positions=32)),
-        "FalconModel": T.FalconModel(T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
-                                                    num_attention_heads=4)),
-        "DebertaV2Model": T.DebertaV2Model(T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
-                                                             num_attention_heads=4, intermediate_size=64)),
+    # which families compute attention themselves depends on the installed transformers (GPT-J moved onto the
+    # interface in 5.24): the expectation is read from the installed modeling file, as the library decides
+    families = {
+        "GPTJModel": (T.GPTJModel, lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
+                                                       n_positions=32)),
+        "FalconModel": (T.FalconModel, lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                             num_attention_heads=4)),
+        "DebertaV2Model": (T.DebertaV2Model, lambda: T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                                      num_attention_heads=4, intermediate_size=64)),
+        "HandWrittenModel": (_HandWrittenModel, _HandWrittenConfig),  # pinned here: refused on every version
     }
-    for cls, m in refused.items():
+    for cls, (make, config) in families.items():
+        model = make(config()).eval()
+        if make is not _HandWrittenModel and _modeling_file_calls_interface(make):
+            ids, am = _ids()
+            with torch.no_grad():
+                ref = model(input_ids=ids, attention_mask=am).last_hidden_state
+                got = mhf.attach(model)(input_ids=ids, attention_mask=am).last_hidden_state
+            assert (got - ref)[am.bool()].abs().max() < 1e-5, cls
+            continue
         with pytest.raises(ValueError, match=rf"{cls}: none of its modules calls transformers' attention interface "
                                              r"\(ALL_ATTENTION_FUNCTIONS\); .*Attention compute attention themselves"):
-            mhf.attach(m)
-        assert m.config._attn_implementation != "multihead"  # refused before anything changed
-    cfgs = {"FalconModel": (T.FalconModel, T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
-                                                          num_attention_heads=4)),
-            "GPTJModel": (T.GPTJModel, T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
-                                                    n_positions=32))}
-    for cls, (make, cfg) in cfgs.items():  # built with "multihead": one clear error before the layers, no KeyError
-        cfg._attn_implementation = "multihead"
+            mhf.attach(model)
+        assert model.config._attn_implementation != "multihead"  # refused before anything changed
+        cfg = config()
+        cfg._attn_implementation = "multihead"  # built with "multihead": one clear error before the layers, no KeyError
         with pytest.raises(ValueError, match=rf"{cls}: its attention does not go through transformers' attention "
                                              r"interface .*Load it with attn_implementation='sdpa'"):
             make(cfg)
