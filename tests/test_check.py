@@ -245,7 +245,7 @@ def test_grading_a_folder_gives_every_submission_its_line(tmp_path, capsys):
     (subs / "erin.py").write_text("import torch\nraise RuntimeError('my notebook cell')\n")
     report = tmp_path / "grades.csv"
     code = main(["check", str(subs), "--name", "MHA", "--init", "d_model=32, num_heads=4", "--call", "qkv_mask",
-                 "--mask", "block", "--timeout", "20", "--report", str(report)])
+                 "--mask", "block", "--timeout", "8", "--report", str(report)])
     out = capsys.readouterr().out
     assert code == 1
     rows = {Path(r["file"]).stem: r for r in csv.DictReader(report.open())}

@@ -47,7 +47,8 @@ def test_the_makefile_installs_through_the_lock():
     installs = [ln.strip() for ln in make.splitlines() if "pip install" in ln or ln.strip().startswith("$(PIP)")]
     # the test venv: every install but torch's own spec (TORCH_SPEC, for CUDA users) and test-latest's goes through -c
     locked = [ln for ln in installs if "-c $(LOCK)" in ln or ln.startswith("$(PIP)")]
-    assert "PIP = $(BIN)/python -m pip install -q -c $(LOCK)" in make
+    assert "PIP = $(BIN)/uv pip install -q --python $(BIN)/python -c $(LOCK)" in make
+    assert "pip install -q -c $(LOCK) pip setuptools uv" in make  # the installers themselves from the lock
     assert any("-e '.[$(EXTRAS)]'" in ln for ln in locked)
     extras = re.search(r"^EXTRAS := (.+)$", make, re.M).group(1).split(",")
     assert sorted(extras) == sorted(PYPROJECT["project"]["optional-dependencies"])  # make test installs every extra

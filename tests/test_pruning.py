@@ -107,8 +107,8 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     from multihead.apps import pruning
     from multihead.models import Bert, SentenceEncoder
 
-    setup = pruning.minilm_setup(24, 40)
-    report = pruning.run(setup, 0.1, tmp_path, step=0.1, progress=False, max_seconds=2.0)
+    setup = pruning.minilm_setup(8, 16)
+    report = pruning.run(setup, 0.1, tmp_path, step=0.1, progress=False, max_seconds=0.3)
     assert report["final"]["fraction"] > 0.05
     loaded = Bert.from_pretrained(tmp_path / "model")  # the documented call
     assert sum(layer.attn.num_heads for layer in loaded.layers) == 72 - report["curve"][-1]["heads_pruned"]
@@ -119,8 +119,8 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     assert abs(setup.metric_fn(enc) - report["final"]["metric"]) < 1e-6  # the saved model is the measured one
     # and through the command line
     out = tmp_path / "cli"
-    assert main(["prune", "--model", "minilm", "--fraction", "0.05", "--step", "0.05", "--sentences", "16", "24",
-                 "--max-seconds", "1", "--out", str(out)]) == 0
+    assert main(["prune", "--model", "minilm", "--fraction", "0.05", "--step", "0.05", "--sentences", "8", "8",
+                 "--max-seconds", "0.3", "--out", str(out)]) == 0
     again = Bert.from_pretrained(out / "model")
     cli = json.loads((out / "report.json").read_text())
     assert sum(layer.attn.num_heads for layer in again.layers) == 72 - cli["curve"][-1]["heads_pruned"]

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "constraints.txt"
 PYPROJECT = ROOT / "pyproject.toml"
 #: installed by the Makefile before the project (the build backend and the installer itself)
-TOOLS = ("pip", "setuptools")
+TOOLS = ("pip", "setuptools", "uv")
 HEADER = """\
 # The test environment, locked: every package `make test` installs, at the version the suite was
 # last green with (torch's local build label dropped: `torch==2.13.0` admits the CPU and CUDA builds).

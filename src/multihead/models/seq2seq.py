@@ -104,11 +104,12 @@ def reverse_batch(n: int, *, min_len: int = 3, max_len: int = 10, generator: tor
     return src, lens, tgt_in, tgt_out
 
 
-def train_reverser(*, steps: int = 1500, batch: int = 128, seed: int = 0, progress: bool = True,
-                   cfg: Seq2SeqConfig | None = None, lr: float = 5e-3) -> Seq2SeqTransformer:
-    """Train the Transformer to reverse digit strings (about a minute on 2 cores).
-    With the defaults, the last decoder layer's cross-attention (mean over heads)
-    lands on the aligned source position for ~99% of target tokens."""
+def train_reverser(*, steps: int = 1000, batch: int = 128, seed: int = 0, progress: bool = True,
+                   cfg: Seq2SeqConfig | None = None, lr: float = 8e-3) -> Seq2SeqTransformer:
+    """Train the Transformer to reverse digit strings (under a minute on 2 cores).
+    With the defaults every held-out string is reversed right and the last decoder
+    layer's cross-attention (mean over heads) lands on the aligned source position for
+    ~97% of target tokens (1500 steps at 5e-3: ~99%, in 1.6x the time)."""
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed)
@@ -161,7 +162,7 @@ def load_or_train(ckpt: Path, retrain: bool = False) -> Seq2SeqTransformer:
         return checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, ckpt)
     import time
 
-    print(f"transformer: no checkpoint in {ckpt}; training it first (about a minute on 2 cores), then saving it "
+    print(f"transformer: no checkpoint in {ckpt}; training it first (under a minute on 2 cores), then saving it "
           "there for the next command", flush=True)
     t0 = time.perf_counter()
     model = train_reverser()

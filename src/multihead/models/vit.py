@@ -75,7 +75,7 @@ def digits(seed: int = 0):
     return x[tr], y[tr], x[te], y[te]
 
 
-def train_vit(*, epochs: int = 40, batch: int = 64, seed: int = 0, progress: bool = True,
+def train_vit(*, epochs: int = 25, batch: int = 64, seed: int = 0, progress: bool = True,
               cfg: ViTConfig | None = None) -> tuple[ViT, float]:
     """Train on the digits; returns (model, test accuracy)."""
     from tqdm.auto import tqdm
