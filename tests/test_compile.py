@@ -190,3 +190,20 @@ def test_a_users_own_mask_kind_is_selected_while_tracing():
     dynamo.reset()
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
     assert torch.allclose(got, multihead.reference_attention(q, k, v, m), atol=1e-6)
+
+
+def test_the_traced_choice_is_marked_as_torch_compile_marks_a_constant_result():
+    """registry._constant_result stands for torch.compiler.assume_constant_result (which imports torch's compiler,
+    1.8 s of every import of multihead): it must set exactly what the public decorator sets."""
+    from multihead.backends import registry
+
+    def a():
+        return 1
+
+    def b():
+        return 1
+
+    marked = torch.compiler.assume_constant_result(a)
+    ours = registry._constant_result(b)
+    assert {k: v for k, v in vars(marked).items()} == {k: v for k, v in vars(ours).items()} != {}
+    assert vars(registry.traced_choice).items() >= vars(ours).items()

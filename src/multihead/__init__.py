@@ -11,8 +11,8 @@ show and cut its heads.
 from multihead import backends, masks
 from multihead.cache import KVCache
 from multihead.capture import capture
-from multihead.check import check
 from multihead.functional import attention, attention_weights, explain, reference_attention
+from multihead.grader import check, grade
 from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
 from multihead.varlen import attention_varlen
 
@@ -27,6 +27,7 @@ __all__ = [
     "backends",
     "capture",
     "check",
+    "grade",
     "explain",
     "masks",
     "reference_attention",

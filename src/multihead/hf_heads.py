@@ -120,7 +120,7 @@ def _inside(name: str, prefix: str) -> bool:
 def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: int, Hkv: int, D: int,
                 Dv: int) -> list[HeadLayout] | str:
     """The head layouts m's projections allow (names by role, sizes by the recorded call), or why none."""
-    from multihead.locate import role_of
+    from multihead.surgery import role_of
 
     lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)}
     roles: dict[str, list[str]] = {}

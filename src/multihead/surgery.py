@@ -10,6 +10,8 @@ Dependency order: modules -> surgery -> heads, hf_heads.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor, nn
 
@@ -70,3 +72,42 @@ def fold_into_bias(new_o: nn.Module, old_o: nn.Module, cols: list[int], mean: Te
         if new_o.bias is None:
             new_o.bias = nn.Parameter(torch.zeros_like(const))
         new_o.bias += const
+
+
+# --- the role a layer's name says it plays (shared by the transformers layouts and the grader) ---
+
+_FILLER = {"w", "proj", "projection", "lin", "linear", "layer", "dense", "weight", "weights", "to", "fc", "mat",
+           "matrix", "head", "heads", "self", "attn", "attention", "list", "param", "params", "kernel", "p", "in",
+           "layers", "all", "wt"}
+_BIAS = {"b", "bias", "biases"}
+_ROLE = {"q": "q", "query": "q", "queries": "q", "k": "k", "key": "k", "keys": "k", "v": "v", "value": "v",
+         "values": "v", "o": "o", "out": "o", "output": "o", "combine": "o", "concat": "o", "merge": "o", "c": "o",
+         "qkv": "qkv"}
+_FUSED = {"inproj", "cattn", "qkv", "inprojweight"}
+
+
+def role_of(name: str) -> str | None:
+    """'W_q' -> 'q', 'self.inner.to_out' -> 'o', 'c_attn' -> 'qkv', 'c_attn_bias' -> 'qkv', 'b_q' -> 'q',
+    'proj' -> 'o?', '0' -> None."""
+    last = name.split(".")[-1]
+    tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
+    flat = "".join(t for t in tokens if t not in _BIAS and t not in ("weight", "weights"))
+    if flat in _FUSED or "qkv" in flat:
+        return "qkv"
+    roles = set()
+    for t in tokens:
+        if t in _ROLE:
+            roles.add(_ROLE[t])
+        elif len(t) > 1 and t[0] in "wb" and t[1:] in _ROLE:
+            roles.add(_ROLE[t[1:]])
+        elif t not in _FILLER and t not in _BIAS and not t.isdigit():
+            return None
+    if len(roles) == 1:
+        return roles.pop()
+    if roles == {"q", "k", "v"}:  # query_key_value
+        return "qkv"
+    if not roles and {"proj", "dense", "fc", "linear", "projection"} & set(tokens):
+        return "o?"  # an unnamed projection: the output one when q, k and v have names
+    return None
+
+

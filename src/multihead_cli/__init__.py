@@ -70,6 +70,7 @@ EXAMPLES = {
         'examples:\n'
         "  multihead check my_attention.py:MultiHeadAttention --init 'd_model=32, num_heads=4' --call qkv_mask --mask block\n"
         '  multihead check submissions/ --name MultiHeadAttention --call x --report grades.csv\n'
+        '  multihead check submissions/ --name MHA --call x --points points.json --feedback fb/ --summary class/\n'
         'exit 0 OK, 1 not OK, 2 cannot be graded'
     ),
     "bench": (
@@ -156,8 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
     p.add_argument("--embed-dim", type=_positive(int), default=None, help="the input size, when no layer tells it")
     p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
-    p.add_argument("--timeout", type=_positive(float), default=60.0, help="seconds each submission may take")
+    p.add_argument("--timeout", type=_positive(float), default=60.0,
+                   help="wall-clock seconds each submission may take (its CPU time: twice that)")
+    p.add_argument("--memory", default="4G", help="address space each submission may use, e.g. 4G, 512M")
     p.add_argument("--jobs", type=_positive(int), default=None, help="submissions graded at once (default: cores, at most 4)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the probes' random seed (default: new each run, so no submission knows them in advance)")
+    p.add_argument("--points", default=None, metavar="FILE",
+                   help='partial credit: a JSON file {"check name": points, ...} (the others keep their defaults)')
+    p.add_argument("--feedback", default=None, metavar="DIR", help="write one markdown feedback file per submission")
+    p.add_argument("--summary", default=None, metavar="DIR",
+                   help="write the class summary: each mistake and how many made it (summary.md, summary.png)")
     p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
     p.set_defaults(func="check")
     p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,

@@ -125,45 +125,62 @@ def _prune(args) -> int:
 
 def _check(args) -> int:
     """multihead check FILE.py:NAME | DIR | GLOB ...: grade one module (its whole report) or a class's
-    submissions (a table; --report CSV/JSON). Exit 0 OK, 1 not OK, 2 cannot be graded."""
-    from multihead.apps import grade
+    submissions (a table; --report CSV/JSON), each in its own sandboxed process. Exit 0 OK, 1 not OK,
+    2 cannot be graded."""
+    from multihead.grader import classroom
+    from multihead.grader.runner import Limits, parse_size
 
     mask = None if args.mask == "none" else args.mask
-    files = grade.targets(args.target, args.name)
+    files = classroom.targets(args.target, args.name)
     if not files:
-        print(f"multihead check: nothing matches {' '.join(args.target)} (give FILE.py:NAME, a folder or a glob of "
-              ".py files)", file=sys.stderr)
+        print(f"multihead check: nothing matches {' '.join(args.target)} (give FILE.py:NAME, a folder holding .py "
+              "files, or a glob of .py files)", file=sys.stderr)
         return 2
     if args.call in ("x", "qkv") and mask is not None:
         print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
               "the module; use --call qkv_mask, or --mask none", file=sys.stderr)
         return 2
     try:
-        grade.kwargs_of(args.init)
+        classroom.kwargs_of(args.init)
     except (SyntaxError, ValueError) as e:
         print(f"multihead check: --init {args.init!r}: {e}", file=sys.stderr)
         return 2
+    memory = parse_size(args.memory)  # a ValueError is one line and exit 2 (main)
+    scheme = classroom.load_points(args.points) if args.points else None
     opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
-                strict=args.strict)
+                strict=args.strict, seed=args.seed)
     one = args.target[0]
-    single = len(args.target) == 1 and (one.rpartition(":")[0].endswith(".py") or Path(one).is_file())
-    if single:
+    if len(args.target) == 1 and (one.rpartition(":")[0].endswith(".py") or Path(one).is_file()):
         path, name = files[0]
-        row = grade.grade_file(path, name or "", timeout=args.timeout, show=print, **opts)
+        limits = Limits(wall=args.timeout, cpu=int(max(args.timeout * 2, 10)), memory=memory)
+        row, report = classroom.grade_file(path, name, limits=limits, scheme=scheme, **opts)
+        if report is not None:
+            print(report)
         if row["status"] in ("error", "timeout"):
             print(f"multihead check: {row['finding']}", file=sys.stderr)
             return 2
+        if args.feedback:
+            classroom.write_feedback(row, report, Path(args.feedback))
         rows = [row]
     else:
         if any(n is None for _, n in files):
             print("multihead check: grading a folder or a glob needs --name NAME (the class each file defines)",
                   file=sys.stderr)
             return 2
-        rows = grade.grade_many(files, timeout=args.timeout, jobs=args.jobs, **opts)
-        print(grade.table(rows))
+        rows = classroom.grade_many(files, timeout=args.timeout, memory=memory, jobs=args.jobs, points=scheme,
+                                    feedback=args.feedback, **opts)
+        print(classroom.table(rows))
+        counts = classroom.summary(rows)
+        if counts:
+            print("\nmistakes (submissions):\n" + "\n".join(f"  {k:>3}  {name}" for name, k in counts))
     if args.report:
-        grade.write_report(rows, Path(args.report))
+        classroom.write_report(rows, Path(args.report))
         print(f"report: {args.report}")
+    if args.summary:
+        md, png = classroom.write_summary(rows, Path(args.summary))
+        print(f"summary: {md}, {png}")
+    if args.feedback:
+        print(f"feedback: {args.feedback}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -262,7 +262,15 @@ def _auto(req: Request, exclude: frozenset[str]) -> Backend:
     raise RuntimeError(f"no attention backend can run this call: {req}")
 
 
-@torch.compiler.assume_constant_result
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch's compiler at import time
+    (1.8 s of every ``import multihead``, every CLI command and every spawned process): the decorator only
+    sets this marker on the function; tests/test_compile.py checks that it still does."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_result
 def traced_choice(head: tuple, mask_key: tuple | None, dropout_p: float, needs_grad: bool,
                   forced: str | None) -> str | None:
     """"auto"'s choice while torch.compile traces a call, made once and baked into the graph: the

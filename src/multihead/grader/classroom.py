@@ -1,0 +1,216 @@
+"""Grading learners' files: each in its own sandbox (:class:`~multihead.grader.runner.SandboxSubject`),
+the verdict computed here; a row per file (``ok``, ``not ok``, ``error``, ``timeout``), points under a
+scheme, a markdown feedback file per submission, a class summary (each mistake, how many made it,
+most common first, as a table and a bar chart), and the table as CSV (safe to open in a spreadsheet)
+or JSON.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import glob
+import json
+import secrets
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from multihead.grader.report import Report, points_scheme
+from multihead.grader.runner import Limits, SandboxError, SandboxSubject
+from multihead.grader.verdict import Options, grade_subject
+
+__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "summary", "table", "targets",
+           "write_feedback", "write_report", "write_summary"]
+
+FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds")
+_HOW = {"x": "m(x)", "qkv": "m(q, k, v)", "qkv_mask": "m(q, k, v, mask)"}
+
+
+def kwargs_of(text: str | None) -> dict:
+    """'d_model=32, num_heads=4' -> {'d_model': 32, 'num_heads': 4} (literals only)."""
+    if not text:
+        return {}
+    call = ast.parse(f"f({text})", mode="eval").body
+    if call.args:
+        raise ValueError("--init takes keyword arguments only, e.g. --init 'd_model=32, num_heads=4'")
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
+def targets(items: list[str], name: str | None) -> list[tuple[Path, str | None]]:
+    """(file, class name) for FILE.py:NAME, FILE.py, a folder (its .py files, recursively) or a glob."""
+    out = []
+    for item in items:
+        path, _, nm = item.rpartition(":")
+        if path.endswith(".py") and nm.isidentifier():  # FILE.py:NAME (a missing file is reported when graded)
+            out.append((Path(path), nm))
+            continue
+        p = Path(item)
+        files = [p] if p.is_file() else sorted(p.rglob("*.py")) if p.is_dir() else sorted(
+            Path(f) for f in glob.glob(item, recursive=True))
+        out += [(f, name) for f in files if f.is_file() and f.suffix == ".py"]
+    return out
+
+
+def load_points(path: str | Path) -> dict[str, float]:
+    """A points scheme from a JSON file {"check name": points, ...} (the others keep their defaults)."""
+    p = Path(path)
+    try:
+        given = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--points {p} does not exist.") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--points {p} is not JSON ({e}); write {{\"check name\": points, ...}}.") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"--points {p} must hold an object {{\"check name\": points, ...}}.")
+    return points_scheme(given)
+
+
+def _row(path: Path, status: str, report: Report | None = None, finding: str = "", seconds: float = 0.0,
+         scheme: dict | None = None) -> dict:
+    if report is None:
+        earned, possible, failed, mistakes = 0.0, Report().points(scheme)[1], "", ""
+    else:
+        earned, possible = report.points(scheme)
+        failed = "; ".join(c.name for c in report.failures + (report.warnings if report.strict else []))
+        mistakes = "; ".join(f.name for f in report.diagnosis)
+        finding = finding or report.summary()
+    return {"file": str(path), "ok": status == "ok", "status": status, "points": round(earned, 2),
+            "possible": round(possible, 2), "failed": failed, "mistakes": mistakes, "finding": finding,
+            "seconds": round(seconds, 2)}
+
+
+def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
+               causal: bool = False, embed_dim: int | None = None, strict: bool = False, limits: Limits | None = None,
+               seed: int | None = None, scheme: dict | None = None) -> tuple[dict, Report | None]:
+    """Grade ``NAME(**init)`` from ``path`` in a sandbox: (its row, its report or None when it could not
+    be graded -- status error or timeout, the reason in ``finding``)."""
+    t0 = time.perf_counter()
+    if not Path(path).is_file():
+        return _row(path, "error", finding=f"{path} does not exist", scheme=scheme), None
+    if not name:
+        return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme), None
+    seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
+    opts = Options(mask, causal, call == "x", embed_dim, None, seed, strict, _HOW[call], call)
+    try:
+        with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
+            report = grade_subject(subject, opts)
+    except SandboxError as e:
+        return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, scheme=scheme), None
+    except (TypeError, ValueError) as e:
+        return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, scheme=scheme), None
+    first = report.checks[0] if report.checks else None
+    if first is not None and first.name == "runs on probe inputs" and first.passed is False:
+        return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0,
+                    scheme), report
+    return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0,
+                scheme=scheme), report
+
+
+def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
+               jobs: int | None = None, points: dict | None = None, feedback: str | Path | None = None,
+               seed: int | None = None, **opts) -> list[dict]:
+    """Each file graded in its own sandbox, ``jobs`` at a time; rows in the order of ``files``. ``feedback``:
+    a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`)."""
+    import os
+
+    scheme = points_scheme(points)
+    limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)
+
+    def one(item):
+        path, name = item
+        row, report = grade_file(path, name, limits=limits, seed=seed, scheme=scheme, **opts)
+        if feedback is not None:
+            write_feedback(row, report, Path(feedback))
+        return row
+
+    with ThreadPoolExecutor(max_workers=jobs or max(1, min(4, os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, files))
+
+
+def table(rows: list[dict]) -> str:
+    w = max([len(Path(r["file"]).name) for r in rows] + [4])
+    lines = [f"{'file':<{w}}  {'status':<7}  {'points':>9}  finding", "-" * (w + 50)]
+    for r in rows:
+        pts = f"{r['points']:g}/{r['possible']:g}"
+        lines.append(f"{Path(r['file']).name:<{w}}  {r['status']:<7}  {pts:>9}  {r['finding'] or r['failed']}")
+    n_ok = sum(r["ok"] for r in rows)
+    lines.append(f"\n{n_ok} of {len(rows)} OK")
+    return "\n".join(lines)
+
+
+def _safe(value):
+    """A spreadsheet cell that cannot run as a formula: text starting with = + - @ (or a tab or CR) gets a
+    leading apostrophe."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def write_report(rows: list[dict], path: Path) -> None:
+    """CSV or JSON by the suffix; both load back (csv.DictReader, json.load) to the same rows (CSV cells
+    that would start a formula are prefixed with an apostrophe)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".json", ".csv"):
+        raise ValueError(f"--report must end in .csv or .json; got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+        return
+    with path.open("w", newline="") as f:
+        wr = csv.DictWriter(f, FIELDS)
+        wr.writeheader()
+        wr.writerows({k: _safe(v) for k, v in r.items()} for r in rows)
+
+
+def write_feedback(row: dict, report: Report | None, folder: Path) -> Path:
+    """FOLDER/<file stem>.md: the learner's feedback (findings with stage, expected, found, fix; nothing of
+    the reference solution), or why the file could not be graded."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{Path(row['file']).stem}.md"
+    title = f"{Path(row['file']).name}: {row['points']:g} of {row['possible']:g} points"
+    if report is None:
+        out.write_text(f"# {title}\n\n**Could not be graded** ({row['status']}): {row['finding']}\n")
+    else:
+        out.write_text(report.feedback(title))
+    return out
+
+
+def summary(rows: list[dict]) -> list[tuple[str, int]]:
+    """(mistake, submissions that made it), most common first: each submission's findings (or failed checks
+    when nothing was located, or its status when it could not be graded), counted once per submission."""
+    seen: Counter = Counter()
+    for r in rows:
+        if r["status"] in ("error", "timeout"):
+            seen[f"could not be graded ({r['status']})"] += 1
+            continue
+        names = {n for n in (r.get("mistakes") or "").split("; ") if n}
+        if not names and r["status"] == "not ok":
+            names = {n for n in r["failed"].split("; ") if n} or {r["finding"]}
+        for n in names:
+            seen[n] += 1
+    return seen.most_common()
+
+
+def write_summary(rows: list[dict], folder: Path) -> tuple[Path, Path]:
+    """FOLDER/summary.md (a table) and FOLDER/summary.png (a bar chart) of :func:`summary`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = summary(rows)
+    n = len(rows)
+    md = [f"# Class summary: {sum(r['ok'] for r in rows)} of {n} OK", "", "| mistake | submissions |", "|---|---:|"]
+    md += [f"| {name.replace('|', chr(92) + '|')} | {k} |" for name, k in counts] or ["| (none) | 0 |"]
+    (folder / "summary.md").write_text("\n".join(md) + "\n")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 0.45 * max(len(counts), 1) + 1.2))
+    ax = fig.subplots()
+    names = [c[0] for c in counts][::-1]
+    ax.barh(range(len(names)), [c[1] for c in counts][::-1], color="#4c72b0")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel(f"submissions (of {n})")
+    ax.set_title("mistakes, most common first")
+    fig.tight_layout()
+    png = folder / "summary.png"
+    fig.savefig(png, dpi=100)
+    return folder / "summary.md", png

@@ -1,0 +1,247 @@
+"""What can be established about a module from the outside, without reading its parts: each check
+is a small function of the :class:`~multihead.grader.session.Session` and the base call, returning
+its :class:`~multihead.grader.report.Check` (and, where the property itself names the mistake, a
+:class:`~multihead.grader.report.Finding`).
+
+A correct multi-head attention module, whatever its style, has every one of these properties:
+deterministic in eval mode; each sequence independent of the others; masked keys without
+influence; causal when meant to be; gradients reaching every parameter; positions permuted ->
+outputs permuted (self-attention); the keys' order irrelevant and, with every value vector equal,
+an output that does not depend on the queries or keys (each query's weights sum to 1: cross-attention);
+finite and right when the scores are large (a softmax that subtracts each row's maximum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.grader.report import Check, Finding
+from multihead.grader.session import Inputs, Session
+
+__all__ = ["Base", "rel"]
+
+TOL = 1e-4  # relative: float32 modules differ from themselves at ~1e-7; every mistake seen is > 1e-2
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    """max |a - b| / max |b|; NaN in the same places counts as equal, NaN in one only as inf."""
+    a, b = a.detach().double(), b.detach().double()
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return float("inf")
+    a, b = a.masked_fill(na, 0.0), b.masked_fill(nb, 0.0)
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+class Base:
+    """The base call: the probe inputs, the output (B, Lq, ·) float64, the weights it returned (or None)."""
+
+    def __init__(self, x: Inputs, out: Tensor, weights: Tensor | None):
+        self.x, self.out, self.weights = x, out, weights
+
+
+def determinism(s: Session, b: Base) -> tuple[Check, Finding | None]:
+    again = s.out(b.x.q, b.x.k, b.x.v, b.x.keep, b.x.lens)
+    det = again.shape == b.out.shape and torch.equal(again.nan_to_num(), b.out.nan_to_num())
+    c = Check("eval mode deterministic", det, "" if det else f"max diff {float((again - b.out).abs().max()):.3g}")
+    f = None if det else Finding("dropout active in eval", "apply dropout only in training (nn.Dropout follows "
+                                 "module.eval(); F.dropout needs training=self.training).", "normalisation",
+                                 "the same output for the same input in eval mode", "outputs that change")
+    return c, f
+
+
+def batch_independence(s: Session, b: Base, det: bool) -> Check:
+    if not det:  # two calls already differ: a difference here says nothing about the other sequences
+        return Check("batch independence", None, "not measured", "the output changes from call to call in eval mode "
+                     "(see above)")
+    x = b.x
+    one = s.out(x.q[1:2], x.k[1:2], x.v[1:2], None if x.keep is None else x.keep[1:2],
+                None if x.lens is None else x.lens[1:2])
+    e = rel(one[0], b.out[1])
+    return Check("batch independence", e < TOL, f"rel. diff {e:.2e}",
+                 "" if e < TOL else "a sequence's output depends on the other sequences of the batch")
+
+
+def masked_keys(s: Session, b: Base) -> Check:
+    """Keys (and values) past each sequence's length changed: no output changes."""
+    x = b.x
+    Lk = x.k.shape[1]
+    k2, v2 = x.k.clone(), x.v.clone()
+    blocked = ~(torch.arange(Lk) < x.lens[:, None])  # (B, Lk)
+    k2[blocked] += 3.0
+    v2[blocked] -= 3.0
+    if s.self_attn:
+        pert = s.out(k2, k2, k2, x.keep, x.lens)
+        e = rel(pert[~blocked], b.out[~blocked])
+    else:
+        pert = s.out(x.q, k2, v2, x.keep, x.lens)
+        e = rel(pert, b.out)
+    return Check("masked keys have no influence", e < TOL, f"rel. change {e:.2e}")
+
+
+def fully_masked(s: Session, b: Base) -> Check:
+    x = b.x
+    full, lens0 = x.keep.clone(), x.lens.clone()
+    full[0], lens0[0] = False, 0
+    r = s.call(x.q, x.k, x.v, full, lens0)
+    if r.error is not None or r.out is None:
+        return Check("fully masked rows finite", False, "raises", r.error or "no output", severity="warning")
+    fin = bool(torch.isfinite(r.out).all())
+    return Check("fully masked rows finite", fin, "" if fin else "NaN or inf", "" if fin else
+                 "a query with every key masked gives NaN (torch.nn does too; the course never asks for it)",
+                 severity="warning")
+
+
+def causality(s: Session, b: Base) -> list[Check]:
+    """Position 0's output unchanged when every later position changes, and no gradient from them."""
+    x = b.x
+    xf = x.q.clone()
+    xf[:, 1:] += 2.0
+    of = s.out(xf, xf, xf, x.keep, x.lens) if s.self_attn else s.out(xf, x.k, x.v, x.keep, x.lens)
+    e = rel(of[:, 0], b.out[:, 0])
+    checks = [Check("causal: position 0 unchanged when the future changes", e < TOL, f"rel. change {e:.2e}")]
+    cot = torch.zeros(b.out.shape, dtype=b.out.dtype)
+    cot[:, 0] = 1.0  # d (sum of position 0's outputs) / d inputs
+    r = s.call(x.q, x.k, x.v, x.keep, x.lens, cotangent=cot)
+    gq = r.grads.get("q")
+    leak = float(gq[:, 1:].abs().max()) if gq is not None else float("nan")
+    checks.append(Check("causal: no influence from the future", gq is not None and leak < 1e-6,
+                        f"max |d out_0 / d x_j>0| {leak:.2e}"))
+    return checks
+
+
+def weights_seen(s: Session, b: Base) -> list[Check]:
+    """Returned weights sum to 1 per row; otherwise whether any attribute keeps them (a warning)."""
+    Lq, Lk = b.x.q.shape[1], b.x.k.shape[1]
+    w = b.weights
+    checks = []
+    shown = w is not None and tuple(w.shape[-2:]) == (Lq, Lk)
+    if shown:
+        sums = w.double().sum(-1)
+        ok = bool(((sums - 1).abs() < 1e-4).all() | (sums.abs() < 1e-6).all())
+        checks.append(Check("returned weights rows sum to 1", ok, f"row sums {float(sums.min()):.4f}-"
+                                                                 f"{float(sums.max()):.4f}"))
+    else:
+        shown = bool(s.call(b.x.q, b.x.k, b.x.v, b.x.keep, b.x.lens, kept=True).kept)
+    checks.append(Check("attention weights can be seen", shown, "", "" if shown else "neither returned nor kept as "
+                        "an attribute: return them (or keep them, as the course's attention_weights) to show every "
+                        "head's weights", severity="warning"))
+    return checks
+
+
+def gradients(s: Session, b: Base, trainable: tuple[str, ...]) -> Check:
+    x = b.x
+    cot = torch.randn(b.out.shape, generator=s.g, dtype=torch.float64)
+    r = s.call(x.q, x.k, x.v, x.keep, x.lens, cotangent=cot)
+    if r.error is not None:
+        return Check("gradients reach every parameter", False, "backward raises", r.error)
+    dead = [n for n in trainable if (g := r.grads.get(f"param.{n}")) is None or not bool(g.abs().sum())]
+    return Check("gradients reach every parameter", not dead, f"{len(dead)} without" if dead else "",
+                 ", ".join(dead[:4]))
+
+
+def permutation(s: Session, b: Base) -> tuple[Check, Finding | None]:
+    """Self-attention: positions permuted (the real ones among themselves, under a padding mask) -> outputs
+    permuted the same way; a mistake that ties scores to positions breaks it."""
+    x = b.x
+    L = x.q.shape[1]
+    n = L if x.lens is None else int(x.lens.min())  # the first n positions are real in every sequence
+    if n < 2:
+        return Check("permutation equivariance", None, "", "too few real positions"), None
+    perm = torch.cat([torch.randperm(n, generator=s.g).roll(1), torch.arange(n, L)])
+    xp = x.q[:, perm]
+    e = rel(s.out(xp, xp, xp, x.keep, x.lens)[:, :n], b.out[:, perm][:, :n])
+    ok = e < TOL
+    return Check("permutation equivariance", ok, f"rel. diff {e:.2e}"), None if ok else _positional(e, "positions")
+
+
+def key_order(s: Session, b: Base) -> tuple[Check, Finding | None]:
+    """Cross-attention: keys and values permuted together (the kept ones among themselves) leave every
+    output unchanged; a mistake that ties scores to positions does not."""
+    x = b.x
+    Lk = x.k.shape[1]
+    n = Lk if x.lens is None else int(x.lens.min())  # the first n keys are kept in every sequence
+    if n < 2:
+        return Check("order of the keys does not matter", None, "", "too few kept keys"), None
+    perm = torch.cat([torch.randperm(n, generator=s.g).roll(1), torch.arange(n, Lk)])
+    e = rel(s.out(x.q, x.k[:, perm], x.v[:, perm], x.keep, x.lens), b.out)
+    ok = e < TOL
+    return Check("order of the keys does not matter", ok, f"rel. change {e:.2e}"), None if ok else _positional(e, "keys")
+
+
+def _positional(e: float, what: str) -> Finding:
+    expected = ("keys and values permuted together leave every output unchanged" if what == "keys" else
+                "positions permuted permute the outputs the same way")
+    return Finding("the output depends on the order of the keys", "the scores must be Q Kᵀ (scaled) and nothing "
+                   "else: remove any term that depends on a key's position (a bias by index, a distance penalty, a "
+                   "position added after the projections); positions belong in the inputs (positional encodings), "
+                   "not in attention.", "scores", expected,
+                   f"outputs change by {e:.2e} (relative) when the {what} are reordered")
+
+
+def weights_sum_to_one(s: Session, b: Base) -> tuple[Check, Finding | None]:
+    """Cross-attention: every value vector of a sequence the same -> every query's output the same (the
+    weights sum to 1 over the keys), whatever the queries and keys."""
+    x = b.x
+    v1 = x.v[:, :1].expand_as(x.v).clone()  # (B, Lk, E): the first value everywhere
+    out = s.out(x.q, x.k, v1, x.keep, x.lens)
+    if rel(out, b.out) < TOL:  # the output ignores the value input: the values come from elsewhere
+        return Check("each query's weights sum to 1", None, "n/a", "the output does not depend on the value "
+                     "input"), None
+    q2 = torch.randn(x.q.shape, generator=s.g)
+    out2 = s.out(q2, x.k, v1, x.keep, x.lens)
+    e = max(rel(out, out[:, :1].expand_as(out)), rel(out2, out))
+    ok = e < TOL
+    f = None if ok else Finding(
+        "each query's weights do not sum to 1 over the keys", "normalise the scores with softmax over the keys "
+        "(dim=-1) after masking: every query's weights must sum to 1.", "normalisation",
+        "equal values give the same output for every query", f"outputs differ by {e:.2e} (relative) across queries")
+    return Check("each query's weights sum to 1", ok, f"rel. spread {e:.2e}"), f
+
+
+def stability(s: Session, b: Base, reference=None) -> tuple[Check, Finding | None]:
+    """Scores made large (queries and keys x sqrt(f), so the scores are ~x f, f = 10 ... 10^4: exp overflows
+    float32 past ~88): the output stays finite and, when the parts are known (``reference(q, k, v, keep)``),
+    equals the spec's at x10 and x100 (a softmax that saturates). Every key is kept (a causal module: only the
+    last query row, which sees every key, is judged), so a softmax written as exp(s - max) times the mask is
+    held to what it computes exactly."""
+    x = b.x
+    lens = None if x.lens is None else torch.full_like(x.lens, x.k.shape[1])
+    keep = None if x.keep is None else torch.ones_like(x.keep)
+    if s.causal:  # every key kept but the future
+        keep = torch.ones_like(x.keep).tril() if keep is not None else torch.ones(
+            x.q.shape[0], 1, x.q.shape[1], x.k.shape[1], dtype=torch.bool).tril()
+    rows = slice(-1, None) if s.causal else slice(None)
+    r = s.call(x.q, x.q, x.q, keep, lens) if s.self_attn else s.call(x.q, x.k, x.v, keep, lens)
+    if r.error is not None or r.out is None or not bool(torch.isfinite(r.out[:, rows]).all()):
+        return Check("stable on large scores", None, "n/a", "not finite with every key kept, even on small scores"), None
+    for factor in (10.0, 100.0, 1e3, 1e4):
+        q, k = x.q * factor ** 0.5, x.k * factor ** 0.5
+        args = (q, q, q) if s.self_attn else (q, k, x.v)
+        r = s.call(*args, keep, lens)
+        if r.error is not None or r.out is None:
+            return Check("stable on large scores", False, f"raises at x{factor:g}", r.error or ""), _overflow(
+                factor, "raises")
+        out = r.out[:, rows].double()
+        if not bool(torch.isfinite(out).all()):
+            return Check("stable on large scores", False, f"NaN/inf at scores x{factor:g}"), _overflow(factor,
+                                                                                                    "NaN or inf")
+        if reference is not None and factor <= 100:  # beyond, float32 scores differ by more than 1e-3 in their logits
+            e = rel(out, reference(*args, keep)[:, rows])
+            if e > 1e-3:
+                return Check("stable on large scores", False, f"rel. error {e:.2e} at scores x{factor:g}"), Finding(
+                    "wrong when the scores are large (saturation)", "compute the softmax in float32 (or wider) from "
+                    "the raw scores, subtracting each row's maximum; do not clamp or round the scores.",
+                    "normalisation", f"the spec's output with scores x{factor:g}",
+                    f"relative error {e:.2e} there (exact on small scores)")
+    return Check("stable on large scores", True, "finite at scores x10 to x10^4"), None
+
+
+def _overflow(factor: float, what: str) -> Finding:
+    return Finding("softmax overflows on large scores", "subtract each row's maximum before exp (exp(s - s.max(-1, "
+                   "keepdim=True))), or call torch.softmax, which does: exp of a score above ~88 is inf in float32.",
+                   "normalisation", f"finite outputs with scores x{factor:g}",
+                   f"{what} with scores x{factor:g} (finite on small scores)")

@@ -1,0 +1,178 @@
+"""The grader's side of a sandbox: :class:`SandboxSubject` starts the warden (which starts the
+submission's process under limits), sends it requests and reads its replies, all before a wall-clock
+deadline; :meth:`SandboxSubject.close` ends the whole process tree.
+
+What is isolated: the verdict (computed here, from tensors), the grader's memory (the sandbox has
+its own address-space limit), the CPU (a CPU-time limit, one thread), the process table (the warden
+kills every descendant at the end, and a tree larger than its limit at once), the output (capped; it
+never becomes a row). What is not: a submission runs as the grader's user, so it can read (and write)
+the files that user can. For a class, run the grader as a user that owns nothing else, or inside a
+container (``docker run --network none --read-only -v submissions:/subs:ro ...``), as Otter-Grader and
+Gradescope do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from multihead.grader import wire
+from multihead.grader.subject import Description, Probe, Reply
+
+__all__ = ["Limits", "SandboxError", "SandboxSubject", "parse_size"]
+
+
+class Limits(NamedTuple):
+    """Per submission: wall-clock seconds, CPU seconds, address space in bytes, processes."""
+
+    wall: float = 60.0
+    cpu: int = 120
+    memory: int = 4 << 30
+    processes: int = 32
+
+
+def parse_size(text: str) -> int:
+    """'4G', '512M', '2GiB', '1000000' -> bytes; a ValueError naming the text otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if m is None:
+        raise ValueError(f"--memory must be a size such as 4G, 512M or 2GiB; got {text!r}.")
+    n = float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper())
+    if n < 64 << 20:
+        raise ValueError(f"--memory {text!r} is under 64 MiB: too little for Python and torch to start.")
+    return int(n)
+
+
+class SandboxError(RuntimeError):
+    """The submission could not be graded: ``status`` "error" or "timeout", ``finding`` the reason."""
+
+    def __init__(self, status: str, finding: str):
+        super().__init__(finding)
+        self.status, self.finding = status, finding
+
+
+class SandboxSubject:
+    """One learner's file, in its own process, seen through :meth:`describe` and :meth:`call`."""
+
+    def __init__(self, path: Path, name: str, *, init: dict | None = None, call: str = "qkv", seed: int = 0,
+                 limits: Limits | None = None):
+        limits = Limits() if limits is None else limits
+        self.path, self.name, self.limits = Path(path), name, limits
+        self.deadline = time.monotonic() + limits.wall
+        self._log_dir = tempfile.mkdtemp(prefix="multihead-sandbox-")
+        self.log = os.path.join(self._log_dir, "output.txt")
+        req_r, self._req = os.pipe()
+        self._rep, rep_w = os.pipe()
+        argv = [sys.executable, "-m", "multihead.grader.sandbox", str(req_r), str(rep_w), str(self.path), name,
+                json.dumps(init or {}), call, str(seed)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")
+        src = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        warden = [sys.executable, "-m", "multihead.grader.warden", self.log, str(limits.memory), str(limits.cpu),
+                  str(limits.processes), "--", *argv]
+        self._warden = subprocess.Popen(warden, pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(req_r)
+        os.close(rep_w)
+        self._closed, self._output, self._status = False, "", {}
+        self.ready = self._recv("starting")
+
+    # --- messages ---------------------------------------------------------------------------
+    def _recv(self, what: str) -> tuple[dict, dict]:
+        try:
+            h, t = wire.recv(self._rep, self.deadline)
+        except wire.Deadline:
+            self.close(kill=True)
+            raise SandboxError("timeout", f"no answer within {self.limits.wall:g} s while {what} (an endless loop?)"
+                               ) from None
+        except wire.Closed:
+            self.close()
+            raise SandboxError("error", self._ended(what)) from None
+        except ValueError as e:
+            self.close()
+            raise SandboxError("error", f"the submission's process sent a malformed message while {what}: {e}"
+                               ) from None
+        if h.get("ready") is False:
+            self.close()
+            stage = {"import": f"importing {self.path}", "lookup": "looking the class up",
+                     "build": f"building {self.name}"}.get(h.get("stage"), str(h.get("stage")))
+            where = f" ({h['where']})" if h.get("where") else ""
+            msg = str(h.get("error"))
+            if h.get("stage") == "lookup":
+                raise SandboxError("error", msg)
+            raise SandboxError("error", f"{stage} failed: {msg}{where}")
+        return h, t
+
+    def _send(self, header: dict, tensors: dict | None = None) -> None:
+        try:
+            wire.send(self._req, header, tensors)
+        except (BrokenPipeError, OSError):
+            self.close()
+            raise SandboxError("error", self._ended("receiving a request")) from None
+
+    def _ended(self, what: str) -> str:
+        """Why the process ended, from the warden's status and the last line it printed."""
+        status = self.close()
+        lines = [ln for ln in self._output.splitlines() if ln.strip()]
+        tail = f": {lines[-1][:300]}" if lines else ""
+        if status.get("why"):
+            return f"the submission's process was stopped while {what}: {status['why']}"
+        code = status.get("exit")
+        how = {-9: " (killed: over its memory or process limit?)", -24: " (over its CPU-time limit)"}.get(code, "")
+        return f"the submission's process ended while {what}, exit code {code}{how}{tail}"
+
+    # --- the subject ------------------------------------------------------------------------
+    def describe(self) -> Description:
+        self._send({"op": "describe"})
+        return wire.description_in(*self._recv("describing the module"))
+
+    def call(self, probe: Probe) -> Reply:
+        self._send(*wire.probe_out(probe))
+        return wire.reply_in(*self._recv("calling the module"))
+
+    def output(self) -> str:
+        """What the submission printed (capped by the warden), once it has ended."""
+        return self._output
+
+    def close(self, kill: bool = False) -> dict:
+        """End the sandbox and everything it started (``kill``: at once, without waiting for it to see
+        its request pipe close); the warden's status."""
+        if not self._closed:
+            self._closed = True
+            for fd in (self._req, self._rep):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            if kill:
+                self._warden.terminate()
+            try:
+                self._warden.wait(timeout=3)  # the sandbox sees EOF and returns; the warden sweeps
+            except subprocess.TimeoutExpired:
+                self._warden.terminate()
+                try:
+                    self._warden.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._warden.kill()
+                    self._warden.wait()
+            try:
+                self._output = Path(self.log).read_text(errors="replace")
+                self._status = json.loads(Path(self.log + ".status").read_text())
+            except (OSError, ValueError):
+                self._output, self._status = "", {}
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+        return self._status
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(kill=True)

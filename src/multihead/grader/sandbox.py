@@ -1,0 +1,97 @@
+"""The submission's own process: ``python -m multihead.grader.sandbox REQ REP FILE NAME INIT CALL SEED``.
+
+It imports the learner's file, builds ``NAME(**INIT)`` and then only answers the grader's requests
+on two pipes (file descriptors REQ and REP): ``describe`` (the module as data) and ``call`` (one
+:class:`~multihead.grader.subject.Probe`), each reply a frame of JSON and safetensors
+(:mod:`multihead.grader.wire`). Whatever the submission prints goes to this process's stdout and
+stderr, which the warden caps and which never becomes a verdict; the verdict is computed by the
+grader from the tensors that cross. It runs under the warden's limits (memory, CPU time, processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _error(rep: int, stage: str, e: BaseException) -> None:
+    from multihead.grader import wire
+
+    tb = traceback.extract_tb(e.__traceback__)
+    where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(tb)
+                  if "multihead" not in f.filename), "")
+    wire.send(rep, {"ready": False, "stage": stage, "error": f"{type(e).__name__}: {e}", "where": where})
+
+
+def _build(path: str, name: str, init: dict, seed: int):
+    """The learner's module, built as their notebook would: the file imported, then NAME(**init) with torch's
+    seed set. Its folder is not on the import path: a classmate's file named torch.py cannot shadow a library."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(f"submission_{os.getpid()}", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException as e:  # noqa: BLE001 - the learner's file (SystemExit included)
+        return None, ("import", e)
+    if not hasattr(mod, name):
+        names = [n for n in vars(mod) if not n.startswith("_") and isinstance(vars(mod)[n], type)]
+        return None, ("lookup", LookupError(f"{os.path.basename(path)} has no {name!r}; it defines "
+                                            f"{', '.join(names) or 'no class'}"))
+    torch.manual_seed(seed)
+    try:
+        module = getattr(mod, name)(**init)
+    except BaseException as e:  # noqa: BLE001
+        return None, ("build", e)
+    if not isinstance(module, torch.nn.Module):
+        return None, ("build", TypeError(f"{name}({', '.join(f'{k}={v!r}' for k, v in init.items())}) is a "
+                                         f"{type(module).__name__}, not a torch.nn.Module"))
+    return module, None
+
+
+def serve(req: int, rep: int, path: str, name: str, init: dict, call: str, seed: int) -> None:
+    import torch
+
+    from multihead.grader import wire
+    from multihead.grader.subject import caller, describe, run
+
+    torch.set_num_threads(1)
+    module, failed = _build(path, name, init, seed)
+    if failed is not None:
+        _error(rep, *failed)
+        return
+    module.eval()
+    fn = caller(call)
+    n_params = sum(1 for _ in module.parameters())
+    wire.send(rep, {"ready": True, "params": n_params})
+    while True:
+        try:
+            header, tensors = wire.recv(req)
+        except wire.Closed:
+            return
+        if header.get("op") == "describe":
+            wire.send(rep, *wire.description_out(describe(module)))
+        elif header.get("op") == "call":
+            wire.send(rep, *wire.reply_out(run(module, fn, wire.probe_in(header, tensors))))
+        else:
+            return
+
+
+def main(argv: list[str]) -> int:
+    req, rep = int(argv[0]), int(argv[1])
+    path, name, init, call, seed = argv[2], argv[3], json.loads(argv[4]), argv[5], int(argv[6])
+    # the reply pipe moves to a private descriptor: a submission writing to 1 or 2 reaches the log only
+    rep2 = os.dup(rep)
+    os.close(rep)
+    os.set_inheritable(rep2, False)
+    os.set_inheritable(req, False)
+    serve(req, rep2, path, name, init, call, seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""One grading session: the subject, how it is called and masked, and the probe inputs. Every stage
+of the grader asks the module for calls through :meth:`Session.call`, with the spec's keep mask
+(B, 1, Lq, Lk); the session turns it into the module's own convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from multihead.grader.subject import Probe, Reply
+
+__all__ = ["CONVENTIONS", "Inputs", "Session", "mask_value", "probes"]
+
+#: how a module reads masks: bool keep, 1 = blocked (the Keras tutorial), additive, the course's lengths
+CONVENTIONS = ("keep", "block", "additive", "valid_lens")
+B, LQ, LK = 3, 5, 7
+
+
+class Inputs(NamedTuple):
+    """q (B, Lq, E), k, v (B, Lk, E); lens (B,) and the spec's keep mask (B, 1, Lq, Lk), or None."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    lens: Tensor | None
+    keep: Tensor | None
+
+
+def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
+    """The mask in the module's convention (B, 1, Lq, Lk), or the lengths for valid_lens."""
+    if conv is None or keep is None:
+        return None
+    if conv == "valid_lens":
+        return lens
+    if conv == "keep":
+        return keep
+    if conv == "block":
+        return (~keep).float()
+    return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))  # additive
+
+
+def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: bool, g: torch.Generator,
+           Bx: int = B) -> Inputs:
+    """Random inputs; with a mask the sequences keep Lk-1, min(Lk, 3) and Lk keys (a causal module:
+    the lower triangle on top)."""
+    q = torch.randn(Bx, Lq, E, generator=g)
+    k = q if self_attn else torch.randn(Bx, Lk, E, generator=g)
+    v = q if self_attn else torch.randn(Bx, Lk, E, generator=g)
+    lens = torch.tensor([max(1, Lk - 1), min(Lk, 3), Lk][:Bx]) if masked else None
+    keep = None
+    if lens is not None:
+        keep = (torch.arange(Lk) < lens[:, None])[:, None, None, :].expand(Bx, 1, Lq, Lk)  # (B,) -> (B, 1, Lq, Lk)
+    if causal:
+        tri = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+        keep = tri[None, None].expand(Bx, 1, Lq, Lk) if keep is None else keep & tri
+    return Inputs(q, k, v, lens, keep)
+
+
+@dataclass
+class Session:
+    """The subject and how it is graded: ``conv`` its mask convention (None: it takes no mask), ``causal``,
+    ``self_attn`` (queries, keys and values are one tensor), ``E`` its input size, ``g`` the run's random
+    generator (the probes are drawn from it, never known in advance to a sandboxed submission), ``how``
+    the call as the learner wrote it (for messages)."""
+
+    subject: object
+    conv: str | None
+    causal: bool
+    self_attn: bool
+    E: int
+    g: torch.Generator
+    how: str = "m(q, k, v)"
+    #: cross-attention graded on Lq == Lk (it raised on different lengths)
+    square: bool = False
+    #: the Linear-like layers in the order the first call ran them
+    order: tuple = ()
+
+    def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
+        Lk = Lq if self.self_attn or self.causal or self.square else Lk
+        return probes(self.E, Lq, Lk, self_attn=self.self_attn, masked=self.conv is not None, causal=self.causal,
+                      g=self.g, Bx=Bx)
+
+    def call(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None,
+             **kw) -> Reply:
+        """The module on (q, k, v) with the spec's ``keep`` mask (and ``lens``) in its convention; ``kw``:
+        the rest of a :class:`~multihead.grader.subject.Probe` (record, replace, cotangent, order, kept)."""
+        same = self.self_attn and k is q and v is q
+        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens), same, **kw))
+
+    def out(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None) -> Tensor:
+        """The output (float64), or a RuntimeError with what the module raised."""
+        r = self.call(q, k, v, keep, lens)
+        if r.error is not None or r.out is None:
+            raise RuntimeError(r.error or "the module returned no tensor")
+        return r.out.double()

@@ -1,0 +1,280 @@
+"""The module under test, seen only through what the grader asks of it: a :class:`Description`
+(its layers, parameters and attributes, as plain tensors and numbers) and :class:`Reply` records
+of calls (:class:`Probe`: inputs, a mask in the module's convention, layers to observe or whose
+output to replace, a cotangent for gradients).
+
+:func:`describe` and :func:`run` execute in whichever process holds the module: this one for
+:func:`multihead.check` on your own module (:class:`LocalSubject`), the submission's own sandbox
+for a learner's file (:mod:`multihead.grader.sandbox`). Nothing else of the module reaches the
+verdict, which is computed from these records alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["CALLS", "Description", "LocalSubject", "Probe", "Reply", "caller", "describe", "run"]
+
+#: the calls a module can be graded through (a sandboxed file is called by name; a function only in-process)
+CALLS = ("x", "qkv", "qkv_mask")
+#: attribute names that may hold a head count, read off every submodule
+HEAD_ATTRS = ("num_heads", "n_heads", "heads", "h", "num_head", "nhead", "n_head", "num_attention_heads",
+              "head_count", "nheads")
+
+
+class Probe(NamedTuple):
+    """One call: q (B, Lq, E), k, v (B, Lk, E), ``mask`` in the module's convention (or None);
+    ``same``: self-attention, the module gets q as keys and values (one tensor); ``record``: layers
+    whose (input, output) each call returns; ``replace``: layer -> tensor that stands for its output;
+    ``cotangent``: backward of (out * cotangent).sum(), gradients of the inputs and parameters;
+    ``order``: report the Linear-like layers in the order they ran; ``kept``: report tensor
+    attributes whose last two sizes are (Lq, Lk) after the call."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None = None
+    same: bool = False
+    record: tuple[str, ...] = ()
+    replace: dict | None = None
+    cotangent: Tensor | None = None
+    order: bool = False
+    kept: bool = False
+
+
+class Reply(NamedTuple):
+    """What one call gave: ``out`` (the output, or the first element of a tuple), ``weights`` (a
+    tensor second element, if any), ``error`` ("TypeError: ..." when it raised), ``records``
+    (layer -> [(input, output), ...] per call of it), ``grads`` ("q", "k", "v", "param.<name>"),
+    ``order`` (Linear-like layers in call order), ``kept`` (attribute paths)."""
+
+    out: Tensor | None
+    weights: Tensor | None = None
+    error: str | None = None
+    records: dict = {}
+    grads: dict = {}
+    order: tuple = ()
+    kept: tuple = ()
+
+
+@dataclass
+class Description:
+    """A module as data: ``modules`` name -> class name (named_modules; "" is the root);
+    ``linear``: Linear-like layers (torch Linear, Keras Dense) -> (weight (out, in), bias) float64;
+    ``params``: every parameter by name, float64 (lazy ones absent); ``trainable``: those that
+    require grad; ``ints``: module name -> {attribute: int} for head-count-like and size attributes;
+    ``scale``: the root's ``scale`` attribute; ``forward``: the forward's positional parameters
+    (name, required); ``lazy``: uninitialised parameters remain."""
+
+    modules: dict[str, str] = field(default_factory=dict)
+    linear: dict[str, tuple] = field(default_factory=dict)
+    params: dict[str, Tensor] = field(default_factory=dict)
+    trainable: tuple[str, ...] = ()
+    ints: dict[str, dict] = field(default_factory=dict)
+    scale: float | None = None
+    forward: tuple = ()
+    lazy: bool = False
+
+    @property
+    def root(self) -> str:
+        return self.modules.get("", "module")
+
+
+def linear_like(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight (out, in), bias) of a torch Linear or a Keras Dense layer, float64; None otherwise (and for
+    a lazy layer not yet built)."""
+    if isinstance(m, nn.Linear):
+        if isinstance(m.weight, nn.parameter.UninitializedParameter):
+            return None
+        return m.weight.detach().double(), None if m.bias is None else m.bias.detach().double()
+    if type(m).__name__ == "Dense" and getattr(m, "kernel", None) is not None:  # Keras 3 on torch: kernel (in, out)
+        kern = getattr(m.kernel, "value", m.kernel)
+        bias = getattr(m, "bias", None)
+        bias = None if bias is None else getattr(bias, "value", bias)
+        return kern.detach().double().T, None if bias is None else bias.detach().double()
+    return None
+
+
+def describe(module: nn.Module) -> Description:
+    """The module as data (see :class:`Description`)."""
+    d = Description()
+    for name, m in module.named_modules():
+        d.modules[name] = type(m).__name__
+        wb = linear_like(m)
+        if wb is not None:
+            d.linear[name] = wb
+        ints = {a: getattr(m, a) for a in (*HEAD_ATTRS, "out_features", "in_features", "d_k", "d_model", "head_dim")
+                if isinstance(m.__dict__.get(a, getattr(type(m), a, None)), int)
+                and not isinstance(getattr(m, a), bool)}
+        if ints:
+            d.ints[name] = ints
+    trainable = []
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            d.lazy = True
+            continue
+        d.params[name] = p.detach().double()
+        if p.requires_grad:
+            trainable.append(name)
+    d.trainable = tuple(trainable)
+    scale = module.__dict__.get("scale")
+    d.scale = float(scale) if isinstance(scale, int | float) and not isinstance(scale, bool) else None
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        d.forward = tuple((p.name, p.default is p.empty) for p in params)
+    except (TypeError, ValueError):
+        pass
+    return d
+
+
+def caller(call) -> Callable:
+    """``run(module, q, k, v, mask)`` for a call name ("x", "qkv", "qkv_mask") or a function."""
+    if callable(call):
+        return lambda m, q, k, v, mk: call(m, q, k, v, mk)
+    if call == "x":
+        return lambda m, q, k, v, mk: m(q)
+    if call == "qkv":
+        return lambda m, q, k, v, mk: m(q, k, v)
+    if call == "qkv_mask":
+        return lambda m, q, k, v, mk: m(q, k, v, mk)
+    raise ValueError(f"call must be 'x', 'qkv', 'qkv_mask' or a function f(module, q, k, v, mask); got {call!r}.")
+
+
+def _output(r) -> tuple[Tensor | None, Tensor | None]:
+    """(output, weights or None) from whatever the module returns."""
+    if isinstance(r, tuple | list):
+        first = r[0] if r else None
+        return (first if isinstance(first, Tensor) else None,
+                r[1] if len(r) > 1 and isinstance(r[1], Tensor) else None)
+    return (r if isinstance(r, Tensor) else None), None
+
+
+def _kept(module: nn.Module, last: tuple[int, int]) -> tuple[str, ...]:
+    """Tensor attributes (or properties) of any submodule whose last two sizes are ``last``."""
+    found = []
+    for mname, m in module.named_modules():
+        props = [n for c in type(m).__mro__ for n, a in vars(c).items() if isinstance(a, property)]
+        for n in [*vars(m), *props]:
+            try:
+                t = getattr(m, n)
+            except Exception:  # noqa: BLE001 - a property of the learner's module
+                continue
+            if isinstance(t, Tensor) and t.dim() >= 3 and tuple(t.shape[-2:]) == last:
+                found.append(f"{mname}.{n}" if mname else n)
+    return tuple(found)
+
+
+def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
+    """Call ``module`` through ``call`` as ``probe`` asks (no grad unless a cotangent is given), with
+    forward hooks only on the layers named in ``probe.record`` / ``probe.replace`` (and pre-hooks on the
+    Linear-like layers for ``order``); every hook is removed afterwards."""
+    records: dict[str, list] = {n: [] for n in probe.record}
+    replace = dict(probe.replace or {})
+    order: list[str] = []
+    handles = []
+
+    def observe(name):
+        def hook(m, args, out):
+            if name in records:
+                x = args[0] if args and isinstance(args[0], Tensor) else None
+                records[name].append((x, out if isinstance(out, Tensor) else None))
+            if name in replace and isinstance(out, Tensor):
+                return replace[name].to(out.dtype)
+            return None
+        return hook
+
+    try:
+        for name in {*records, *replace}:
+            handles.append(module.get_submodule(name).register_forward_hook(observe(name)))
+        if probe.order:
+            for name, m in module.named_modules():
+                if linear_like(m) is not None or isinstance(m, nn.Linear):
+                    handles.append(m.register_forward_pre_hook(lambda m, a, name=name: order.append(name)))
+        q, k, v = probe.q, probe.k, probe.v
+        grad = probe.cotangent is not None
+        if grad:
+            for p in module.parameters():
+                p.grad = None
+            q = q.clone().requires_grad_(True)
+            k, v = (q, q) if probe.same else (k.clone().requires_grad_(True), v.clone().requires_grad_(True))
+        elif probe.same:
+            k = v = q
+        try:
+            with torch.set_grad_enabled(grad):
+                out, weights = _output(call(module, q, k, v, probe.mask))
+                grads = {}
+                if grad and out is not None and out.shape == probe.cotangent.shape:
+                    (out * probe.cotangent.to(out.dtype)).sum().backward()
+                    grads = {"q": q.grad} if probe.same else {"q": q.grad, "k": k.grad, "v": v.grad}
+                    grads |= {f"param.{n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
+        except Exception as e:  # noqa: BLE001 - the learner's module: reported, never raised here
+            return Reply(None, error=f"{type(e).__name__}: {e}")
+        kept = _kept(module, (q.shape[1], k.shape[1])) if probe.kept else ()
+        recs = {n: [(None if x is None else x.detach(), None if y is None else y.detach()) for x, y in lst]
+                for n, lst in records.items()}
+        return Reply(None if out is None else out.detach(), None if weights is None else weights.detach(), None,
+                     recs, {n: g.detach() for n, g in grads.items() if g is not None}, tuple(order), kept)
+    finally:
+        for h in handles:
+            h.remove()
+        if probe.cotangent is not None:
+            for p in module.parameters():
+                p.grad = None
+
+
+class _Kept:
+    """Everything of the user's a check could change, put back by :meth:`restore`: training flags,
+    gradients, parameters and buffers, the random generators."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.training = [(m, m.training) for m in module.modules()]
+        self.grads = [(p, p.grad) for p in module.parameters()]
+        self.state = {k: t.detach().clone() for k, t in module.state_dict(keep_vars=True).items()
+                      if isinstance(t, Tensor) and not isinstance(t, nn.parameter.UninitializedParameter)}
+        self.rng = torch.get_rng_state(), random.getstate()
+        import numpy as np
+
+        self.np = np.random.get_state()
+
+    def restore(self) -> None:
+        for m, t in self.training:
+            m.training = t
+        for p, gr in self.grads:
+            p.grad = gr
+        with torch.no_grad():
+            for k, t in self.module.state_dict(keep_vars=True).items():
+                if k in self.state and isinstance(t, Tensor) and not torch.equal(t, self.state[k]):
+                    t.copy_(self.state[k])
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        import numpy as np
+
+        np.random.set_state(self.np)
+
+
+class LocalSubject:
+    """A module in this process (your own, passed to :func:`multihead.check`), in eval mode while it is
+    graded; :meth:`close` puts back everything a check could change."""
+
+    def __init__(self, module: nn.Module, call):
+        self.module, self._call = module, caller(call)
+        self._kept = _Kept(module)
+        module.eval()
+
+    def describe(self) -> Description:
+        return describe(self.module)
+
+    def call(self, probe: Probe) -> Reply:
+        return run(self.module, self._call, probe)
+
+    def close(self) -> None:
+        self._kept.restore()

@@ -1,0 +1,265 @@
+"""The verdict on one module, from calls alone (:class:`~multihead.grader.subject.LocalSubject` or a
+sandboxed learner's file): the black-box properties (:mod:`multihead.grader.properties`), then the
+module read as projections (:mod:`multihead.grader.parts`) and compared with the float64 reference,
+then, when it differs, the stage where it departs (:mod:`multihead.grader.stages`).
+
+The rules, so that correct code is never failed:
+
+- a property that fails is a failure (the module is not multi-head attention, whatever its parts);
+- the output equal to the reference under some reading of the parts is a pass;
+- otherwise a mistake the localisation *names* (a hypothesis that reproduces what the module
+  computed) is a failure, and so is any difference when every part was observed at work (each
+  projection a layer seen called on its input, the output the output projection's);
+- a difference that is neither -- the parts could not be read with certainty -- is a warning that
+  says what could not be verified; the black-box checks stand as the verdict.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from multihead.grader import parts as parts_mod
+from multihead.grader import properties as props
+from multihead.grader import stages
+from multihead.grader.report import Check, Finding, Report
+from multihead.grader.session import LK, LQ, B, Session
+from multihead.grader.subject import Description, Probe
+
+__all__ = ["Options", "grade_subject"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a module is graded: ``conv`` its mask convention (None: no mask), ``causal``, ``self_attn``,
+    ``embed_dim`` (its input size, when nothing tells it), ``mapping`` (the names of its q/k/v/o or qkv,
+    ``heads``, ``scale``), ``seed`` of the probes, ``strict`` (warnings fail), ``how`` (the call, for messages), ``call`` its name
+    ("x", "qkv", "qkv_mask"; None for a function)."""
+
+    conv: str | None = None
+    causal: bool = False
+    self_attn: bool = False
+    embed_dim: int | None = None
+    mapping: dict | None = None
+    seed: int = 0
+    strict: bool = False
+    how: str = "m(q, k, v)"
+    call: str | None = "qkv"
+
+
+def _size_from(desc: Description, mapping: dict | None) -> int | None:
+    """The input size a Linear-like layer states (the first one; or the mapped q/qkv layer's)."""
+    for r in ("q", "qkv"):
+        if mapping and mapping.get(r) in desc.linear:
+            return int(desc.linear[mapping[r]][0].shape[1])
+    for name, (w, _) in desc.linear.items():
+        if name:
+            return int(w.shape[1])
+    return next((int(w.shape[1]) for w, _ in desc.linear.values()), None)
+
+
+def _size_search(subject, desc: Description, self_attn: bool) -> int | None:
+    """The input size found by calling: the parameters' sizes (commonest first), a lazy layer's output
+    size, then common model sizes; the first that gives a (1, 2, ·) output. A lazy module is built by it."""
+    sizes = Counter(d for p in desc.params.values() if p.dim() >= 2 for d in p.shape)
+    cands = [E for E, _ in sizes.most_common()]
+    cands += [v for ints in desc.ints.values() for a, v in ints.items() if a in ("out_features", "d_model")]
+    cands += [32, 64, 16, 24, 100, 128, 8, 256, 512]
+    for E in dict.fromkeys(c for c in cands if c > 0):
+        x = torch.zeros(1, 2, E)
+        r = subject.call(Probe(x, x, x, None, self_attn))
+        if r.error is None and r.out is not None and r.out.dim() == 3 and tuple(r.out.shape[:2]) == (1, 2):
+            return E
+    return None
+
+
+def _call_hint(forward: tuple, call: str | None) -> str:
+    """' (its forward(x) fits call='x')' when the module's forward signature fits another call."""
+    if call is None or not forward:
+        return ""
+    required = [n for n, req in forward if req]
+    fits = [c for c, n in (("x", 1), ("qkv", 3), ("qkv_mask", 4)) if len(required) <= n <= len(forward)]
+    if not fits or call in fits:
+        return ""
+    names = ", ".join(n for n, _ in forward)
+    return f" (its forward({names}) fits call={fits[0]!r}{'' if fits[0] != 'qkv_mask' else ' with a mask='})"
+
+
+def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
+    """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
+    runs with equal lengths is graded on equal lengths, with a finding."""
+    x = s.inputs()
+    r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+    if r.error is not None and not s.self_attn and not s.causal:
+        x2 = s.inputs(LQ, LQ)
+        r2 = s.call(x2.q, x2.k, x2.v, x2.keep, x2.lens, order=True)
+        if r2.error is None and r2.out is not None:
+            named.append(Finding(
+                "runs only when the query and key lengths are equal", "keys and values come from the key and value "
+                "inputs (length Lk), queries from the query input (length Lq); the weights are (B, H, Lq, Lk): check "
+                "which input each projection and product takes.", "projections", f"any Lq, Lk (cross-attention: "
+                f"Lq={LQ}, Lk={LK})", f"{r.error}"))
+            s.square = True
+            x, r = x2, r2
+    if r.error is not None or r.out is None:
+        hint = hint if (r.error or "").startswith("TypeError") else ""
+        rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
+                                f"{tuple(x.k.shape)}: {r.error or 'no tensor returned'}{hint}"))
+        return None
+    rep.checks.append(Check("runs on probe inputs", True))
+    out = r.out
+    ok = out.dim() == 3 and tuple(out.shape[:2]) == (B, x.q.shape[1]) and out.dtype == x.q.dtype
+    rep.checks.append(Check("output shape and dtype", ok, str(tuple(out.shape)), f"expected ({B}, {x.q.shape[1]}, ·) "
+                                                                                 f"{x.q.dtype}"))
+    if not ok:
+        return None
+    s.order = r.order
+    return props.Base(x, out.double(), r.weights)
+
+
+def _properties(s: Session, b: props.Base, desc: Description, rep: Report) -> tuple[bool, list[Finding]]:
+    """Every black-box check; (deterministic, the findings the properties themselves name)."""
+    named: list[Finding] = []
+    c, f = props.determinism(s, b)
+    rep.checks.append(c)
+    det = bool(c.passed)
+    if f is not None:
+        named.append(f)
+    rep.checks.append(props.batch_independence(s, b, det))
+    if s.conv is not None:
+        rep.checks += [props.masked_keys(s, b), props.fully_masked(s, b)]
+    if s.causal:
+        rep.checks += props.causality(s, b)
+    rep.checks += props.weights_seen(s, b)
+    rep.checks.append(props.gradients(s, b, desc.trainable))
+    if det:
+        if s.self_attn and not s.causal:
+            c, f = props.permutation(s, b)
+            rep.checks.append(c)
+            named += [f] if f is not None else []
+        if not s.self_attn and not s.causal:
+            for check in (props.key_order, props.weights_sum_to_one):
+                c, f = check(s, b)
+                rep.checks.append(c)
+                named += [f] if f is not None else []
+    return det, named
+
+
+def _fit(s: Session, b: props.Base, readings: list) -> tuple:
+    """(the reading and head count that reproduce the output, relative error of the best, the best's H)."""
+    best = (None, float("inf"))
+    for parts in readings:
+        counts = parts_mod.head_counts(parts)
+        others = [h for h in parts_mod.head_counts(parts.with_heads(None)) if h not in counts]
+        for H in counts + others:
+            p = parts.with_heads(H)
+            try:
+                ref = parts_mod.reference(p, b.x.q, b.x.k, b.x.v, b.x.keep)
+            except (RuntimeError, ValueError):
+                continue
+            e = props.rel(b.out, ref) if ref.shape == b.out.shape else float("inf")
+            if e < best[1]:
+                best = (p, e)
+            if e < 1e-4:
+                return p, e, H in counts
+    return None, best[1], True
+
+
+def _observed(parts: parts_mod.Parts, s: Session) -> bool:
+    """Every part of the reading is a layer seen at work (its inputs and outputs observable)."""
+    roles = [parts.qkv, parts.o] if parts.qkv is not None else [parts.q, parts.k, parts.v, parts.o]
+    return all(p is not None and p.hookable and p.modules[0] in s.order for p in roles)
+
+
+def _localise(s: Session, readings: list) -> tuple[list[Finding], parts_mod.Parts | None]:
+    """The likeliest readings localised on probes small enough for the weights to be recovered; the
+    candidate with the fewest generic findings wins."""
+    candidates = []
+    for parts in readings[:2]:
+        for H in parts_mod.head_counts(parts):
+            p = parts.with_heads(H)
+            D = p.width // H
+            hookable = (p.qkv or p.v) is not None and (p.qkv or p.v).hookable
+            L = LQ if not s.self_attn or hookable or D > LQ else max(2, D - 1)
+            x = s.inputs(L, L if s.square else LK)
+            try:
+                found = stages.localise(s, p, x)
+            except (RuntimeError, ValueError):
+                continue
+            generic = sum(f.name.startswith(stages.GENERIC) for f in found)
+            candidates.append(((not found, generic, len(found)), found, p))
+    if not candidates:
+        return [], None
+    candidates.sort(key=lambda c: c[0])
+    return candidates[0][1], candidates[0][2]
+
+
+def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep: Report, named: list) -> None:
+    readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order)
+    fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
+    ref_fn = None if fitted is None else (lambda q, k, v, keep: parts_mod.reference(fitted, q, k, v, keep))
+    c, f = props.stability(s, b, ref_fn)
+    rep.checks.append(c)
+    if fitted is not None:
+        rep.checks.append(Check("matches the float64 reference", True, f"rel. error {err:.2e}", f"{fitted.H} heads" + (
+            "" if fitted.qkv is None else f", fused qkv ({fitted.layout})")))
+        if not own_count:
+            named.append(Finding(f"{fitted.H} heads, not the {readings[0].H} it was built with", "split into "
+                                 "num_heads heads of d_model // num_heads features each.", "heads split",
+                                 f"{readings[0].H} heads", f"multi-head attention with {fitted.H} heads"))
+        rep.diagnosis += named + ([f] if f is not None else [])
+        return
+    found, parts = _localise(s, readings) if readings else ([], None)
+    specific = [x for x in found if not x.name.startswith(stages.GENERIC)]
+    figure = "" if err == float("inf") else f"rel. error {err:.2e}"
+    extra = [f] if f is not None else []
+    if specific:  # the localisation named it: the properties' own findings are its consequences
+        rep.checks.append(Check("matches the float64 reference", False, figure))
+        rep.diagnosis += specific + [x for x in found if x not in specific]
+    elif named or extra:
+        rep.checks.append(Check("matches the float64 reference", False, figure))
+        rep.diagnosis += named + extra
+    elif rep.failures or (parts is not None and (_observed(parts, s) or opts.mapping)):
+        rep.checks.append(Check("matches the float64 reference", False, figure))
+        rep.diagnosis += (found or [Finding("differs from multi-head attention", "compare each step with "
+                                            "multihead.reference_attention (the spec) on the same projected heads.",
+                                            "not located", "the output of multi-head attention with the module's "
+                                            "own projections", f"a different output ({figure or 'no reading'})")])
+    else:
+        why = ("its projections were not found by name or call order" if not readings else
+               "no reading of its parameters (orientation, head count, fused layout) reproduces its output, and its "
+               "parts could not be observed at work")
+        rep.checks.append(Check("matches the float64 reference", False, "not verified", f"{why}; every black-box "
+                                "check passed. Pass mapping={'q': ..., 'k': ..., 'v': ..., 'o': ..., 'heads': H} to "
+                                "verify it", severity="warning"))
+
+
+def grade_subject(subject, opts: Options) -> Report:
+    """The :class:`~multihead.grader.report.Report` of the module behind ``subject``."""
+    rep = Report(strict=opts.strict)
+    desc = subject.describe()
+    E = opts.embed_dim or _size_from(desc, opts.mapping)
+    if E is None:  # found by calling (which builds a lazy module)
+        E = _size_search(subject, desc, opts.self_attn)
+    elif desc.lazy:  # built by a first call at its size
+        subject.call(Probe(*(torch.zeros(1, 2, E),) * 3, None, opts.self_attn))
+    if E is None:
+        raise ValueError(f"cannot tell {desc.root}'s input size: no Linear or Dense layer holds it and no size its "
+                         "parameters have runs the call; pass embed_dim=.")
+    if desc.lazy:
+        desc = subject.describe()
+    s = Session(subject, opts.conv, opts.causal, opts.self_attn, E, torch.Generator().manual_seed(opts.seed), opts.how)
+    lengths: list[Finding] = []
+    b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
+    if b is None:
+        rep.diagnosis += lengths
+        return rep
+    det, named = _properties(s, b, desc, rep)
+    if not det:
+        rep.diagnosis += named + lengths
+        return rep
+    _white_box(s, b, desc, opts, rep, named)
+    rep.diagnosis += [f for f in lengths if f not in rep.diagnosis]
+    return rep

@@ -1,0 +1,198 @@
+"""Correct multi-head attention written the ways well-known code writes it (our own code, in their
+styles; none of it copied): the Annotated Transformer's four unnamed Linear layers and a free
+``attention`` function, a vision transformer's fused ``qkv`` reshaped to (3, B, H, N, D), GPT-2's
+``c_attn`` raw weight (E, 3E) used as ``x @ W + b`` with a causal buffer, BERT's
+``transpose_for_scores`` with an additive mask, a ``to_q`` / ``to_kv`` pair (keys and values fused),
+torch.nn.MultiheadAttention wrapped, and the course's chapter as a learner types it (LazyLinear,
+``transpose_qkv``, ``masked_softmax`` with -1e6, ``repeat_interleave``). ``WILD``: (id, factory, call,
+mask, self_attention, causal); every one must be graded OK.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def attention(query, key, value, mask=None):
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p = scores.softmax(dim=-1)
+    return torch.matmul(p, value), p
+
+
+class Annotated(nn.Module):
+    def __init__(self, h=4, d_model=32):
+        super().__init__()
+        self.d_k, self.h = d_model // h, h
+        self.linears = nn.ModuleList([copy.deepcopy(nn.Linear(d_model, d_model)) for _ in range(4)])
+        self.attn = None
+
+    def forward(self, query, key, value, mask=None):
+        if mask is not None:
+            mask = mask.unsqueeze(1)  # (B, 1, Lk) -> (B, 1, 1, Lk)
+        nb = query.size(0)
+        query, key, value = [lin(x).view(nb, -1, self.h, self.d_k).transpose(1, 2)
+                             for lin, x in zip(self.linears, (query, key, value))]
+        x, self.attn = attention(query, key, value, mask=mask)
+        x = x.transpose(1, 2).contiguous().view(nb, -1, self.h * self.d_k)
+        return self.linears[-1](x)
+
+
+class VisionQKV(nn.Module):
+    def __init__(self, dim=32, num_heads=4):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, H, N, D)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        attn = attn.softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class GPT2Style(nn.Module):
+    def __init__(self, n_embd=32, n_head=4, n_ctx=16):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn_weight = nn.Parameter(torch.randn(n_embd, 3 * n_embd) * 0.1)
+        self.c_attn_bias = nn.Parameter(torch.zeros(3 * n_embd))
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.register_buffer("bias", torch.tril(torch.ones(n_ctx, n_ctx)).view(1, 1, n_ctx, n_ctx))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (x @ self.c_attn_weight + self.c_attn_bias).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class BertStyle(nn.Module):
+    def __init__(self, hidden_size=32, num_attention_heads=4):
+        super().__init__()
+        self.num_attention_heads = num_attention_heads
+        self.attention_head_size = hidden_size // num_attention_heads
+        self.query, self.key, self.value = (nn.Linear(hidden_size, hidden_size) for _ in range(3))
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+    def transpose_for_scores(self, x):
+        return x.view(x.size()[:-1] + (self.num_attention_heads, self.attention_head_size)).permute(0, 2, 1, 3)
+
+    def forward(self, q, k, v, attention_mask=None):
+        Q, K, V = self.transpose_for_scores(self.query(q)), self.transpose_for_scores(self.key(k)), \
+            self.transpose_for_scores(self.value(v))
+        scores = torch.matmul(Q, K.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        probs = nn.functional.softmax(scores, dim=-1)
+        ctx = torch.matmul(probs, V).permute(0, 2, 1, 3).contiguous()
+        return self.dense(ctx.view(ctx.size()[:-2] + (self.num_attention_heads * self.attention_head_size,)))
+
+
+class QKVPair(nn.Module):
+    """Queries from one Linear, keys and values from one fused Linear over the context."""
+
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        inner = dim_head * heads
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_kv = nn.Linear(dim, inner * 2, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(0.1))
+
+    def forward(self, x, context):
+        b, n, _ = x.shape
+        q = self.to_q(x)
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        q, k, v = (t.reshape(b, t.shape[1], self.heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
+        dots = torch.einsum("bhid,bhjd->bhij", q, k) * self.scale
+        attn = dots.softmax(dim=-1)
+        out = torch.einsum("bhij,bhjd->bhid", attn, v)
+        return self.to_out(out.permute(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class TorchWrapped(nn.Module):
+    def __init__(self, d_model=32, nhead=4):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d_model, nhead, batch_first=True)
+
+    def forward(self, q, k, v, key_padding_mask=None):
+        return self.mha(q, k, v, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def masked_softmax(X, valid_lens):
+    if valid_lens is None:
+        return nn.functional.softmax(X, dim=-1)
+    shape = X.shape
+    if valid_lens.dim() == 1:
+        valid_lens = torch.repeat_interleave(valid_lens, shape[1])
+    else:
+        valid_lens = valid_lens.reshape(-1)
+    X = X.reshape(-1, shape[-1])
+    mask = torch.arange(shape[-1], dtype=torch.float32)[None, :] < valid_lens[:, None]
+    X[~mask] = -1e6
+    return nn.functional.softmax(X.reshape(shape), dim=-1)
+
+
+class CourseChapter(nn.Module):
+    """The chapter as a learner types it: LazyLinear, heads folded into the batch, bmm."""
+
+    def __init__(self, num_hiddens=32, num_heads=4, dropout=0.1, bias=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = nn.Dropout(dropout)
+        self.W_q, self.W_k = nn.LazyLinear(num_hiddens, bias=bias), nn.LazyLinear(num_hiddens, bias=bias)
+        self.W_v, self.W_o = nn.LazyLinear(num_hiddens, bias=bias), nn.LazyLinear(num_hiddens, bias=bias)
+
+    def transpose_qkv(self, X):
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    def transpose_output(self, X):
+        X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2]).permute(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+    def forward(self, queries, keys, values, valid_lens):
+        queries, keys = self.transpose_qkv(self.W_q(queries)), self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        if valid_lens is not None:
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        d = queries.shape[-1]
+        scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(d)
+        self.attention_weights = masked_softmax(scores, valid_lens)
+        output = torch.bmm(self.dropout(self.attention_weights), values)
+        return self.W_o(self.transpose_output(output))
+
+
+def _annotated_call(m, q, k, v, keep):
+    return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
+
+
+def _pair_call(m, q, k, v, mask):
+    return m(q, k)  # keys and values from the same context
+
+
+WILD = [
+    ("annotated transformer", Annotated, _annotated_call, "keep", False, False),
+    ("vision qkv", VisionQKV, "x", None, True, False),
+    ("gpt-2 c_attn raw weight, causal", GPT2Style, "x", None, True, True),
+    ("bert transpose_for_scores, additive", BertStyle, "qkv_mask", "additive", False, False),
+    ("to_q / to_kv", QKVPair, _pair_call, None, False, False),
+    ("torch.nn wrapped", TorchWrapped, lambda m, q, k, v, mk: m(q, k, v, mk[:, 0, 0].bool()), "block", False, False),
+    ("the course's chapter", CourseChapter, "qkv_mask", "valid_lens", False, False),
+]
