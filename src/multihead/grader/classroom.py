@@ -111,7 +111,8 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
 def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
                jobs: int | None = None, points: dict | None = None, feedback: str | Path | None = None,
                seed: int | None = None, **opts) -> list[dict]:
-    """Each file graded in its own sandbox, ``jobs`` at a time; rows in the order of ``files``. ``feedback``:
+    """Each file graded in its own sandbox, ``jobs`` at a time (default: $MULTIHEAD_GRADER_JOBS, else the cores,
+    at most 4); rows in the order of ``files``. ``feedback``:
     a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`)."""
     import os
 
@@ -125,7 +126,8 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
             write_feedback(row, report, Path(feedback))
         return row
 
-    with ThreadPoolExecutor(max_workers=jobs or max(1, min(4, os.cpu_count() or 1))) as pool:
+    jobs = jobs or int(os.environ.get("MULTIHEAD_GRADER_JOBS", 0)) or max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(one, files))
 
 

@@ -17,9 +17,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -68,20 +71,13 @@ class SandboxSubject:
         self.deadline = time.monotonic() + limits.wall
         self._log_dir = tempfile.mkdtemp(prefix="multihead-sandbox-")
         self.log = os.path.join(self._log_dir, "output.txt")
-        req_r, self._req = os.pipe()
-        self._rep, rep_w = os.pipe()
-        argv = [sys.executable, "-m", "multihead.grader.sandbox", str(req_r), str(rep_w), str(self.path), name,
-                json.dumps(init or {}), call, str(seed)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        warden = [sys.executable, "-m", "multihead.grader.warden", self.log, str(limits.memory), str(limits.cpu),
-                  str(limits.processes), "--", *argv]
-        self._warden = subprocess.Popen(warden, pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.close(req_r)
-        os.close(rep_w)
+        request = {"path": str(self.path), "name": name, "init": init or {}, "call": call, "seed": seed,
+                   "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes}
+        zygote = _zygote()
+        if zygote is not None:
+            self._warden, self._req, self._rep = zygote.spawn(request, self.log)
+        else:
+            self._warden, self._req, self._rep = _exec_warden(request)
         self._closed, self._output, self._status = False, "", {}
         self.ready = self._recv("starting")
 
@@ -154,15 +150,10 @@ class SandboxSubject:
                     pass
             if kill:
                 self._warden.terminate()
-            try:
-                self._warden.wait(timeout=3)  # the sandbox sees EOF and returns; the warden sweeps
-            except subprocess.TimeoutExpired:
+            if not self._warden.wait(3):  # the sandbox sees EOF and returns; the warden sweeps
                 self._warden.terminate()
-                try:
-                    self._warden.wait(timeout=5)
-                except subprocess.TimeoutExpired:
+                if not self._warden.wait(5):
                     self._warden.kill()
-                    self._warden.wait()
             try:
                 self._output = Path(self.log).read_text(errors="replace")
                 self._status = json.loads(Path(self.log + ".status").read_text())
@@ -176,3 +167,115 @@ class SandboxSubject:
 
     def __exit__(self, *exc):
         self.close(kill=True)
+
+
+# --- starting a warden ---------------------------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class _Process:
+    """A warden started by this process (the exec path)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+class _Forked:
+    """A warden forked by the fork server (not this process's child): done when it has written its status."""
+
+    def __init__(self, pid: int, log: str):
+        self.pid, self.status = pid, log + ".status"
+
+    def _signal(self, sig) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not os.path.exists(self.status):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+
+def _exec_warden(request: dict):
+    """A fresh ``python -m multihead.grader.warden`` over a fresh ``python -m multihead.grader.sandbox``."""
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    argv = [sys.executable, "-m", "multihead.grader.sandbox", str(req_r), str(rep_w), request["path"],
+            request["name"], json.dumps(request["init"]), request["call"], str(request["seed"])]
+    warden = [sys.executable, "-m", "multihead.grader.warden", request["log"], str(request["memory"]),
+              str(request["cpu"]), str(request["processes"]), "--", *argv]
+    env = dict(_env(), MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")
+    proc = subprocess.Popen(warden, pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(req_r)
+    os.close(rep_w)
+    return _Process(proc), req_w, rep_r
+
+
+class _Zygote:
+    """The fork server (:mod:`multihead.grader.zygote`), started once per process; it ends with this process."""
+
+    def __init__(self):
+        self.sock, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "multihead.grader.zygote", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env=_env(), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        theirs.close()
+        self.lock = threading.Lock()
+
+    def spawn(self, request: dict, log: str):
+        with self.lock:
+            self.sock.sendall(json.dumps(request).encode() + b"\n")
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
+        if not msg or len(fds) != 2:
+            raise OSError("the fork server did not answer")
+        return _Forked(int(json.loads(msg)["pid"]), log), fds[0], fds[1]
+
+
+_ZYGOTE: list = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> _Zygote | None:
+    """The process's fork server, started on first use; None where it cannot run (then each sandbox is a
+    fresh Python)."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            ok = sys.platform.startswith("linux") and hasattr(socket, "send_fds") and \
+                os.environ.get("MULTIHEAD_GRADER_FORK", "1") != "0"
+            _ZYGOTE.append(_Zygote() if ok else None)
+        z = _ZYGOTE[0]
+        if z is not None and z.proc.poll() is not None:  # it ended: start another
+            z = _ZYGOTE[0] = _Zygote()
+        return z

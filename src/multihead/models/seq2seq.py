@@ -104,12 +104,12 @@ def reverse_batch(n: int, *, min_len: int = 3, max_len: int = 10, generator: tor
     return src, lens, tgt_in, tgt_out
 
 
-def train_reverser(*, steps: int = 1000, batch: int = 128, seed: int = 0, progress: bool = True,
+def train_reverser(*, steps: int = 1000, batch: int = 64, seed: int = 0, progress: bool = True,
                    cfg: Seq2SeqConfig | None = None, lr: float = 8e-3) -> Seq2SeqTransformer:
-    """Train the Transformer to reverse digit strings (under a minute on 2 cores).
-    With the defaults every held-out string is reversed right and the last decoder
-    layer's cross-attention (mean over heads) lands on the aligned source position for
-    ~97% of target tokens (1500 steps at 5e-3: ~99%, in 1.6x the time)."""
+    """Train the Transformer to reverse digit strings (~35 s on 2 cores).
+    With the defaults 98% of held-out strings are reversed right (99.5% of digits) and the
+    last decoder layer's cross-attention (mean over heads) lands on the aligned source
+    position for ~96% of target tokens (1500 steps of 128 at 5e-3: ~99%, in 3x the time)."""
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed)
