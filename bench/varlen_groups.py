@@ -12,8 +12,8 @@ import itertools
 
 import torch
 
-from multihead import varlen
 from multihead.apps import timing
+from multihead.core import varlen
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from torch import nn
 import multihead
 from multihead import MultiHeadAttention, masks, reference_attention
 from multihead.compat import D2LMultiHeadAttention
-from multihead.functional import _weights
+from multihead.core.functional import _weights
 from multihead.interop import patch
 
 

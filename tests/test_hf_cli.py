@@ -132,7 +132,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     assert is_quantized(loaded) == "int8" and any(isinstance(m, DynamicLinear) for m in loaded.modules())
-    from multihead import hf_packed
+    from multihead.hf import packed as hf_packed
 
     assert hf_packed.is_packed(loaded)
     from multihead.apps import hf_models

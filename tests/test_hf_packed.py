@@ -20,7 +20,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 import multihead  # noqa: E402
 import multihead.hf as mhf  # noqa: E402
-from multihead import heads, hf_packed  # noqa: E402
+from multihead import heads  # noqa: E402
+from multihead.hf import packed as hf_packed  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 transformers.logging.set_verbosity_error()

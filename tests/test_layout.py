@@ -1,5 +1,7 @@
-"""The package's import graph: every file imports only downward (no cycles, counting
-imports inside functions too), and the library never imports the applications."""
+"""The package's import graph: every file imports only downward -- no cycles (counting imports inside
+functions too), and no import that runs up the layers: each concern imports only the ones below it;
+the library never imports the applications; the documented doors (``multihead.compat``,
+``multihead.distributed``) are for users, not used inside; every documented import path works."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_runs_back_up():
+def test_no_import_cycle():
     graph = _graph()
     state: dict[str, int] = {}
 
@@ -52,6 +54,71 @@ def test_no_import_runs_back_up():
 
     for n in sorted(graph):
         visit(n, [])
+
+
+#: the concerns, bottom up: a module may import its own concern and those below (see ARCHITECTURE.md)
+LAYERS = [
+    ("multihead.masks", "multihead.extras", "multihead.core.validation"),  # vocabulary, optional deps, input checks
+    ("multihead.backends",),  # ways of computing attention
+    ("multihead.core",),  # functional attention, padding, varlen, ring attention
+    ("multihead.layer",),  # the module, its plan, hooks, cache, the course's modules, the drop-in
+    ("multihead.viz", "multihead.quantize"),  # pictures and int8 layers: no model knowledge
+    ("multihead.heads",),  # capture, gates, importance, surgery, pruning
+    ("multihead.interop", "multihead.models"),  # other implementations' weights; small models built from ours
+    ("multihead.hf",),  # transformers
+    ("multihead.grader",),  # the grader
+    ("multihead.apps", "multihead.examples"),  # the applications
+]
+DOORS = {"multihead", "multihead.compat", "multihead.distributed"}
+
+
+def _layer(name: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if name == p or name.startswith(p + "."):
+                if best is None or len(p) > best[1]:
+                    best = (i, len(p))
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS (and ARCHITECTURE.md)"
+    return best[0]
+
+
+def test_no_import_runs_up_the_layers():
+    graph = _graph()
+    up = {n: sorted(d for d in deps if d not in DOORS and _layer(d) > _layer(n))
+          for n, deps in graph.items() if n not in DOORS}
+    assert not {n: d for n, d in up.items() if d}, "imports that run up the layers"
+
+
+def test_the_doors_are_not_used_inside_the_package():
+    graph = _graph()
+    inside = {n: sorted(d for d in deps if d in DOORS - {"multihead"}) for n, deps in graph.items() if n not in DOORS}
+    assert not {n: d for n, d in inside.items() if d}
+
+
+def test_every_documented_import_path_works():
+    """Each import path the README and the notebook use (the doors included) imports, and the names they
+    import from it exist."""
+    import importlib
+    import json
+    import re
+
+    root = ROOT.parent.parent
+    texts = [(root / "README.md").read_text()]
+    nb = json.loads((root / "examples" / "course.ipynb").read_text())
+    texts += ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    seen = set()
+    for text in texts:
+        for mod, names in re.findall(r"from (multihead[\w.]*) import ([\w, ]+)", text):
+            for nm in [n.strip().split(" as ")[0] for n in names.split(",") if n.strip()]:
+                seen.add((mod, nm))
+        for mod in re.findall(r"import (multihead[\w.]*)", text):
+            seen.add((mod, None))
+    assert len(seen) > 20
+    for mod, nm in sorted(seen, key=str):
+        m = importlib.import_module(mod)
+        if nm is not None:
+            assert hasattr(m, nm) or importlib.util.find_spec(f"{mod}.{nm}") is not None, f"from {mod} import {nm}"
 
 
 def test_the_library_never_imports_the_applications():

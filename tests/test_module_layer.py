@@ -10,7 +10,8 @@ from torch import nn
 
 import multihead
 from conftest import assert_close_to_reference, qkv
-from multihead import MultiHeadAttention, heads, masks, reference_attention, varlen
+from multihead import MultiHeadAttention, heads, masks, reference_attention
+from multihead.core import varlen
 from multihead.models import checkpoint
 
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multihead import KVCache, MultiHeadAttention, masks, varlen
+from multihead import KVCache, MultiHeadAttention, masks
 from multihead import distributed as cp
 from multihead.backends import registry
 from multihead.compat import D2LMultiHeadAttention, KerasTutorialMultiHeadAttention, TorchMultiheadAttention
+from multihead.core import varlen
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import multihead
-from multihead import MultiHeadAttention, masks, reference_attention, varlen
+from multihead import MultiHeadAttention, masks, reference_attention
+from multihead.core import varlen
 
 
 @pytest.fixture

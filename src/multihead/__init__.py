@@ -9,12 +9,12 @@ show and cut its heads.
 """
 
 from multihead import backends, masks
-from multihead.cache import KVCache
-from multihead.capture import capture
-from multihead.functional import attention, attention_weights, explain, reference_attention
+from multihead.core.functional import attention, attention_weights, explain, reference_attention
+from multihead.core.varlen import attention_varlen
 from multihead.grader import check, grade
-from multihead.modules import MultiHeadAttention, transpose_output, transpose_qkv
-from multihead.varlen import attention_varlen
+from multihead.heads.capture import capture
+from multihead.layer.cache import KVCache
+from multihead.layer.module import MultiHeadAttention, transpose_output, transpose_qkv
 
 __version__ = "0.1.0"
 

@@ -24,6 +24,16 @@ def _in_open_unit(text: str) -> float:
     return x
 
 
+def _workloads(text: str) -> list[str]:
+    """'W1, W2' -> ['W1', 'W2']; an unknown or empty list is argparse's one-line refusal."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(bad) or '(none given)'}; valid: "
+                                         f"{', '.join(WORKLOADS)}")
+    return names
+
+
 def _positive(kind):
     def parse(text: str):
         try:
@@ -172,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="check")
     p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
                        help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
-    p.add_argument("--workloads", default="W1,W2,W3,W4",
+    p.add_argument("--workloads", default="W1,W2,W3,W4", type=_workloads,
                    help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes), "
                         "W7 (all-MiniLM-L6-v2 through transformers: sdpa, multihead padded and padding-free)")
     p.add_argument("--reps", type=_positive(int), default=20, help="timed calls per peer (median, min, max)")

@@ -91,7 +91,7 @@ def _inputs(B, H, L, D, backward: bool, seed: int):
 def _rank(rank: int, N: int, store: str, cfg: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from multihead import distributed as cp
+    from multihead.core import ring as cp
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=N,
                             timeout=datetime.timedelta(seconds=600))

@@ -30,7 +30,7 @@ def format_weights(w: torch.Tensor, *, digits: int = 2) -> str:
 
 def toy(seed: int = 0) -> None:
     """The course's toy: batch 2, 4 queries, 6 key-value pairs, 100 hiddens, 5 heads, valid_lens [3, 2]."""
-    from multihead.functional import attention_weights
+    from multihead.core.functional import attention_weights
 
     torch.manual_seed(seed)
     print("== the course's toy example: batch 2, 4 queries, 6 key-value pairs, 100 hiddens, 5 heads")

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import checks
 from multihead.backends.registry import Request, register
+from multihead.core import validation
 from multihead.masks import Mask
 
 __all__ = ["reference_attention", "weights"]
@@ -91,7 +91,7 @@ def reference_attention(
         w = exp(s - m) / (sum(exp(s - m)) + exp(sinks[h] - m))   # instead, with sinks (H,)
         out = dropout(w, dropout_p) @ v                  # (B, H, Lq, Dv)
     """
-    mask = checks.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
+    mask = validation.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
                                    sinks=sinks)
     return compute(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), compute_dtype=compute_dtype,
                    softcap=softcap, sinks=sinks)

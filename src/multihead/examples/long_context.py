@@ -22,8 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from multihead import distributed as cp
 from multihead import masks
+from multihead.core import ring as cp
 from multihead.models.layers import EncoderBlock, sinusoidal_positions
 
 

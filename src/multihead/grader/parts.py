@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.grader.subject import HEAD_ATTRS, Description
-from multihead.surgery import _BIAS, _ROLE, role_of  # noqa: F401 - the vocabulary role_of reads
+from multihead.heads.surgery import _BIAS, _ROLE, role_of  # noqa: F401 - the vocabulary role_of reads
 
 __all__ = ["Parts", "Proj", "find_parts", "head_counts", "merge", "reference", "split"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multihead.modules import MultiHeadAttention
+from multihead.layer.module import MultiHeadAttention
 
 
 def from_d2l(module: nn.Module) -> MultiHeadAttention:

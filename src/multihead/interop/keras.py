@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from multihead.modules import MultiHeadAttention, _in_features
+from multihead.layer.module import MultiHeadAttention, _in_features
 
 
 def _keras():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multihead.compat import TorchMultiheadAttention
-from multihead.modules import MultiHeadAttention, _in_features
+from multihead.layer.dropin import TorchMultiheadAttention
+from multihead.layer.module import MultiHeadAttention, _in_features
 
 
 def _refuse_extras(module: nn.MultiheadAttention) -> None:

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import masks, varlen
+from multihead import masks
+from multihead.core import varlen
+from multihead.layer.module import MultiHeadAttention
 from multihead.models import checkpoint
-from multihead.modules import MultiHeadAttention
 
 __all__ = ["Bert", "BertConfig", "SentenceEncoder", "minilm_path"]
 

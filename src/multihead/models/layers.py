@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from multihead.modules import MultiHeadAttention
+from multihead.layer.module import MultiHeadAttention
 
 
 def sinusoidal_positions(L: int, E: int) -> Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks
-from multihead.capture import capture
+from multihead.heads.capture import capture
 from multihead.models import checkpoint
 from multihead.models.layers import DecoderBlock, EncoderBlock, sinusoidal_positions
 
@@ -73,7 +73,7 @@ class Seq2SeqTransformer(nn.Module):
         """Greedy decoding -> (B, steps) token ids. With ``use_cache`` each step feeds only the
         newest token through a :class:`multihead.KVCache`; without it every step recomputes
         the whole prefix."""
-        from multihead.cache import KVCache
+        from multihead.layer.cache import KVCache
 
         memory = self.encode(src, src_lens)
         ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long)

@@ -10,7 +10,7 @@ models) records its weights, computed by :func:`multihead.attention_weights`
 under the same mask, keyed by the module's qualified name in ``model``.
 
 ``capture`` adds an observer to each module's own hook list
-(:class:`multihead.hooks.AttentionHooks`) and removes it on exit. It changes
+(:class:`multihead.layer.hooks.AttentionHooks`) and removes it on exit. It changes
 neither the return values nor the path a module takes: on the packed (varlen)
 path the weights are computed from the packed projections put back in the
 batch's layout, so they equal the dense path's; the one visible difference is
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from multihead.functional import _weights
-from multihead.hooks import hooked_modules
-from multihead.modules import AttentionCore
+from multihead.core.functional import _weights
+from multihead.layer.hooks import hooked_modules
+from multihead.layer.module import AttentionCore
 
 __all__ = ["capture", "Captured"]
 

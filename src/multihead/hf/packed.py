@@ -3,7 +3,7 @@
 A padded batch (B, L) with an ``attention_mask`` runs as transformers runs it up to the first
 layer of the model's layer stack (embeddings, position embeddings, masks). There the hidden
 states are unpadded once, (B, L, E) -> (1, N, E) with N the real tokens; every layer runs on
-the N tokens (attention through :func:`multihead.varlen.attention_varlen`, told where each
+the N tokens (attention through :func:`multihead.core.varlen.attention_varlen`, told where each
 sequence starts by transformers' own packed-sequence arguments ``cu_seq_lens_q/k`` and
 ``max_length_q/k``; MLPs and norms on N rows instead of B·L); the last layer's output is
 padded back to (B, L, E), zeros at padded positions, and the rest of the model (final norm,

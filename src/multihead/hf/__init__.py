@@ -6,16 +6,16 @@
     heads.prune(model, {"encoder.layer.0.attention.self": [0, 3]})
     multihead.hf.save(model, "pruned");  multihead.hf.load("pruned")
 
-Importing this module registers ``"multihead"`` with transformers (see :mod:`multihead.hf_attention`:
+Importing this module registers ``"multihead"`` with transformers (see :mod:`multihead.hf.attention`:
 every attention call then goes through :func:`multihead.attention` with the module's hook list
 around it, so ``capture``, ``heads.gated``, ``heads.importance`` work on the model unchanged).
 :func:`attach` gives each attention module its hook list and its
 head layout (which weights hold head h), which ``heads.prune`` uses.
 
 The package's transformers code lives in four files, imported one way:
-:mod:`multihead.hf_attention` (the attention function, its registration, module discovery),
-:mod:`multihead.hf_heads` (head layouts: derived, verified, explained, cut), this file (``attach``,
-save / load / ONNX export, and the public names) and :mod:`multihead.hf_packed` (padding-free
+:mod:`multihead.hf.attention` (the attention function, its registration, module discovery),
+:mod:`multihead.hf.layouts` (head layouts: derived, verified, explained, cut), this file (``attach``,
+save / load / ONNX export, and the public names) and :mod:`multihead.hf.packed` (padding-free
 models). Nothing else in the package imports transformers.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from multihead.hf_attention import (  # noqa: F401
+from multihead.hf.attention import (  # noqa: F401
     NAME,
     NAMES,
     NOT_ATTENTION,
@@ -42,7 +42,7 @@ from multihead.hf_attention import (  # noqa: F401
     attention_forward,
     attention_modules,
 )
-from multihead.hf_heads import HeadLayout, _out_features, _probe_inputs, derive, explain
+from multihead.hf.layouts import HeadLayout, _out_features, _probe_inputs, derive, explain
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
            "export_onnx", "load", "save"]
@@ -62,7 +62,7 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
 
     ``packed=True``: a padded batch runs padding-free inside the layer stack (unpadded once after
     the embeddings, every layer on the real tokens only, padded back after the last layer; see
-    :mod:`multihead.hf_packed`), verified on a padded probe batch first; a model whose layers are
+    :mod:`multihead.hf.packed`), verified on a padded probe batch first; a model whose layers are
     not per-token outside attention is refused, naming the module. Returns the model."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"attach takes a transformers PreTrainedModel; got {type(model).__name__}. For torch.nn "
@@ -79,7 +79,7 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
         m.attention_hooks.parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
     derive(model, example)
     if packed:
-        from multihead import hf_packed
+        from multihead.hf import packed as hf_packed
 
         hf_packed.enable(model, attention_modules(model), example if example is not None else _probe_inputs(model))
     return model
@@ -91,7 +91,7 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
     module that computes attention itself from the mask, or leaves causality to a mask it no longer
     gets, would change the output with no attention call to blame. On a difference the model goes
     back to ``previous`` and a ValueError names the first module whose output differs."""
-    from multihead.hf_packed import _first, _padded_example, recording
+    from multihead.hf.packed import _first, _padded_example, recording
 
     x = dict(example)
     if isinstance(x.get("input_ids"), Tensor) and "attention_mask" in inspect.signature(model.forward).parameters:
@@ -153,7 +153,7 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     padding-free model (``attach(packed=True)``) is rebuilt padding-free."""
     from safetensors.torch import save_model
 
-    from multihead import hf_packed
+    from multihead.hf import packed as hf_packed
     from multihead.quantize import check_dtype, is_quantized
 
     if not isinstance(model, PreTrainedModel):
@@ -239,7 +239,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
                          f"missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}.")
     model.eval()
     if raw.get(PACKED_KEY):
-        from multihead import hf_packed
+        from multihead.hf import packed as hf_packed
 
         hf_packed.enable(model, attention_modules(model), _probe_inputs(model))
     if raw.get(QUANTIZE_KEY):
@@ -269,8 +269,8 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
     one static graph). Refused with a clear error: a quantized model (export the float one and
     quantize in ONNX Runtime), a model whose forward takes no ``attention_mask``, a decoder whose
     call would make a cache, and masks other than a (B, L) 0/1 padding mask in ``example``."""
-    from multihead import hf_packed
     from multihead.extras import require
+    from multihead.hf import packed as hf_packed
     from multihead.quantize import is_quantized
 
     require("onnxscript", "multihead.hf.export_onnx")

@@ -1,6 +1,6 @@
-"""Cut the heads: physical pruning and the pruning curve; gates (:mod:`multihead.gates`) and head
-importance (:mod:`multihead.importance`) are re-exported here, so ``heads.gated`` and
-``heads.importance`` are where the course's exercise finds them.
+"""Cut the heads: physical pruning and the pruning curve (``multihead.heads`` re-exports them with the
+gates and head importance, so ``heads.gated`` and ``heads.importance`` are where the course's exercise
+finds them).
 
 - :func:`gated` installs a gate ξ_h on every head's output (a transform in the
   module's own hook list, removed on exit: no flag threads through any forward);
@@ -26,24 +26,19 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from multihead.compat import TorchMultiheadAttention
-from multihead.gates import attention_modules, gated
-from multihead.hooks import num_heads as _num_heads
-from multihead.importance import (
-    METHODS,
+from multihead.heads.gates import attention_modules
+from multihead.heads.importance import (
     Importance,
-    ablation_importance,
-    entropy_importance,
-    gradient_importance,
     importance,
 )
-from multihead.modules import MultiHeadAttention
-from multihead.modules import linear as _empty_ok_linear
-from multihead.surgery import fold_into_bias, head_rows, select
+from multihead.heads.surgery import fold_into_bias, head_rows, select
+from multihead.layer.dropin import TorchMultiheadAttention
+from multihead.layer.hooks import num_heads as _num_heads
+from multihead.layer.module import MultiHeadAttention
+from multihead.layer.module import linear as _empty_ok_linear
 
-__all__ = ["METHODS", "Curve", "Importance", "ablation_importance", "attention_modules", "entropy_importance", "gated",
-           "gradient_importance", "head_counts", "importance", "mean_head_outputs", "plot_curve", "prune",
-           "pruning_curve", "resize", "save_curve"]
+__all__ = ["Curve", "head_counts", "kept_heads", "mean_head_outputs", "plot_curve", "prune", "pruning_curve", "resize",
+           "save_curve"]
 
 
 class Curve(list):
@@ -96,7 +91,7 @@ def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: b
     m.num_heads, m.num_kv_heads = len(keep), len(kv)
 
 
-def _kept(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
+def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
     """The query heads kept and the key/value heads they need: with GQA a key/value head goes
     only when all its query heads go; uneven groups give each kept query head its own copy."""
     bad = [h for h in remove if not 0 <= h < H]
@@ -111,7 +106,7 @@ def _kept(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
 
 
 def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | None) -> None:
-    keep, kv = _kept(m.num_heads, m.num_kv_heads, remove)
+    keep, kv = kept_heads(m.num_heads, m.num_kv_heads, remove)
     Dv = m.value_head_dim
     o = m.projections()[3]
     compensate = mean_out is not None and bool(remove)
@@ -156,7 +151,7 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
             _prune_module(m, remove, mo)
         elif not isinstance(m, TorchMultiheadAttention) and m.attention_hooks.layout is not None:
             layout = m.attention_hooks.layout
-            keep, kv = _kept(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
+            keep, kv = kept_heads(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
             layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
         elif isinstance(m, TorchMultiheadAttention):
             raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "

@@ -1,6 +1,6 @@
 """Head layouts of transformers attention modules: which weights hold head h, derived from the
 module and verified on a recorded call (:func:`derive`), shown by :func:`explain`, and the head
-surgery ``heads.prune`` runs through them (with :mod:`multihead.surgery`'s row/column selector and
+surgery ``heads.prune`` runs through them (with :mod:`multihead.heads.surgery`'s row/column selector and
 mean-into-bias fold, shared with multihead's own modules).
 
 Dependency order: hf_attention -> hf_heads -> hf.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from multihead.hf_attention import _refusal, attention_modules
-from multihead.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
+from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
+from multihead.hf.attention import _refusal, attention_modules
 
 __all__ = ["HeadLayout", "derive", "explain"]
 
@@ -120,7 +120,7 @@ def _inside(name: str, prefix: str) -> bool:
 def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: int, Hkv: int, D: int,
                 Dv: int) -> list[HeadLayout] | str:
     """The head layouts m's projections allow (names by role, sizes by the recorded call), or why none."""
-    from multihead.surgery import role_of
+    from multihead.heads.surgery import role_of
 
     lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)}
     roles: dict[str, list[str]] = {}
@@ -171,7 +171,7 @@ def _verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hk
     and every head); else why not. The module itself is left unchanged (copies are cut)."""
     import copy
 
-    from multihead.heads import _kept
+    from multihead.heads.pruning import kept_heads
 
     hooks = m.attention_hooks
     memo = {id(hooks.parent): hooks.parent}  # the parent is shared, never copied
@@ -190,7 +190,7 @@ def _verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hk
 
     tries = [list(range(H // Hkv)) if Hkv > 1 else [0]] if H > 1 else []
     for remove in tries:
-        keep, kv = _kept(H, Hkv, set(remove))
+        keep, kv = kept_heads(H, Hkv, set(remove))
         gate = torch.ones(H).index_fill(0, torch.tensor(remove), 0.0)
         ref = run(m, gate)
         cp = copy.deepcopy(m, memo=dict(memo))

@@ -29,8 +29,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from multihead import checks, masks
-from multihead.functional import _run
+from multihead import masks
+from multihead.core import validation
+from multihead.core.functional import _run
 
 __all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "cumulative", "pad", "packing_cost", "plan", "unpad"]
 
@@ -114,7 +115,7 @@ def attention_varlen(
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got "
                          f"{len(cu_q) - 1} and {len(cu_k) - 1}.")
     q4, k4, v4 = query[None].transpose(1, 2), key[None].transpose(1, 2), value[None].transpose(1, 2)  # (1, H, N, D)
-    checks.attention_inputs(q4, k4, v4, None, scale=scale, dropout_p=dropout_p)
+    validation.attention_inputs(q4, k4, v4, None, scale=scale, dropout_p=dropout_p)
     mask = masks.as_mask(mask)
     if mask is not None and any(not p.packable for p in mask.parts()):
         raise ValueError(f"attention_varlen applies only positional, top-left aligned masks inside each sequence "

@@ -1,6 +1,6 @@
 """Head gates: a gate ξ_h on every head's output, installed in each attention module's own hook
 list for the length of a ``with`` block (no flag threads through any forward). What
-:mod:`multihead.importance` measures with and :mod:`multihead.heads` prunes to.
+:mod:`multihead.heads.importance` measures with and :mod:`multihead.heads` prunes to.
 
 Dependency order: hooks, capture -> gates -> importance -> heads.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from multihead.hooks import hooked_modules
-from multihead.hooks import num_heads as _num_heads
+from multihead.layer.hooks import hooked_modules
+from multihead.layer.hooks import num_heads as _num_heads
 
 __all__ = ["attention_modules", "gated"]
 

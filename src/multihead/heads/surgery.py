@@ -2,7 +2,7 @@
 them, and a removed head's mean output folded into the output projection's bias.
 
 Used by :func:`multihead.heads.prune` (multihead's own modules) and by the transformers head
-layouts (:mod:`multihead.hf_heads`). A projection is ``nn.Linear`` (weight (out, in)) or
+layouts (:mod:`multihead.hf.layouts`). A projection is ``nn.Linear`` (weight (out, in)) or
 transformers' ``Conv1D`` (weight (in, out), y = x W + b).
 
 Dependency order: modules -> surgery -> heads, hf_heads.
@@ -15,7 +15,7 @@ import re
 import torch
 from torch import Tensor, nn
 
-from multihead.modules import linear
+from multihead.layer.module import linear
 
 __all__ = ["fold_into_bias", "head_rows", "is_conv1d", "out_in", "select"]
 

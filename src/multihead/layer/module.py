@@ -1,10 +1,10 @@
 """MultiHeadAttention: project, attend, merge the heads, project.
 
 Inputs are (B, L, E). A call is planned once (:meth:`MultiHeadAttention.plan`, a
-:class:`multihead.plan.Plan`: dense, packed, cached or sharded) and ``forward`` executes that plan;
+:class:`multihead.layer.plan.Plan`: dense, packed, cached or sharded) and ``forward`` executes that plan;
 ``explain`` shows the same plan. The projections give (B, L, H, D); the one attention call
 (:meth:`AttentionCore._attend`) runs the functional core on (B, H, L, D) views, or
-:func:`multihead.varlen.attention_varlen` on packed tokens (N, H, D) when padding
+:func:`multihead.core.varlen.attention_varlen` on packed tokens (N, H, D) when padding
 need not be computed, or ring attention on sequence shards; the heads are merged and projected.
 
 Dependency order (each file imports only those before it): masks -> checks ->
@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import backends, checks, masks, varlen
-from multihead import plan as planning
-from multihead.cache import KVCache
-from multihead.distributed import Sharded
-from multihead.functional import _run
-from multihead.hooks import AttentionHooks
-from multihead.plan import CoreCall, Plan
+from multihead import backends, masks
+from multihead.core import validation, varlen
+from multihead.core.functional import _run
+from multihead.core.ring import Sharded
+from multihead.layer import plan as planning
+from multihead.layer.cache import KVCache
+from multihead.layer.hooks import AttentionHooks
+from multihead.layer.plan import CoreCall, Plan
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
@@ -93,15 +94,15 @@ class AttentionCore:
 
     Attributes it needs (set by :meth:`_init_core` and the module): ``num_heads``,
     ``value_head_dim``, ``dropout`` (float), ``scale`` (float or None), ``backend``,
-    ``training`` and ``attention_hooks`` (:class:`multihead.hooks.AttentionHooks`)."""
+    ``training`` and ``attention_hooks`` (:class:`multihead.layer.hooks.AttentionHooks`)."""
 
     #: every multihead attention module alive (weakly held), for ``capture()`` without a model;
     #: no forward reads it
     _alive: weakref.WeakSet = weakref.WeakSet()
 
     def _init_core(self, *, dropout, scale, backend: str) -> None:
-        self.dropout = checks.valid_dropout(dropout)
-        self.scale = checks.valid_scale(scale)
+        self.dropout = validation.valid_dropout(dropout)
+        self.scale = validation.valid_scale(scale)
         if backend != "auto":
             backends.get(backend)  # an unknown name lists the valid ones
         self.backend = backend
@@ -222,12 +223,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        num_hiddens = checks.positive_int("num_hiddens", num_hiddens)
-        H = checks.positive_int("num_heads", num_heads)
+        num_hiddens = validation.positive_int("num_hiddens", num_hiddens)
+        H = validation.positive_int("num_heads", num_heads)
         for name, v in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size),
                         ("head_dim", head_dim), ("value_head_dim", value_head_dim), ("out_features", out_features),
                         ("num_kv_heads", num_kv_heads)):
-            checks.positive_int(name, v, optional=True)
+            validation.positive_int(name, v, optional=True)
         if head_dim is None and num_hiddens % H:
             raise ValueError(
                 f"num_hiddens={num_hiddens} is not divisible by num_heads={H}; choose num_heads that divides "
@@ -273,7 +274,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         keys = queries if keys is None else keys
         values = keys if values is None else values
         q, k, v, _ = self.projections()
-        checks.module_inputs((("queries", queries), ("keys", keys), ("values", values)),
+        validation.module_inputs((("queries", queries), ("keys", keys), ("values", values)),
                              (("query_size", _in_features(q)), ("key_size", _in_features(k)),
                               ("value_size", _in_features(v))))
         m = masks.as_mask(mask)
@@ -363,7 +364,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
              valid_lens: Tensor | None = None, *, mask=None, cache: KVCache | None = None,
              sharded: Sharded | None = None) -> Plan:
         """How :meth:`forward` with these arguments runs (checked as forward checks them; nothing is
-        projected or computed): a :class:`multihead.plan.Plan`."""
+        projected or computed): a :class:`multihead.layer.plan.Plan`."""
         return self._plan(queries, keys, values, valid_lens, mask, cache, sharded)[0]
 
     def _project(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -449,7 +450,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
-        ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.varlen.unpad`) -> (N, out_features).
+        ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.core.varlen.unpad`) -> (N, out_features).
         Padding never exists here, so nothing is computed for it."""
         packed = varlen.Packed.self_attention(cu_seqlens, max_seqlen)
         if x.dim() != 2 or x.shape[0] != packed.cu_q[-1]:

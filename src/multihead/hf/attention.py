@@ -11,7 +11,7 @@ attend to gives zeros), with the module's hook list around it, so ``capture``,
 ``heads.gated``, ``heads.importance`` and ``heads.mean_head_outputs`` work on the
 model unchanged.
 
-With :mod:`multihead.hf_heads` and :mod:`multihead.hf_packed`, the only files of the package
+With :mod:`multihead.hf.layouts` and :mod:`multihead.hf.packed`, the only files of the package
 that import transformers. Dependency order: hf_attention -> hf_heads -> hf.
 """
 
@@ -22,10 +22,10 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from multihead import hooks as hooks_mod
 from multihead import masks
-from multihead.functional import _weights, attention
-from multihead.hooks import AttentionHooks
+from multihead.core.functional import _weights, attention
+from multihead.layer import hooks as hooks_mod
+from multihead.layer.hooks import AttentionHooks
 
 __all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "attention_forward", "attention_modules"]
 
@@ -190,7 +190,7 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
     tokens cu[b]:cu[b+1]; causal within each sequence when the module is; a ``sliding_window`` w
     keeps keys with |i - j| < w inside each sequence (transformers' masks: ``kv > q - w`` causal,
     ``|q - kv| <= config.sliding_window = w - 1`` bidirectional, as ModernBERT passes it). Runs varlen."""
-    from multihead.varlen import attention_varlen
+    from multihead.core.varlen import attention_varlen
 
     name = type(module).__name__
     cu_q = cu_k if cu_q is None else cu_q

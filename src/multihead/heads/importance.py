@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from multihead.capture import capture
-from multihead.gates import attention_modules, gated
-from multihead.hooks import num_heads as _num_heads
+from multihead.heads.capture import capture
+from multihead.heads.gates import attention_modules, gated
+from multihead.layer.hooks import num_heads as _num_heads
 
 __all__ = ["METHODS", "Importance", "ablation_importance", "entropy_importance", "gradient_importance", "importance"]
 

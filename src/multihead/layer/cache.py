@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from multihead import checks
-from multihead.hooks import hooked_modules
+from multihead.core import validation
+from multihead.layer.hooks import hooked_modules
 
 __all__ = ["KVCache"]
 
@@ -44,8 +44,8 @@ class KVCache:
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
-        self.batch_size = checks.positive_int("batch_size", batch_size)
-        self.max_len = checks.positive_int("max_len", max_len)
+        self.batch_size = validation.positive_int("batch_size", batch_size)
+        self.max_len = validation.positive_int("max_len", max_len)
         if not isinstance(model, nn.Module):
             raise TypeError(f"KVCache(model, batch_size, max_len) takes the model (an nn.Module; several modules: "
                             f"an nn.ModuleList); got {type(model).__name__}.")

@@ -5,7 +5,7 @@ are laid out and which calls its attention core will get:
 
 - ``dense``: (B, L, ·) as given; one core call over (B, H, Lq, Lk) with the call's mask;
 - ``packed``: padding is not computed; the real tokens (N, ·) are projected and the core gets
-  :func:`multihead.varlen.core_calls`' calls (for short self-attention one padded call per group
+  :func:`multihead.core.varlen.core_calls`' calls (for short self-attention one padded call per group
   of sequences of like length, else one per sequence);
 - ``cached``: a decoding step with a :class:`multihead.KVCache` (the core gets the step's queries
   against every cached key);
@@ -49,7 +49,7 @@ class CoreCall(NamedTuple):
 class Plan(NamedTuple):
     """How one module call runs: the layout and why, the validated mask over the padded call
     (B, H, Lq, Lk), and the calls the attention core gets, in order (none when no head is left or
-    there are no keys: the output is zeros). ``packed`` (:class:`multihead.varlen.Packed`) says where
+    there are no keys: the output is zeros). ``packed`` (:class:`multihead.core.varlen.Packed`) says where
     the real tokens are for the packed layout; ``sharded`` is the caller's
     :class:`multihead.distributed.Sharded` for the sharded one. (A NamedTuple, as CoreCall: one is
     made on every call, and a tuple is made in a fraction of a frozen dataclass's time.)"""

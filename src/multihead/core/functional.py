@@ -18,9 +18,10 @@ import math
 import torch
 from torch import Tensor
 
-from multihead import backends, checks
+from multihead import backends
 from multihead.backends import registry
 from multihead.backends.reference import reference_attention, weights
+from multihead.core import validation
 from multihead.masks import Mask
 
 __all__ = ["attention", "attention_weights", "explain", "reference_attention"]
@@ -72,7 +73,7 @@ def attention(
         (B, H, Lq, Dv). A query row with nothing to attend to (all keys masked, or
         Lk = 0) gives zeros, never NaN.
     """
-    mask = checks.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
+    mask = validation.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
                                    sinks=sinks)
     return _run(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), backend=backend, softcap=softcap,
                 sinks=sinks)
@@ -80,7 +81,7 @@ def attention(
 
 def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None,
          dropout_p: float, backend: str, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
-    """:func:`attention` on inputs that :mod:`multihead.checks` has passed (the modules
+    """:func:`attention` on inputs that :mod:`multihead.core.validation` has passed (the modules
     validate once, before their projections, and call this)."""
     if key.shape[2] == 0:  # no keys: every row has nothing to attend to
         return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
@@ -117,7 +118,7 @@ def attention_weights(query: Tensor, key: Tensor, mask=None, *, scale: float | N
 
     query (B, H, Lq, D), key (B, Hkv, Lk, D).
     """
-    mask = checks.attention_inputs(query, key, None, mask, scale=scale, softcap=softcap, sinks=sinks)
+    mask = validation.attention_inputs(query, key, None, mask, scale=scale, softcap=softcap, sinks=sinks)
     return _weights(query, key, mask, scale, softcap, sinks)
 
 
@@ -138,7 +139,7 @@ def explain(query: Tensor, key: Tensor, value: Tensor, mask=None, *, dropout_p: 
     """Which backend :func:`attention` would run for these inputs, and why every
     other backend would not. ``training=True`` asks as if gradients were needed.
     Returns an :class:`~multihead.backends.registry.Explanation`; print it."""
-    mask = checks.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
+    mask = validation.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
     req = _request(query, key, value, mask, dropout_p, softcap, sinks)
     if training:
         req = req._replace(needs_grad=True)

@@ -1,0 +1,32 @@
+"""Head tools: see, score and cut the heads of any multihead module (and of a transformers model attached
+to multihead). :mod:`~multihead.heads.capture` records per-head weights; :mod:`~multihead.heads.gates`
+puts a gate on every head's output; :mod:`~multihead.heads.importance` scores heads (gradient,
+ablation, entropy); :mod:`~multihead.heads.surgery` is the one head-row selector and mean-into-bias
+fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve.
+Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
+"""
+
+from multihead.heads.capture import Captured, capture
+from multihead.heads.gates import attention_modules, gated
+from multihead.heads.importance import (
+    METHODS,
+    Importance,
+    ablation_importance,
+    entropy_importance,
+    gradient_importance,
+    importance,
+)
+from multihead.heads.pruning import (
+    Curve,
+    head_counts,
+    mean_head_outputs,
+    plot_curve,
+    prune,
+    pruning_curve,
+    resize,
+    save_curve,
+)
+
+__all__ = ["METHODS", "Captured", "Curve", "Importance", "ablation_importance", "attention_modules", "capture",
+           "entropy_importance", "gated", "gradient_importance", "head_counts", "importance", "mean_head_outputs",
+           "plot_curve", "prune", "pruning_curve", "resize", "save_curve"]
