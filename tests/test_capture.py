@@ -8,7 +8,7 @@ from torch import nn
 import multihead
 from multihead import MultiHeadAttention, masks, reference_attention
 from multihead.compat import D2LMultiHeadAttention
-from multihead.core.functional import _weights
+from multihead.core.functional import weights_of
 from multihead.interop import patch
 
 
@@ -42,7 +42,7 @@ def test_capture_records_every_module_and_changes_nothing():
     layer = model.enc[0]
     q = layer.q_proj(x).view(2, 5, 4, 4).transpose(1, 2).double()  # (B, H, L, D)
     k = layer.k_proj(x).view(2, 5, 4, 4).transpose(1, 2).double()
-    ref = _weights(q, k, masks.ValidLens(lens), 0.5)
+    ref = weights_of(q, k, masks.ValidLens(lens), 0.5)
     assert torch.allclose(captured["enc.0"].double(), ref, atol=1e-6)
     # weights @ values is the attention output (GQA module)
     c = model.cross

@@ -293,6 +293,44 @@ def traced_choice(head: tuple, mask_key: tuple | None, dropout_p: float, needs_g
 _REPORTED: set[tuple[str, str]] = set()
 
 
+def request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float,
+            softcap: float | None = None, sinks: Tensor | None = None) -> Request:
+    """The :class:`Request` of a call on (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) tensors."""
+    B, H, Lq, D = query.shape
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    return Request(query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1], mask,
+                   float(dropout_p), needs_grad, None if softcap is None else float(softcap), sinks is not None)
+
+
+def call(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None, dropout_p: float,
+         backend: str = "auto", softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Attention on validated inputs, dispatched: the one door to the backends. query (B, H, Lq, D), key
+    (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv); no keys: zeros, no backend runs. "auto" without
+    score modifiers runs its remembered choice for this kind of call (while torch.compile traces: its choice
+    made once, :func:`traced_choice`); otherwise :func:`select` chooses. A backend that raises
+    :class:`Unavailable` is reported once and the next choice runs."""
+    if key.shape[2] == 0:  # no keys: every row has nothing to attend to
+        return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if softcap is None and sinks is None and backend == "auto":
+        B, H, Lq, D = query.shape
+        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        if torch.compiler.is_compiling():  # chosen once, while tracing
+            name = traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
+                                 _FORCED[-1] if _FORCED else None)
+            b = None if name is None else _REGISTRY.get(name)
+        else:  # a call of a kind seen before: its remembered backend
+            b = None if _FORCED else _CHOICE.get(choice_key(head, dropout_p, needs_grad, mask))
+        if b is not None:
+            try:
+                return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
+            except Unavailable as e:  # reported once and evicted; the full path below falls back
+                failed(b, choice_key(head, dropout_p, needs_grad, mask), e)
+    req = request(query, key, value, mask, dropout_p, softcap, sinks)
+    return run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
+
+
 def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,
         dropout_p: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Select a backend for ``req`` and run it; a backend that raises :class:`Unavailable`

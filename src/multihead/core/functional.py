@@ -24,17 +24,7 @@ from multihead.backends.reference import reference_attention, weights
 from multihead.core import validation
 from multihead.masks import Mask
 
-__all__ = ["attention", "attention_weights", "explain", "reference_attention"]
-
-
-def _request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float,
-             softcap: float | None = None, sinks: Tensor | None = None) -> registry.Request:
-    B, H, Lq, D = query.shape
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
-    return registry.Request(
-        query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1],
-        mask, float(dropout_p), needs_grad, None if softcap is None else float(softcap), sinks is not None,
-    )
+__all__ = ["attention", "attention_weights", "explain", "reference_attention", "run", "weights_of"]
 
 
 def attention(
@@ -75,38 +65,13 @@ def attention(
     """
     mask = validation.attention_inputs(query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap,
                                    sinks=sinks)
-    return _run(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), backend=backend, softcap=softcap,
-                sinks=sinks)
+    return run(query, key, value, mask, scale=scale, dropout_p=float(dropout_p), backend=backend, softcap=softcap,
+               sinks=sinks)
 
 
-def _run(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None,
-         dropout_p: float, backend: str, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
-    """:func:`attention` on inputs that :mod:`multihead.core.validation` has passed (the modules
-    validate once, before their projections, and call this)."""
-    if key.shape[2] == 0:  # no keys: every row has nothing to attend to
-        return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if softcap is not None or sinks is not None:  # score modifiers: the full selection, which gates on them
-        req = _request(query, key, value, mask, dropout_p, softcap, sinks)
-        return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p,
-                            softcap=None if softcap is None else float(softcap), sinks=sinks)
-    if backend == "auto":
-        B, H, Lq, D = query.shape
-        head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
-        if torch.compiler.is_compiling():  # chosen once, while tracing (see registry.traced_choice)
-            name = registry.traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
-                                          registry._FORCED[-1] if registry._FORCED else None)
-            b = None if name is None else registry.get(name)
-        else:  # a call of a kind seen before: its remembered backend
-            b = registry.remembered(registry.choice_key(head, dropout_p, needs_grad, mask))
-        if b is not None:
-            try:
-                return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
-            except registry.Unavailable as e:  # reported once and evicted; the full path below falls back
-                registry.failed(b, registry.choice_key(head, dropout_p, needs_grad, mask), e)
-    req = _request(query, key, value, mask, dropout_p)
-    return registry.run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p)
+#: :func:`attention` on inputs :mod:`multihead.core.validation` has passed (the modules validate once, before
+#: their projections, and call this): the registry's one door (no frame of its own between a module and its backend)
+run = registry.call
 
 
 def attention_weights(query: Tensor, key: Tensor, mask=None, *, scale: float | None = None,
@@ -119,10 +84,10 @@ def attention_weights(query: Tensor, key: Tensor, mask=None, *, scale: float | N
     query (B, H, Lq, D), key (B, Hkv, Lk, D).
     """
     mask = validation.attention_inputs(query, key, None, mask, scale=scale, softcap=softcap, sinks=sinks)
-    return _weights(query, key, mask, scale, softcap, sinks)
+    return weights_of(query, key, mask, scale, softcap, sinks)
 
 
-def _weights(query: Tensor, key: Tensor, mask: Mask | None, scale: float | None, softcap: float | None = None,
+def weights_of(query: Tensor, key: Tensor, mask: Mask | None, scale: float | None, softcap: float | None = None,
              sinks: Tensor | None = None) -> Tensor:
     """:func:`attention_weights` on validated inputs."""
     H, Hkv, D = query.shape[1], key.shape[1], query.shape[-1]
@@ -140,7 +105,7 @@ def explain(query: Tensor, key: Tensor, value: Tensor, mask=None, *, dropout_p: 
     other backend would not. ``training=True`` asks as if gradients were needed.
     Returns an :class:`~multihead.backends.registry.Explanation`; print it."""
     mask = validation.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
-    req = _request(query, key, value, mask, dropout_p, softcap, sinks)
+    req = registry.request(query, key, value, mask, dropout_p, softcap, sinks)
     if training:
         req = req._replace(needs_grad=True)
     return backends.explain_request(req, backend)

@@ -1,8 +1,8 @@
 """Padding is not computed: pure functions for packed (variable-length) sequences.
 
 A padded batch (B, L, ...) with a keep mask (B, L) becomes packed tokens (N, ...)
-plus ``cu_seqlens`` (B+1,), the cumulative lengths, as flash-attn's ``bert_padding``
-does; :func:`attention_varlen` attends sequence by sequence on packed tokens::
+plus ``cu_seqlens`` (B+1,), the cumulative lengths (:mod:`multihead.core.padding`, as flash-attn's
+``bert_padding``); :func:`attention_varlen` attends sequence by sequence on packed tokens::
 
     keys (B, Lk, E) --unpad--> (Nk, E) --k_proj--> (Nk, Hkv, D)
     attention_varlen(q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv), cu_seqlens_q, cu_seqlens_k) -> (Nq, H, Dv)
@@ -31,9 +31,11 @@ from torch import Tensor
 
 from multihead import masks
 from multihead.core import validation
-from multihead.core.functional import _run
+from multihead.core.functional import run
+from multihead.core.padding import indices_of, pad, unpad
 
-__all__ = ["Packed", "Packing", "attention_varlen", "core_calls", "cumulative", "pad", "packing_cost", "plan", "unpad"]
+__all__ = ["Packed", "Packing", "Schedule", "attention_varlen", "core_calls", "cumulative", "indices_of", "pad",
+           "packing_cost", "plan", "run_schedule", "schedule", "schedule_calls", "unpad"]
 
 #: what one sequence of the per-sequence loop costs, in floating-point operations
 #: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here;
@@ -47,35 +49,6 @@ PAD_UP_TO = 128
 
 #: the most padded calls such self-attention is cut into (1: one call padded to the longest)
 MAX_GROUPS = 8
-
-
-# --- packing ---
-
-
-def unpad(x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    """x (B, L, ...) and keep (B, L) bool (True = a real token) ->
-    (packed (N, ...), indices (N,) into the flattened (B*L), cu_seqlens (B+1,) int32, max_seqlen).
-
-    The tokens of sequence b are ``packed[cu_seqlens[b]:cu_seqlens[b+1]]``, in order."""
-    B, L = keep.shape
-    indices = keep.reshape(-1).nonzero().squeeze(1)  # (N,)
-    lens = keep.sum(-1, dtype=torch.int32)  # (B,)
-    cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))  # (B+1,)
-    packed = x.reshape(B * L, *x.shape[2:]).index_select(0, indices)  # (B, L, ...) -> (N, ...)
-    return packed, indices, cu, int(lens.max()) if B else 0
-
-
-def pad(packed: Tensor, indices: Tensor, B: int, L: int) -> Tensor:
-    """Undo :func:`unpad`: packed (N, ...) -> (B, L, ...), zeros where there was padding."""
-    out = packed.new_zeros(B * L, *packed.shape[1:])
-    return out.index_copy_(0, indices, packed).view(B, L, *packed.shape[1:])  # (B*L, ...) -> (B, L, ...)
-
-
-def indices_of(cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-    """The (N,) positions of packed tokens in a (B, max_seqlen) padded layout."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
-    keep = torch.arange(max_seqlen, device=lens.device) < lens[:, None]  # (B, max_seqlen)
-    return keep.reshape(-1).nonzero().squeeze(1)  # (N,)
 
 
 # --- attention on packed tokens ---
@@ -120,8 +93,8 @@ def attention_varlen(
     if mask is not None and any(not p.packable for p in mask.parts()):
         raise ValueError(f"attention_varlen applies only positional, top-left aligned masks inside each sequence "
                          f"(Causal, SlidingWindow); got {mask!r}.")
-    return _attention_varlen(query, key, value, cu_q, cu_k, mask, scale=scale, dropout_p=float(dropout_p),
-                             backend=backend)
+    sched = schedule(cu_q, cu_k, mask, 2.0 * query.shape[1] * (query.shape[-1] + value.shape[-1]))
+    return run_schedule(query, key, value, sched, scale=scale, dropout_p=float(dropout_p), backend=backend)
 
 
 def cumulative(name: str, cu: object, n: int) -> list[int]:
@@ -135,30 +108,44 @@ def cumulative(name: str, cu: object, n: int) -> list[int]:
     return c
 
 
-def _pads(q_lens: list[int], k_lens: list[int], mask: masks.Mask | None) -> bool:
-    """Short self-attention without a positional mask is padded (:func:`padded_groups`); anything
-    else loops over the sequences."""
-    return mask is None and q_lens == k_lens and bool(q_lens) and max(q_lens) <= PAD_UP_TO
+class Schedule(NamedTuple):
+    """How attention over packed sequences runs, decided once (:func:`schedule`), then executed
+    (:func:`run_schedule`) and listed (:func:`schedule_calls`) from the same record: ``groups`` for
+    short self-attention without a positional mask, padded per group of sequences of like length
+    (:func:`padded_groups`); None: one call per sequence (a sequence without keys: zeros, no call)."""
+
+    cu_q: list[int]
+    cu_k: list[int]
+    mask: masks.Mask | None
+    groups: Groups | None
+
+
+def schedule(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, pair_flop: float) -> Schedule:
+    """The one decision: short self-attention without a positional mask is padded per group (``pair_flop``:
+    the work of one (query, key) pair, 2·H·(D + Dv)); anything else loops over the sequences."""
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    if mask is None and q_lens == [b - a for a, b in zip(cu_k, cu_k[1:])] and q_lens and max(q_lens) <= PAD_UP_TO:
+        return Schedule(cu_q, cu_k, None, padded_groups(tuple(q_lens), pair_flop, MAX_GROUPS))
+    return Schedule(cu_q, cu_k, mask, None)
+
+
+def schedule_calls(s: Schedule) -> list[tuple[int, int, int, masks.Mask | None]]:
+    """The calls the attention core gets, in order, as (B, Lq, Lk, mask): one padded call per group
+    (``KeyPadding``: padded query rows are computed and dropped), or one per sequence with keys."""
+    if s.groups is None:
+        return [(1, b - a, d - c, s.mask) for a, b, c, d in zip(s.cu_q, s.cu_q[1:], s.cu_k, s.cu_k[1:]) if d > c]
+    calls, at = [], 0
+    keep = s.groups.tensors("cpu")[1] if s.groups.groups else None  # (Σ B·Lm,)
+    for g in s.groups.groups:
+        calls.append((g.B, g.Lm, g.Lm, masks.KeyPadding(keep[at:at + g.B * g.Lm].view(g.B, g.Lm))))
+        at += g.B * g.Lm
+    return calls
 
 
 def core_calls(cu_q: list[int], cu_k: list[int], mask: masks.Mask | None,
                pair_flop: float) -> list[tuple[int, int, int, masks.Mask | None]]:
-    """The calls :func:`attention_varlen` makes to the attention core, in order, as (B, Lq, Lk, mask):
-    for short self-attention, one padded call per group of :func:`padded_groups` (``KeyPadding``:
-    padded query rows are computed and dropped); else one per sequence (a sequence without keys gets
-    zeros and no call). ``pair_flop``: the work of one (query, key) pair, 2·H·(D + Dv)."""
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    if _pads(q_lens, k_lens, mask):
-        p, calls, at = padded_groups(tuple(q_lens), pair_flop, MAX_GROUPS), [], 0
-        if not p.groups:
-            return calls
-        keep = p.tensors("cpu")[1]  # (Σ B·Lm,)
-        for g in p.groups:
-            calls.append((g.B, g.Lm, g.Lm, masks.KeyPadding(keep[at:at + g.B * g.Lm].view(g.B, g.Lm))))
-            at += g.B * g.Lm
-        return calls
-    return [(1, nq, nk, mask) for nq, nk in zip(q_lens, k_lens) if nk]
+    """:func:`schedule_calls` of :func:`schedule`: the calls attention over these sequences makes."""
+    return schedule_calls(schedule(cu_q, cu_k, mask, pair_flop))
 
 
 class Group(NamedTuple):
@@ -248,41 +235,43 @@ def _layout(lens: tuple[int, ...], members: tuple[tuple[int, ...], ...]) -> Grou
     return Groups(tuple(groups), array.array("q", index), array.array("b", keep))
 
 
-def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: masks.Mask | None, *,
-                      scale: float | None, dropout_p: float, backend: str) -> Tensor:
-    """:func:`attention_varlen` on validated inputs, cumulative lengths as lists; the calls it makes
-    to the core are :func:`core_calls`'s. q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    H, Dv = q.shape[1], v.shape[-1]
-    if _pads(q_lens, k_lens, mask):  # short self-attention: padded calls, sequences of like length together
-        p = padded_groups(tuple(q_lens), 2.0 * H * (q.shape[-1] + Dv), MAX_GROUPS)
-        if not p.groups:
-            return q.new_zeros(0, H, Dv)  # (0, H, Dv)
-        # one gather per tensor, no zero fill: a padded slot holds a copy of a real token (finite,
-        # never attended to as a key under KeyPadding, and its query row is dropped)
-        src, keep, real, back = p.tensors(q.device)  # (Σ B·Lm,), (Σ B·Lm,), (Nq,), (Nq,) or None
-        rows, at, n = [], 0, 0
-        for g in p.groups:
-            sl = slice(at, at + g.B * g.Lm)
-            qp, kp, vp = (t.index_select(0, src[sl]).view(g.B, g.Lm, *t.shape[1:]).transpose(1, 2)  # (B, h, Lm, d)
-                          for t in (q, k, v))
-            o = _run(qp, kp, vp, masks.KeyPadding(keep[sl].view(g.B, g.Lm)), scale=scale, dropout_p=dropout_p,
-                     backend=backend)  # (B, H, Lm, Dv)
-            o = o.transpose(1, 2).reshape(g.B * g.Lm, H, Dv)  # (B, H, Lm, Dv) -> (B·Lm, H, Dv)
-            rows.append(o.index_select(0, real[n:n + g.N]))  # (N_g, H, Dv)
-            at, n = at + g.B * g.Lm, n + g.N
-        if back is None:
-            return rows[0]  # one group: the sequences in their order, its rows the tokens in order
-        return torch.cat(rows).index_select(0, back)  # (Nq, H, Dv), token order
-    outs = []
-    for qs, nq, ks, nk in zip(cu_q, q_lens, cu_k, k_lens):
-        qb = q[qs:qs + nq].transpose(0, 1)[None]  # (nq, H, D) -> (1, H, nq, D)
-        kb = k[ks:ks + nk].transpose(0, 1)[None]  # (nk, Hkv, D) -> (1, Hkv, nk, D)
-        vb = v[ks:ks + nk].transpose(0, 1)[None]  # (nk, Hkv, Dv) -> (1, Hkv, nk, Dv)
-        ob = _run(qb, kb, vb, mask, scale=scale, dropout_p=dropout_p, backend=backend)  # (1, H, nq, Dv)
+def run_schedule(q: Tensor, k: Tensor, v: Tensor, s: Schedule, *, scale: float | None, dropout_p: float,
+                 backend: str) -> Tensor:
+    """Execute a :class:`Schedule` on validated packed tokens: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv)
+    -> (Nq, H, Dv). Nothing is decided here."""
+    if s.groups is not None:
+        return _run_groups(q, k, v, s.groups, scale=scale, dropout_p=dropout_p, backend=backend)
+    H, Dv, outs = q.shape[1], v.shape[-1], []
+    for qs, qe, ks, ke in zip(s.cu_q, s.cu_q[1:], s.cu_k, s.cu_k[1:]):
+        qb = q[qs:qe].transpose(0, 1)[None]  # (nq, H, D) -> (1, H, nq, D)
+        kb = k[ks:ke].transpose(0, 1)[None]  # (nk, Hkv, D) -> (1, Hkv, nk, D)
+        vb = v[ks:ke].transpose(0, 1)[None]  # (nk, Hkv, Dv) -> (1, Hkv, nk, Dv)
+        ob = run(qb, kb, vb, s.mask, scale=scale, dropout_p=dropout_p, backend=backend)  # (1, H, nq, Dv)
         outs.append(ob[0].transpose(0, 1))  # (1, H, nq, Dv) -> (nq, H, Dv)
     return torch.cat(outs) if outs else q.new_zeros(0, H, Dv)  # (Nq, H, Dv)
+
+
+def _run_groups(q: Tensor, k: Tensor, v: Tensor, p: Groups, *, scale: float | None, dropout_p: float,
+                backend: str) -> Tensor:
+    """Short self-attention, one padded call per group. One gather per tensor, no zero fill: a padded slot
+    holds a copy of a real token (finite, never attended to as a key under KeyPadding, its query row dropped)."""
+    H, Dv = q.shape[1], v.shape[-1]
+    if not p.groups:
+        return q.new_zeros(0, H, Dv)  # (0, H, Dv)
+    src, keep, real, back = p.tensors(q.device)  # (Σ B·Lm,), (Σ B·Lm,), (Nq,), (Nq,) or None
+    rows, at, n = [], 0, 0
+    for g in p.groups:
+        sl = slice(at, at + g.B * g.Lm)
+        qp, kp, vp = (t.index_select(0, src[sl]).view(g.B, g.Lm, *t.shape[1:]).transpose(1, 2)  # (B, h, Lm, d)
+                      for t in (q, k, v))
+        o = run(qp, kp, vp, masks.KeyPadding(keep[sl].view(g.B, g.Lm)), scale=scale, dropout_p=dropout_p,
+                 backend=backend)  # (B, H, Lm, Dv)
+        o = o.transpose(1, 2).reshape(g.B * g.Lm, H, Dv)  # (B, H, Lm, Dv) -> (B·Lm, H, Dv)
+        rows.append(o.index_select(0, real[n:n + g.N]))  # (N_g, H, Dv)
+        at, n = at + g.B * g.Lm, n + g.N
+    if back is None:
+        return rows[0]  # one group: the sequences in their order, its rows the tokens in order
+    return torch.cat(rows).index_select(0, back)  # (Nq, H, Dv), token order
 
 
 # --- when to pack: the plan and its cost model ---

@@ -13,6 +13,7 @@ Gradescope do.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -265,6 +266,18 @@ class _Zygote:
 
 _ZYGOTE: list = []
 _ZYGOTE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_zygote() -> None:
+    """At exit: close the fork server's socket (it then returns) and wait for it."""
+    for z in _ZYGOTE:
+        if z is not None:
+            z.sock.close()
+            try:
+                z.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                z.proc.kill()
 
 
 def _zygote() -> _Zygote | None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from multihead.core.functional import _weights
+from multihead.core.functional import weights_of
 from multihead.layer.hooks import hooked_modules
 from multihead.layer.module import AttentionCore
 
@@ -75,7 +75,7 @@ class Captured(Mapping):
             self.skipped[name] = f"weights of {n} elements (B={B}, H={H}, Lq={Lq}, Lk={k.shape[2]}) > max_elements"
             return
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach):
-            w = _weights(q, k, mask, scale, softcap, sinks)  # (B, H, Lq, Lk)
+            w = weights_of(q, k, mask, scale, softcap, sinks)  # (B, H, Lq, Lk)
         if self.to_cpu:
             w = w.cpu()
         self._calls.setdefault(name, []).append(w)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import masks
-from multihead.core.functional import _weights, attention
+from multihead.core.functional import attention, weights_of
 from multihead.layer import hooks as hooks_mod
 from multihead.layer.hooks import AttentionHooks
 
@@ -180,7 +180,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
     if hooks.transforms:
         out = hooks.transform(module, out, _live(attention_mask, Lq, key.shape[2]))
-    weights = _weights(query, key, mask, scaling, **mods) if output_attentions else None
+    weights = weights_of(query, key, mask, scaling, **mods) if output_attentions else None
     return out.contiguous(), weights
 
 

@@ -127,13 +127,13 @@ def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H:
     for n in lin:
         roles.setdefault(role_of(n), []).append(n)
     o_name, from_parent = (roles.get("o") or roles.get("o?") or [None])[-1], False
-    if o_name is not None and (_in_features(lin[o_name]) != H * Dv):
+    if o_name is not None and (in_features(lin[o_name]) != H * Dv):
         o_name = None
     if o_name is None:  # BERT: the output projection is the parent's (output.dense)
         own = name[len(parent_name) + 1:] if parent_name else name
         for n, c in parent.named_modules():
             if n and not _inside(n, own) and (isinstance(c, nn.Linear) or is_conv1d(c)) and \
-                    role_of(n) in ("o", "o?") and _in_features(c) == H * Dv:
+                    role_of(n) in ("o", "o?") and in_features(c) == H * Dv:
                 o_name, from_parent = n, True
                 break
     if o_name is None:
@@ -158,7 +158,7 @@ def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H:
     return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
 
 
-def _in_features(p: nn.Module) -> int:
+def in_features(p: nn.Module) -> int:
     return out_in(p).shape[1]
 
 

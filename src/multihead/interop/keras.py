@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from multihead.layer.module import MultiHeadAttention, _in_features
+from multihead.layer.module import MultiHeadAttention
+from multihead.layer.plan import in_features
 
 
 def _keras():
@@ -68,7 +69,7 @@ def to_keras(module: MultiHeadAttention):
     keras = _keras()
     H, D, Dv = module.num_heads, module.head_dim, module.value_head_dim
     q, k, v, o = module.projections()
-    sizes = [_in_features(p) for p in (q, k, v)]
+    sizes = [in_features(p) for p in (q, k, v)]
     if None in sizes:
         raise ValueError("the module's input sizes are not known yet (lazy): call it once, then convert.")
     if module.num_kv_heads != H:

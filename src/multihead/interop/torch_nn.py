@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from multihead.layer.dropin import TorchMultiheadAttention
-from multihead.layer.module import MultiHeadAttention, _in_features
+from multihead.layer.module import MultiHeadAttention
+from multihead.layer.plan import in_features
 
 
 def _refuse_extras(module: nn.MultiheadAttention) -> None:
@@ -55,7 +56,7 @@ def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.Mult
         raise TypeError(f"to_torch takes a multihead.MultiHeadAttention; got {type(module).__name__}.")
     H, D, Dv = module.num_heads, module.head_dim, module.value_head_dim
     q, k, v, o = module.projections()
-    sizes = [_in_features(p) for p in (q, k, v)]
+    sizes = [in_features(p) for p in (q, k, v)]
     if None in sizes:
         raise ValueError("the module's input sizes are not known yet (lazy): call it once, then convert.")
     E = H * D

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import masks
-from multihead.core.functional import _weights
+from multihead.core.functional import weights_of
 from multihead.layer.module import MultiHeadAttention
 
 __all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights"]
@@ -52,7 +52,7 @@ class LastWeights(nn.Module):
         if self._last is None:
             return None
         q, k, mask, scale = self._last
-        w = _weights(q, k, mask, scale)  # (B, H, Lq, Lk)
+        w = weights_of(q, k, mask, scale)  # (B, H, Lq, Lk)
         return w.reshape(-1, w.shape[2], w.shape[3])  # (B, H, Lq, Lk) -> (B*H, Lq, Lk)
 
 

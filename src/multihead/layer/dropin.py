@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from multihead import masks
 from multihead.core import validation
-from multihead.core.functional import _weights
+from multihead.core.functional import weights_of
 from multihead.layer.module import AttentionCore
 
 __all__ = ["TorchMultiheadAttention", "keep_torch_fast_path_off"]
@@ -169,7 +169,7 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         out = self.out_proj(out.reshape(B, Lq, E))  # (B, Lq, H, D) -> (B, Lq, E)
         weights = None
         if need_weights:
-            weights = _weights(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
+            weights = weights_of(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
             if average_attn_weights:
                 weights = weights.mean(1)  # (B, Lq, Lk)
         if not batched:

@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import backends, masks
+from multihead import backends
 from multihead.core import validation, varlen
-from multihead.core.functional import _run
+from multihead.core.functional import run
 from multihead.core.ring import Sharded
 from multihead.layer import plan as planning
 from multihead.layer.cache import KVCache
 from multihead.layer.hooks import AttentionHooks
-from multihead.layer.plan import CoreCall, Plan
+from multihead.layer.plan import Plan
 
 __all__ = ["AttentionCore", "MultiHeadAttention", "transpose_qkv", "transpose_output"]
 
@@ -79,14 +79,6 @@ def _apply(lin: nn.Module, x: Tensor, no_global_hooks: bool) -> Tensor:
     return lin(x)
 
 
-def _in_features(lin: nn.Module) -> int | None:
-    """A projection's input size, None while a lazy layer has not seen an input (a lazy
-    layer filled by ``load_state_dict`` knows it from its weight)."""
-    if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
-        return None if lin.has_uninitialized_params() else lin.weight.shape[-1]
-    return lin.in_features
-
-
 class AttentionCore:
     """The one place every multihead module attends: :class:`MultiHeadAttention`,
     the course's compat modules and the torch.nn drop-in call :meth:`_attend` with
@@ -114,42 +106,46 @@ class AttentionCore:
         """Every multihead attention module alive now."""
         return list(AttentionCore._alive)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, packed: varlen.Packed | None = None, *,
-                heads_first: bool = False, sharded: Sharded | None = None) -> Tensor:
-        """The one attention call, with the module's hooks around it.
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, plan: Plan | None = None, *,
+                heads_first: bool = False) -> Tensor:
+        """The one attention call, with the module's hooks around it, as ``plan`` says (None: a dense call
+        under ``mask``, the drop-in's).
 
         Dense: q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> (B, Lq, H, Dv);
         with ``heads_first`` k and v come as (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) (a KV cache's layout);
-        with ``sharded`` they are this rank's shards and the call is ring attention over the whole
-        sequence (:class:`multihead.distributed.Sharded`).
-        Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv)."""
+        sharded: they are this rank's shards and the call is ring attention over the whole sequence.
+        Packed: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv), the plan's schedule run."""
         hooks = self.attention_hooks
         p = self.dropout if self.training else 0.0
-        live = None
         if self.num_heads == 0:  # every head pruned (multihead.heads.prune): nothing to attend
             return q.new_zeros(*q.shape[:-2], 0, self.value_head_dim)
-        if packed is None:
-            q = q.transpose(1, 2)  # (B, Lq, H, D) -> (B, H, Lq, D)
-            if not heads_first:
-                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
-            if hooks.observers:
-                hooks.observe(self, q, k, mask, self.scale)
-            if sharded is None:
-                out = _run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
-            else:
-                out = sharded.attention(q, k, v, mask, scale=self.scale)  # (B, H, Lq, Dv)
-            out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
-            if hooks.transforms and mask is not None:
-                live = self._query_keep(mask, out.shape[1], out.device, sharded)  # (B, Lq) or None
+        if plan is not None and plan.packed is not None:
+            return self._attend_packed(q, k, v, plan, p)
+        sharded = None if plan is None else plan.sharded
+        q = q.transpose(1, 2)  # (B, Lq, H, D) -> (B, H, Lq, D)
+        if not heads_first:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
+        if hooks.observers:
+            hooks.observe(self, q, k, mask, self.scale)
+        if sharded is None:
+            out = run(q, k, v, mask, scale=self.scale, dropout_p=p, backend=self.backend)  # (B, H, Lq, Dv)
         else:
-            if hooks.observers:
-                qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
-                hooks.observe(self, qp, kp, packed.mask, self.scale)
-            out = varlen._attention_varlen(q, k, v, packed.cu_q, packed.cu_k, packed.rest, scale=self.scale,
-                                           dropout_p=p, backend=self.backend)  # (Nq, H, Dv)
+            out = sharded.attention(q, k, v, mask, scale=self.scale)  # (B, H, Lq, Dv)
+        out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
         if hooks.transforms:
+            live = None if mask is None else self._query_keep(mask, out.shape[1], out.device, sharded)  # (B, Lq)
             out = hooks.transform(self, out, live)
         return out
+
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, plan: Plan, p: float) -> Tensor:
+        """The packed layout: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv), the plan's schedule."""
+        hooks, packed = self.attention_hooks, plan.packed
+        if hooks.observers:
+            qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
+            hooks.observe(self, qp, kp, packed.mask, self.scale)
+        out = varlen.run_schedule(q, k, v, plan.schedule, scale=self.scale, dropout_p=p,
+                                  backend=self.backend)  # (Nq, H, Dv)
+        return hooks.transform(self, out, None) if hooks.transforms else out
 
     def _check_sharded(self) -> None:
         """What sequence-sharded inputs cannot do, refused before any computation."""
@@ -265,115 +261,18 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             s += f", value_head_dim={self.value_head_dim}"
         return s + f", dropout={self.dropout}, backend={self.backend!r}"
 
-    def _inputs(self, queries, keys, values, valid_lens, mask, *, Lk: int | None = None, sharded: bool = False):
-        """Defaults (keys = queries, values = keys), checks, and one validated mask from
-        valid_lens & mask (over ``Lk`` keys, default the keys' length): everything is
-        checked before any projection runs. ``sharded``: the inputs are shards of a sequence
-        (context parallel), whose masks :func:`multihead.distributed.ring_attention` checks
-        against the whole sequence."""
-        keys = queries if keys is None else keys
-        values = keys if values is None else values
-        q, k, v, _ = self.projections()
-        validation.module_inputs((("queries", queries), ("keys", keys), ("values", values)),
-                             (("query_size", _in_features(q)), ("key_size", _in_features(k)),
-                              ("value_size", _in_features(v))))
-        m = masks.as_mask(mask)
-        if valid_lens is not None:
-            vl = valid_lens if isinstance(valid_lens, masks.Mask) else masks.valid_lens(valid_lens)
-            m = vl if m is None else vl & m
-        if m is not None and not sharded:
-            m.validate(queries.shape[0], self.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
-                       queries.device)
-        return queries, keys, values, m
-
-    def _packing(self, m, queries: Tensor, keys: Tensor) -> varlen.Packed | str:
-        """Whether a dense call with mask ``m`` skips its padding: the packed tokens' layout, or the
-        reason the dense layout runs."""
-        if m is None:
-            return "no padding in the mask"
-        if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
-            return "under torch.compile (packing needs data-dependent shapes)"
-        flop = self._flop_per_token()
-        if not varlen.could_pay(keys.shape[1], flop):
-            return f"skipping padding cannot pay for the per-sequence loop at Lk={keys.shape[1]}"
-        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        p = varlen.plan(m, B, Lq, Lk, queries.device, flop_per_token=flop)
-        return varlen.Packed.from_plan(p, B, Lq, Lk, m) if isinstance(p, varlen.Packing) else p
-
-    def _calls(self, B: int, Lq: int, Lk: int, mask) -> tuple[CoreCall, ...]:
-        """The one core call of a dense, cached or local sharded layout (none without heads or keys)."""
-        return () if self.num_heads == 0 or Lk == 0 else (CoreCall(B, Lq, Lk, mask),)
-
-    def _plan(self, queries, keys, values, valid_lens, mask, cache, sharded) -> tuple[Plan, Tensor, Tensor, Tensor]:
-        """Check everything and plan the call: (the plan, queries, keys, values with defaults filled)."""
-        if sharded is not None:
-            if not isinstance(sharded, Sharded):
-                raise TypeError(f"sharded must be a multihead.distributed.Sharded(group, layout) (or None); got "
-                                f"{type(sharded).__name__}.")
-            if cache is not None:
-                raise ValueError("cache and sharded cannot be given together: a KV cache decodes one sequence on one "
-                                 "process; gather the sequence first.")
-            self._check_sharded()
-            queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask, sharded=True)
-            B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-            if sharded.size == 1:
-                why, calls = "sequence-sharded inputs; a group of one runs attention locally", self._calls(B, Lq, Lk, m)
-            else:
-                why = f"sequence-sharded inputs: ring attention over {sharded.size} ranks, layout {sharded.layout!r}"
-                calls = () if self.num_heads == 0 else (CoreCall(B, Lq, Lk, m),)
-            return Plan("sharded", why, m, calls, sharded=sharded), queries, keys, values
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a multihead.KVCache (or None); got {type(cache).__name__}.")
-            B, n = queries.shape[0], queries.shape[1]
-            if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
-                Lk = cache.length(self) + n
-                queries, keys, values, m = self._inputs(queries, queries, queries, valid_lens, mask, Lk=Lk)
-                cache.check(self, B, n)  # batch and room, before any computation
-                if n > 1 or m is not None:  # one new position sees every cached one: no mask needed
-                    m = masks.Causal("bottom-right") if m is None else masks.Causal("bottom-right") & m
-                why = f"decoding step: {n} new position(s) appended to {Lk - n} cached"
-            else:  # cross-attention: the memory is projected on the first step and reused
-                queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-                cache.check(self, B, 0)
-                memory = cache.memory(self)
-                Lk = keys.shape[1] if memory is None else memory[0].shape[2]
-                why = ("cross-attention step: the memory is projected once" if memory is None else
-                       "cross-attention step: the cached memory is reused")
-            return Plan("cached", why, m, self._calls(B, n, Lk, m)), queries, keys, values
-        queries, keys, values, m = self._inputs(queries, keys, values, valid_lens, mask)
-        B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
-        packed = self._packing(m, queries, keys)
-        if not isinstance(packed, varlen.Packed):
-            return Plan("dense", packed, m, self._calls(B, Lq, Lk, m)), queries, keys, values
-        return self._packed_plan(packed, m), queries, keys, values
-
-    def _packed_plan(self, packed: varlen.Packed, m) -> Plan:
-        calls: list[CoreCall] = []
-        if self.num_heads:
-            pair_flop = 2.0 * self.num_heads * (self.head_dim + self.value_head_dim)
-            for B, Lq, Lk, mask in varlen.core_calls(packed.cu_q, packed.cu_k, packed.rest, pair_flop):
-                last = calls[-1] if calls else None
-                if last is not None and (last.B, last.Lq, last.Lk) == (B, Lq, Lk) and last.mask is mask:
-                    calls[-1] = CoreCall(B, Lq, Lk, mask, last.count + 1)
-                else:
-                    calls.append(CoreCall(B, Lq, Lk, mask))
-        return Plan("packed", packed.reason, m, tuple(calls), packed=packed)
-
     def plan(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
              valid_lens: Tensor | None = None, *, mask=None, cache: KVCache | None = None,
              sharded: Sharded | None = None) -> Plan:
         """How :meth:`forward` with these arguments runs (checked as forward checks them; nothing is
         projected or computed): a :class:`multihead.layer.plan.Plan`."""
-        return self._plan(queries, keys, values, valid_lens, mask, cache, sharded)[0]
+        return planning.make(self, self.projections(), queries, keys, values, valid_lens, mask, cache, sharded)[0]
 
-    def _project(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(self, projs, plain: bool, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(..., Lq, query_size), (..., Lk, key_size), (..., Lk, value_size) ->
         q (..., Lq, H, D), k (..., Lk, Hkv, D), v (..., Lk, Hkv, Dv)."""
-        q_proj, k_proj, v_proj, _ = self.projections()
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        plain = not any(_GLOBAL_HOOKS)
-        q, k, v = _apply(q_proj, queries, plain), _apply(k_proj, keys, plain), _apply(v_proj, values, plain)
+        q, k, v = _apply(projs[0], queries, plain), _apply(projs[1], keys, plain), _apply(projs[2], values, plain)
         q = q.view(*q.shape[:-1], H, D)  # (..., Lq, H*D) -> (..., Lq, H, D)
         k = k.view(*k.shape[:-1], Hkv, D)  # (..., Lk, Hkv*D) -> (..., Lk, Hkv, D)
         v = v.view(*v.shape[:-1], Hkv, Dv)  # (..., Lk, Hkv*Dv) -> (..., Lk, Hkv, Dv)
@@ -411,60 +310,58 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
         The call is planned once (:meth:`plan`; :meth:`explain` shows the same plan) and executed.
         """
-        plan, queries, keys, values = self._plan(queries, keys, values, valid_lens, mask, cache, sharded)
+        projs = self.projections()  # read once per call (a replaced or quantized projection is the one that runs)
+        plan, queries, keys, values = planning.make(self, projs, queries, keys, values, valid_lens, mask, cache,
+                                                    sharded)
+        plain = not any(_GLOBAL_HOOKS)
         if plan.layout == "cached":
-            return self._step(plan, queries, keys, values, cache)
+            return self._step(plan, projs, plain, queries, keys, values, cache)
         packed = plan.packed
         if packed is not None:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
             queries, keys, values = packed.gather(queries, keys, values)
-        q, k, v = self._project(queries, keys, values)  # (..., L, H, D), (..., L, Hkv, D), (..., L, Hkv, Dv)
-        out = self._attend(q, k, v, plan.mask, packed, sharded=plan.sharded)  # (..., Lq, H, Dv)
+        q, k, v = self._project(projs, plain, queries, keys, values)  # (.., L, H, D), (.., L, Hkv, D), (.., Dv)
+        out = self._attend(q, k, v, plan.mask, plan)  # (..., Lq, H, Dv)
         del q, k, v, queries, keys, values  # freed before the output projection allocates
-        out = _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # merge, project: (.., Lq, out)
+        out = _apply(projs[3], out.flatten(-2), plain)  # merge the heads, project: (..., Lq, out_features)
         if packed is not None:
             return packed.scatter(out)  # (Nq, out) -> (B, Lq, out); padded query rows are zeros
         if (real := self._query_keep(plan.mask, out.shape[1], out.device, plan.sharded)) is not None:
             out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
 
-    def _step(self, plan: Plan, queries: Tensor, keys: Tensor, values: Tensor, cache: KVCache) -> Tensor:
+    def _step(self, plan: Plan, projs, plain: bool, queries: Tensor, keys: Tensor, values: Tensor,
+              cache: KVCache) -> Tensor:
         """One planned decoding step with the cache: (B, n, query_size) -> (B, n, out_features)."""
-        plain = not any(_GLOBAL_HOOKS)
         if keys is queries:  # self-attention: the step's keys and values join the cache
-            q, k, v = self._project(queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (B, n, Hkv, Dv)
+            q, k, v = self._project(projs, plain, queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (.., Dv)
             k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
         else:
-            q_proj, k_proj, v_proj, _ = self.projections()
             H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
             memory = cache.memory(self)
             if memory is None:  # the first step projects the memory once
                 B, Lk = keys.shape[0], keys.shape[1]
-                k = _apply(k_proj, keys, plain).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
-                v = _apply(v_proj, values, plain).view(B, Lk, Hkv, Dv).transpose(1, 2)  # -> (B, Hkv, Lk, Dv)
+                k = _apply(projs[1], keys, plain).view(B, Lk, Hkv, D).transpose(1, 2)  # (B, Lk, Hkv*D) -> (B, Hkv, Lk, D)
+                v = _apply(projs[2], values, plain).view(B, Lk, Hkv, Dv).transpose(1, 2)  # -> (B, Hkv, Lk, Dv)
                 memory = (k, v)
                 cache.set_memory(self, k, v)
             k_all, v_all = memory
-            q = _apply(q_proj, queries, plain).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
-        out = self._attend(q, k_all, v_all, plan.mask, heads_first=True)  # (B, n, H, Dv)
-        return _apply(self.projections()[3], out.flatten(-2), plain)  # (B, n, H*Dv) -> (B, n, out_features)
+            q = _apply(projs[0], queries, plain).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
+        out = self._attend(q, k_all, v_all, plan.mask, plan, heads_first=True)  # (B, n, H, Dv)
+        return _apply(projs[3], out.flatten(-2), plain)  # (B, n, H*Dv) -> (B, n, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being
-        ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.core.varlen.unpad`) -> (N, out_features).
+        ``x[cu_seqlens[b]:cu_seqlens[b+1]]`` (see :func:`multihead.core.padding.unpad`) -> (N, out_features).
         Padding never exists here, so nothing is computed for it."""
         packed = varlen.Packed.self_attention(cu_seqlens, max_seqlen)
         if x.dim() != 2 or x.shape[0] != packed.cu_q[-1]:
             raise ValueError(f"x must be packed tokens (N, E) with N = cu_seqlens[-1] = {packed.cu_q[-1]}; "
                              f"got shape {tuple(x.shape)}.")
-        plan = self._packed_plan(packed, packed.mask)
-        q, k, v = self._project(x, x, x)  # (N, H, D), (N, Hkv, D), (N, Hkv, Dv)
-        out = self._attend(q, k, v, plan.mask, plan.packed)  # (N, H, Dv)
-        return _apply(self.projections()[3], out.flatten(-2), not any(_GLOBAL_HOOKS))  # (N, H*Dv) -> (N, out)
-
-    def _flop_per_token(self) -> float:
-        """Projection work per token (multiply-adds x 2), what packing saves on each padded token
-        (a lazy layer that has not seen an input yet counts nothing)."""
-        return 2.0 * sum(n * p.out_features for p in self.projections() if (n := _in_features(p)) is not None)
+        projs, plain = self.projections(), not any(_GLOBAL_HOOKS)
+        plan = planning.packed_plan(self, packed, packed.mask)
+        q, k, v = self._project(projs, plain, x, x, x)  # (N, H, D), (N, Hkv, D), (N, Hkv, Dv)
+        out = self._attend(q, k, v, plan.mask, plan)  # (N, H, Dv)
+        return _apply(projs[3], out.flatten(-2), plain)  # (N, H*Dv) -> (N, out)
 
     def explain(self, queries: Tensor, keys: Tensor | None = None, values: Tensor | None = None,
                 valid_lens: Tensor | None = None, *, mask=None, cache: KVCache | None = None,
@@ -474,7 +371,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         (``.requests``) and which backend runs it and why not the others. ``str()`` is the text; a
         notebook shows a table. Nothing is projected or cached. On sequence-sharded inputs over
         several ranks it is collective (every rank calls it) and says what the ring does on this rank."""
-        plan, queries, keys, values = self._plan(queries, keys, values, valid_lens, mask, cache, sharded)
+        plan, queries, keys, values = planning.make(self, self.projections(), queries, keys, values, valid_lens, mask,
+                                                    cache, sharded)
         dtype, needs_grad = self._probe(queries, keys, values, cache if plan.layout == "cached" else None)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         p = self.dropout if self.training and plan.layout != "sharded" else 0.0

@@ -1,22 +1,21 @@
-"""A module call, planned once.
+"""A module call, planned once -- the planning and the plan, in one file.
 
-:meth:`multihead.MultiHeadAttention.plan` decides, before any projection runs, how a call's tokens
-are laid out and which calls its attention core will get:
+:func:`make` (what :meth:`multihead.MultiHeadAttention.plan` returns) decides, before any projection
+runs, how a call's tokens are laid out and which calls its attention core will get:
 
 - ``dense``: (B, L, ·) as given; one core call over (B, H, Lq, Lk) with the call's mask;
-- ``packed``: padding is not computed; the real tokens (N, ·) are projected and the core gets
-  :func:`multihead.core.varlen.core_calls`' calls (for short self-attention one padded call per group
-  of sequences of like length, else one per sequence);
+- ``packed``: padding is not computed; the real tokens (N, ·) are projected and the core runs the
+  plan's :class:`multihead.core.varlen.Schedule` (for short self-attention one padded call per group of
+  sequences of like length, else one per sequence), decided here and executed as it is;
 - ``cached``: a decoding step with a :class:`multihead.KVCache` (the core gets the step's queries
   against every cached key);
 - ``sharded``: this rank's shard of sequences spread over a process group
   (:class:`multihead.distributed.Sharded`, passed by the caller); the core is ring attention.
 
-``forward`` executes the :class:`Plan`; ``explain`` returns an :class:`Explanation` of the same
-plan with the request each core call makes of the backend registry and the registry's decision,
-rendered as text, markdown or HTML from one structure (:meth:`Explanation.sections`).
-
-Dependency order: masks -> checks -> backends -> functional -> varlen -> distributed -> plan -> modules.
+``forward`` executes the :class:`Plan` (nothing below it re-decides the layout, the grouping or the
+backend's inputs); ``explain`` returns an :class:`Explanation` of the same plan with the request each
+core call makes of the backend registry and the registry's decision, rendered as text, markdown or
+HTML from one structure (:meth:`Explanation.sections`).
 """
 
 from __future__ import annotations
@@ -27,10 +26,14 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from multihead import masks
 from multihead.backends import registry
+from multihead.core import validation, varlen
+from multihead.core.ring import Sharded
+from multihead.layer.cache import KVCache
 from multihead.masks import Mask
 
-__all__ = ["CoreCall", "Explanation", "Plan"]
+__all__ = ["CoreCall", "Explanation", "Plan", "make"]
 
 Layout = Literal["dense", "packed", "cached", "sharded"]
 
@@ -50,7 +53,8 @@ class Plan(NamedTuple):
     """How one module call runs: the layout and why, the validated mask over the padded call
     (B, H, Lq, Lk), and the calls the attention core gets, in order (none when no head is left or
     there are no keys: the output is zeros). ``packed`` (:class:`multihead.core.varlen.Packed`) says where
-    the real tokens are for the packed layout; ``sharded`` is the caller's
+    the real tokens are for the packed layout and ``schedule`` how the core runs on them; ``sharded`` is
+    the caller's
     :class:`multihead.distributed.Sharded` for the sharded one. (A NamedTuple, as CoreCall: one is
     made on every call, and a tuple is made in a fraction of a frozen dataclass's time.)"""
 
@@ -60,6 +64,8 @@ class Plan(NamedTuple):
     calls: tuple[CoreCall, ...]
     packed: object = None
     sharded: object = None
+    #: the packed layout's :class:`multihead.core.varlen.Schedule`: what the core executes
+    schedule: object = None
 
     def requests(self, *, H: int, Hkv: int, D: int, Dv: int, dtype: torch.dtype, device_type: str,
                  dropout_p: float, needs_grad: bool) -> tuple[registry.Request, ...]:
@@ -172,3 +178,120 @@ def explanation(plan: Plan, requests: tuple[registry.Request, ...], backend: str
         else:
             decisions.append((1, registry.explain_request(req, backend)))
     return Explanation(plan, requests, tuple(decisions))
+
+
+# --- planning -----------------------------------------------------------------------------------------
+
+
+def in_features(lin) -> int | None:
+    """A projection's input size, None while a lazy layer has not seen an input (a lazy layer filled by
+    ``load_state_dict`` knows it from its weight)."""
+    if isinstance(lin, torch.nn.modules.lazy.LazyModuleMixin):
+        return None if lin.has_uninitialized_params() else lin.weight.shape[-1]
+    return lin.in_features
+
+
+def flop_per_token(projs) -> float:
+    """Projection work per token (multiply-adds x 2), what packing saves on each padded token (a lazy layer
+    that has not seen an input yet counts nothing)."""
+    return 2.0 * sum(n * p.out_features for p in projs if (n := in_features(p)) is not None)
+
+
+def inputs(m, projs, queries, keys, values, valid_lens, mask, *, Lk: int | None = None, sharded: bool = False):
+    """Defaults (keys = queries, values = keys), checks, and one validated mask from valid_lens & mask (over
+    ``Lk`` keys, default the keys' length): everything is checked before any projection runs. ``sharded``:
+    shards of a sequence, whose masks ring attention checks against the whole sequence."""
+    keys = queries if keys is None else keys
+    values = keys if values is None else values
+    q, k, v = projs[0], projs[1], projs[2]
+    validation.module_inputs((("queries", queries), ("keys", keys), ("values", values)),
+                             (("query_size", in_features(q)), ("key_size", in_features(k)),
+                              ("value_size", in_features(v))))
+    mk = masks.as_mask(mask)
+    if valid_lens is not None:
+        vl = valid_lens if isinstance(valid_lens, Mask) else masks.valid_lens(valid_lens)
+        mk = vl if mk is None else vl & mk
+    if mk is not None and not sharded:
+        mk.validate(queries.shape[0], m.num_heads, queries.shape[1], keys.shape[1] if Lk is None else Lk,
+                    queries.device)
+    return queries, keys, values, mk
+
+
+def _calls(m, B: int, Lq: int, Lk: int, mask) -> tuple[CoreCall, ...]:
+    """The one core call of a dense, cached or local sharded layout (none without heads or keys)."""
+    return () if m.num_heads == 0 or Lk == 0 else (CoreCall(B, Lq, Lk, mask),)
+
+
+def _sharded(m, projs, queries, keys, values, valid_lens, mask, cache, sharded):
+    if not isinstance(sharded, Sharded):
+        raise TypeError(f"sharded must be a multihead.distributed.Sharded(group, layout) (or None); got "
+                        f"{type(sharded).__name__}.")
+    if cache is not None:
+        raise ValueError("cache and sharded cannot be given together: a KV cache decodes one sequence on one "
+                         "process; gather the sequence first.")
+    m._check_sharded()
+    queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask, sharded=True)
+    B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+    if sharded.size == 1:
+        why, calls = "sequence-sharded inputs; a group of one runs attention locally", _calls(m, B, Lq, Lk, mk)
+    else:
+        why = f"sequence-sharded inputs: ring attention over {sharded.size} ranks, layout {sharded.layout!r}"
+        calls = () if m.num_heads == 0 else (CoreCall(B, Lq, Lk, mk),)
+    return Plan("sharded", why, mk, calls, sharded=sharded), queries, keys, values
+
+
+def _cached(m, projs, queries, keys, values, valid_lens, mask, cache):
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a multihead.KVCache (or None); got {type(cache).__name__}.")
+    B, n = queries.shape[0], queries.shape[1]
+    if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
+        Lk = cache.length(m) + n
+        queries, keys, values, mk = inputs(m, projs, queries, queries, queries, valid_lens, mask, Lk=Lk)
+        cache.check(m, B, n)  # batch and room, before any computation
+        if n > 1 or mk is not None:  # one new position sees every cached one: no mask needed
+            mk = masks.Causal("bottom-right") if mk is None else masks.Causal("bottom-right") & mk
+        why = f"decoding step: {n} new position(s) appended to {Lk - n} cached"
+    else:  # cross-attention: the memory is projected on the first step and reused
+        queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask)
+        cache.check(m, B, 0)
+        memory = cache.memory(m)
+        Lk = keys.shape[1] if memory is None else memory[0].shape[2]
+        why = ("cross-attention step: the memory is projected once" if memory is None else
+               "cross-attention step: the cached memory is reused")
+    return Plan("cached", why, mk, _calls(m, B, n, Lk, mk)), queries, keys, values
+
+
+def packed_plan(m, packed: varlen.Packed, mk) -> Plan:
+    """The packed layout: the varlen schedule decided once, and the core calls it makes."""
+    calls: list[CoreCall] = []
+    sched = None
+    if m.num_heads:
+        sched = varlen.schedule(packed.cu_q, packed.cu_k, packed.rest,
+                                2.0 * m.num_heads * (m.head_dim + m.value_head_dim))
+        for B, Lq, Lk, mask in varlen.schedule_calls(sched):
+            last = calls[-1] if calls else None
+            if last is not None and (last.B, last.Lq, last.Lk) == (B, Lq, Lk) and last.mask is mask:
+                calls[-1] = CoreCall(B, Lq, Lk, mask, last.count + 1)
+            else:
+                calls.append(CoreCall(B, Lq, Lk, mask))
+    return Plan("packed", packed.reason, mk, tuple(calls), packed=packed, schedule=sched)
+
+
+def make(m, projs, queries, keys=None, values=None, valid_lens=None, mask=None, cache=None, sharded=None):
+    """Check everything and plan the call of module ``m`` (its projections ``projs``): (the :class:`Plan`,
+    queries, keys, values with their defaults filled)."""
+    if sharded is not None:
+        return _sharded(m, projs, queries, keys, values, valid_lens, mask, cache, sharded)
+    if cache is not None:
+        return _cached(m, projs, queries, keys, values, valid_lens, mask, cache)
+    queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask)
+    B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
+    if mk is None:
+        return Plan("dense", "no padding in the mask", mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
+    if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
+        why = "under torch.compile (packing needs data-dependent shapes)"
+        return Plan("dense", why, mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
+    p = varlen.plan(mk, B, Lq, Lk, queries.device, flop_per_token=flop_per_token(projs))
+    if not isinstance(p, varlen.Packing):
+        return Plan("dense", p, mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
+    return packed_plan(m, varlen.Packed.from_plan(p, B, Lq, Lk, mk), mk), queries, keys, values
