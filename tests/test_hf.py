@@ -314,7 +314,7 @@ def test_bad_input():
         cfg = config()
         cfg._attn_implementation = "multihead"  # built with "multihead": one clear error before the layers, no KeyError
         with pytest.raises(ValueError, match=rf"{cls}: its attention does not go through transformers' attention "
-                                             r"interface .*Load it with attn_implementation='sdpa'"):
+                                             r"interface .*Load it with attn_implementation='sdpa'"), mhf.loading():
             make(cfg)
     t5 = T.T5Model(T.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
     assert len(mhf.attention_modules(mhf.attach(t5))) == 3  # encoder self, decoder self and cross

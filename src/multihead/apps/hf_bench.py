@@ -26,7 +26,7 @@ from multihead.apps.ort_peer import ort_int8
 
 def _pooled(model, batch) -> torch.Tensor:
     """Mean-pooled, normalised last hidden states (B, E): prune --hf's fidelity measure."""
-    return hf_models._pooled(model, batch["input_ids"], batch["attention_mask"])
+    return hf_models.pooled(model, batch["input_ids"], batch["attention_mask"])
 
 
 def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8, max_seconds: float = 60.0,

@@ -64,7 +64,7 @@ def _batches(tok, sents: list[str], size: int, causal: bool) -> list[tuple]:
     return out
 
 
-def _pooled(model, ids, am):
+def pooled(model, ids, am):
     h = model(input_ids=ids, attention_mask=am).last_hidden_state  # (B, L, E)
     m = am.to(h.dtype)[..., None]  # (B, L, 1)
     return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
@@ -113,7 +113,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     if not head or not held_out:
         raise ValueError(f"the corpus has {len(corpus)} sentences: it needs more than {n_importance} (importance on "
                          "the first ones, fidelity on the rest).")
-    out_fn = _logp if causal else _pooled
+    out_fn = _logp if causal else pooled
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
         rec_fn = _logp if causal else _hidden  # recovery matches every token, not only the pooled vector
@@ -133,11 +133,11 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     else:
         def loss_fn(m, b):
             (ids, am), ref = b
-            return 1 - (_pooled(m, ids, am) * ref).sum(-1).mean()
+            return 1 - (pooled(m, ids, am) * ref).sum(-1).mean()
 
         def metric_fn(m):
             with torch.no_grad():
-                return torch.cat([(_pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
+                return torch.cat([(pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
         name = "mean cosine of mean-pooled hidden states to the unpruned model"
     speed = {n: _batches(tok, held_out[: 4 * n], n, causal)[:4] for n in (1, 16, 64)}
     p = Path(path).resolve()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.grader.subject import HEAD_ATTRS, Description
-from multihead.heads.surgery import _BIAS, _ROLE, role_of  # noqa: F401 - the vocabulary role_of reads
+from multihead.heads.surgery import is_bias, role_of
 
 __all__ = ["Parts", "Proj", "find_parts", "head_counts", "merge", "reference", "split"]
 
@@ -139,12 +138,6 @@ def per_head(parts: Parts, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None)
 
 # --- finding the parts ---------------------------------------------------------------------------
 
-def _is_bias(name: str) -> bool:
-    last = name.split(".")[-1]
-    tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
-    return any(t in _BIAS or (len(t) > 1 and t[0] == "b" and t[1:] in _ROLE) for t in tokens)
-
-
 def _stack(projs: list[Proj], name: str) -> Proj:
     """Per-head projections (each (D, E)) as one (H*D, E) projection, heads in order."""
     w = torch.cat([p.weight for p in projs])
@@ -180,7 +173,7 @@ def _biases(desc: Description) -> dict[str, Tensor]:
     out = {}
     for name, p in desc.params.items():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if owner in desc.linear or p.dim() not in (1, 2) or not _is_bias(name):
+        if owner in desc.linear or p.dim() not in (1, 2) or not is_bias(name):
             continue
         r = role_of(name)
         if r in ("q", "k", "v", "o", "qkv") and (p.dim() == 1 or p.shape[0] < p.shape[1]):
@@ -201,7 +194,7 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
     biases = _biases(desc)
     for name, p in desc.params.items():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if owner in desc.linear or desc.modules.get(owner) == "ParameterDict" or _is_bias(name) or p.dim() < 2:
+        if owner in desc.linear or desc.modules.get(owner) == "ParameterDict" or is_bias(name) or p.dim() < 2:
             continue
         r = role_of(name)
         if r in ("q", "k", "v", "o", "qkv"):

@@ -86,6 +86,13 @@ _ROLE = {"q": "q", "query": "q", "queries": "q", "k": "k", "key": "k", "keys": "
 _FUSED = {"inproj", "cattn", "qkv", "inprojweight"}
 
 
+def is_bias(name: str) -> bool:
+    """'b_q', 'bias', 'self.out.bias' -> True: a parameter named as a bias (of any role)."""
+    last = name.split(".")[-1]
+    tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
+    return any(t in _BIAS or (len(t) > 1 and t[0] == "b" and t[1:] in _ROLE) for t in tokens)
+
+
 def role_of(name: str) -> str | None:
     """'W_q' -> 'q', 'self.inner.to_out' -> 'o', 'c_attn' -> 'qkv', 'c_attn_bias' -> 'qkv', 'b_q' -> 'q',
     'proj' -> 'o?', '0' -> None."""

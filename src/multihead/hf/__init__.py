@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from multihead.hf import probe
 from multihead.hf.attention import (  # noqa: F401
     NAME,
     NAMES,
@@ -36,16 +37,17 @@ from multihead.hf.attention import (  # noqa: F401
     REFUSED,
     SUPPORTED,
     PreTrainedModel,
-    _calls_interface,
-    _discover,
-    _refusal,
     attention_forward,
     attention_modules,
+    calls_interface,
+    discover,
+    loading,
+    refusal,
 )
-from multihead.hf.layouts import HeadLayout, _out_features, _probe_inputs, derive, explain
+from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
-           "export_onnx", "load", "save"]
+           "export_onnx", "load", "loading", "save"]
 
 HEADS_KEY = "multihead_head_counts"
 PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))
@@ -67,13 +69,14 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"attach takes a transformers PreTrainedModel; got {type(model).__name__}. For torch.nn "
                         "models use multihead.interop.patch.")
-    if not any(_calls_interface(type(m)) for m in model.modules()):
-        raise ValueError(_refusal(model))
+    if not any(calls_interface(type(m)) for m in model.modules()):
+        raise ValueError(refusal(model))
     previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    if model.config._attn_implementation not in NAMES:
-        raise ValueError(_refusal(model))
-    _verify_switch(model, example if example is not None else _probe_inputs(model), previous)
+    with loading():  # each (sub-)model gets the masks its class was written for
+        model.set_attn_implementation(NAME)
+        if model.config._attn_implementation not in NAMES:
+            raise ValueError(refusal(model))
+        _verify_switch(model, example if example is not None else probe_inputs(model), previous)
     parents = dict(model.named_modules())
     for name, m in attention_modules(model).items():
         m.attention_hooks.parent = parents[name.rsplit(".", 1)[0]] if "." in name else model
@@ -81,7 +84,7 @@ def attach(model: nn.Module, *, example: dict | None = None, packed: bool = Fals
     if packed:
         from multihead.hf import packed as hf_packed
 
-        hf_packed.enable(model, attention_modules(model), example if example is not None else _probe_inputs(model))
+        hf_packed.enable(model, attention_modules(model), example if example is not None else probe_inputs(model))
     return model
 
 
@@ -90,42 +93,34 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
     call (a padded batch where the model takes an attention mask), compared on the real tokens: a
     module that computes attention itself from the mask, or leaves causality to a mask it no longer
     gets, would change the output with no attention call to blame. On a difference the model goes
-    back to ``previous`` and a ValueError names the first module whose output differs."""
-    from multihead.hf.packed import _first, _padded_example, recording
-
+    back to ``previous`` and a ValueError names the first module whose output differs
+    (:mod:`multihead.hf.probe`)."""
     x = dict(example)
     if isinstance(x.get("input_ids"), Tensor) and "attention_mask" in inspect.signature(model.forward).parameters:
-        x = _padded_example(x)
+        x = probe.padded_example(x)
     keep = x.get("attention_mask")
     target = model.config._attn_implementation
     was = model.training
     model.eval()
-    runs = {}
+    runs = []
     try:
         for impl in ("eager", target):
-            with recording(model) as (rec, order):
-                try:
-                    model.set_attn_implementation(impl)
-                    with torch.no_grad():
-                        runs[impl] = (_first(model(**x)).detach(), rec, order)
-                except Exception:  # noqa: BLE001 - no eager, or a probe the model cannot take: derive() says why
-                    return
+            try:
+                model.set_attn_implementation(impl)
+                runs.append(probe.run(model, x))
+            except Exception:  # noqa: BLE001 - no eager, or a probe the model cannot take: derive() says why
+                return
     finally:
         model.train(was)
         model.set_attn_implementation(target)
-    (a, ref, _), (b, got, order) = runs.values()
+    eager, ours = runs
 
-    def real(t):
+    def real(t: Tensor) -> Tensor:  # (B, L, ...) -> (N, ...) the real tokens, when t is per token
         return t[keep.bool()] if keep is not None and t.shape[:2] == keep.shape else t
 
-    def far(u, v):
-        tol = max(1e-4, 16 * torch.finfo(u.dtype).eps) * max(1.0, float(u.abs().max()) if u.numel() else 0.0)
-        return u.shape != v.shape or bool(((u.float() - v.float()).abs() > tol).any())
-
-    if not far(real(a), real(b)):
+    if not probe.differs(real(eager.output), real(ours.output)):
         return
-    name = next((n for n in order if n in ref and got[n].is_floating_point() and far(real(ref[n]), real(got[n]))),
-                None)
+    name = probe.first_difference(eager, ours, real, real)
     model.set_attn_implementation(previous)
     where = ""
     if name is not None:
@@ -133,11 +128,12 @@ def _verify_switch(model: nn.Module, example: dict, previous) -> None:
         if "." in name:
             up = name.rsplit(".", 1)[0]
             where += f", in {up} ({type(model.get_submodule(up)).__name__})"
+    a, b = real(eager.output).float(), real(ours.output).float()
+    gap = f"max {float((a - b).abs().max()):.3g}" if a.shape == b.shape else f"shape {tuple(b.shape)} != {tuple(a.shape)}"
     raise ValueError(f"{type(model).__name__}: on multihead's attention the output differs from transformers' eager "
-                     f"attention (max {float((real(a).float() - real(b).float()).abs().max()):.3g} on a probe call)"
-                     f"{where}: it computes attention outside transformers' attention interface, or expects masks "
-                     "this implementation does not give. multihead will not run it differently; it stays on "
-                     f"attn_implementation={previous!r}.")
+                     f"attention ({gap} on a probe call){where}: it computes attention outside transformers' "
+                     "attention interface, or expects masks this implementation does not give. multihead will not "
+                     f"run it differently; it stays on attn_implementation={previous!r}.")
 
 
 # --- saving and loading pruned models ---
@@ -201,7 +197,8 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         if not archs or not hasattr(transformers, archs[0]):
             raise ValueError(f"{cfg_file} names no transformers architecture; pass model_class=.")
         model_class = getattr(transformers, archs[0])
-    model = attach(model_class._from_config(config, attn_implementation=NAME))
+    with loading():
+        model = attach(model_class._from_config(config, attn_implementation=NAME))
     mods = attention_modules(model)
     for name, (H, Hkv) in counts.items():
         if name not in mods:
@@ -228,7 +225,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         owner, owner_name = (m.attention_hooks.parent, name.rsplit(".", 1)[0]) if layout.o_from_parent else (m, name)
         o = owner.get_submodule(layout.o)
         if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
-            o.bias = nn.Parameter(torch.zeros(_out_features(o), device=o.weight.device, dtype=o.weight.dtype))
+            o.bias = nn.Parameter(torch.zeros(out_features(o), device=o.weight.device, dtype=o.weight.dtype))
     try:
         missing, unexpected = load_model(model, str(w_file), strict=False)
     except (SafetensorError, OSError, RuntimeError) as e:
@@ -241,7 +238,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     if raw.get(PACKED_KEY):
         from multihead.hf import packed as hf_packed
 
-        hf_packed.enable(model, attention_modules(model), _probe_inputs(model))
+        hf_packed.enable(model, attention_modules(model), probe_inputs(model))
     if raw.get(QUANTIZE_KEY):
         from multihead.quantize import quantize
 
@@ -282,7 +279,7 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
     if "attention_mask" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"export_onnx: {type(model).__name__}.forward takes no attention_mask; the exported graph's "
                          "inputs are input_ids and attention_mask (B, L).")
-    x = example if example is not None else _probe_inputs(model)
+    x = example if example is not None else probe_inputs(model)
     ids = x.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2:
         raise ValueError("export_onnx: example must hold input_ids (B, L).")

@@ -17,7 +17,9 @@ that import transformers. Dependency order: hf_attention -> hf_heads -> hf.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +29,8 @@ from multihead.core.functional import attention, weights_of
 from multihead.layer import hooks as hooks_mod
 from multihead.layer.hooks import AttentionHooks
 
-__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "attention_forward", "attention_modules"]
+__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "Computed", "attention_forward",
+           "attention_modules", "calls_interface", "discover", "loading", "refusal"]
 
 #: the transformers versions this integration is tested with (the ``hf`` extra pins them)
 SUPPORTED = (5, 6)  # >= 5.0, < 6
@@ -83,11 +86,31 @@ REFUSED = {
 }
 
 
+def _module_causal(module: nn.Module, is_causal: bool | None) -> bool:
+    """Whether a call is causal, as transformers' sdpa decides: the argument, else the module's
+    ``is_causal`` attribute, else True."""
+    return is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+
+
 def _causal(module: nn.Module, is_causal: bool | None, attention_mask, Lq: int) -> bool:
-    """transformers' sdpa rule: the argument, else the module's ``is_causal`` (default True); only
-    when there is no mask and more than one query (a mask, when given, already holds causality)."""
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    return Lq > 1 and attention_mask is None and causal
+    """A padded call applies causality itself only when there is no mask and more than one query (a
+    mask, when given, already holds causality)."""
+    return Lq > 1 and attention_mask is None and _module_causal(module, is_causal)
+
+
+class Computed(NamedTuple):
+    """What multihead computed in a module's last attention call (``attention_hooks.args``, which
+    :func:`multihead.hf.explain` prints)."""
+
+    scaling: float | None
+    dropout: float
+    causal: bool
+    softcap: float | None
+    sinks: bool  # gpt-oss' s_aux
+    sliding_window: int | None
+    position_bias: bool  # T5's
+    packed: bool  # packed rows (cu_seq_lens_q/k), run varlen
+    mask: bool  # an attention mask was given
 
 
 def _refuse(module: nn.Module, kwargs: dict) -> None:
@@ -99,6 +122,19 @@ def _refuse(module: nn.Module, kwargs: dict) -> None:
                         f"{'these arguments' if len(unknown) > 1 else 'this argument'} and will not ignore "
                         f"{'them' if len(unknown) > 1 else 'it'}. Load the model with attn_implementation='sdpa' "
                         "or 'eager' for this family.")
+
+
+def _check_masks(module: nn.Module, attention_mask) -> None:
+    """A module of a class written for eager's float masks, built with attn_implementation="multihead"
+    outside :func:`loading`, got sdpa's masks (boolean, or none where causality was left to the mask):
+    refused at its first call, before anything is computed."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    sdpa_masks = impl == NAME or impl is None and attention_mask is not None and attention_mask.dtype == torch.bool
+    if sdpa_masks and _written_for_eager_masks(module):
+        raise ValueError(f"{type(module).__name__}: its model class does not support sdpa, so its modules expect "
+                         "eager's float masks, and attn_implementation='multihead' gave it sdpa's. Load it with "
+                         "multihead.hf.attach(model), or build it inside `with multihead.hf.loading():`, which give "
+                         "each class the masks it was written for.")
 
 
 def _live(mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
@@ -137,6 +173,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     _refuse(module, kwargs)
     hooks = module.__dict__.get("attention_hooks")
     if hooks is None:  # a model loaded with attn_implementation="multihead" and not attached yet
+        _check_masks(module, attention_mask)
         hooks = module.__dict__["attention_hooks"] = AttentionHooks()
     B, H, Lq, _ = query.shape
     Lk = key.shape[2]
@@ -152,15 +189,14 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
         position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        packed_causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-        hooks.args = (scaling, dropout, packed_causal, softcap, s_aux is not None, sliding_window,
-                      position_bias is not None, True, attention_mask is not None)
+        hooks.args = Computed(scaling, dropout, _module_causal(module, is_causal), softcap, s_aux is not None,
+                              sliding_window, position_bias is not None, True, attention_mask is not None)
         return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
                        softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
                        output_attentions)
     causal = _causal(module, is_causal, attention_mask, Lq)
-    hooks.args = (scaling, dropout, causal, softcap, s_aux is not None, sliding_window, position_bias is not None,
-                  False, attention_mask is not None)
+    hooks.args = Computed(scaling, dropout, causal, softcap, s_aux is not None, sliding_window,
+                          position_bias is not None, False, attention_mask is not None)
     if attention_mask is None and sliding_window is not None and Lk > sliding_window and Lq > 1:
         raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} with Lk={Lk} keys but no "
                          "attention mask: the window is not in the mask, and its alignment is the model's. Build the "
@@ -214,7 +250,7 @@ def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, 
         if mx is not None and int(mx) != longest:
             raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
                              f"{longest} tokens.")
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    causal = _module_causal(module, is_causal)
     if causal and cus["q"] != cus["k"]:
         raise ValueError(f"{name}: causal packed sequences with different query and key boundaries (cu_seq_lens_q "
                          f"{cus['q']}, cu_seq_lens_k {cus['k']}): the causal alignment would be a guess.")
@@ -259,39 +295,70 @@ def _model_file_calls_interface(cls: type) -> bool:
 _FILES: dict[type, bool] = {}
 
 
-def _guard_construction() -> None:
-    """A model whose attention never goes through the interface, built with
-    ``attn_implementation="multihead"`` (``from_pretrained`` or a config), gets one clear ValueError
-    before its layers are built, not a KeyError from inside them. The guard wraps transformers'
-    ``PreTrainedModel.get_correct_attn_implementation`` and acts only on a request for "multihead".
-
-    It also picks the masks: a class that supports sdpa gets sdpa's boolean masks (:data:`NAME`), one
-    that does not gets eager's float masks (:data:`EAGER_MASKS`), what its modules were written for.
-    Every model (and each sub-model of a composite one) decides for itself."""
-    orig = PreTrainedModel.get_correct_attn_implementation
-    if getattr(orig, "_multihead_guard", False):
-        return
-
-    def guarded(self, requested_attention, is_init_check=False):
-        if requested_attention not in NAMES:
-            return orig(self, requested_attention, is_init_check)
-        requested_attention = NAME if getattr(self, "_supports_sdpa", False) else EAGER_MASKS
-        if not _model_file_calls_interface(type(self)) and \
-                not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
-            raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
-                             "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
-                             "it; multihead can neither see nor replace its attention. Load it with "
-                             "attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
-        return orig(self, requested_attention, is_init_check)
-
-    guarded._multihead_guard = True
-    PreTrainedModel.get_correct_attn_implementation = guarded
+def _choose(self, requested_attention, is_init_check=False):
+    """``PreTrainedModel.get_correct_attn_implementation`` within :func:`loading`: a request for
+    multihead gets the masks the class was written for, or a refusal when its attention never goes
+    through the interface; any other request goes to transformers unchanged."""
+    if requested_attention not in NAMES:
+        return _ORIGINAL(self, requested_attention, is_init_check)
+    requested_attention = NAME if getattr(self, "_supports_sdpa", False) else EAGER_MASKS
+    if not _model_file_calls_interface(type(self)) and \
+            not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
+        raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
+                         "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
+                         "it; multihead can neither see nor replace its attention. Load it with "
+                         "attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
+    return _ORIGINAL(self, requested_attention, is_init_check)
 
 
-_guard_construction()
+_ORIGINAL = PreTrainedModel.get_correct_attn_implementation
+_LOADING = [0]  # how many loading() blocks are open (they nest)
 
 
-def _calls_interface(cls: type) -> bool:
+@contextlib.contextmanager
+def loading():
+    """Within the block, a transformers model built or switched with
+    ``attn_implementation="multihead"`` (``from_pretrained``, a config, ``set_attn_implementation``)
+    is checked before its layers are built: a class whose attention never goes through the interface
+    gets one clear ValueError (not a KeyError from inside its layers), and every model (each
+    sub-model of a composite one) gets the masks its modules were written for -- sdpa's boolean
+    masks (:data:`NAME`) when the class supports sdpa, eager's float masks (:data:`EAGER_MASKS`)
+    otherwise. It wraps ``PreTrainedModel.get_correct_attn_implementation`` for the block only
+    (nothing outlives it); :func:`multihead.hf.attach` and :func:`multihead.hf.load` open it
+    themselves::
+
+        with multihead.hf.loading():
+            model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+
+    Outside it, ``attn_implementation="multihead"`` still works for the classes that support sdpa;
+    a class written for eager's masks is refused at its first attention call (:func:`attention_forward`)."""
+    if _LOADING[0] == 0:
+        PreTrainedModel.get_correct_attn_implementation = _choose
+    _LOADING[0] += 1
+    try:
+        yield
+    finally:
+        _LOADING[0] -= 1
+        if _LOADING[0] == 0:
+            PreTrainedModel.get_correct_attn_implementation = _ORIGINAL
+
+
+def _written_for_eager_masks(module: nn.Module) -> bool:
+    """Whether ``module``'s modeling file defines transformers models and none of them supports sdpa:
+    its modules were written for eager's float masks (read once per class)."""
+    known = _EAGER_ONLY.get(type(module))
+    if known is None:
+        defined = [c for c in vars(inspect.getmodule(type(module)) or object).values()
+                   if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
+        known = _EAGER_ONLY[type(module)] = bool(defined) and not any(getattr(c, "_supports_sdpa", False)
+                                                                       for c in defined)
+    return known
+
+
+_EAGER_ONLY: dict[type, bool] = {}
+
+
+def calls_interface(cls: type) -> bool:
     """Whether a module class's forward calls transformers' attention interface (read from its source,
     as transformers itself decides whether a model can switch implementation)."""
     known = _CALLS.get(cls)
@@ -318,30 +385,30 @@ def _head_count(m: nn.Module) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _discover(model: nn.Module) -> None:
+def discover(model: nn.Module) -> None:
     """Give a hook list to every module of a transformers model running multihead's attention that
     calls the attention interface (what ``capture`` and ``heads`` look for)."""
     if not isinstance(model, PreTrainedModel) or model.config._attn_implementation not in NAMES:
         return
     for m in model.modules():
-        if "attention_hooks" not in m.__dict__ and _calls_interface(type(m)):
+        if "attention_hooks" not in m.__dict__ and calls_interface(type(m)):
             hooks = AttentionHooks()
             hooks.num_heads = _head_count(m)
             m.__dict__["attention_hooks"] = hooks
 
 
-hooks_mod.DISCOVERERS.append(_discover)
+hooks_mod.DISCOVERERS.append(discover)
 
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Every attention module of a transformers model running multihead's attention: the modules
     whose forward calls transformers' attention interface, by qualified name, in order."""
-    _discover(model)
+    discover(model)
     return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("attention_hooks"), AttentionHooks)}
 
 
-def _refusal(model: nn.Module) -> str:
+def refusal(model: nn.Module) -> str:
     attn = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
     return (f"{type(model).__name__}: none of its modules calls transformers' attention interface "
             f"(ALL_ATTENTION_FUNCTIONS){'; ' + ', '.join(attn) + ' compute attention themselves' if attn else ''}, "

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
-from multihead.hf.attention import _refusal, attention_modules
+from multihead.hf.attention import attention_modules, refusal
 
 __all__ = ["HeadLayout", "derive", "explain"]
 
@@ -71,23 +71,23 @@ class HeadLayout:
         D = self.head_dim(m)
         q, k, _, _ = self.projections(m, parent)
         if self.fused:
-            total = _out_features(q) // D  # H + 2 Hkv
+            total = out_features(q) // D  # H + 2 Hkv
             g = m.__dict__.get("num_key_value_groups")
             g = g if isinstance(g, int) and g > 0 and self.fused == "blocks" else 1  # H = g Hkv
             H = total * g // (g + 2)
             return H, H // g
-        return _out_features(q) // D, _out_features(k) // D
+        return out_features(q) // D, out_features(k) // D
 
 
 
-def _out_features(p: nn.Module) -> int:
+def out_features(p: nn.Module) -> int:
     return out_in(p).shape[0]
 
 
 # --- head layouts, derived from the module and verified on a recorded call ---
 
 
-def _probe_inputs(model: nn.Module) -> dict:
+def probe_inputs(model: nn.Module) -> dict:
     """The smallest inputs the model's forward takes, from its config: token ids, pixels, audio
     features, decoder ids (one sequence each)."""
     cfg = model.config
@@ -141,12 +141,12 @@ def _candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H:
     per_head = tuple(n for n, p in m.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == H)
     q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
     if q and k and v:
-        sizes = (_out_features(lin[q]), _out_features(lin[k]), _out_features(lin[v]))
+        sizes = (out_features(lin[q]), out_features(lin[k]), out_features(lin[v]))
         if sizes != (H * D, Hkv * D, Hkv * Dv):
             return f"{q}/{k}/{v} give {sizes} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
         return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D)]
     if qkv:
-        out = _out_features(lin[qkv])
+        out = out_features(lin[qkv])
         lays = []
         if D == Dv and out == (H + 2 * Hkv) * D:
             lays.append(HeadLayout("fused [Q | K | V]", qkv, qkv, qkv, o_name, from_parent, fused="blocks",
@@ -242,7 +242,7 @@ def derive(model: nn.Module, example: dict | None = None) -> dict[str, str]:
     model.eval()
     why = None
     try:
-        x = example if example is not None else _probe_inputs(model)
+        x = example if example is not None else probe_inputs(model)
         with torch.no_grad():
             model(**x)
     except Exception as e:  # noqa: BLE001 - the probe: say why, do not fail attach
@@ -283,7 +283,7 @@ def explain(model: nn.Module) -> str:
     multihead computes (scaling, softcap, sinks, sliding window, position bias, packed rows, ...)."""
     mods = attention_modules(model)
     if not mods:
-        return _refusal(model)
+        return refusal(model)
     lines = [f"{type(model).__name__}: {len(mods)} attention modules on multihead"]
     for name, m in mods.items():
         hooks = m.attention_hooks
@@ -304,14 +304,14 @@ def explain(model: nn.Module) -> str:
         if args is None:
             got = "no call recorded"
         else:
-            scaling, dropout, is_causal, softcap, sinks, window, bias, packed, mask = args
-            parts = [f"scaling={scaling:.4g}" if scaling is not None else "scaling=1/sqrt(D)"]
-            parts += ["causal"] * bool(is_causal) + ["mask"] * bool(mask)
-            parts += [f"dropout={dropout:g}"] if dropout else []
-            parts += [f"softcap={softcap:g}"] if softcap is not None else []
-            parts += ["sinks (H,)"] * bool(sinks)
-            parts += [f"sliding_window={window}"] if window is not None else []
-            parts += ["position_bias"] * bool(bias) + ["packed rows (varlen)"] * bool(packed)
+            a = args  # a multihead.hf.attention.Computed
+            parts = [f"scaling={a.scaling:.4g}" if a.scaling is not None else "scaling=1/sqrt(D)"]
+            parts += ["causal"] * a.causal + ["mask"] * a.mask
+            parts += [f"dropout={a.dropout:g}"] if a.dropout else []
+            parts += [f"softcap={a.softcap:g}"] if a.softcap is not None else []
+            parts += ["sinks (H,)"] * a.sinks
+            parts += [f"sliding_window={a.sliding_window}"] if a.sliding_window is not None else []
+            parts += ["position_bias"] * a.position_bias + ["packed rows (varlen)"] * a.packed
             got = ", ".join(parts)
         lines += [f"- {name} ({type(m).__name__}): {heads}", f"    {cut}", f"    computes: {got}"]
     return "\n".join(lines)

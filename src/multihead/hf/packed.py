@@ -24,55 +24,33 @@ deep-copies and ``state_dict``s as before.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["disable", "enable", "is_packed"]
+from multihead.core.padding import Unpadding
+from multihead.hf import probe
+
+__all__ = ["PackedModel", "disable", "enable", "is_packed"]
 
 KEY = "multihead_packing"
 
 
-class _Call:
-    """What one padded call looks like packed: idx (N,) the real tokens' flat positions in B·L,
-    cu (B+1,) int32 cumulative lengths, the longest length, B and L."""
-
-    __slots__ = ("B", "L", "cu", "idx", "longest")
-
-    def __init__(self, keep: Tensor):
-        self.B, self.L = keep.shape
-        lens = keep.sum(1)  # (B,)
-        self.idx = keep.reshape(-1).nonzero().squeeze(1)  # (N,)
-        self.cu = torch.zeros(self.B + 1, dtype=torch.int32, device=keep.device)
-        self.cu[1:] = lens.cumsum(0)
-        self.longest = int(lens.max())
-
-    def pack(self, t: Tensor) -> Tensor:
-        """(B or 1, L, ...) -> (1, N, ...)."""
-        t = t.expand(self.B, *t.shape[1:])  # (1, L, ...) (shared positions) -> (B, L, ...)
-        return t.reshape(self.B * self.L, *t.shape[2:])[self.idx][None]  # (B·L, ...) -> (1, N, ...)
-
-    def unpack(self, t: Tensor) -> Tensor:
-        """(1, N, ...) -> (B, L, ...), zeros at padded positions."""
-        out = t.new_zeros(self.B * self.L, *t.shape[2:])  # (B·L, ...)
-        out[self.idx] = t[0]
-        return out.view(self.B, self.L, *t.shape[2:])  # (B·L, ...) -> (B, L, ...)
-
-    def packs(self, t) -> bool:
-        return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] in (1, self.B) and t.shape[1] == self.L
+def _per_token(u: Unpadding, t) -> bool:
+    """Whether ``t`` is (B or 1, L, ...): a per-position tensor of the padded call ``u`` describes."""
+    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] in (1, u.B) and t.shape[1] == u.L
 
 
-class Packing:
+class PackedModel:
     """The packing state of one model: where its stack is, and (during a call only) the call's plan."""
 
     def __init__(self, stack: str):
         self.stack = stack  # the layer stack's qualified name
         self.enabled = True
         self.causal = False  # any causal attention module (then a call that makes a cache runs padded)
-        self.call: _Call | None = None
+        self.call: Unpadding | None = None  # the real tokens of the call running
         self.attention: list[nn.Module] = []  # set by enable(); not pickled twice (modules are shared)
 
     def __getstate__(self):
@@ -98,7 +76,7 @@ def _parameters(func, *, bound: bool) -> tuple:
 class _Start:
     """Forward pre-hook on the base model: decides whether this call runs packed."""
 
-    def __init__(self, packing: Packing):
+    def __init__(self, packing: PackedModel):
         self.packing = packing
 
     def __call__(self, module, args, kwargs):
@@ -124,14 +102,14 @@ class _Start:
         observed = any(m.attention_hooks.observers for m in p.attention)
         if any(asks) or cache or observed:
             return None  # these need every padded position (or a cache laid out per batch row): run padded
-        p.call = _Call(keep)
+        p.call = Unpadding.of(keep)
         return None
 
 
 class _End:
     """Forward hook on the base model: the call's plan is dropped."""
 
-    def __init__(self, packing: Packing):
+    def __init__(self, packing: PackedModel):
         self.packing = packing
 
     def __call__(self, module, args, output):
@@ -143,7 +121,7 @@ class _Layer:
     no padding mask (the sequences are apart), its per-position tensors packed, and the
     packed-sequence arguments."""
 
-    def __init__(self, packing: Packing, first: bool, params: list[str]):
+    def __init__(self, packing: PackedModel, first: bool, params: list[str]):
         self.packing, self.first, self.params = packing, first, params
 
     def __call__(self, module, args, kwargs):
@@ -154,23 +132,24 @@ class _Layer:
         new = {}
         for name, val in bound.items():
             if name == self.params[0]:
-                new[name] = c.pack(val) if self.first else val
+                new[name] = c.pack(val)[None] if self.first else val  # (B, L, E) -> (1, N, E)
             elif "mask" in name and (val is None or isinstance(val, Tensor)):
                 new[name] = None  # the padding lives in cu_seq_lens now
-            elif c.packs(val):
-                new[name] = c.pack(val)
-            elif isinstance(val, tuple) and val and all(c.packs(v) for v in val):
-                new[name] = tuple(c.pack(v) for v in val)  # (cos, sin) position embeddings
+            elif _per_token(c, val):
+                new[name] = c.pack(val)[None]  # (B or 1, L, ...) -> (1, N, ...)
+            elif isinstance(val, tuple) and val and all(_per_token(c, v) for v in val):
+                new[name] = tuple(c.pack(v)[None] for v in val)  # (cos, sin) position embeddings
             else:
                 new[name] = val
-        new.update(cu_seq_lens_q=c.cu, cu_seq_lens_k=c.cu, max_length_q=c.longest, max_length_k=c.longest)
+        new.update(cu_seq_lens_q=c.cu_seqlens, cu_seq_lens_k=c.cu_seqlens, max_length_q=c.max_seqlen,
+                   max_length_k=c.max_seqlen)
         return (), new
 
 
 class _Last:
     """Forward hook on the last layer: the hidden states padded back to (B, L, E)."""
 
-    def __init__(self, packing: Packing):
+    def __init__(self, packing: PackedModel):
         self.packing = packing
 
     def __call__(self, module, args, output):
@@ -178,9 +157,9 @@ class _Last:
         if c is None:
             return None
         if isinstance(output, Tensor):
-            return c.unpack(output)
+            return c.unpack(output[0])  # (1, N, E) -> (B, L, E)
         if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (c.unpack(output[0]), *output[1:])
+            return (c.unpack(output[0][0]), *output[1:])  # (1, N, E) -> (B, L, E)
         raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; the packed path pads back a "
                         "tensor or a tuple whose first item is the hidden states.")
 
@@ -211,7 +190,7 @@ def _base(model: nn.Module, stack: str) -> nn.Module:
 
 
 def is_packed(model: nn.Module) -> bool:
-    return isinstance(model.__dict__.get(KEY), Packing)
+    return isinstance(model.__dict__.get(KEY), PackedModel)
 
 
 def disable(model: nn.Module) -> None:
@@ -241,7 +220,7 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> 
             raise ValueError(f"packed=True: {stack_name}.{i} ({type(layer).__name__}) takes no **kwargs, so the "
                              "packed-sequence arguments (cu_seq_lens_q/k) cannot reach its attention; this model "
                              "runs padded.")
-    p = Packing(stack_name)
+    p = PackedModel(stack_name)
     p.attention = list(attention.values())
     p.causal = any(getattr(m, "is_causal", False) for m in p.attention)
     handles = [base.register_forward_pre_hook(_Start(p), with_kwargs=True), base.register_forward_hook(_End(p))]
@@ -260,99 +239,50 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> 
     return model
 
 
-def _padded_example(example: dict) -> dict:
-    x = dict(example)
-    ids = x.get("input_ids")
-    if not isinstance(ids, Tensor):
-        raise ValueError("packed=True needs token inputs: give attach(..., example={'input_ids': ..., "
-                         "'attention_mask': ...}).")
-    if "attention_mask" not in x:
-        g = torch.Generator().manual_seed(1)
-        L = max(int(ids.shape[1]), 6)
-        vocab = int(ids.max()) + 1
-        ids = torch.randint(1, max(2, vocab), (3, L), generator=g).to(ids.device)
-        am = torch.ones(3, L, dtype=torch.long, device=ids.device)
-        am[1, L - 2:] = 0  # lengths L, L-2, 1: padding at the end (and a sequence of one token)
-        am[2, 1:] = 0
-        x["input_ids"], x["attention_mask"] = ids, am
-        x = {k: v.expand(3, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() and v.shape[0] == 1 else v
-             for k, v in x.items()}  # the other (1, ...) inputs (decoder ids, pixels) -> (3, ...)
-    return x
-
-
-def _first(out):
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, tuple | list):
-        return out[0]
-    return out[0] if hasattr(out, "__getitem__") else out
-
-
-@contextlib.contextmanager
-def recording(model: nn.Module, prefix: str = ""):
-    """Within the block, each module's (under ``prefix``) first output tensor is recorded as it
-    finishes: yields ({name: tensor}, [names in completion order]); the hooks go at the end."""
-    rec, order = {}, []
-
-    def hook(name):
-        def f(mod, args, out):
-            o = _first(out)
-            if isinstance(o, Tensor):
-                rec[name] = o.detach()
-                order.append(name)
-        return f
-
-    hs = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and n.startswith(prefix)]
-    try:
-        yield rec, order
-    finally:
-        for h in hs:
-            h.remove()
-
-
-def _verify(model: nn.Module, p: Packing, example: dict) -> None:
-    x = _padded_example(example)
+def _verify(model: nn.Module, p: PackedModel, example: dict) -> None:
+    """The packed run of a padded probe batch against the padded run, on the real tokens
+    (:mod:`multihead.hf.probe`'s tolerance); a difference names the first module whose packed output
+    is not its padded output's real tokens."""
+    x = probe.padded_example(example)
     keep = x["attention_mask"].bool()  # (B, L)
     was = model.training
     model.eval()
     try:
-        outs, ran = {}, {}
-        for packed in (False, True):
-            p.enabled = packed
-            with recording(model, p.stack + ".") as (rec, order):
-                try:
-                    with torch.no_grad():
-                        outs[packed] = _first(model(**x)).detach()
-                except Exception as e:
-                    if not packed:
-                        raise
-                    last = f" (the last module to finish: {order[-1]})" if order else ""
-                    raise ValueError(f"packed=True: {type(model).__name__} cannot run on the real tokens only: the "
-                                     f"packed probe call raised {type(e).__name__}: {str(e)[:300]}{last}. This "
-                                     "model runs padded: attach it without packed=True.") from e
-            ran[packed] = (rec, order)
+        p.enabled = False
+        padded = probe.run(model, x, p.stack + ".")
+        p.enabled = True
+        with probe.recording(model, p.stack + ".") as (rec, order):
+            try:
+                with torch.no_grad():
+                    packed = probe.Run(probe.first_output(model(**x)).detach(), rec, order)
+            except Exception as e:
+                last = f" (the last module to finish: {order[-1]})" if order else ""
+                raise ValueError(f"packed=True: {type(model).__name__} cannot run on the real tokens only: the "
+                                 f"packed probe call raised {type(e).__name__}: {str(e)[:300]}{last}. This "
+                                 "model runs padded: attach it without packed=True.") from e
     finally:
         p.enabled = True
         model.train(was)
-    a, b = outs[False], outs[True]
-    scale = float(a[keep].abs().max()) or 1.0
-    if a.shape == b.shape and float((a[keep] - b[keep]).abs().max()) <= 1e-5 * scale:
+    a, b = padded.output, packed.output
+    if a.shape == b.shape and not probe.differs(a[keep], b[keep]):
         return
-    call = _Call(keep)
-    pad, _ = ran[False]
-    pk, order = ran[True]
-    for name in order:  # completion order: a module's parts finish before it does
-        u, v = pad.get(name), pk[name]
-        if u is None or not call.packs(u) or v.shape[:2] != (1, len(call.idx)):
-            continue
-        ref = call.pack(u)
-        if ref.shape == v.shape and float((ref - v).abs().max()) > 1e-5 * (float(ref.abs().max()) or 1.0):
-            mod = model.get_submodule(name)
-            raise ValueError(
-                f"packed=True: {name} ({type(mod).__name__}) gives other outputs on the real tokens once the padding "
-                "is removed: its output at a token depends on other positions outside attention (or it does not "
-                "pass the packed-sequence arguments cu_seq_lens_q/k on to the attention function). This model runs "
-                "padded: attach it without packed=True.")
+    u = Unpadding.of(keep)
+
+    def real(t: Tensor) -> Tensor | None:  # a padded run's (B or 1, L, ...) -> (N, ...) its real tokens
+        return u.pack(t) if _per_token(u, t) else None
+
+    def tokens(t: Tensor) -> Tensor | None:  # a packed run's (1, N, ...) -> (N, ...)
+        return t[0] if t.dim() >= 2 and t.shape[:2] == (1, len(u.indices)) else None
+
+    name = probe.first_difference(padded, packed, real, tokens)
+    if name is not None:
+        raise ValueError(
+            f"packed=True: {name} ({type(model.get_submodule(name)).__name__}) gives other outputs on the real tokens "
+            "once the padding is removed: its output at a token depends on other positions outside attention (or it "
+            "does not pass the packed-sequence arguments cu_seq_lens_q/k on to the attention function). This model "
+            "runs padded: attach it without packed=True.")
+    gap = f"max difference {float((a[keep] - b[keep]).abs().max()):.2e}" if a.shape == b.shape else \
+        f"shape {tuple(b.shape)} != {tuple(a.shape)}"
     raise ValueError(f"packed=True: {type(model).__name__}'s output on the real tokens differs once the padding is "
-                     f"removed (max difference {float((a[keep] - b[keep]).abs().max()):.2e}), after the layer stack "
-                     f"{p.stack}; this model runs padded: attach it without packed=True.")
+                     f"removed ({gap}), after the layer stack {p.stack}; this model runs padded: attach it without "
+                     "packed=True.")

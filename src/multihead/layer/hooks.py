@@ -55,8 +55,8 @@ class AttentionHooks:
         #: (H, Hkv, D, Dv) of the last call, and why no head layout could be derived (None: not tried)
         self.seen: tuple[int, int, int, int] | None = None
         self.layout_reason: str | None = None
-        #: the arguments of the last call that multihead computed (see multihead.hf.explain)
-        self.args: tuple | None = None
+        #: what the last call computed (a multihead.hf.attention.Computed; see multihead.hf.explain)
+        self.args = None
 
     def add_observer(self, fn: Observer) -> _Handle:
         """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""
