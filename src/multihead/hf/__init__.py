@@ -190,7 +190,6 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         if not f.is_file():
             raise ValueError(f"{f} does not exist: give a directory written by multihead.hf.save.")
     raw = json.loads(cfg_file.read_text())
-    counts = raw.get(HEADS_KEY, {})
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:
         archs = raw.get("architectures") or []
@@ -199,33 +198,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         model_class = getattr(transformers, archs[0])
     with loading():
         model = attach(model_class._from_config(config, attn_implementation=NAME))
-    mods = attention_modules(model)
-    for name, (H, Hkv) in counts.items():
-        if name not in mods:
-            raise ValueError(f"{cfg_file} records heads for {name!r}, not an attention module of {model_class.__name__}.")
-        m = mods[name]
-        layout = m.attention_hooks.layout
-        if layout is None:
-            raise ValueError(f"{cfg_file} records heads for {name!r}, whose head layout multihead cannot derive: "
-                             f"{m.attention_hooks.layout_reason}.")
-        H0, Hkv0 = layout.counts(m, m.attention_hooks.parent)
-        if (H, Hkv) != (H0, Hkv0):  # sizes only (the weights are loaded next); uneven GQA groups may hold Hkv > Hkv0
-            layout.prune(m, list(range(H)), [i % Hkv0 for i in range(Hkv)])
-    for name, kept in raw.get(KEPT_KEY, {}).items():
-        if name in mods:
-            mods[name].attention_hooks.kept = [int(h) for h in kept]
-    from safetensors import safe_open
-
-    with safe_open(str(w_file), "pt") as f:
-        keys = set(f.keys())
-    for name, m in mods.items():  # a mean-compensated prune gave a bias-free output projection a bias
-        layout = m.attention_hooks.layout
-        if layout is None:
-            continue
-        owner, owner_name = (m.attention_hooks.parent, name.rsplit(".", 1)[0]) if layout.o_from_parent else (m, name)
-        o = owner.get_submodule(layout.o)
-        if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
-            o.bias = nn.Parameter(torch.zeros(out_features(o), device=o.weight.device, dtype=o.weight.dtype))
+    _resize(model, raw, cfg_file, w_file)
     try:
         missing, unexpected = load_model(model, str(w_file), strict=False)
     except (SafetensorError, OSError, RuntimeError) as e:
@@ -246,6 +219,39 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
     return model
 
 
+def _resize(model: nn.Module, raw: dict, cfg_file: Path, w_file: Path) -> None:
+    """Give a freshly built model the head counts (and output biases) ``raw`` (config.json) records,
+    sizes only: the weights are loaded next."""
+    from safetensors import safe_open
+
+    mods = attention_modules(model)
+    for name, (H, Hkv) in raw.get(HEADS_KEY, {}).items():
+        if name not in mods:
+            raise ValueError(f"{cfg_file} records heads for {name!r}, not an attention module of "
+                             f"{type(model).__name__}.")
+        m = mods[name]
+        layout = m.attention_hooks.layout
+        if layout is None:
+            raise ValueError(f"{cfg_file} records heads for {name!r}, whose head layout multihead cannot derive: "
+                             f"{m.attention_hooks.layout_reason}.")
+        H0, Hkv0 = layout.counts(m, m.attention_hooks.parent)
+        if (H, Hkv) != (H0, Hkv0):  # uneven GQA groups may hold Hkv > Hkv0
+            layout.prune(m, list(range(H)), [i % Hkv0 for i in range(Hkv)])
+    for name, kept in raw.get(KEPT_KEY, {}).items():
+        if name in mods:
+            mods[name].attention_hooks.kept = [int(h) for h in kept]
+    with safe_open(str(w_file), "pt") as f:
+        keys = set(f.keys())
+    for name, m in mods.items():  # a mean-compensated prune gave a bias-free output projection a bias
+        layout = m.attention_hooks.layout
+        if layout is None:
+            continue
+        owner, owner_name = (m.attention_hooks.parent, name.rsplit(".", 1)[0]) if layout.o_from_parent else (m, name)
+        o = owner.get_submodule(layout.o)
+        if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
+            o.bias = nn.Parameter(torch.zeros(out_features(o), device=o.weight.device, dtype=o.weight.dtype))
+
+
 class _TokensToHidden(nn.Module):
     """(input_ids (B, L), attention_mask (B, L)) -> the model's first output (last hidden state or logits)."""
 
@@ -256,6 +262,24 @@ class _TokensToHidden(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask)
         return out[0]  # (B, L, E) or (B, L, vocab)
+
+
+def _export_example(x: dict) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask), each (B, L) with B, L >= 2 (a size of 1 would be specialised as a
+    constant), from an example's inputs, checked."""
+    ids = x.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        raise ValueError("export_onnx: example must hold input_ids (B, L).")
+    am = x.get("attention_mask", torch.ones_like(ids))
+    if not isinstance(am, Tensor) or am.shape != ids.shape or not bool(((am == 0) | (am == 1)).all()):
+        got = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
+        raise ValueError(f"export_onnx: attention_mask must be a (B, L) padding mask of 0 and 1 like input_ids "
+                         f"{tuple(ids.shape)}; got {got}. Other mask forms (4-D, float biases) are not exported.")
+    if ids.shape[1] < 2:
+        ids, am = ids.repeat(1, 2), am.repeat(1, 2)  # (B, 1) -> (B, 2)
+    if ids.shape[0] < 2:
+        ids, am = ids.repeat(2, 1), am.repeat(2, 1)  # (1, L) -> (2, L)
+    return ids, am
 
 
 def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None) -> Path:
@@ -279,19 +303,7 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
     if "attention_mask" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"export_onnx: {type(model).__name__}.forward takes no attention_mask; the exported graph's "
                          "inputs are input_ids and attention_mask (B, L).")
-    x = example if example is not None else probe_inputs(model)
-    ids = x.get("input_ids")
-    if not isinstance(ids, Tensor) or ids.dim() != 2:
-        raise ValueError("export_onnx: example must hold input_ids (B, L).")
-    am = x.get("attention_mask", torch.ones_like(ids))
-    if not isinstance(am, Tensor) or am.shape != ids.shape or not bool(((am == 0) | (am == 1)).all()):
-        got = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
-        raise ValueError(f"export_onnx: attention_mask must be a (B, L) padding mask of 0 and 1 like input_ids "
-                         f"{tuple(ids.shape)}; got {got}. Other mask forms (4-D, float biases) are not exported.")
-    if ids.shape[1] < 2:  # a length of 1 would be specialised as a constant
-        ids, am = ids.repeat(1, 2), am.repeat(1, 2)
-    if ids.shape[0] < 2:
-        ids, am = ids.repeat(2, 1), am.repeat(2, 1)
+    ids, am = _export_example(example if example is not None else probe_inputs(model))
     if getattr(model.config, "use_cache", False) and any(getattr(m, "is_causal", False)
                                                         for m in attention_modules(model).values()):
         raise ValueError("export_onnx: a decoder would make a key/value cache; set model.config.use_cache = False "

@@ -29,7 +29,7 @@ from multihead.core.functional import attention, weights_of
 from multihead.layer import hooks as hooks_mod
 from multihead.layer.hooks import AttentionHooks
 
-__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "Computed", "attention_forward",
+__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "Computed", "PackedRows", "attention_forward",
            "attention_modules", "calls_interface", "discover", "loading", "refusal"]
 
 #: the transformers versions this integration is tested with (the ``hf`` extra pins them)
@@ -171,12 +171,32 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     - the keywords in :data:`NOT_ATTENTION` do not change attention; any other is refused.
     """
     _refuse(module, kwargs)
+    hooks = _hooks_for(module, query, key, value, attention_mask)
+    B, H, Lq, _ = query.shape
+    if H == 0:  # every head pruned: nothing to attend; the output projection gives its bias
+        return query.new_zeros(B, Lq, 0, value.shape[-1]), None
+    if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
+        position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
+    packed = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    causal = _module_causal(module, is_causal) if packed else _causal(module, is_causal, attention_mask, Lq)
+    hooks.args = call = Computed(scaling, dropout, causal, softcap, s_aux is not None, sliding_window,
+                                 position_bias is not None, packed, attention_mask is not None)
+    if packed:
+        extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux}
+        _packable(module, hooks, [k for k, v in extra.items() if v is not None], output_attentions)
+        rows = PackedRows.of(module, query, key, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)
+        return _packed(module, hooks, query, key, value, rows, call), None
+    return _padded(module, hooks, query, key, value, attention_mask, call, position_bias, s_aux, output_attentions)
+
+
+def _hooks_for(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask) -> AttentionHooks:
+    """The module's hook list (made at its first call when the model was loaded with
+    attn_implementation="multihead" and not attached), its head count taken from the call."""
     hooks = module.__dict__.get("attention_hooks")
-    if hooks is None:  # a model loaded with attn_implementation="multihead" and not attached yet
+    if hooks is None:
         _check_masks(module, attention_mask)
         hooks = module.__dict__["attention_hooks"] = AttentionHooks()
-    B, H, Lq, _ = query.shape
-    Lk = key.shape[2]
+    H = query.shape[1]
     hooks.seen = (H, key.shape[1], query.shape[-1], value.shape[-1])
     if hooks.num_heads != H:
         if hooks:  # gates or observers were made for the count read before any call: refuse, never mis-gate
@@ -184,86 +204,100 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                              f"config, but it calls attention with H={H} (query {tuple(query.shape)}); run the model "
                              "once outside heads.gated / capture so the count is taken from the call.")
         hooks.num_heads = H  # the call is the truth
-    if H == 0:  # every head pruned: nothing to attend; the output projection gives its bias
-        return query.new_zeros(B, Lq, 0, value.shape[-1]), None
-    if position_bias is not None and hooks.kept is not None and position_bias.shape[1] != H:
-        position_bias = position_bias[:, hooks.kept]  # the shared bias (.., H0, Lq, Lk): this layer's kept heads
-    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        hooks.args = Computed(scaling, dropout, _module_causal(module, is_causal), softcap, s_aux is not None,
-                              sliding_window, position_bias is not None, True, attention_mask is not None)
-        return _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
-                       softcap, s_aux, sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
-                       output_attentions)
-    causal = _causal(module, is_causal, attention_mask, Lq)
-    hooks.args = Computed(scaling, dropout, causal, softcap, s_aux is not None, sliding_window,
-                          position_bias is not None, False, attention_mask is not None)
-    if attention_mask is None and sliding_window is not None and Lk > sliding_window and Lq > 1:
-        raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} with Lk={Lk} keys but no "
-                         "attention mask: the window is not in the mask, and its alignment is the model's. Build the "
-                         "model's masks with transformers (multihead registers sdpa's mask function).")
+    return hooks
+
+
+def _padded(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+            call: Computed, position_bias: Tensor | None, s_aux: Tensor | None,
+            output_attentions) -> tuple[Tensor, Tensor | None]:
+    """A padded call: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv)
+    -> (out (B, Lq, H, Dv), weights (B, H, Lq, Lk) or None)."""
+    Lq, Lk = query.shape[2], key.shape[2]
+    if attention_mask is None and call.sliding_window is not None and Lk > call.sliding_window and Lq > 1:
+        raise ValueError(f"{type(module).__name__} passes sliding_window={call.sliding_window} with Lk={Lk} keys but "
+                         "no attention mask: the window is not in the mask, and its alignment is the model's. Build "
+                         "the model's masks with transformers (multihead registers sdpa's mask function).")
     mask = masks.from_hf(attention_mask)
-    if causal:
+    if call.causal:
         if Lk > Lq:  # prefill into an empty static cache: the keys past Lq are not written yet (as sdpa)
             key, value = key[:, :, :Lq], value[:, :, :Lq]
             position_bias = None if position_bias is None else position_bias[..., :Lq]
         mask = masks.Causal()
     if position_bias is not None:
         mask = masks.Dense(position_bias) if mask is None else mask & masks.Dense(position_bias)
-    mods = {"softcap": softcap, "sinks": None if s_aux is None else s_aux.to(query.dtype)}
+    mods = {"softcap": call.softcap, "sinks": None if s_aux is None else s_aux.to(query.dtype)}
     if hooks.observers:
-        hooks.observe(module, query, key, mask, scaling, **{k: v for k, v in mods.items() if v is not None})
-    out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout, **mods)  # (B, H, Lq, Dv)
+        hooks.observe(module, query, key, mask, call.scaling, **{k: v for k, v in mods.items() if v is not None})
+    out = attention(query, key, value, mask, scale=call.scaling, dropout_p=call.dropout, **mods)  # (B, H, Lq, Dv)
     out = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
     if hooks.transforms:
         out = hooks.transform(module, out, _live(attention_mask, Lq, key.shape[2]))
-    weights = weights_of(query, key, mask, scaling, **mods) if output_attentions else None
+    weights = weights_of(query, key, mask, call.scaling, **mods) if output_attentions else None
     return out.contiguous(), weights
 
 
-def _packed(module, hooks, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, softcap,
-            s_aux, sliding_window, cu_q, cu_k, max_q, max_k, output_attentions):
-    """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments: sequence b is
-    tokens cu[b]:cu[b+1]; causal within each sequence when the module is; a ``sliding_window`` w
-    keeps keys with |i - j| < w inside each sequence (transformers' masks: ``kv > q - w`` causal,
+class PackedRows(NamedTuple):
+    """transformers' packed-sequence arguments, checked: sequence b is tokens ``cu_q[b]:cu_q[b+1]``
+    of the packed row (keys: ``cu_k``), read once as lists."""
+
+    cu_q: Tensor  # (B+1,) int32
+    cu_k: Tensor  # (B+1,) int32
+    same: bool  # the query and key boundaries are the same
+
+    @classmethod
+    def of(cls, module: nn.Module, query: Tensor, key: Tensor, cu_q, cu_k, max_q, max_k) -> PackedRows:
+        name = type(module).__name__
+        if query.shape[0] != 1:
+            raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query "
+                             f"{tuple(query.shape)}.")
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        cus = {}
+        for nm, cu, n, mx in (("q", cu_q, query.shape[2], max_q), ("k", cu_k, key.shape[2], max_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+                raise ValueError(f"{name}: cu_seq_lens_{nm} must be a 1-D tensor (B+1,) of cumulative lengths; got "
+                                 f"{cu!r}.")
+            c = cus[nm] = cu.tolist()  # (B+1,) read once
+            if c[-1] != n:
+                raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {c[-1]} but the packed row holds {n} tokens.")
+            longest = max((b - a for a, b in zip(c, c[1:])), default=0)
+            if mx is not None and int(mx) != longest:
+                raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} "
+                                 f"has {longest} tokens.")
+        return cls(cu_q, cu_k, cus["q"] == cus["k"])
+
+
+def _packable(module: nn.Module, hooks: AttentionHooks, extra: list[str], output_attentions) -> None:
+    """Refuse what the packed path does not compute varlen (the call's score modifiers, recording)."""
+    if extra or output_attentions or hooks.observers:
+        what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
+        raise ValueError(f"{type(module).__name__}: packed sequences (cu_seq_lens_q/k) with {what} are not computed "
+                         "varlen; pass a padded batch instead.")
+
+
+def _packed(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, rows: PackedRows,
+            call: Computed) -> Tensor:
+    """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments -> (1, N, H, Dv):
+    causal within each sequence when the module is; a ``sliding_window`` w keeps keys with
+    |i - j| < w inside each sequence (transformers' masks: ``kv > q - w`` causal,
     ``|q - kv| <= config.sliding_window = w - 1`` bidirectional, as ModernBERT passes it). Runs varlen."""
     from multihead.core.varlen import attention_varlen
 
-    name = type(module).__name__
-    cu_q = cu_k if cu_q is None else cu_q
-    cu_k = cu_q if cu_k is None else cu_k
-    extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux}
-    extra = [k for k, v in extra.items() if v is not None]
-    if extra or output_attentions or hooks.observers:
-        what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
-        raise ValueError(f"{name}: packed sequences (cu_seq_lens_q/k) with {what} are not computed varlen; pass a "
-                         "padded batch instead.")
-    if query.shape[0] != 1:
-        raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query {tuple(query.shape)}.")
-    cus = {}
-    for nm, cu, n, mx in (("q", cu_q, query.shape[2], max_q), ("k", cu_k, key.shape[2], max_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"{name}: cu_seq_lens_{nm} must be a 1-D tensor (B+1,) of cumulative lengths; got {cu!r}.")
-        c = cus[nm] = cu.tolist()  # (B+1,) read once
-        if c[-1] != n:
-            raise ValueError(f"{name}: cu_seq_lens_{nm}[-1] = {c[-1]} but the packed row holds {n} tokens.")
-        longest = max((b - a for a, b in zip(c, c[1:])), default=0)
-        if mx is not None and int(mx) != longest:
-            raise ValueError(f"{name}: max_length_{nm}={int(mx)} but the longest sequence in cu_seq_lens_{nm} has "
-                             f"{longest} tokens.")
-    causal = _module_causal(module, is_causal)
-    if causal and cus["q"] != cus["k"]:
-        raise ValueError(f"{name}: causal packed sequences with different query and key boundaries (cu_seq_lens_q "
-                         f"{cus['q']}, cu_seq_lens_k {cus['k']}): the causal alignment would be a guess.")
+    if call.causal and not rows.same:
+        raise ValueError(f"{type(module).__name__}: causal packed sequences with different query and key boundaries "
+                         f"(cu_seq_lens_q {rows.cu_q.tolist()}, cu_seq_lens_k {rows.cu_k.tolist()}): the causal "
+                         "alignment would be a guess.")
     q = query[0].transpose(0, 1)  # (1, H, N, D) -> (N, H, D)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (1, Hkv, N, d) -> (N, Hkv, d)
-    mask = masks.Causal() if causal else None
-    if sliding_window is not None:  # transformers' window w (its flash path's (w-1, w-1)): |i - j| < w, causal or not
-        mask = masks.SlidingWindow(int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
-    out = attention_varlen(q, k, v, cu_q, cu_k, mask, scale=scaling, dropout_p=dropout)  # (N, H, Dv)
+    mask = masks.Causal() if call.causal else None
+    w = call.sliding_window
+    if w is not None:  # transformers' window w (its flash path's (w-1, w-1)): |i - j| < w, causal or not
+        mask = masks.SlidingWindow(int(w) - 1, 0 if call.causal else int(w) - 1)
+    out = attention_varlen(q, k, v, rows.cu_q, rows.cu_k, mask, scale=call.scaling, dropout_p=call.dropout)
     out = out[None]  # (N, H, Dv) -> (1, N, H, Dv)
     if hooks.transforms:
         out = hooks.transform(module, out, None)
-    return out.contiguous(), None
+    return out.contiguous()
 
 
 AttentionInterface.register(NAME, attention_forward)
