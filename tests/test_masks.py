@@ -103,7 +103,8 @@ def test_from_keras_and_blocked():
     km = torch.tensor([[[1, 0], [1, 1]]])  # (B, Lq, Lk), 1 = attend
     assert full(masks.from_keras(km), 1, 2, 2, 2)[0, 1].tolist() == [[True, False], [True, True]]
     look_ahead = 1 - np.tril(np.ones((3, 3)))  # the tutorial's: 1 = blocked
-    m = masks.blocked(look_ahead)
+    m = masks.from_blocked(look_ahead)
+    assert masks.blocked is masks.from_blocked  # the round-3 name still works
     assert torch.equal(full(m, 1, 1, 3, 3), full(masks.Causal(), 1, 1, 3, 3))
     with pytest.raises(ValueError, match="takes 0/1 values"):
         masks.blocked(np.array([[0.5]]))

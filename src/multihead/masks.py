@@ -49,6 +49,7 @@ __all__ = [
     "from_keras",
     "from_hf",
     "blocked",
+    "from_blocked",
     "as_mask",
 ]
 
@@ -537,7 +538,7 @@ class Dense(Mask):
         if m.dtype != torch.bool and not m.dtype.is_floating_point:
             raise TypeError(
                 f"Dense mask must be bool (True = may attend) or floating (additive bias); got dtype "
-                f"{m.dtype}. For 0/1 integers use masks.from_keras (1 = attend) or masks.blocked "
+                f"{m.dtype}. For 0/1 integers use masks.from_keras (1 = attend) or masks.from_blocked "
                 "(1 = blocked)."
             )
         if m.dim() > 4:
@@ -703,7 +704,7 @@ def as_mask(mask) -> Mask | None:
         return Dense(mask)
     raise TypeError(
         f"mask must be a multihead.masks.Mask, a bool/float tensor or None; got {type(mask).__name__}. "
-        "Convert other conventions with masks.from_torch, masks.from_keras or masks.blocked."
+        "Convert other conventions with masks.from_torch, masks.from_keras or masks.from_blocked."
     )
 
 
@@ -767,13 +768,17 @@ def from_hf(attention_mask) -> Mask | None:
     return Dense(m.masked_fill(blocked_, float("-inf")))
 
 
-def blocked(mask) -> Mask | None:
+def from_blocked(mask) -> Mask | None:
     """The Keras tutorial's mask, 1 = blocked, 0 = may attend (it adds ``-1e9 * mask``
     to the scores), broadcastable to (B, H, Lq, Lk): e.g. a look-ahead mask (Lq, Lk)
-    or a padding mask (B, 1, 1, Lk). Values must be 0 or 1."""
+    or a padding mask (B, 1, 1, Lk). Values must be 0 or 1. (``masks.blocked`` is the same
+    function under its round-3 name.)"""
     if mask is None:
         return None
     m = _as_tensor(mask, "mask")
     if m.dtype != torch.bool:
-        _value_check(((m == 0) | (m == 1)).all(), "blocked(mask) takes 0/1 values (1 = blocked); got other values.")
+        _value_check(((m == 0) | (m == 1)).all(), "from_blocked(mask) takes 0/1 values (1 = blocked); got other values.")
     return Dense(m == 0)
+
+
+blocked = from_blocked  # the round-3 name, kept for code written against it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,6 +94,31 @@ def _kl(lp, ref, am) -> torch.Tensor:
     return (kl * am).sum() / am.sum()
 
 
+def _objective(causal: bool, batches: list, refs: list) -> tuple[Callable, Callable, str]:
+    """(loss_fn(model, ((ids, am), ref)), metric_fn(model) on the held-out ``batches`` against the
+    unpruned model's ``refs``, the metric's name): KL of next-token distributions for a decoder,
+    the cosine of mean-pooled states for an encoder."""
+    if causal:
+        def loss_fn(m, b):
+            (ids, am), ref = b
+            return _kl(_logp(m, ids, am), ref, am)
+
+        def metric_fn(m):
+            with torch.no_grad():
+                return float(sum(_kl(_logp(m, i, a), r, a) for (i, a), r in zip(batches, refs)) / len(batches))
+        name = "mean KL of next-token distributions to the unpruned model (lower is better)"
+    else:
+        def loss_fn(m, b):
+            (ids, am), ref = b
+            return 1 - (pooled(m, ids, am) * ref).sum(-1).mean()
+
+        def metric_fn(m):
+            with torch.no_grad():
+                return torch.cat([(pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
+        name = "mean cosine of mean-pooled hidden states to the unpruned model"
+    return loss_fn, metric_fn, name
+
+
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
              n_held_out: int | None = None, n_recover: int | None = None) -> Setup:
     """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
@@ -121,24 +147,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
-    if causal:
-        def loss_fn(m, b):
-            (ids, am), ref = b
-            return _kl(_logp(m, ids, am), ref, am)
-
-        def metric_fn(m):
-            with torch.no_grad():
-                return float(sum(_kl(_logp(m, i, a), r, a) for (i, a), r in zip(batches, refs)) / len(batches))
-        name = "mean KL of next-token distributions to the unpruned model (lower is better)"
-    else:
-        def loss_fn(m, b):
-            (ids, am), ref = b
-            return 1 - (pooled(m, ids, am) * ref).sum(-1).mean()
-
-        def metric_fn(m):
-            with torch.no_grad():
-                return torch.cat([(pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
-        name = "mean cosine of mean-pooled hidden states to the unpruned model"
+    loss_fn, metric_fn, name = _objective(causal, batches, refs)
     speed = {n: _batches(tok, held_out[: 4 * n], n, causal)[:4] for n in (1, 16, 64)}
     p = Path(path).resolve()
     label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name

@@ -146,49 +146,13 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
                                max_fraction=fraction, method=setup.method, reestimate=reestimate,
                                mean_replacement=setup.mean_replacement, progress=progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()))
-    final = snapshots[-1]  # the model the last row measured
-    recovery = None
-    if recover > 0:
-        if setup.recover_fn is None:
-            raise ValueError(f"--recover is not available for {setup.name}.")
-        final = copy.deepcopy(final)
-        losses = setup.recover_fn(final, recover, quantize=quantize)
-        recovery = {"steps": recover, "metric_before": rows[-1]["metric"], "metric_after": float(setup.metric_fn(final)),
-                    "loss_first": losses[0], "loss_last": losses[-1]}
-    setup.pruned = final
-    quantized = None
-    if quantize is not None:
-        quantized = setup.quantize_fn(final, quantize)
-        fid = float(setup.metric_fn(quantized))
-        recovery = {**(recovery or {}), "quantize": quantize, "metric_quantized": fid}
-        setup.pruned = quantized
-        setup.save_fn(final, out / "model", quantize=quantize)
-    else:
-        setup.save_fn(final, out / "model")
-    # speed: every step's model and the peer, timed together (interleaved rounds, per batch size)
+    final, quantized, recovery = _recover_and_save(setup, rows[-1], snapshots[-1], out, recover, quantize)
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
     qname = f"{rows[-1]['fraction']:.0%} pruned + {quantize}"
     if quantized is not None:
         models[qname] = quantized
-    if setup.peer is not None:
-        models[setup.peer[0]] = setup.peer[1]
-    runs = {n: (setup.peer[2] if setup.peer is not None and n == setup.peer[0] else setup.run_fn) for n in models}
-    extra = setup.more_peers() if setup.more_peers is not None else []
-    extra_metric = {}
-    for name, m, fn in extra:
-        models[name], runs[name] = m, fn
-        extra_metric[name] = float(setup.metric_fn(m))
-    timings: dict[str, dict[str, dict]] = {n: {} for n in models}
-    notes = []
-    for b, xs in setup.speed_inputs.items():
-        calls = {n: (lambda m=m, f=runs[n], xs=xs: _run_all(m, f, xs)) for n, m in models.items()}
-        with torch.no_grad():
-            t = timing.interleaved(calls, max_seconds=max_seconds)
-        for n, tm in t.items():  # per batch of b: a call runs len(xs) batches
-            timings[n][str(b)] = tm.scaled(1 / len(xs)).to_json()
-        if (note := timing.busy_note(t)) is not None:
-            notes.append(f"batch {b}: {note}")
+    timings, notes, extra_metric = _timings(setup, models, max_seconds)
     for row, n in zip(rows, names):
         row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
     heads.save_curve(rows, out / "curve.json")
@@ -197,10 +161,7 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
               timings[names[-1]]}
     if quantized is not None:
         speeds[f"pruned {rows[-1]['fraction']:.0%} + {quantize} (multihead)"] = timings[qname]
-    if setup.peer is not None:
-        speeds[setup.peer[0]] = timings[setup.peer[0]]
-    for name, _, _ in extra:
-        speeds[name] = timings[name]
+    speeds |= {n: timings[n] for n in timings if n not in models}  # the peers
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
@@ -217,6 +178,55 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
+
+
+def _recover_and_save(setup: Setup, last: dict, final: nn.Module, out: Path, recover: int,
+                      quantize: str | None) -> tuple[nn.Module, nn.Module | None, dict | None]:
+    """The last step's model recovered (``recover`` distillation steps), quantized, saved to
+    ``out/model``: (the float model, the quantized one or None, the recovery record or None)."""
+    recovery = None
+    if recover > 0:
+        if setup.recover_fn is None:
+            raise ValueError(f"--recover is not available for {setup.name}.")
+        final = copy.deepcopy(final)
+        losses = setup.recover_fn(final, recover, quantize=quantize)
+        recovery = {"steps": recover, "metric_before": last["metric"], "metric_after": float(setup.metric_fn(final)),
+                    "loss_first": losses[0], "loss_last": losses[-1]}
+    setup.pruned = final
+    quantized = None
+    if quantize is not None:
+        quantized = setup.quantize_fn(final, quantize)
+        fid = float(setup.metric_fn(quantized))
+        recovery = {**(recovery or {}), "quantize": quantize, "metric_quantized": fid}
+        setup.pruned = quantized
+        setup.save_fn(final, out / "model", quantize=quantize)
+    else:
+        setup.save_fn(final, out / "model")
+    return final, quantized, recovery
+
+
+def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float) -> tuple[dict, list[str], dict]:
+    """Every model and the peers timed together (interleaved rounds, per batch size):
+    ({name: {batch: timing}} per batch of b, the busy-machine notes, {peer: metric})."""
+    models = dict(models)
+    runs = {n: setup.run_fn for n in models}
+    if setup.peer is not None:
+        models[setup.peer[0]], runs[setup.peer[0]] = setup.peer[1], setup.peer[2]
+    extra_metric = {}
+    for name, m, fn in (setup.more_peers() if setup.more_peers is not None else []):
+        models[name], runs[name] = m, fn
+        extra_metric[name] = float(setup.metric_fn(m))
+    timings: dict[str, dict[str, dict]] = {n: {} for n in models}
+    notes = []
+    for b, xs in setup.speed_inputs.items():
+        calls = {n: (lambda m=m, f=runs[n], xs=xs: _run_all(m, f, xs)) for n, m in models.items()}
+        with torch.no_grad():
+            t = timing.interleaved(calls, max_seconds=max_seconds)
+        for n, tm in t.items():  # per batch of b: a call runs len(xs) batches
+            timings[n][str(b)] = tm.scaled(1 / len(xs)).to_json()
+        if (note := timing.busy_note(t)) is not None:
+            notes.append(f"batch {b}: {note}")
+    return timings, notes, extra_metric
 
 
 def _run_all(model, run_fn, inputs: list) -> None:

@@ -584,46 +584,61 @@ def _tag(kind: int, s: int, p: int, plan: _Plan) -> int:
     return (kind * plan.N + s) * len(plan.pieces[0]) + p
 
 
-def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of the ring forward, given its output and log-sum-exp. Each piece's
-    key/value gradients are summed where the piece was used and sent back to its owner."""
-    plan, sm, g, D = c.plan, c.sm, c.g, c.D
-    N, rank = plan.N, dist.get_rank(c.group)
-    stats = RingStats()
-    _LAST["bwd"] = stats
-    B, H, Lq, _ = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.zeros(B, H, Lq, D, dtype=acc, device=q.device)
-    dq5 = dq.view(B, Hkv, g, Lq, D)  # (B, Hkv, g, Lq, D)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # (B, Hkv, Lk, D)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)  # (B, Hkv, Lk, Dv)
-    dout = dout.to(acc)
-    delta = (dout * out.to(acc)).sum(-1)  # (B, H, Lq): rowsum(dO * O)
-    lse_safe = _finite(lse.to(acc))  # (B, H, Lq)
-    pieces = plan.pieces
-    wire = _Wire(c.group, stats)
+class _Backward:
+    """One rank's queries in the ring backward: their output gradient, the row statistics
+    (log-sum-exp, rowsum(dO * O)) and dq, accumulated in float32 or wider."""
 
-    def compute(owner: int, p: int, kp: Tensor, vp: Tensor, dkp: Tensor, dvp: Tensor) -> None:
-        """Add this rank's queries' gradient contributions for one key piece into dq, dkp, dvp."""
+    def __init__(self, c: _Call, q: Tensor, out: Tensor, lse: Tensor, dout: Tensor, stats: RingStats):
+        self.c, self.q, self.stats = c, q, stats
+        self.rank = dist.get_rank(c.group)
+        B, H, Lq, D = q.shape
+        self.acc = acc = torch.promote_types(q.dtype, torch.float32)
+        self.dq = torch.zeros(B, H, Lq, D, dtype=acc, device=q.device)
+        self.dq5 = self.dq.view(B, H // c.g, c.g, Lq, D)  # (B, Hkv, g, Lq, D)
+        self.dout = dout.to(acc)
+        self.delta = (self.dout * out.to(acc)).sum(-1)  # (B, H, Lq): rowsum(dO * O)
+        self.lse = _finite(lse.to(acc))  # (B, H, Lq)
+
+    def add(self, owner: int, p: int, kp: Tensor, vp: Tensor, dkp: Tensor, dvp: Tensor) -> None:
+        """Add this rank's queries' gradient contributions for one key piece (kp (B, Hkv, keys, D),
+        vp (.., Dv)) into dq, dkp and dvp."""
+        c, q, plan, g, acc = self.c, self.q, self.c.plan, self.c.g, self.acc
+        B, H, _, D = q.shape
+        Hkv = H // g
         t0 = time.perf_counter()
         kp, vp = kp.to(acc), vp.to(acc)
-        for t, rows in enumerate(plan.tiles[rank]):
+        for t, rows in enumerate(plan.tiles[self.rank]):
             kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
-            keep = _block_keep(sm, kind, rows, pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
-            qt, dot = _tile(q, g, rows).to(acc), _tile(dout, g, rows)  # (B, Hkv, g*rows, D), (.., Dv)
+            keep = _block_keep(c.sm, kind, rows, plan.pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
+            qt, dot = _tile(q, g, rows).to(acc), _tile(self.dout, g, rows)  # (B, Hkv, g*rows, D), (.., Dv)
             pr = _scores(qt, kp, c.scale, keep, g)  # (B, Hkv, g*rows, keys)
-            pr = pr.sub_(_rows(lse_safe, g, rows)[..., None]).exp_()  # the final softmax's weights on these keys
+            pr = pr.sub_(_rows(self.lse, g, rows)[..., None]).exp_()  # the final softmax's weights on these keys
             dvp.add_(torch.matmul(pr.transpose(-1, -2), dot))  # (B, Hkv, keys, Dv), summed over the g heads
             ds = torch.matmul(dot, vp.transpose(-1, -2))  # dP (B, Hkv, g*rows, keys)
-            ds = ds.sub_(_rows(delta, g, rows)[..., None]).mul_(pr).mul_(c.scale)  # dS * scale
+            ds = ds.sub_(_rows(self.delta, g, rows)[..., None]).mul_(pr).mul_(c.scale)  # dS * scale
             ls, _, n = rows
-            dq5[:, :, :, ls:ls + n].add_(torch.matmul(ds, kp).view(B, Hkv, g, n, D))
+            self.dq5[:, :, :, ls:ls + n].add_(torch.matmul(ds, kp).view(B, Hkv, g, n, D))
             dkp.add_(torch.matmul(ds.transpose(-1, -2), qt))  # (B, Hkv, keys, D)
-            stats.entries += B * H * n * pieces[owner][p][2]
-        stats.compute_s += time.perf_counter() - t0
+            self.stats.entries += B * H * n * plan.pieces[owner][p][2]
+        self.stats.compute_s += time.perf_counter() - t0
+
+
+def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of the ring forward, given its output and log-sum-exp. Each piece's
+    key/value gradients are summed where the piece was used and sent back to its owner."""
+    plan, D = c.plan, c.D
+    N, rank = plan.N, dist.get_rank(c.group)
+    stats = RingStats()
+    _LAST["bwd"] = stats
+    B, Hkv, Dv = q.shape[0], k.shape[1], v.shape[-1]
+    bw = _Backward(c, q, out, lse, dout, stats)
+    acc, compute = bw.acc, bw.add
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # (B, Hkv, Lk, D)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)  # (B, Hkv, Lk, Dv)
+    pieces = plan.pieces
+    wire = _Wire(c.group, stats)
 
     ticks = _schedule(plan)
     width = D + Dv
@@ -651,7 +666,7 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
     if pending is not None:
         _add_back(wire, pending, dk, dv, D)
     wire.settle(0)
-    return dq, dk, dv
+    return bw.dq, dk, dv
 
 
 def _add_back(wire: _Wire, pending, dk: Tensor, dv: Tensor, D: int) -> None:

@@ -165,6 +165,45 @@ class TorchHintError(ValueError, RuntimeError):
     """torch.nn's RuntimeError for ``is_causal=True`` without ``attn_mask``, also a ValueError."""
 
 
+def _torch_batched(query, key, value, key_padding_mask, attn_mask, layout: str) -> None:
+    """torch.nn's checks of a batched (3-D) call's ranks."""
+    if key.dim() != 3 or value.dim() != 3:
+        raise TorchShapeError(
+            "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found "
+            f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
+            f"value {_shape(value)}); give all three as {layout}.")
+    if key_padding_mask is not None and key_padding_mask.dim() != 2:
+        raise TorchShapeError(
+            "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead; give it as (B, Lk), True = padding.")
+    if attn_mask is not None and attn_mask.dim() not in (2, 3):
+        raise TorchShapeError(
+            "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+            f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (B*H, Lq, Lk).")
+
+
+def _torch_unbatched(query, key, value, key_padding_mask, attn_mask, num_heads: int) -> None:
+    """torch.nn's checks of an unbatched (2-D) call's ranks and its (H, Lq, Lk) mask."""
+    if key.dim() != 2 or value.dim() != 2:
+        raise TorchShapeError(
+            "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found "
+            f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
+            f"value {_shape(value)}); give all three as (L, E).")
+    if key_padding_mask is not None and key_padding_mask.dim() != 1:
+        raise TorchShapeError(
+            "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead; give it as (Lk,), True = padding.")
+    if attn_mask is not None:
+        if attn_mask.dim() not in (2, 3):
+            raise TorchShapeError(
+                "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (H, Lq, Lk).")
+        if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (num_heads, query.shape[0], key.shape[0]):
+            raise TorchShapeError(
+                f"Expected `attn_mask` shape to be {(num_heads, query.shape[0], key.shape[0])} but got "
+                f"{tuple(attn_mask.shape)}: (H, Lq, Lk) for an unbatched query.")
+
+
 def torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, *, num_heads: int, embed_dim: int,
                      kdim: int, vdim: int, batch_first: bool, is_causal: bool) -> bool:
     """Check a ``torch.nn.MultiheadAttention`` call as torch.nn does (same messages, plus
@@ -176,44 +215,14 @@ def torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, *, num_head
             raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
     layout = "(B, L, E)" if batch_first else "(L, B, E)"
     if query.dim() == 3:
-        batched = True
-        if key.dim() != 3 or value.dim() != 3:
-            raise TorchShapeError(
-                "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found "
-                f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
-                f"value {_shape(value)}); give all three as {layout}.")
-        if key_padding_mask is not None and key_padding_mask.dim() != 2:
-            raise TorchShapeError(
-                "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but found "
-                f"{key_padding_mask.dim()}-D tensor instead; give it as (B, Lk), True = padding.")
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise TorchShapeError(
-                "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (B*H, Lq, Lk).")
+        _torch_batched(query, key, value, key_padding_mask, attn_mask, layout)
     elif query.dim() == 2:
-        batched = False
-        if key.dim() != 2 or value.dim() != 2:
-            raise TorchShapeError(
-                "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found "
-                f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
-                f"value {_shape(value)}); give all three as (L, E).")
-        if key_padding_mask is not None and key_padding_mask.dim() != 1:
-            raise TorchShapeError(
-                "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D but found "
-                f"{key_padding_mask.dim()}-D tensor instead; give it as (Lk,), True = padding.")
-        if attn_mask is not None:
-            if attn_mask.dim() not in (2, 3):
-                raise TorchShapeError(
-                    "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                    f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (H, Lq, Lk).")
-            if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (num_heads, query.shape[0], key.shape[0]):
-                raise TorchShapeError(
-                    f"Expected `attn_mask` shape to be {(num_heads, query.shape[0], key.shape[0])} but got "
-                    f"{tuple(attn_mask.shape)}: (H, Lq, Lk) for an unbatched query.")
+        _torch_unbatched(query, key, value, key_padding_mask, attn_mask, num_heads)
     else:
         raise TorchShapeError(
             f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor "
             f"(shape {_shape(query)}); give it as {layout} or (L, E).")
+    batched = query.dim() == 3
     if query.shape[-1] != embed_dim:
         raise TorchShapeError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]} "
                               f"(query {_shape(query)}).")

@@ -2,7 +2,8 @@
 to multihead). :mod:`~multihead.heads.capture` records per-head weights; :mod:`~multihead.heads.gates`
 puts a gate on every head's output; :mod:`~multihead.heads.importance` scores heads (gradient,
 ablation, entropy); :mod:`~multihead.heads.surgery` is the one head-row selector and mean-into-bias
-fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve.
+fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve;
+:mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA.
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
 
@@ -16,6 +17,7 @@ from multihead.heads.importance import (
     gradient_importance,
     importance,
 )
+from multihead.heads.observe import observe, observed, unobserve
 from multihead.heads.pruning import (
     Curve,
     head_counts,
@@ -29,4 +31,4 @@ from multihead.heads.pruning import (
 
 __all__ = ["METHODS", "Captured", "Curve", "Importance", "ablation_importance", "attention_modules", "capture",
            "entropy_importance", "gated", "gradient_importance", "head_counts", "importance", "mean_head_outputs",
-           "plot_curve", "prune", "pruning_curve", "resize", "save_curve"]
+           "observe", "observed", "plot_curve", "prune", "pruning_curve", "resize", "save_curve", "unobserve"]

@@ -259,19 +259,7 @@ def pruning_curve(
         if target > gone_now:
             if imp is None or reestimate:
                 imp = importance(work, batches, loss_fn, method, progress=progress, fill=means)
-            cut = imp.least(target - gone_now)
-            cur_means = None if means is None else {n: means[n] for n in cut}  # indexed like the current heads
-            for n, hs in cut.items():
-                removed[n] += [ids[n][h] for h in hs]
-            kept = prune(work, cut, mean_outputs=cur_means)
-            for n, k in kept.items():
-                ids[n] = [ids[n][h] for h in k]
-            if means is not None:
-                for n, k in kept.items():
-                    means[n] = means[n][k]
-            if not reestimate:  # the remaining scores, re-indexed to the pruned modules
-                imp = Importance(imp.names, [imp.scores[i][kept[n]] if n in kept else imp.scores[i]
-                                             for i, n in enumerate(imp.names)], imp.method)
+            imp = _cut(work, imp, target - gone_now, ids, removed, means, reestimate)
         n_gone = sum(len(v) for v in removed.values())
         row = {"fraction": n_gone / total, "heads_pruned": n_gone, "metric": float(metric_fn(work)),
                "removed": {n: sorted(v) for n, v in removed.items() if v}}
@@ -281,6 +269,26 @@ def pruning_curve(
         if on_step is not None:
             on_step(row, work)
     return rows
+
+
+def _cut(work: nn.Module, imp: Importance, n: int, ids: dict[str, list[int]], removed: dict[str, list[int]],
+         means: dict | None, reestimate: bool) -> Importance:
+    """One step of the curve: the ``n`` least important heads pruned from ``work`` (with their mean
+    outputs when ``means``); ``ids`` (the original ids of the kept heads), ``removed`` and ``means``
+    follow. Returns the remaining scores re-indexed to the pruned modules (unless re-estimated)."""
+    cut = imp.least(n)
+    cur_means = None if means is None else {m: means[m] for m in cut}  # indexed like the current heads
+    for m, hs in cut.items():
+        removed[m] += [ids[m][h] for h in hs]
+    kept = prune(work, cut, mean_outputs=cur_means)
+    for m, k in kept.items():
+        ids[m] = [ids[m][h] for h in k]
+        if means is not None:
+            means[m] = means[m][k]
+    if reestimate:
+        return imp
+    return Importance(imp.names, [imp.scores[i][kept[m]] if m in kept else imp.scores[i]
+                                  for i, m in enumerate(imp.names)], imp.method)
 
 
 def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric", baseline_ms: dict | None = None):

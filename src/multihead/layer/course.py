@@ -146,11 +146,11 @@ class KerasTutorialMultiHeadAttention(MultiHeadAttention):
 
     def forward(self, queries, keys, values, mask=None, *, sharded=None):
         q, k, v = _to_tensor(queries, "queries"), _to_tensor(keys, "keys"), _to_tensor(values, "values")
-        return super().forward(q, k, v, mask=masks.blocked(mask), sharded=sharded)
+        return super().forward(q, k, v, mask=masks.from_blocked(mask), sharded=sharded)
 
     def explain(self, queries, keys, values, mask=None, *, sharded=None):
         """What :meth:`forward` with these arguments does (see :meth:`MultiHeadAttention.explain`)."""
         q, k, v = _to_tensor(queries, "queries"), _to_tensor(keys, "keys"), _to_tensor(values, "values")
-        return super().explain(q, k, v, mask=masks.blocked(mask), sharded=sharded)
+        return super().explain(q, k, v, mask=masks.from_blocked(mask), sharded=sharded)
 
     call = forward

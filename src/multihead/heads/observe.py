@@ -1,0 +1,212 @@
+"""Attention seen where it is computed: the head tools on any model whose attention modules call
+``torch.nn.functional.scaled_dot_product_attention`` (timm's ``Attention``, a user's own module,
+the sdpa branch of a model that computes attention itself).
+
+    found = multihead.heads.observe(model, example)      # {name: module}, from one probe call
+    with multihead.capture(model) as cap:                # (B, H, Lq, Lk) per module, as SDPA weighed
+        model(x)
+    imp = heads.importance(model, batches, loss_fn)       # gates on each head's SDPA output
+
+:func:`observe` runs the model once on ``example`` and finds the modules whose *own* forward
+calls SDPA (the innermost module running at the call). Each gets a hook list
+(:class:`multihead.layer.hooks.AttentionHooks`, its head count taken from the call) and a forward
+pre-hook/hook pair: while something is registered on that list (``capture``, ``heads.gated``,
+``heads.importance``), the module's forward runs inside a ``torch.overrides.TorchFunctionMode``
+that hands each SDPA call's query and key to the observers -- the weights SDPA computed
+implicitly: the same scale, mask, causal flag and GQA grouping, dropout off -- and passes its
+output (B, H, Lq, Dv) through the transforms before the module merges the heads. With nothing
+registered the module runs untouched (the pre-hook tests one list). :func:`unobserve` removes it all.
+
+Refused with a clear error: a model none of whose modules calls SDPA in Python during the probe
+(a fused kernel called from C++, attention written out by hand), an SDPA call whose query is not
+(B, H, Lq, D), and ``torch.nn.MultiheadAttention`` (its fused path never reaches SDPA in Python:
+``multihead.interop.patch(model)`` swaps it for multihead's drop-in, same weights, which the head
+tools see).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from multihead import masks
+from multihead.layer.hooks import AttentionHooks, hooked_modules
+
+__all__ = ["observe", "observed", "unobserve"]
+
+SDPA = F.scaled_dot_product_attention
+_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False: None)
+_KEY = "multihead_sdpa_observer"  # the module's hook handles, in its __dict__
+
+
+class _Calls(TorchFunctionMode):
+    """During a forward: each SDPA call goes to ``on_call(module, bound arguments)`` with the
+    innermost module on ``stack``; every other function runs as it is."""
+
+    def __init__(self, stack: list, on_call):
+        super().__init__()
+        self.stack, self.on_call = stack, on_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is SDPA and self.stack:
+            return self.on_call(self.stack[-1], _SIGNATURE.bind(*args, **kwargs).arguments, func)
+        return func(*args, **kwargs)
+
+
+def _mask(a: dict, Lq: int, Lk: int) -> masks.Mask | None:
+    """SDPA's mask as multihead's: ``attn_mask`` bool (True = may attend) or float (added to the
+    scores), broadcastable to (B, H, Lq, Lk); ``is_causal``: top-left causal (SDPA's alignment)."""
+    m = masks.from_hf(a.get("attn_mask"))
+    if a.get("is_causal"):
+        m = masks.Causal() if m is None else m & masks.Causal()
+    return m
+
+
+def _live(mask: masks.Mask | None, B: int, H: int, Lq: int, Lk: int, device) -> Tensor | None:
+    """(B, Lq) True = a query row with something to attend to; None = every row."""
+    if mask is None:
+        return None
+    keep = mask.keep(B, H, Lq, Lk, device).expand(B, H, Lq, Lk).any(1).any(-1)  # (B, H, Lq, Lk) -> (B, Lq)
+    return None if bool(keep.all()) else keep
+
+
+def _through_hooks(module: nn.Module, a: dict, sdpa) -> Tensor:
+    """One observed SDPA call: observers see (q, k, mask, scale), transforms the per-head output."""
+    q, k = a["query"], a["key"]
+    if q.dim() != 4:
+        raise ValueError(f"{type(module).__name__} calls scaled_dot_product_attention with query "
+                         f"{tuple(q.shape)}; multihead observes (B, H, Lq, D) calls only.")
+    hooks: AttentionHooks = module.__dict__["attention_hooks"]
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[-2]
+    hooks.num_heads = H
+    hooks.seen = (H, k.shape[-3], q.shape[-1], a["value"].shape[-1])
+    mask = _mask(a, Lq, Lk)
+    if hooks.observers:
+        hooks.observe(module, q, k, mask, a.get("scale"))
+    out = sdpa(**a)  # (B, H, Lq, Dv), untouched
+    if hooks.transforms:
+        o = out.transpose(1, 2)  # (B, H, Lq, Dv) -> (B, Lq, H, Dv)
+        o = hooks.transform(module, o, _live(mask, B, H, Lq, Lk, q.device))
+        out = o.transpose(1, 2)  # (B, Lq, H, Dv) -> (B, H, Lq, Dv)
+    return out
+
+
+class _Enter:
+    """Forward pre-hook of an observed module: enter its mode when something is registered."""
+
+    def __init__(self, module: nn.Module):
+        self.stack, self.modes = [module], []
+
+    def __call__(self, module, args):
+        if module.__dict__["attention_hooks"]:
+            mode = _Calls(self.stack, _through_hooks)
+            mode.__enter__()
+            self.modes.append(mode)
+        else:
+            self.modes.append(None)
+
+
+class _Exit:
+    """Forward hook (always called, also on an exception) leaving the mode :class:`_Enter` entered."""
+
+    def __init__(self, enter: _Enter):
+        self.enter = enter
+
+    def __call__(self, module, args, output):
+        mode = self.enter.modes.pop() if self.enter.modes else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
+def _probe(model: nn.Module, example) -> dict[str, tuple[nn.Module, int]]:
+    """Run ``model`` on ``example`` once, recording which modules' own forward calls SDPA."""
+    stack, found = [], {}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def record(module, a, sdpa):
+        name = names.get(id(module))
+        if name is not None and "attention_hooks" not in module.__dict__:  # multihead's own modules: seen already
+            found.setdefault(name, (module, a["query"].shape[-3] if a["query"].dim() == 4 else None))
+        return sdpa(**a)
+
+    def push(mod, args) -> None:
+        stack.append(mod)
+
+    def pop(mod, args, out) -> None:
+        stack.pop()
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(push))
+        handles.append(m.register_forward_hook(pop, always_call=True))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _Calls(stack, record):
+            if isinstance(example, dict):
+                model(**example)
+            elif isinstance(example, tuple):
+                model(*example)
+            else:
+                model(example)
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    return found
+
+
+def observe(model: nn.Module, example) -> dict[str, nn.Module]:
+    """Find the modules of ``model`` that call SDPA (one probe call on ``example``: a tensor, a
+    tuple of positional inputs or a dict of keyword inputs) and make their heads visible to
+    ``capture``, ``heads.gated``, ``heads.importance`` and the heatmaps. Returns {name: module}.
+    Calling it again on an observed model changes nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"observe takes an nn.Module; got {type(model).__name__}.")
+    mha = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    if mha:
+        raise ValueError(f"{type(model).__name__} holds torch.nn.MultiheadAttention ({', '.join(mha[:3])}"
+                         f"{', ...' if len(mha) > 3 else ''}), whose fused path never calls "
+                         "scaled_dot_product_attention in Python; run multihead.interop.patch(model) first (the same "
+                         "weights in multihead's drop-in, which the head tools see).")
+    found = _probe(model, example)
+    if not found and hooked_modules(model):  # multihead's own modules (or an attached model): seen already
+        return observed(model)
+    if not found:
+        attn = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
+        raise ValueError(f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention "
+                         "during a forward pass on the example"
+                         + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called "
+                            "from C++)" if attn else "") + "; multihead can neither see nor gate its heads.")
+    for name, (m, H) in found.items():
+        if H is None:
+            raise ValueError(f"{name} ({type(m).__name__}) calls scaled_dot_product_attention without a (B, H, Lq, D) "
+                             "query; multihead observes per-head calls only.")
+        hooks = AttentionHooks()
+        hooks.num_heads = H
+        hooks.layout_reason = "seen through its SDPA call (no head layout: gated, not cut)"
+        m.__dict__["attention_hooks"] = hooks
+        enter = _Enter(m)
+        m.__dict__[_KEY] = (m.register_forward_pre_hook(enter),
+                            m.register_forward_hook(_Exit(enter), always_call=True))
+    return observed(model)
+
+
+def observed(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of ``model`` that :func:`observe` made visible, by name."""
+    return {n: m for n, m in model.named_modules() if _KEY in m.__dict__}
+
+
+def unobserve(model: nn.Module) -> None:
+    """Undo :func:`observe`: the hooks and hook lists go; the model is as it was."""
+    for m in observed(model).values():
+        for h in m.__dict__.pop(_KEY):
+            h.remove()
+        m.__dict__.pop("attention_hooks", None)
