@@ -431,3 +431,44 @@ def test_the_mask_choice_is_scoped_to_loading_and_never_silently_wrong_outside_i
                                          r"masks.*multihead.hf.attach\(model\), or build it inside `with "
                                          r"multihead.hf.loading\(\):`"):
         _out(outside, x)
+
+
+def test_families_that_compute_attention_themselves_are_seen_through_sdpa_or_refused():
+    """Falcon's sdpa branch calls F.scaled_dot_product_attention itself: multihead.heads.observe sees
+    it (the outputs unchanged, the captured weights equal eager's output_attentions on the real
+    rows, a gated head equals a zeroed one); Bloom (ALiBi, baddbmm) and DeBERTa-v2 (disentangled
+    attention) compute by hand and are refused in one line each."""
+    torch.manual_seed(0)
+    ids, am = _ids()["input_ids"], _ids()["attention_mask"]
+    def build(impl):  # Falcon chooses its masks when built: eager's float masks need an eager model
+        cfg = T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+        cfg._attn_implementation = impl
+        torch.manual_seed(0)
+        return T.FalconModel(cfg).eval()
+
+    falcon, eager_model = build("sdpa"), build("eager")
+    with pytest.raises(ValueError, match=r"FalconModel: none of its modules calls .* multihead.heads.observe"):
+        mhf.attach(falcon)
+    with torch.no_grad():
+        eager = eager_model(input_ids=ids, attention_mask=am, output_attentions=True)
+    with torch.no_grad():
+        ref = falcon(input_ids=ids, attention_mask=am).last_hidden_state
+    assert list(heads.observe(falcon, {"input_ids": ids, "attention_mask": am})) == \
+        ["h.0.self_attention", "h.1.self_attention"]
+    with torch.no_grad(), multihead.capture(falcon) as cap:
+        assert torch.equal(falcon(input_ids=ids, attention_mask=am).last_hidden_state, ref)
+    real = am.bool()
+    for i, name in enumerate(cap):
+        got, want = cap[name], eager.attentions[i]  # (B, H, L, L)
+        assert (got - want).transpose(1, 2)[real].abs().max() < 1e-5  # the real query rows
+    with torch.no_grad(), heads.gated(falcon, {"h.1.self_attention": torch.tensor([1.0, 1.0, 0.0, 1.0])}):
+        gated = falcon(input_ids=ids, attention_mask=am).last_hidden_state
+    assert (gated - ref)[real].abs().max() > 1e-4  # the head mattered
+    heads.unobserve(falcon)
+    for make in (lambda: T.BloomModel(T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=4)),
+                 lambda: T.DebertaV2Model(T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=4, intermediate_size=64))):
+        model = make().eval()
+        with pytest.raises(ValueError, match=rf"{type(model).__name__}: no module called torch.nn.functional."
+                                             r"scaled_dot_product_attention .* compute attention another way"):
+            heads.observe(model, {"input_ids": ids, "attention_mask": am})

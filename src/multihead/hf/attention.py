@@ -446,5 +446,7 @@ def refusal(model: nn.Module) -> str:
     attn = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
     return (f"{type(model).__name__}: none of its modules calls transformers' attention interface "
             f"(ALL_ATTENTION_FUNCTIONS){'; ' + ', '.join(attn) + ' compute attention themselves' if attn else ''}, "
-            "so multihead can neither see nor replace its attention. Use multihead's own modules, or keep "
+            "so multihead can neither see nor replace its attention through transformers. Where those modules "
+            "call torch's scaled_dot_product_attention (their sdpa branch), multihead.heads.observe(model, "
+            "example) sees and gates their heads; otherwise use multihead's own modules, or keep "
             "attn_implementation='sdpa' for this model.")
