@@ -131,8 +131,24 @@ def _hf(ns, tmp_path):
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
+    x = torch.randn(2, 5, 16)
     ns.update(path=path, batch=batch, batches=[batch, batch],
-              loss_fn=lambda m, b: m(**b).last_hidden_state.pow(2).mean())
+              loss_fn=lambda m, b: m(**b).last_hidden_state.pow(2).mean(),
+              model=nn.Sequential(_SdpaAttention(), nn.Linear(16, 16)), example=x, x=x)
+
+
+class _SdpaAttention(nn.Module):
+    """In timm's style: a fused qkv Linear, F.scaled_dot_product_attention, a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        B, L, E = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, 4, E // 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) each
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+        return self.proj(out.transpose(1, 2).reshape(B, L, E))
 
 
 class _Block(nn.Module):
@@ -240,6 +256,8 @@ def test_readme_python_block_runs(heading, code, tmp_path, monkeypatch, request,
     elif heading == "See the heads":
         assert (tmp_path / "heads.png").stat().st_size > 0 and (tmp_path / "attention.html").stat().st_size > 0
         assert tuple(ns["captured"]["decoder.1.cross_attn"].shape) == (1, 4, 5, 5)
+    elif heading == "Your own model (Hugging Face transformers)" and "found" in ns:  # any module that calls SDPA
+        assert list(ns["found"]) == ["0"] and tuple(ns["cap"]["0"].shape) == (2, 4, 5, 5)
     elif heading == "Your own model (Hugging Face transformers)":
         loaded = ns["multihead"].hf.load(tmp_path / "pruned")
         with torch.no_grad():
