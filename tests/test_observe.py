@@ -42,22 +42,23 @@ class Block(nn.Module):
 
 
 class GQADecoder(nn.Module):
-    """Separate projections, 4 query heads sharing 2 key/value heads, a causal call, a scale."""
+    """In Llama's style: separate projections, 4 query heads sharing 2 key/value heads (sizes read
+    with -1 from head_dim), a causal call, a scale."""
 
     def __init__(self, dim=24, H=4, Hkv=2, D=5):
         super().__init__()
-        self.H, self.Hkv, self.D = H, Hkv, D
+        self.head_dim = D
         self.q, self.k, self.v = nn.Linear(dim, H * D), nn.Linear(dim, Hkv * D), nn.Linear(dim, Hkv * D)
         self.o = nn.Linear(H * D, dim)
 
     def forward(self, x, mask=None):
         B, L, _ = x.shape
-        q = self.q(x).view(B, L, self.H, self.D).transpose(1, 2)  # (B, H, L, D)
-        k = self.k(x).view(B, L, self.Hkv, self.D).transpose(1, 2)  # (B, Hkv, L, D)
-        v = self.v(x).view(B, L, self.Hkv, self.D).transpose(1, 2)
+        q = self.q(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # (B, H, L, D)
+        k = self.k(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
+        v = self.v(x).view(B, L, -1, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=0.3,
                                              enable_gqa=True)  # (B, H, L, D)
-        return self.o(out.transpose(1, 2).reshape(B, L, self.H * self.D))
+        return self.o(out.transpose(1, 2).reshape(B, L, -1))
 
 
 def _qk(block: Block, x: torch.Tensor, gqa: bool):
@@ -65,8 +66,7 @@ def _qk(block: Block, x: torch.Tensor, gqa: bool):
     a, h = block.attn, block.norm(x)
     B, L, _ = x.shape
     if gqa:
-        return (a.q(h).view(B, L, a.H, a.D).transpose(1, 2), a.k(h).view(B, L, a.Hkv, a.D).transpose(1, 2),
-                a.v(h).view(B, L, a.Hkv, a.D).transpose(1, 2))
+        return (p(h).view(B, L, -1, a.head_dim).transpose(1, 2) for p in (a.q, a.k, a.v))
     return a.qkv(h).reshape(B, L, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
@@ -174,3 +174,56 @@ def test_what_cannot_be_seen_is_refused():
     own = nn.Sequential(multihead.MultiHeadAttention(8, 2))  # multihead's own modules are seen already
     assert heads.observe(own, torch.randn(1, 3, 8)) == {}
     assert list(heads.attention_modules(own)) == ["0"]
+
+
+class TimmStyle(nn.Module):
+    """timm's Attention as it reads its sizes from attributes (num_heads, head_dim) and merges the
+    heads with reshape(B, N, -1): the shape a cut module can still run."""
+
+    def __init__(self, dim=24, num_heads=4, head_dim=5):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.qkv = nn.Linear(dim, 3 * num_heads * head_dim)
+        self.proj = nn.Linear(num_heads * head_dim, dim)
+
+    def forward(self, x, mask=None):
+        B, N, _ = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, H, N, D) each
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D)
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+def test_a_layout_derived_from_the_sdpa_call_cuts_heads_and_the_pruned_model_loads_back(tmp_path):
+    """The head layout is proposed from the module's layers and the sizes of its SDPA call, verified
+    by cutting a copy (cut = gate on the probe call); heads.prune then cuts, the pruned model equals the
+    gated one, and its state dict loads into a fresh model observed and cut the same way."""
+    torch.manual_seed(3)
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(Block(TimmStyle()), Block(TimmStyle()), Block(GQADecoder())).eval()
+
+    model, x = make(), torch.randn(2, 6, 24)
+    heads.observe(model, x)
+    layouts = {n: m.attention_hooks.layout for n, m in heads.observed(model).items()}
+    assert layouts["0.attn"].family == "fused [Q | K | V]" and layouts["2.attn"].family == "separate q/k/v"
+    cut = {"0.attn": [1, 3], "1.attn": [0], "2.attn": [0, 1]}  # 2.attn: one key/value group (GQA)
+    gates = {n: torch.ones(m.attention_hooks.num_heads) for n, m in heads.observed(model).items()}
+    for n, hs in cut.items():
+        gates[n][hs] = 0.0
+    with torch.no_grad(), heads.gated(model, gates):
+        want = model(x)
+    kept = heads.prune(model, cut)
+    assert kept == {"0.attn": [0, 2], "1.attn": [1, 2, 3], "2.attn": [2, 3]}
+    assert model[0].attn.qkv.weight.shape == (3 * 2 * 5, 24) and model[2].attn.k.weight.shape == (5, 24)
+    with torch.no_grad():
+        got = model(x)
+    assert (got - want).abs().max() <= _roundings(64, want)
+    torch.save(model.state_dict(), tmp_path / "pruned.pt")
+    fresh = make()
+    heads.observe(fresh, x)
+    heads.prune(fresh, cut)  # the same cut gives the same shapes; the weights come from the file
+    fresh.load_state_dict(torch.load(tmp_path / "pruned.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), got)

@@ -26,7 +26,9 @@ tools see).
 
 from __future__ import annotations
 
+import copy
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from multihead import masks
+from multihead.heads.layouts import candidates, verify
 from multihead.layer.hooks import AttentionHooks, hooked_modules
 
 __all__ = ["observe", "observed", "unobserve"]
@@ -125,42 +128,84 @@ class _Exit:
             mode.__exit__(None, None, None)
 
 
-def _probe(model: nn.Module, example) -> dict[str, tuple[nn.Module, int]]:
+class _Found(NamedTuple):
+    """A module whose own forward called SDPA in the probe: its first call's inputs (copied) and
+    the call's (H, Hkv, D, Dv)."""
+
+    module: nn.Module
+    call: tuple  # (args, kwargs)
+    seen: tuple[int, int, int, int] | None  # None: the query was not (B, H, Lq, D)
+
+
+def _run(model: nn.Module, example) -> None:
+    with torch.no_grad():
+        if isinstance(example, dict):
+            model(**example)
+        elif isinstance(example, tuple):
+            model(*example)
+        else:
+            model(example)
+
+
+def _probe(model: nn.Module, example) -> dict[str, _Found]:
     """Run ``model`` on ``example`` once, recording which modules' own forward calls SDPA."""
-    stack, found = [], {}
+    stack, inputs, found = [], {}, {}
     names = {id(m): n for n, m in model.named_modules()}
 
     def record(module, a, sdpa):
         name = names.get(id(module))
-        if name is not None and "attention_hooks" not in module.__dict__:  # multihead's own modules: seen already
-            found.setdefault(name, (module, a["query"].shape[-3] if a["query"].dim() == 4 else None))
+        if name is not None and name not in found and "attention_hooks" not in module.__dict__:
+            q, k, v = a["query"], a["key"], a["value"]  # multihead's own modules (with hooks): seen already
+            seen = (q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
+            try:
+                call = copy.deepcopy(inputs[id(module)])
+            except Exception:  # noqa: BLE001 - an input that does not copy: used as it is
+                call = inputs[id(module)]
+            found[name] = _Found(module, call, seen)
         return sdpa(**a)
 
-    def push(mod, args) -> None:
+    def push(mod, args, kwargs) -> None:
         stack.append(mod)
+        inputs.setdefault(id(mod), (args, kwargs))
 
     def pop(mod, args, out) -> None:
         stack.pop()
 
     handles = []
     for m in model.modules():
-        handles.append(m.register_forward_pre_hook(push))
+        handles.append(m.register_forward_pre_hook(push, with_kwargs=True))
         handles.append(m.register_forward_hook(pop, always_call=True))
     was = model.training
     model.eval()
     try:
-        with torch.no_grad(), _Calls(stack, record):
-            if isinstance(example, dict):
-                model(**example)
-            elif isinstance(example, tuple):
-                model(*example)
-            else:
-                model(example)
+        with _Calls(stack, record):
+            _run(model, example)
     finally:
         model.train(was)
         for h in handles:
             h.remove()
     return found
+
+
+def _derive(model: nn.Module, name: str, f: _Found) -> None:
+    """The head layout of an observed module, proposed from its layers and verified on its probe
+    call (cut = gate); without one it is seen and gated, not cut."""
+    m, hooks = f.module, f.module.attention_hooks
+    parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+    hooks.parent = model.get_submodule(parent_name) if name else None
+    if hooks.parent is None:
+        hooks.layout_reason = "the model itself calls SDPA (no parent to hold it)"
+        return
+    H, Hkv, D, Dv = f.seen
+    lays = candidates(m, name, hooks.parent, parent_name, H, Hkv, D, Dv)
+    reasons = []
+    for lay in [] if isinstance(lays, str) else lays:
+        why = verify(lay, m, *f.call, H, Hkv, Dv)
+        if why is None:
+            hooks.layout, hooks.layout_reason = lay, None
+            return
+        reasons.append(f"{lay.family}: {why}")
+    hooks.layout_reason = lays if isinstance(lays, str) else "; ".join(reasons)
 
 
 def observe(model: nn.Module, example) -> dict[str, nn.Module]:
@@ -185,17 +230,20 @@ def observe(model: nn.Module, example) -> dict[str, nn.Module]:
                          "during a forward pass on the example"
                          + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called "
                             "from C++)" if attn else "") + "; multihead can neither see nor gate its heads.")
-    for name, (m, H) in found.items():
-        if H is None:
-            raise ValueError(f"{name} ({type(m).__name__}) calls scaled_dot_product_attention without a (B, H, Lq, D) "
-                             "query; multihead observes per-head calls only.")
+    for name, f in found.items():
+        if f.seen is None:
+            raise ValueError(f"{name} ({type(f.module).__name__}) calls scaled_dot_product_attention without a "
+                             "(B, H, Lq, D) query; multihead observes per-head calls only.")
+    for f in found.values():
+        m = f.module
         hooks = AttentionHooks()
-        hooks.num_heads = H
-        hooks.layout_reason = "seen through its SDPA call (no head layout: gated, not cut)"
+        hooks.num_heads, hooks.seen = f.seen[0], f.seen
         m.__dict__["attention_hooks"] = hooks
         enter = _Enter(m)
         m.__dict__[_KEY] = (m.register_forward_pre_hook(enter),
                             m.register_forward_hook(_Exit(enter), always_call=True))
+    for name, f in found.items():
+        _derive(model, name, f)
     return observed(model)
 
 

@@ -1,0 +1,238 @@
+"""Head layouts: which weights of an attention module hold head h (its q/k/v/o projections, one
+fused qkv, a per-head parameter), proposed from the module's layers and the sizes of one recorded
+call, verified by cutting a copy (cut = gate on that call), and the head surgery ``heads.prune``
+runs through them. Used for transformers modules (:mod:`multihead.hf.layouts` derives them on a
+probe call) and for any module seen through its SDPA call (:mod:`multihead.heads.observe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
+
+__all__ = ["HeadLayout", "candidates", "in_features", "out_features", "verify"]
+
+
+@dataclass
+class HeadLayout:
+    """One attention module's head surgery: the names of its q/k/v/o projections (one fused
+    qkv projection when ``fused``), where the output projection lives (``o_from_parent``: a
+    path from the attention module's parent, for BERT's ``output.dense``), its per-head
+    parameters (shape (H,): gpt-oss' sinks), and which attributes hold the head count and
+    inner size. Derived from the module and verified on a recorded call (:func:`derive`)."""
+
+    family: str
+    q: str
+    k: str
+    v: str
+    o: str
+    o_from_parent: bool = False
+    #: False: separate q/k/v; "blocks": one projection [Q | K | V] (GPT-2's Conv1D, Phi-3's qkv_proj,
+    #: ModernBERT's Wqkv); "interleaved": per head [q_h k_h v_h] (GPT-NeoX's query_key_value)
+    fused: bool | str = False
+    #: whether the family's forward works with zero heads; if not, pruning every head keeps one
+    #: head whose output-projection columns are zero (it contributes nothing: the output is the bias)
+    zero_heads_ok: bool = True
+    count_attrs: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads")
+    size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size")
+    per_head: tuple[str, ...] = ()  # parameters of shape (H,), one entry per query head
+    head_size: int | None = None  # D, for a module with no head-size attribute
+
+    def head_dim(self, m: nn.Module) -> int:
+        for a in ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size"):
+            if isinstance(m.__dict__.get(a), int):
+                return m.__dict__[a]
+        if self.head_size is not None:
+            return self.head_size
+        raise ValueError(f"{type(m).__name__}: cannot tell its head size")
+
+    def projections(self, m: nn.Module, parent: nn.Module | None):
+        o = parent.get_submodule(self.o) if self.o_from_parent else m.get_submodule(self.o)
+        if self.fused:
+            return m.get_submodule(self.q), None, None, o
+        return m.get_submodule(self.q), m.get_submodule(self.k), m.get_submodule(self.v), o
+
+    def prune(self, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None = None,
+              gone: list[int] | None = None) -> None:
+        """Keep query heads ``keep`` and key/value heads ``kv`` (indices may repeat: a key/value
+        head copied for uneven groups); q/k/v/o weights shrink. ``mean_out`` (H, Dv): the
+        removed heads' (``gone``) mean output is folded into the output projection's bias."""
+        _prune(self, m, keep, kv, mean_out, gone)
+
+    def counts(self, m: nn.Module, parent: nn.Module | None) -> tuple[int, int]:
+        """(H, Hkv) from the projections' sizes."""
+        D = self.head_dim(m)
+        q, k, _, _ = self.projections(m, parent)
+        if self.fused:
+            total = out_features(q) // D  # H + 2 Hkv
+            g = m.__dict__.get("num_key_value_groups")
+            g = g if isinstance(g, int) and g > 0 and self.fused == "blocks" else 1  # H = g Hkv
+            H = total * g // (g + 2)
+            return H, H // g
+        return out_features(q) // D, out_features(k) // D
+
+
+
+def out_features(p: nn.Module) -> int:
+    return out_in(p).shape[0]
+
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: int, Hkv: int, D: int,
+                Dv: int) -> list[HeadLayout] | str:
+    """The head layouts m's projections allow (names by role, sizes by the recorded call), or why none."""
+    from multihead.heads.surgery import role_of
+
+    lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)}
+    roles: dict[str, list[str]] = {}
+    for n in lin:
+        roles.setdefault(role_of(n), []).append(n)
+    o_name, from_parent = (roles.get("o") or roles.get("o?") or [None])[-1], False
+    if o_name is not None and (in_features(lin[o_name]) != H * Dv):
+        o_name = None
+    if o_name is None:  # BERT: the output projection is the parent's (output.dense)
+        own = name[len(parent_name) + 1:] if parent_name else name
+        for n, c in parent.named_modules():
+            if n and not _inside(n, own) and (isinstance(c, nn.Linear) or is_conv1d(c)) and \
+                    role_of(n) in ("o", "o?") and in_features(c) == H * Dv:
+                o_name, from_parent = n, True
+                break
+    if o_name is None:
+        return f"no output projection taking the {H} heads' {H * Dv} features among {sorted(lin) or 'no layers'}"
+    per_head = tuple(n for n, p in m.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == H)
+    q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
+    if q and k and v:
+        sizes = (out_features(lin[q]), out_features(lin[k]), out_features(lin[v]))
+        if sizes != (H * D, Hkv * D, Hkv * Dv):
+            return f"{q}/{k}/{v} give {sizes} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
+        return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D)]
+    if qkv:
+        out = out_features(lin[qkv])
+        lays = []
+        if D == Dv and out == (H + 2 * Hkv) * D:
+            lays.append(HeadLayout("fused [Q | K | V]", qkv, qkv, qkv, o_name, from_parent, fused="blocks",
+                                   per_head=per_head, head_size=D))
+        if D == Dv and H == Hkv and out == 3 * H * D:
+            lays.append(HeadLayout("fused per head [q k v]", qkv, qkv, qkv, o_name, from_parent, fused="interleaved",
+                                   per_head=per_head, head_size=D))
+        return lays or f"{qkv} gives {out} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
+    return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
+
+
+def in_features(p: nn.Module) -> int:
+    return out_in(p).shape[1]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hkv: int, Dv: int) -> str | None:
+    """None if pruning by ``lay`` equals gating on the recorded call (the first group of heads removed,
+    and every head); else why not. The module itself is left unchanged (copies are cut)."""
+    import copy
+
+    from multihead.heads.pruning import kept_heads
+
+    hooks = m.attention_hooks
+    memo = {id(hooks.parent): hooks.parent}  # the parent is shared, never copied
+
+    def run(mod, gate):
+        h = None
+        if gate is not None:
+            h = mod.attention_hooks.add_transform(lambda _m, out, _l: out * gate.to(out)[None, None, :, None])
+        try:
+            with torch.no_grad():
+                a, kw = copy.deepcopy((args, kwargs), memo=dict(memo))
+                return _first(mod(*a, **kw))
+        finally:
+            if h is not None:
+                h.remove()
+
+    tries = [list(range(H // Hkv)) if Hkv > 1 else [0]] if H > 1 else []
+    for remove in tries:
+        keep, kv = kept_heads(H, Hkv, set(remove))
+        gate = torch.ones(H).index_fill(0, torch.tensor(remove), 0.0)
+        ref = run(m, gate)
+        cp = copy.deepcopy(m, memo=dict(memo))
+        try:
+            _prune(lay, cp, keep, kv, None, None, with_o=not lay.o_from_parent)
+            got = run(cp, None)
+        except Exception as e:  # noqa: BLE001 - the family's forward on a cut module
+            return f"its forward fails once heads {remove} are cut ({type(e).__name__}: {str(e)[:120]})"
+        if lay.o_from_parent:
+            ref = ref[..., head_rows(keep, Dv)]
+        if got.shape != ref.shape or float((got - ref).abs().max()) > 1e-4 * (float(ref.abs().max()) + 1e-6):
+            return (f"cutting heads {remove} does not equal gating them (the rows it assigns to a head are not "
+                    "that head's)")
+    cp = copy.deepcopy(m, memo=dict(memo))
+    lay.zero_heads_ok = False
+    try:
+        lay.zero_heads_ok = True
+        _prune(lay, cp, [], [], None, None, with_o=not lay.o_from_parent)
+        got = run(cp, None)
+        lay.zero_heads_ok = bool(torch.isfinite(got).all())
+    except Exception:  # noqa: BLE001 - the family cannot run without heads: keep one null head
+        lay.zero_heads_ok = False
+    return None
+
+
+def _set(owner: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(owner.get_submodule(parent) if parent else owner, leaf, new)
+
+
+def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None,
+           gone: list[int] | None, *, with_o: bool = True) -> None:
+    hooks = m.__dict__["attention_hooks"]
+    parent = hooks.parent
+    D = layout.head_dim(m)
+    H0, Hkv0 = layout.counts(m, parent)
+    q, k, v, o = layout.projections(m, parent)
+    null = not keep and not layout.zero_heads_ok
+    if null:  # keep one head that contributes nothing (its output-projection columns are zeroed below)
+        keep, kv = [0], [0]
+    with torch.no_grad():
+        if layout.fused == "interleaved":  # per head [q_h | k_h | v_h], 3 D rows each (H = Hkv)
+            _set(m, layout.q, select(q, out_rows=head_rows(keep, 3 * D)))
+        elif layout.fused:  # [Q (H D) | K (Hkv D) | V (Hkv D)] along the output
+            rows = head_rows(keep, D) + [H0 * D + r for r in head_rows(kv, D)] + [(H0 + Hkv0) * D + r for r in head_rows(kv, D)]
+            _set(m, layout.q, select(q, out_rows=rows))
+        else:
+            _set(m, layout.q, select(q, out_rows=head_rows(keep, D)))
+            _set(m, layout.k, select(k, out_rows=head_rows(kv, D)))
+            _set(m, layout.v, select(v, out_rows=head_rows(kv, D)))
+        for name in layout.per_head:  # (H,) -> (len(keep),)
+            owner, _, leaf = name.rpartition(".")
+            holder = m.get_submodule(owner) if owner else m
+            p = getattr(holder, leaf)
+            setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
+        if with_o:
+            new_o = select(o, in_cols=head_rows(keep, D))
+            if null:
+                new_o.weight.zero_()
+            if mean_out is not None and gone:  # the removed heads' mean output, through o, into its bias
+                fold_into_bias(new_o, o, head_rows(gone, D), mean_out[gone])
+            _set(parent if layout.o_from_parent else m, layout.o, new_o)
+    H, Hkv = len(keep), len(kv)
+    for a in layout.count_attrs:
+        if isinstance(m.__dict__.get(a), int):
+            m.__dict__[a] = H
+    for a in layout.size_attrs:
+        if isinstance(m.__dict__.get(a), int | list):
+            m.__dict__[a] = H * D
+    if layout.fused and H == 0 and not m.__dict__.get("is_cross_attention"):
+        m.__dict__["split_size"] = [0, 0, 0]  # GPT-2 splits c_attn's (B, L, 0) output into q, k, v: three empty parts
+    if isinstance(m.__dict__.get("num_key_value_groups"), int):
+        m.__dict__["num_key_value_groups"] = H // Hkv if Hkv else 1
+    before = hooks.kept if hooks.kept is not None else list(range(H0))
+    hooks.kept = [before[i] for i in keep]  # the original indices: a shared per-head input (T5's bias) is cut to them
+    hooks.num_heads = H
