@@ -21,7 +21,7 @@ try:
     from multihead.apps import bench
 except ImportError:
     from multihead import bench
-peers = ["torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (Padding)"]
+peers = ["torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (valid_lens)", "multihead (Padding)"]
 out = []
 for w in bench.workloads(sys.argv[1].split(",")):
     for r in bench.time_workload(w, peers, int(sys.argv[2]), log=lambda *a: None):

@@ -301,6 +301,14 @@ def packing_cost(n_padded: int, B: int, flop_per_token: float) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _too_short(Lk: int, flop_per_token: float) -> str:
+    """Why a call this short runs dense (made once per size: the small calls it explains are the ones
+    whose time the formatting would show in)."""
+    return (f"Lk={Lk}: skipping padded keys saves at most ~{Lk * flop_per_token / 1e6:.1f} MFLOP per sequence, "
+            f"less than the per-sequence loop costs (~{LOOP_COST_FLOP / 1e6:.0f} MFLOP)")
+
+
 def _prefix(keep: Tensor) -> bool:
     n = keep.sum(-1, keepdim=True)  # (B, 1)
     return bool((keep == (torch.arange(keep.shape[-1], device=keep.device) < n)).all())
@@ -313,8 +321,7 @@ def plan(mask: masks.Mask | None, B: int, Lq: int, Lk: int, device, *, flop_per_
     if mask is None:
         return "no padding in the mask"
     if not force and not could_pay(Lk, flop_per_token):  # even all-padding could not pay for the loop
-        return (f"Lk={Lk}: skipping padded keys saves at most ~{Lk * flop_per_token / 1e6:.1f} MFLOP per sequence, "
-                f"less than the per-sequence loop costs (~{LOOP_COST_FLOP / 1e6:.0f} MFLOP)")
+        return _too_short(Lk, flop_per_token)
     rest = []
     for p in mask.parts():
         if p.key_keep(Lk) is None and not p.packable:

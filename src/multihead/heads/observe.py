@@ -26,6 +26,7 @@ tools see).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import NamedTuple
@@ -148,8 +149,9 @@ def _run(model: nn.Module, example) -> None:
 
 
 def _probe(model: nn.Module, example) -> dict[str, _Found]:
-    """Run ``model`` on ``example`` once, recording which modules' own forward calls SDPA."""
-    stack, inputs, found = [], {}, {}
+    """Run ``model`` on ``example``: which modules' own forward calls SDPA (the innermost module
+    running at the call), then, in a second call, their inputs as they arrive."""
+    stack, found = [], {}
     names = {id(m): n for n, m in model.named_modules()}
 
     def record(module, a, sdpa):
@@ -157,34 +159,51 @@ def _probe(model: nn.Module, example) -> dict[str, _Found]:
         if name is not None and name not in found and "attention_hooks" not in module.__dict__:
             q, k, v = a["query"], a["key"], a["value"]  # multihead's own modules (with hooks): seen already
             seen = (q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
-            try:
-                call = copy.deepcopy(inputs[id(module)])
-            except Exception:  # noqa: BLE001 - an input that does not copy: used as it is
-                call = inputs[id(module)]
-            found[name] = _Found(module, call, seen)
+            found[name] = _Found(module, ((), {}), seen)
         return sdpa(**a)
 
-    def push(mod, args, kwargs) -> None:
+    def push(mod, args) -> None:
         stack.append(mod)
-        inputs.setdefault(id(mod), (args, kwargs))
 
     def pop(mod, args, out) -> None:
         stack.pop()
 
+    with _hooked(model, [(m, push, pop) for m in model.modules()]), _Calls(stack, record):
+        _run(model, example)
+    if found:  # a second call records the found modules' inputs as they arrive (before a cache grows)
+        by_id = {id(f.module): n for n, f in found.items()}
+
+        def keep(mod, args, kwargs) -> None:
+            n = by_id[id(mod)]
+            if found[n].call == ((), {}):
+                try:
+                    found[n] = found[n]._replace(call=copy.deepcopy((args, kwargs)))
+                except Exception:  # noqa: BLE001 - an input that does not copy: used as it is
+                    found[n] = found[n]._replace(call=(args, kwargs))
+
+        with _hooked(model, [(f.module, keep, None) for f in found.values()]):
+            _run(model, example)
+    return found
+
+
+@contextlib.contextmanager
+def _hooked(model: nn.Module, hooks: list):
+    """Forward pre-hooks (with kwargs when they take three arguments) and always-called forward
+    hooks on the given modules, the model in eval mode, for the block."""
     handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(push, with_kwargs=True))
-        handles.append(m.register_forward_hook(pop, always_call=True))
+    for m, pre, post in hooks:
+        if pre is not None:
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=len(inspect.signature(pre).parameters) == 3))
+        if post is not None:
+            handles.append(m.register_forward_hook(post, always_call=True))
     was = model.training
     model.eval()
     try:
-        with _Calls(stack, record):
-            _run(model, example)
+        yield
     finally:
         model.train(was)
         for h in handles:
             h.remove()
-    return found
 
 
 def _derive(model: nn.Module, name: str, f: _Found) -> None:
@@ -200,7 +219,10 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
     lays = candidates(m, name, hooks.parent, parent_name, H, Hkv, D, Dv)
     reasons = []
     for lay in [] if isinstance(lays, str) else lays:
-        why = verify(lay, m, *f.call, H, Hkv, Dv)
+        try:
+            why = verify(lay, m, *f.call, H, Hkv, Dv)
+        except Exception as e:  # noqa: BLE001 - the module's forward on its recorded inputs: say why
+            why = f"its recorded call does not run again ({type(e).__name__}: {str(e)[:120]})"
         if why is None:
             hooks.layout, hooks.layout_reason = lay, None
             return
