@@ -1,8 +1,8 @@
 """Ways of computing attention, one file each, behind one registry.
 
-``register(name, run, supports=..., priority=...)``, ``available()``,
+``register(name, run, can_run=..., prefer=..., priority=...)``, ``available()``,
 ``use(name)`` (a context manager), ``get(name)``; :func:`multihead.explain`
-reports which backend runs a call and why the others do not.
+reports which backend runs a call and why the others do not (a :class:`Choice`).
 
 Shipped, in the order "auto" tries them: ``blocked`` (banded masks, masked
 blocks skipped), ``flex`` (FlexAttention; "auto" only on CUDA), ``sdpa``
@@ -12,7 +12,7 @@ blocks skipped), ``flex`` (FlexAttention; "auto" only on CUDA), ``sdpa``
 from multihead.backends import blocked, flex, reference, sdpa  # noqa: E402,F401  (registers the built-ins)
 from multihead.backends.registry import (  # noqa: F401
     Backend,
-    Explanation,
+    Choice,
     Request,
     available,
     explain_request,
@@ -23,4 +23,4 @@ from multihead.backends.registry import (  # noqa: F401
     use,
 )
 
-__all__ = ["Backend", "Explanation", "Request", "available", "get", "register", "select", "unregister", "use"]
+__all__ = ["Backend", "Choice", "Request", "available", "get", "register", "select", "unregister", "use"]

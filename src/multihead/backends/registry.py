@@ -370,7 +370,7 @@ def modifier_kwargs(softcap: float | None, sinks: Tensor | None) -> dict:
 
 
 @dataclass
-class Explanation:
+class Choice:
     """Which backend runs a call and, for every other backend, why not."""
 
     request: Request
@@ -399,7 +399,7 @@ class Explanation:
         return "\n".join([f"`{head}`", "", "| backend | decision |", "|---|---|", *rows])
 
 
-def explain_request(req: Request, name: str = "auto") -> Explanation:
+def explain_request(req: Request, name: str = "auto") -> Choice:
     forced = (_FORCED[-1] if _FORCED else None) if name == "auto" else name
     chosen = select(name, req).name
     reasons: dict[str, str] = {}
@@ -419,4 +419,4 @@ def explain_request(req: Request, name: str = "auto") -> Explanation:
             reasons[b.name] = f"could run, but {chosen!r} was asked for"
         else:
             reasons[b.name] = f"could run, but ranks below {chosen!r} (priority {b.priority})"
-    return Explanation(req, chosen, reasons)
+    return Choice(req, chosen, reasons)

@@ -103,7 +103,7 @@ def explain(query: Tensor, key: Tensor, value: Tensor, mask=None, *, dropout_p: 
             sinks: Tensor | None = None):
     """Which backend :func:`attention` would run for these inputs, and why every
     other backend would not. ``training=True`` asks as if gradients were needed.
-    Returns an :class:`~multihead.backends.registry.Explanation`; print it."""
+    Returns an :class:`~multihead.backends.registry.Choice`; print it."""
     mask = validation.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
     req = registry.request(query, key, value, mask, dropout_p, softcap, sinks)
     if training:

@@ -38,8 +38,8 @@ __all__ = ["Packed", "Packing", "Schedule", "attention_varlen", "core_calls", "c
            "packing_cost", "plan", "run_schedule", "schedule", "schedule_calls", "unpad"]
 
 #: what one sequence of the per-sequence loop costs, in floating-point operations
-#: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here;
-#: ``bench/varlen_cost.py`` measures it)
+#: it could have done instead (~50 us of Python and kernel launch at ~100 GFLOP/s here: one small
+#: SDPA call with its slicing, timed on this machine; ``bench/varlen_groups.py`` times the grouping)
 LOOP_COST_FLOP = 5e6
 
 #: self-attention over packed sequences no longer than this is padded for the attention alone

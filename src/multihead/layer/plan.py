@@ -86,18 +86,18 @@ def _mask_text(m: Mask | None) -> str:
 class Explanation:
     """:meth:`multihead.MultiHeadAttention.explain`'s answer: the :class:`Plan` forward executes, the
     requests its core calls make (``requests``, one per call, in order) and, per distinct call, the
-    backend registry's decision (``decisions``: a :class:`multihead.backends.registry.Explanation`, or
+    backend registry's decision (``decisions``: a :class:`multihead.backends.registry.Choice`, or
     the ring's own account under context parallel). ``str()`` is the text; a notebook shows it as a
     table (``_repr_markdown_``/``_repr_html_``). All three come from :meth:`sections`."""
 
     plan: Plan
     requests: tuple[registry.Request, ...]
-    decisions: tuple[tuple[int, object], ...]  # (how many calls, registry.Explanation or text)
+    decisions: tuple[tuple[int, object], ...]  # (how many calls, registry.Choice or text)
 
     @property
     def chosen(self) -> tuple[str, ...]:
         """The backend each distinct core call runs on ("ring" for ring attention over several ranks)."""
-        return tuple(d.chosen if isinstance(d, registry.Explanation) else "ring" for _, d in self.decisions)
+        return tuple(d.chosen if isinstance(d, registry.Choice) else "ring" for _, d in self.decisions)
 
     def sections(self) -> tuple[str, list[dict]]:
         """(title, sections): the one structure every rendering reads. A section is
@@ -106,7 +106,7 @@ class Explanation:
         title = f"path: {p.layout} ({p.why})"
         out = []
         for n, d in self.decisions:
-            if isinstance(d, registry.Explanation):
+            if isinstance(d, registry.Choice):
                 r = d.request
                 call = (f"attention call: B={r.B} H={r.H} Hkv={r.Hkv} Lq={r.Lq} Lk={r.Lk} D={r.D} Dv={r.Dv} "
                         f"{str(r.dtype).replace('torch.', '')} on {r.device_type}; mask: {_mask_text(r.mask)}; "
