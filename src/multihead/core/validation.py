@@ -165,43 +165,29 @@ class TorchHintError(ValueError, RuntimeError):
     """torch.nn's RuntimeError for ``is_causal=True`` without ``attn_mask``, also a ValueError."""
 
 
-def _torch_batched(query, key, value, key_padding_mask, attn_mask, layout: str) -> None:
-    """torch.nn's checks of a batched (3-D) call's ranks."""
-    if key.dim() != 3 or value.dim() != 3:
+def _torch_ranks(query, key, value, key_padding_mask, attn_mask, *, batched: bool, layout: str,
+                 num_heads: int) -> None:
+    """torch.nn's checks of a call's ranks, batched (3-D query) or not (2-D), in torch.nn's words."""
+    n, what = (3, "batched (3-D)") if batched else (2, "unbatched (2-D)")
+    if key.dim() != n or value.dim() != n:
         raise TorchShapeError(
-            "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found "
+            f"For {what} `query`, expected `key` and `value` to be {n}-D but found "
             f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
-            f"value {_shape(value)}); give all three as {layout}.")
-    if key_padding_mask is not None and key_padding_mask.dim() != 2:
+            f"value {_shape(value)}); give all three as {layout if batched else '(L, E)'}.")
+    if key_padding_mask is not None and key_padding_mask.dim() != n - 1:
         raise TorchShapeError(
-            "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but found "
-            f"{key_padding_mask.dim()}-D tensor instead; give it as (B, Lk), True = padding.")
+            f"For {what} `query`, expected `key_padding_mask` to be `None` or {n - 1}-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead; give it as {'(B, Lk)' if batched else '(Lk,)'}, "
+            "True = padding.")
     if attn_mask is not None and attn_mask.dim() not in (2, 3):
         raise TorchShapeError(
-            "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-            f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (B*H, Lq, Lk).")
-
-
-def _torch_unbatched(query, key, value, key_padding_mask, attn_mask, num_heads: int) -> None:
-    """torch.nn's checks of an unbatched (2-D) call's ranks and its (H, Lq, Lk) mask."""
-    if key.dim() != 2 or value.dim() != 2:
+            f"For {what} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+            f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or {'(B*H' if batched else '(H'}, Lq, Lk).")
+    if not batched and attn_mask is not None and attn_mask.dim() == 3 and \
+            tuple(attn_mask.shape) != (num_heads, query.shape[0], key.shape[0]):
         raise TorchShapeError(
-            "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found "
-            f"{key.dim()}-D and {value.dim()}-D tensors respectively (query {_shape(query)}, key {_shape(key)}, "
-            f"value {_shape(value)}); give all three as (L, E).")
-    if key_padding_mask is not None and key_padding_mask.dim() != 1:
-        raise TorchShapeError(
-            "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D but found "
-            f"{key_padding_mask.dim()}-D tensor instead; give it as (Lk,), True = padding.")
-    if attn_mask is not None:
-        if attn_mask.dim() not in (2, 3):
-            raise TorchShapeError(
-                "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                f"{attn_mask.dim()}-D tensor instead; give it as (Lq, Lk) or (H, Lq, Lk).")
-        if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (num_heads, query.shape[0], key.shape[0]):
-            raise TorchShapeError(
-                f"Expected `attn_mask` shape to be {(num_heads, query.shape[0], key.shape[0])} but got "
-                f"{tuple(attn_mask.shape)}: (H, Lq, Lk) for an unbatched query.")
+            f"Expected `attn_mask` shape to be {(num_heads, query.shape[0], key.shape[0])} but got "
+            f"{tuple(attn_mask.shape)}: (H, Lq, Lk) for an unbatched query.")
 
 
 def torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, *, num_heads: int, embed_dim: int,
@@ -214,10 +200,9 @@ def torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, *, num_head
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be floating point; got dtype {t.dtype}. Convert with {name}.float().")
     layout = "(B, L, E)" if batch_first else "(L, B, E)"
-    if query.dim() == 3:
-        _torch_batched(query, key, value, key_padding_mask, attn_mask, layout)
-    elif query.dim() == 2:
-        _torch_unbatched(query, key, value, key_padding_mask, attn_mask, num_heads)
+    if query.dim() in (2, 3):
+        _torch_ranks(query, key, value, key_padding_mask, attn_mask, batched=query.dim() == 3, layout=layout,
+                     num_heads=num_heads)
     else:
         raise TorchShapeError(
             f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor "
