@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -160,3 +161,14 @@ def test_quantize_refuses_what_it_cannot_do(bert_dir, tmp_path, capsys):
         mhf.save(q, tmp_path / "x")
     with pytest.raises(ValueError, match=r"already quantized"):
         quantize.quantize(q)
+
+
+def test_viz_hf_on_a_text_longer_than_the_model_draws_its_first_positions(bert_dir, tmp_path, corpus, capsys):
+    """A text past the model's positions (here 160) was a RuntimeError from inside the model: it is
+    truncated to what the model takes, and the command says so."""
+    text = " ".join(corpus[:60])
+    assert main(["viz", "--hf", str(bert_dir), "--text", text, "--out", str(tmp_path / "v")]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"multihead viz: the text is \d+ tokens and BertModel takes at most 160 positions: its first "
+                     r"160 tokens are drawn\.", err), err
+    assert "Traceback" not in err and (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000

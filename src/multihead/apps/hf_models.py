@@ -212,6 +212,23 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     return losses
 
 
+def _encode_within(tok, model, text: str):
+    """``text`` tokenized for one call, truncated to the positions the model has (its config's
+    ``max_position_embeddings``, or the tokenizer's limit when smaller), saying so on stderr."""
+    import sys
+
+    limits = [n for n in (getattr(model.config, "max_position_embeddings", None), tok.model_max_length)
+              if isinstance(n, int) and 0 < n < 1_000_000]
+    if not limits:
+        return tok([text], return_tensors="pt")
+    limit = min(limits)
+    n = len(tok.tokenize(text)) + tok.num_special_tokens_to_add()
+    if n > limit:
+        print(f"multihead viz: the text is {n} tokens and {type(model).__name__} takes at most {limit} positions: "
+              f"its first {limit} tokens are drawn.", file=sys.stderr)
+    return tok([text], truncation=True, max_length=limit, return_tensors="pt")
+
+
 def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> list[Path]:
     """Every head of the checkpoint in ``path`` on ``text``: heatmaps, rollout and the explorer;
     with ``explain``, :func:`multihead.hf.explain` printed first."""
@@ -223,7 +240,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
     if explain:
         print(mhf.explain(model))
-    enc = tok([text], return_tensors="pt")
+    enc = _encode_within(tok, model, text)
     tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
     with torch.no_grad(), multihead.capture(model) as cap:
         model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
