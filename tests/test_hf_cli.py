@@ -172,3 +172,36 @@ def test_viz_hf_on_a_text_longer_than_the_model_draws_its_first_positions(bert_d
     assert re.search(r"multihead viz: the text is \d+ tokens and BertModel takes at most 160 positions: its first "
                      r"160 tokens are drawn\.", err), err
     assert "Traceback" not in err and (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000
+
+
+def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(bert_dir, tmp_path, corpus):
+    """`prune --hf` on a sentence-transformers directory: the directory it writes opens with
+    AutoModel.from_pretrained (weights at full size, the pruned heads zero) and with SentenceTransformer
+    (its pooling and normalisation copied), both giving what multihead.hf.load gives."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    src = tmp_path / "st"
+    SentenceTransformer(modules=[models.Transformer(str(bert_dir)), models.Pooling(32, "mean"),
+                                 models.Normalize()]).save(str(src))
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("\n".join(corpus[:48]))
+    out = tmp_path / "p"
+    assert main(["prune", "--hf", str(src), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
+                 "--sentences", "16", "32", "--max-seconds", "1", "--out", str(out)]) == 0
+    ours = mhf.load(out / "model")
+    assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(ours).values()) == 6
+    theirs = T.AutoModel.from_pretrained(out / "model").eval()
+    tok = T.AutoTokenizer.from_pretrained(out / "model")
+    batch = tok(corpus[:3], padding=True, return_tensors="pt")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        a = ours(**batch).last_hidden_state
+        b = theirs(**batch).last_hidden_state
+    assert (a - b)[real].abs().max() < 1e-5
+    model = SentenceTransformer(str(out / "model"), device="cpu")
+    got = torch.as_tensor(model.encode(corpus[:3]))
+    m = batch["attention_mask"][..., None].float()
+    want = torch.nn.functional.normalize((a * m).sum(1) / m.sum(1), dim=-1)
+    assert (got - want).abs().max() < 1e-5

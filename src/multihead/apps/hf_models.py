@@ -119,13 +119,33 @@ def _objective(causal: bool, batches: list, refs: list) -> tuple[Callable, Calla
     return loss_fn, metric_fn, name
 
 
+def save_with_files(model: nn.Module, out: str | Path, source: str | Path, *, quantize: str | None = None) -> Path:
+    """:func:`multihead.hf.save` into ``out``, with the checkpoint directory's other files copied beside it
+    (the tokenizer, and sentence-transformers' modules.json, pooling and normalisation folders), so that the
+    directory opens where the source did: ``SentenceTransformer(out)``, ``AutoModel.from_pretrained(out)``
+    (a model with one key/value head per query head is stored at full size, its pruned heads zero)."""
+    import shutil
+
+    import multihead.hf as mhf
+
+    out, source = Path(out), Path(source)
+    mhf.save(model, out, quantize=quantize)
+    for f in source.iterdir():
+        if f.name == "config.json" or f.name.startswith(("model", "pytorch_model")) or f.name in ("onnx", "openvino"):
+            continue  # the weights and config are the pruned model's; other runtimes' exports are not
+        if f.is_dir():
+            shutil.copytree(f, out / f.name, dirs_exist_ok=True)
+        elif not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
              n_held_out: int | None = None, n_recover: int | None = None) -> Setup:
     """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
     on the first ``n_importance`` sentences, recovery (distillation) on the next ``n_recover``
     (default: a quarter of the corpus, at most 256), fidelity on the ``n_held_out`` after them
     (default: all the rest), so the fidelity sentences are never trained on."""
-    import multihead.hf as mhf
     from multihead.apps.data import sentences
 
     model, peer, tok, causal = _load(Path(path))
@@ -153,7 +173,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name
     setup = Setup(label, model, imp, loss_fn, metric_fn, name, speed,
                   lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
-                  lambda m, p, quantize=None: mhf.save(m, p, quantize=quantize),
+                  lambda m, p, quantize=None: save_with_files(m, p, path, quantize=quantize),
                   (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
                   [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "

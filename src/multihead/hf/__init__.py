@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from multihead.heads.surgery import head_rows
 from multihead.hf import probe
 from multihead.hf.attention import (  # noqa: F401
     NAME,
@@ -53,6 +54,9 @@ HEADS_KEY = "multihead_head_counts"
 PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))
 QUANTIZE_KEY = "multihead_quantize"  # None or "int8": load() quantizes the float weights
 KEPT_KEY = "multihead_kept_heads"  # {module: the original indices of its kept heads} (T5's shared bias needs them)
+#: True: the weights are stored at the architecture's full size, a pruned head's rows (and output columns) zero,
+#: so transformers (AutoModel.from_pretrained) and sentence-transformers load the directory as it is; load() cuts
+FULL_SIZE_KEY = "multihead_full_size"
 
 
 def attach(model: nn.Module, *, example: dict | None = None, packed: bool = False) -> nn.Module:
@@ -143,6 +147,10 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     """A transformers-style directory: ``save_pretrained``'s config.json (plus the head counts
     of every attention module, {name: [H, Hkv]}) and model.safetensors holding the model's own
     parameter names (tied weights stored once), so that :func:`load` rebuilds the pruned model.
+    A pruned model whose modules have separate q/k/v projections and one key/value head per query
+    head (BERT, MiniLM) is stored at its architecture's full size instead, each pruned head's rows
+    and output columns zero: ``AutoModel.from_pretrained`` and sentence-transformers open the
+    directory as it is (same outputs, unpruned speed) and :func:`load` cuts the heads again.
 
     ``quantize="int8"``: :func:`load` returns the model quantized (:func:`multihead.quantize.quantize`
     of the float weights saved here, the same conversion as in memory, so the same outputs). A
@@ -163,16 +171,58 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     model.save_pretrained(path)
     for f in path.glob("model*.safetensors*"):  # transformers' (possibly sharded, renamed) weights
         f.unlink()
-    save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})
+    full = _full_size(model)
+    save_model(full if full is not None else model, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     mods = attention_modules(model).items()
-    cfg[HEADS_KEY] = {name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
-                      for name, m in mods if m.attention_hooks.layout is not None}
+    cfg[FULL_SIZE_KEY] = full is not None
+    cfg[HEADS_KEY] = {} if full is not None else {
+        name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
+        for name, m in mods if m.attention_hooks.layout is not None}
     cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
     cfg[PACKED_KEY] = hf_packed.is_packed(model)
     cfg[QUANTIZE_KEY] = quantize
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def _full_size(model: nn.Module) -> nn.Module | None:
+    """A copy of a pruned model at its architecture's full size (each pruned head's q/k/v rows and output
+    columns zero: it contributes nothing, the outputs are the pruned model's), when every pruned module has
+    separate q/k/v projections with one key/value head per query head and its config gives the full count;
+    None otherwise (or when nothing was pruned)."""
+    import copy
+
+    H0 = getattr(model.config, "num_attention_heads", None)
+    pruned = {n: m for n, m in attention_modules(model).items() if m.attention_hooks.kept is not None}
+    if not pruned or not isinstance(H0, int) or getattr(model.config, "num_key_value_heads", H0) != H0:
+        return None  # nothing cut, no full count, or grouped key/value heads (which the kept list does not name)
+    for m in pruned.values():
+        lay, (H, Hkv) = m.attention_hooks.layout, m.attention_hooks.layout.counts(m, m.attention_hooks.parent)
+        if lay.fused or lay.per_head or H != Hkv or max(m.attention_hooks.kept, default=0) >= H0:
+            return None
+    full = copy.deepcopy(model)
+    names = dict(full.named_modules())
+    for name in pruned:
+        m = names[name]
+        lay, kept = m.attention_hooks.layout, m.attention_hooks.kept
+        parent = m.attention_hooks.parent
+        D = lay.head_dim(m)
+        rows = head_rows(kept, D)
+        q, k, v, o = lay.projections(m, parent)
+        with torch.no_grad():
+            for lin in (q, k, v):
+                w = lin.weight.new_zeros(H0 * D, lin.weight.shape[1])  # (H0*D, E): zero rows for pruned heads
+                w[rows] = lin.weight
+                lin.weight = nn.Parameter(w)
+                if lin.bias is not None:
+                    b = lin.bias.new_zeros(H0 * D)
+                    b[rows] = lin.bias
+                    lin.bias = nn.Parameter(b)
+            w = o.weight.new_zeros(o.weight.shape[0], H0 * D)  # (E, H0*D): zero columns for pruned heads
+            w[:, rows] = o.weight
+            o.weight = nn.Parameter(w)
+    return full
 
 
 def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
@@ -208,6 +258,12 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         raise ValueError(f"the weights in {w_file} do not fit {model_class.__name__} with the recorded head counts: "
                          f"missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}.")
     model.eval()
+    if raw.get(FULL_SIZE_KEY):  # stored at full size, pruned heads zero: cut them (exact: they are zero)
+        mods = attention_modules(model)
+        for name, kept in raw.get(KEPT_KEY, {}).items():
+            m, kept = mods[name], [int(h) for h in kept]
+            m.attention_hooks.kept = None  # the full-size module: kept are indices into it
+            m.attention_hooks.layout.prune(m, kept, kept)
     if raw.get(PACKED_KEY):
         from multihead.hf import packed as hf_packed
 
