@@ -177,7 +177,8 @@ def test_viz_hf_on_a_text_longer_than_the_model_draws_its_first_positions(bert_d
 def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(bert_dir, tmp_path, corpus):
     """`prune --hf` on a sentence-transformers directory: the directory it writes opens with
     AutoModel.from_pretrained (weights at full size, the pruned heads zero) and with SentenceTransformer
-    (its pooling and normalisation copied), both giving what multihead.hf.load gives."""
+    (its pooling and normalisation copied), both giving what multihead.hf.load gives; and multihead's
+    models (loaded pruned, or attached padding-free) run inside a SentenceTransformer, encode unchanged."""
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
@@ -205,3 +206,9 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     m = batch["attention_mask"][..., None].float()
     want = torch.nn.functional.normalize((a * m).sum(1) / m.sum(1), dim=-1)
     assert (got - want).abs().max() < 1e-5
+    model[0].auto_model = ours  # multihead's pruned, padding-free model inside sentence-transformers: encode unchanged
+    assert (torch.as_tensor(model.encode(corpus[:3])) - want).abs().max() < 1e-5
+    unpruned = SentenceTransformer(str(src), device="cpu")
+    before = torch.as_tensor(unpruned.encode(corpus[:5]))
+    mhf.attach(unpruned[0].auto_model, packed=True)  # attached inside it, padding-free
+    assert (torch.as_tensor(unpruned.encode(corpus[:5])) - before).abs().max() < 1e-5
