@@ -265,3 +265,23 @@ def test_the_enlarged_head_and_its_scale_stay_on_screen_at_1024_px(tmp_path):
     assert errors == [] and "head 11" in title
     assert all(0 <= left and right <= 1024 for left, right in boxes.values()), boxes
     assert scroll <= 1024
+
+
+def test_long_inputs_get_a_colour_scale_per_head():
+    """At hundreds of keys a head's weights are ~0.01 each and one shared scale leaves its panel blank:
+    past max_labels keys (or with scale="per_head") each panel runs from 0 to its own largest weight,
+    written in its title, with no shared colour bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    c = captured_stack(L=50)
+    fig = heatmaps(c, max_labels=40)  # 50 keys: per head
+    images = [a.images[0] for a in fig.axes if a.images]
+    grid = torch.stack([w[0] for w in c.values()])  # (layers, H, L, L)
+    want = [float(grid[r, h].max()) for r in range(grid.shape[0]) for h in range(grid.shape[1])]
+    assert [im.get_clim()[1] for im in images] == pytest.approx(want)
+    assert len(fig.axes) == len(images)  # no colour bar
+    assert fig.axes[0].get_title() == f"head 0 (max {want[0]:.2g})"
+    assert len({a.images[0].get_clim() for a in heatmaps(c, scale="shared").axes if a.images}) == 1
+    with pytest.raises(ValueError, match="scale must be 'auto', 'shared' or 'per_head'; got 'log'"):
+        heatmaps(c, scale="log")

@@ -62,9 +62,15 @@ def heatmaps(
     cell: float = 2.2,
     max_labels: int = 40,
     value_label: str = "attention weight",
+    scale: str = "auto",
 ):
     """A matplotlib Figure: one heatmap per (row, head), rows = layers (or what the
-    first dim of a 4-D tensor is), one shared colour scale with a colour bar.
+    first dim of a 4-D tensor is).
+
+    ``scale``: ``"shared"`` -- one colour scale for every panel, with a colour bar;
+    ``"per_head"`` -- each panel from 0 to its own largest value (written in its title), so a
+    head whose weights are spread over hundreds of keys (~0.01 each) still shows its pattern;
+    ``"auto"`` (default) -- per head when there are more than ``max_labels`` keys, else shared.
 
     ``queries``/``keys``: token labels for the axes (shown when at most
     ``max_labels``; otherwise positions, on integer ticks). ``value_label``: what the colour
@@ -76,8 +82,11 @@ def heatmaps(
     plt = require("matplotlib.pyplot", "heatmaps")  # the backend is the caller's: inline in a notebook, Agg headless
     from matplotlib.ticker import MaxNLocator
 
+    if scale not in ("auto", "shared", "per_head"):
+        raise ValueError(f"scale must be 'auto', 'shared' or 'per_head'; got {scale!r}.")
     grid, row_names = as_grid(weights, batch=batch, num_heads=num_heads)  # (rows, cols, Lq, Lk)
     R, C, Lq, Lk = grid.shape
+    per_head = scale == "per_head" or scale == "auto" and Lk > max_labels
     for name, labels, n in (("queries", queries, Lq), ("keys", keys, Lk)):
         if labels is not None and len(labels) != n:
             raise ValueError(f"{name} has {len(labels)} labels but the weights have {n} {name}.")
@@ -87,12 +96,15 @@ def heatmaps(
     for r in range(R):
         for c in range(C):
             ax = axes[r, c]
-            im = ax.imshow(grid[r, c].numpy(), cmap=cmap, vmin=0.0, vmax=vmax or 1.0, aspect="auto",
+            top = (float(grid[r, c].max()) if grid[r, c].numel() else 0.0) if per_head else vmax
+            im = ax.imshow(grid[r, c].numpy(), cmap=cmap, vmin=0.0, vmax=top or 1.0, aspect="auto",
                            interpolation="nearest")
-            if titles is not None:
-                ax.set_title(titles[c] if len(titles) == C else titles[r * C + c], fontsize=8)
-            elif r == 0:
-                ax.set_title(f"head {c}", fontsize=8)
+            title = titles[c] if titles is not None and len(titles) == C else \
+                titles[r * C + c] if titles is not None else f"head {c}" if r == 0 or per_head else None
+            if per_head:
+                title = f"{title or ''} (max {top:.2g})".strip()
+            if title is not None:
+                ax.set_title(title, fontsize=8 if not per_head else 6)
             if c == 0:
                 ax.set_ylabel(f"{row_names[r]}\n{ylabel}" if row_names[r] else ylabel, fontsize=7)
             if r == R - 1:
@@ -106,5 +118,6 @@ def heatmaps(
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if queries is None or Lq > max_labels:
                 ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.colorbar(im, ax=axes, shrink=0.6, label=value_label)
+    if not per_head:  # one scale: one colour bar (per head, each title gives its panel's top)
+        fig.colorbar(im, ax=axes, shrink=0.6, label=value_label)
     return fig
