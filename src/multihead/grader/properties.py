@@ -143,15 +143,22 @@ def gradients(s: Session, b: Base, trainable: tuple[str, ...]) -> Check:
                  ", ".join(dead[:4]))
 
 
+def _real_permutation(s: Session, L: int, lens) -> tuple[int, Tensor | None]:
+    """(n, a permutation (L,) that moves every one of the first n positions -- the ones real in every
+    sequence under ``lens`` -- among themselves and keeps the rest); None when n < 2."""
+    n = L if lens is None else int(lens.min())
+    if n < 2:
+        return n, None
+    return n, torch.cat([torch.randperm(n, generator=s.g).roll(1), torch.arange(n, L)])
+
+
 def permutation(s: Session, b: Base) -> tuple[Check, Finding | None]:
     """Self-attention: positions permuted (the real ones among themselves, under a padding mask) -> outputs
     permuted the same way; a mistake that ties scores to positions breaks it."""
     x = b.x
-    L = x.q.shape[1]
-    n = L if x.lens is None else int(x.lens.min())  # the first n positions are real in every sequence
-    if n < 2:
+    n, perm = _real_permutation(s, x.q.shape[1], x.lens)
+    if perm is None:
         return Check("permutation equivariance", None, "", "too few real positions"), None
-    perm = torch.cat([torch.randperm(n, generator=s.g).roll(1), torch.arange(n, L)])
     xp = x.q[:, perm]
     e = rel(s.out(xp, xp, xp, x.keep, x.lens)[:, :n], b.out[:, perm][:, :n])
     ok = e < TOL
@@ -162,11 +169,9 @@ def key_order(s: Session, b: Base) -> tuple[Check, Finding | None]:
     """Cross-attention: keys and values permuted together (the kept ones among themselves) leave every
     output unchanged; a mistake that ties scores to positions does not."""
     x = b.x
-    Lk = x.k.shape[1]
-    n = Lk if x.lens is None else int(x.lens.min())  # the first n keys are kept in every sequence
-    if n < 2:
+    _, perm = _real_permutation(s, x.k.shape[1], x.lens)
+    if perm is None:
         return Check("order of the keys does not matter", None, "", "too few kept keys"), None
-    perm = torch.cat([torch.randperm(n, generator=s.g).roll(1), torch.arange(n, Lk)])
     e = rel(s.out(x.q, x.k[:, perm], x.v[:, perm], x.keep, x.lens), b.out)
     ok = e < TOL
     return Check("order of the keys does not matter", ok, f"rel. change {e:.2e}"), None if ok else _positional(e, "keys")
