@@ -51,6 +51,17 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def reap() -> bool:
+    """Collect every child that has ended; False when no child is left."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
 def _kill_tree(me: int, sid: int | None) -> None:
     """SIGKILL the sandbox's session and every descendant, until none is left (or 2 s)."""
     end = time.monotonic() + 2.0
@@ -66,13 +77,8 @@ def _kill_tree(me: int, sid: int | None) -> None:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        while True:  # reap what died (we are their subreaper)
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                break
+        if not reap():  # what died (we are their subreaper); no child left: done
+            return
         if not pids:
             return
         time.sleep(0.01)

@@ -44,7 +44,7 @@ def _serve_one(conn: socket.socket, req: dict) -> None:
 def main(argv: list[str]) -> int:
     import torch  # noqa: F401 - imported once here, inherited by every sandbox
 
-    from multihead.grader import sandbox, warden  # noqa: F401 - likewise
+    from multihead.grader import sandbox, warden  # noqa: F401 - likewise (warden also reaps below)
 
     torch.set_num_threads(1)
     conn = socket.socket(fileno=int(argv[0]))
@@ -60,13 +60,7 @@ def main(argv: list[str]) -> int:
             return 0
         line, buf = buf.split(b"\n", 1)
         _serve_one(conn, json.loads(line))
-        while True:  # reap the wardens that have finished
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        warden.reap()  # the wardens that have finished
 
 
 if __name__ == "__main__":
