@@ -162,9 +162,14 @@ def test_prune_errors():
         heads.prune(model, {"nope": [0]})
     with pytest.raises(ValueError, match=r"heads \[9\] do not exist: the module has num_heads=6"):
         heads.prune(model, {"layers.0": [9]})
-    wrapper = nn.Sequential(TorchMultiheadAttention(8, 2))
-    with pytest.raises(TypeError, match="Convert it with multihead.interop.from_torch first"):
-        heads.prune(wrapper, {"0": [0]})
+    wrapper = nn.Sequential(TorchMultiheadAttention(8, 2, batch_first=True).eval())  # the drop-in is cut too
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad(), heads.gated(wrapper, {"0": torch.tensor([0.0, 1.0])}):
+        want = wrapper[0](x, x, x)[0]
+    assert heads.prune(wrapper, {"0": [0]}) == {"0": [1]}
+    assert type(wrapper[0]).__name__ == "PrunedMultiheadAttention" and wrapper[0].in_proj_weight.shape == (12, 8)
+    with torch.no_grad():
+        assert torch.allclose(wrapper[0](x, x, x)[0], want, atol=1e-6)
     with pytest.raises(ValueError, match="method must be"):
         heads.importance(model, batches(), loss_fn, "random")
 

@@ -5,6 +5,7 @@
 """
 
 from multihead.layer.course import D2LMultiHeadAttention, KerasTutorialMultiHeadAttention, LastWeights
-from multihead.layer.dropin import TorchMultiheadAttention
+from multihead.layer.dropin import PrunedMultiheadAttention, TorchMultiheadAttention
 
-__all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights", "TorchMultiheadAttention"]
+__all__ = ["D2LMultiHeadAttention", "KerasTutorialMultiHeadAttention", "LastWeights", "PrunedMultiheadAttention",
+           "TorchMultiheadAttention"]

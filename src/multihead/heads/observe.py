@@ -17,11 +17,18 @@ implicitly: the same scale, mask, causal flag and GQA grouping, dropout off -- a
 output (B, H, Lq, Dv) through the transforms before the module merges the heads. With nothing
 registered the module runs untouched (the pre-hook tests one list). :func:`unobserve` removes it all.
 
+``torch.nn.MultiheadAttention`` (torchvision's ViT, open_clip, ``nn.TransformerEncoderLayer``) is seen
+through ``F.multi_head_attention_forward``: while observed it runs torch.nn's slow path (any active
+mode turns torch's fused fast path off, as the observation's forward pre-hook turns off
+``nn.TransformerEncoderLayer``'s), computed as torch.nn computes it with one SDPA call for the heads.
+Differences there: a query row with nothing to attend to gives zeros (torch.nn: NaN), and the weights
+returned with ``need_weights=True`` are those before dropout. ``heads.prune`` puts a
+:class:`multihead.layer.dropin.PrunedMultiheadAttention` (the same call and parameter names, fewer heads)
+in its place.
+
 Refused with a clear error: a model none of whose modules calls SDPA in Python during the probe
 (a fused kernel called from C++, attention written out by hand), an SDPA call whose query is not
-(B, H, Lq, D), and ``torch.nn.MultiheadAttention`` (its fused path never reaches SDPA in Python:
-``multihead.interop.patch(model)`` swaps it for multihead's drop-in, same weights, which the head
-tools see).
+(B, H, Lq, D), a ``multi_head_attention_forward`` call with ``static_k``/``static_v``.
 """
 
 from __future__ import annotations
@@ -43,14 +50,17 @@ from multihead.layer.hooks import AttentionHooks, hooked_modules
 __all__ = ["observe", "observed", "unobserve"]
 
 SDPA = F.scaled_dot_product_attention
+MHA = F.multi_head_attention_forward
 _SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                enable_gqa=False: None)
+_MHA_SIGNATURE = inspect.signature(MHA)
 _KEY = "multihead_sdpa_observer"  # the module's hook handles, in its __dict__
 
 
 class _Calls(TorchFunctionMode):
-    """During a forward: each SDPA call goes to ``on_call(module, bound arguments)`` with the
-    innermost module on ``stack``; every other function runs as it is."""
+    """During a forward: each SDPA or ``F.multi_head_attention_forward`` call goes to
+    ``on_call(module, func, bound arguments)`` with the innermost module on ``stack`` (every argument
+    of the latter bound, defaults included); every other function runs as it is."""
 
     def __init__(self, stack: list, on_call):
         super().__init__()
@@ -59,7 +69,11 @@ class _Calls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is SDPA and self.stack:
-            return self.on_call(self.stack[-1], _SIGNATURE.bind(*args, **kwargs).arguments, func)
+            return self.on_call(self.stack[-1], func, _SIGNATURE.bind(*args, **kwargs).arguments)
+        if func is MHA and self.stack:
+            bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return self.on_call(self.stack[-1], func, bound.arguments)
         return func(*args, **kwargs)
 
 
@@ -78,6 +92,55 @@ def _live(mask: masks.Mask | None, B: int, H: int, Lq: int, Lk: int, device) -> 
         return None
     keep = mask.keep(B, H, Lq, Lk, device).expand(B, H, Lq, Lk).any(1).any(-1)  # (B, H, Lq, Lk) -> (B, Lq)
     return None if bool(keep.all()) else keep
+
+
+def _observed_call(module: nn.Module, func, a: dict):
+    """One observed call: SDPA's (:func:`_through_hooks`) or torch.nn's (:func:`_mha_through_hooks`)."""
+    return _through_hooks(module, a, func) if func is SDPA else _mha_through_hooks(module, a)
+
+
+def _sdpa_mask(mask: masks.Mask, B: int, H: int, Lq: int, Lk: int, q: Tensor) -> Tensor:
+    """A multihead mask as SDPA's ``attn_mask``: bool (True = may attend), or the float bias with -inf
+    where nothing may be attended, broadcastable to (B, H, Lq, Lk)."""
+    keep = mask.keep(B, H, Lq, Lk, q.device)
+    bias = mask.bias(B, H, Lq, Lk, q.device, q.dtype)
+    return keep if bias is None else bias.masked_fill(~keep, float("-inf"))
+
+
+def _mha_through_hooks(module: nn.Module, a: dict):
+    """One observed ``F.multi_head_attention_forward`` call (torch.nn.MultiheadAttention's slow path, which
+    the observation takes: a mode is active): computed as torch.nn computes it, with SDPA per head
+    (:func:`_through_hooks`: observers and transforms) -> (attn_output, weights or None) in torch.nn's
+    layout ((Lq, B, E) or unbatched (Lq, E)). The returned weights are the softmax weights before dropout."""
+    from multihead.core import validation
+    from multihead.layer.dropin import batch_first, heads_like_torch, layout_back, torch_weights, torch_weights_out
+
+    if a["static_k"] is not None or a["static_v"] is not None:
+        raise ValueError(f"{type(module).__name__} calls multi_head_attention_forward with static_k / static_v; "
+                         "multihead observes calls that project their own keys and values only.")
+    H = a["num_heads"]
+    if a["use_separate_proj_weight"]:
+        w_q, w_k, w_v = a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]
+    else:
+        w_q, w_k, w_v = a["in_proj_weight"].chunk(3)  # (3 H D, E) -> 3 x (H D, E)
+    p = torch_weights(H, w_q, w_k, w_v, a["in_proj_bias"], a["bias_k"], a["bias_v"], a["add_zero_attn"])
+    query, key, value, kpm, attn_mask = a["query"], a["key"], a["value"], a["key_padding_mask"], a["attn_mask"]
+    batched = validation.torch_mha_inputs(query, key, value, kpm, attn_mask, num_heads=H,
+                                          embed_dim=a["embed_dim_to_check"], kdim=w_k.shape[1], vdim=w_v.shape[1],
+                                          batch_first=False, is_causal=a["is_causal"])
+    query, key, value, kpm = batch_first(query, key, value, kpm, batched=batched, is_batch_first=False)
+    dropout = a["dropout_p"] if a["training"] else 0.0
+
+    def attend(q, k, v, mask):  # (B, Lq, H, D), (B, Lk, H, D), (B, Lk, H, D) -> (B, Lq, H, D)
+        B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+        sdpa = {"query": q.transpose(1, 2), "key": k.transpose(1, 2), "value": v.transpose(1, 2),  # (B, H, L, D)
+                "attn_mask": None if mask is None else _sdpa_mask(mask, B, H, Lq, Lk, q), "dropout_p": dropout}
+        return _through_hooks(module, sdpa, SDPA).transpose(1, 2)  # (B, H, Lq, D) -> (B, Lq, H, D)
+
+    merged, q, k, mask = heads_like_torch(p, query, key, value, kpm, attn_mask, a["is_causal"], attend)
+    out = F.linear(merged, a["out_proj_weight"], a["out_proj_bias"])  # (B, Lq, H D) -> (B, Lq, E)
+    weights = torch_weights_out(q, k, mask, a["need_weights"], a["average_attn_weights"])
+    return layout_back(out, weights, batched=batched, is_batch_first=False)
 
 
 def _through_hooks(module: nn.Module, a: dict, sdpa) -> Tensor:
@@ -110,7 +173,7 @@ class _Enter:
 
     def __call__(self, module, args):
         if module.__dict__["attention_hooks"]:
-            mode = _Calls(self.stack, _through_hooks)
+            mode = _Calls(self.stack, _observed_call)
             mode.__enter__()
             self.modes.append(mode)
         else:
@@ -138,6 +201,17 @@ class _Found(NamedTuple):
     seen: tuple[int, int, int, int] | None  # None: the query was not (B, H, Lq, D)
 
 
+def _seen(func, a: dict) -> tuple[int, int, int, int] | None:
+    """(H, Hkv, D, Dv) of an SDPA call (None: its query is not (B, H, Lq, D)) or of torch.nn's call."""
+    if func is MHA:
+        H = a["num_heads"]
+        w = a["q_proj_weight"] if a["use_separate_proj_weight"] else a["in_proj_weight"]
+        D = w.shape[0] // (H if a["use_separate_proj_weight"] else 3 * H)  # (H D, E) or (3 H D, E)
+        return H, H, D, D
+    q, k, v = a["query"], a["key"], a["value"]
+    return (q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
+
+
 def _run(model: nn.Module, example) -> None:
     with torch.no_grad():
         if isinstance(example, dict):
@@ -154,13 +228,11 @@ def _probe(model: nn.Module, example) -> dict[str, _Found]:
     stack, found = [], {}
     names = {id(m): n for n, m in model.named_modules()}
 
-    def record(module, a, sdpa):
+    def record(module, func, a):
         name = names.get(id(module))
         if name is not None and name not in found and "attention_hooks" not in module.__dict__:
-            q, k, v = a["query"], a["key"], a["value"]  # multihead's own modules (with hooks): seen already
-            seen = (q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
-            found[name] = _Found(module, ((), {}), seen)
-        return sdpa(**a)
+            found[name] = _Found(module, ((), {}), _seen(func, a))  # multihead's own modules (with hooks): seen
+        return func(**a)
 
     def push(mod, args) -> None:
         stack.append(mod)
@@ -215,6 +287,11 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
     if hooks.parent is None:
         hooks.layout_reason = "the model itself calls SDPA (no parent to hold it)"
         return
+    if isinstance(m, nn.MultiheadAttention):  # torch.nn's layout is documented: cut by heads.prune's replacement
+        if type(m).forward is not nn.MultiheadAttention.forward:
+            hooks.layout_reason = (f"{type(m).__name__} overrides torch.nn.MultiheadAttention.forward (the pruned "
+                                   "module would compute torch.nn's forward, not its own)")
+        return
     H, Hkv, D, Dv = f.seen
     lays = candidates(m, name, hooks.parent, parent_name, H, Hkv, D, Dv)
     reasons = []
@@ -237,12 +314,6 @@ def observe(model: nn.Module, example) -> dict[str, nn.Module]:
     Calling it again on an observed model changes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"observe takes an nn.Module; got {type(model).__name__}.")
-    mha = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    if mha:
-        raise ValueError(f"{type(model).__name__} holds torch.nn.MultiheadAttention ({', '.join(mha[:3])}"
-                         f"{', ...' if len(mha) > 3 else ''}), whose fused path never calls "
-                         "scaled_dot_product_attention in Python; run multihead.interop.patch(model) first (the same "
-                         "weights in multihead's drop-in, which the head tools see).")
     found = _probe(model, example)
     if not found and hooked_modules(model):  # multihead's own modules (or an attached model): seen already
         return observed(model)
@@ -277,6 +348,11 @@ def observed(model: nn.Module) -> dict[str, nn.Module]:
 def unobserve(model: nn.Module) -> None:
     """Undo :func:`observe`: the hooks and hook lists go; the model is as it was."""
     for m in observed(model).values():
-        for h in m.__dict__.pop(_KEY):
-            h.remove()
-        m.__dict__.pop("attention_hooks", None)
+        unobserve_module(m)
+
+
+def unobserve_module(m: nn.Module) -> None:
+    """Undo :func:`observe` on one module (its hooks and hook list go)."""
+    for h in m.__dict__.pop(_KEY, ()):
+        h.remove()
+    m.__dict__.pop("attention_hooks", None)

@@ -32,7 +32,7 @@ from multihead.heads.importance import (
     importance,
 )
 from multihead.heads.surgery import fold_into_bias, head_rows, select
-from multihead.layer.dropin import TorchMultiheadAttention
+from multihead.layer.dropin import PrunedMultiheadAttention
 from multihead.layer.hooks import num_heads as _num_heads
 from multihead.layer.module import MultiHeadAttention
 from multihead.layer.module import linear as _empty_ok_linear
@@ -116,6 +116,45 @@ def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | No
         fold_into_bias(m.projections()[3], o, head_rows(gone, Dv), mean_out[gone])
 
 
+def _param(old: Tensor | None, index: list[int], dim: int) -> nn.Parameter | None:
+    """``old`` with only ``index`` along ``dim``, a new parameter (None stays None)."""
+    if old is None:
+        return None
+    return nn.Parameter(old.detach().index_select(dim, torch.tensor(index, dtype=torch.long, device=old.device)),
+                        requires_grad=old.requires_grad)
+
+
+def _prune_torch_style(model: nn.Module, name: str, m: nn.Module, remove: set[int], mean_out: Tensor | None) -> None:
+    """Cut a torch.nn.MultiheadAttention (seen by :func:`multihead.heads.observe`), the drop-in or a
+    :class:`PrunedMultiheadAttention`: the latter is cut in place, the others are replaced in ``model`` by
+    one (torch.nn fixes the head count by embed_dim) with their weights."""
+    if not isinstance(m, PrunedMultiheadAttention):
+        new = PrunedMultiheadAttention.from_torch(m)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)  # the old module leaves the model
+        m = new
+    H, D = m.num_heads, m.head_dim
+    keep = [h for h in range(H) if h not in remove]
+    rows = head_rows(keep, D)  # (H D) -> (H' D) rows of q, k or v
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:  # [Q | K | V] rows of in_proj_weight (3 H D, E)
+            m.in_proj_weight = _param(m.in_proj_weight, [b * H * D + r for b in range(3) for r in rows], 0)
+        else:
+            for p in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                setattr(m, p, _param(getattr(m, p), rows, 0))
+        m.in_proj_bias = _param(m.in_proj_bias, [b * H * D + r for b in range(3) for r in rows], 0)
+        m.bias_k, m.bias_v = _param(m.bias_k, rows, 2), _param(m.bias_v, rows, 2)  # (1, 1, H D) -> (1, 1, H' D)
+        o = m.out_proj
+        new_o = select(o, in_cols=rows)
+        if mean_out is not None and remove:  # the removed heads' mean output, through out_proj, into its bias
+            if new_o.bias is None:
+                new_o.bias = nn.Parameter(new_o.weight.new_zeros(new_o.out_features))
+            gone = sorted(remove)
+            fold_into_bias(new_o, o, head_rows(gone, D), mean_out[gone])
+        m.out_proj = new_o
+    m.num_heads = m.num_kv_heads = len(keep)
+
+
 def head_counts(model: nn.Module) -> dict[str, list[int]]:
     """{module name: [H, Hkv]} for every multihead attention module whose head counts
     differ from those it was built with (pruned modules): what a checkpoint records."""
@@ -149,13 +188,17 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
         kept[name] = [h for h in range(H) if h not in remove]
         if isinstance(m, MultiHeadAttention):
             _prune_module(m, remove, mo)
-        elif not isinstance(m, TorchMultiheadAttention) and m.attention_hooks.layout is not None:
+        elif not isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention) and \
+                m.attention_hooks.layout is not None:
             layout = m.attention_hooks.layout
             keep, kv = kept_heads(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
             layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
-        elif isinstance(m, TorchMultiheadAttention):
-            raise TypeError(f"{name} is a {type(m).__name__}: its head count is fixed by embed_dim. Convert it with "
-                            "multihead.interop.from_torch first.")
+        elif isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
+            why = m.attention_hooks.layout_reason
+            if why is not None:
+                raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but not pruned: {why}. Gate "
+                                 "its heads with heads.gated instead.")
+            _prune_torch_style(model, name, m, remove, mo)
         else:
             why = m.attention_hooks.layout_reason or "call multihead.hf.attach(model) to derive it"
             raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but multihead has no head layout for "

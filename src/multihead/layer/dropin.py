@@ -6,6 +6,8 @@ parameters, state_dict, forward signature, return values and input checks (torch
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,7 +17,8 @@ from multihead.core import validation
 from multihead.core.functional import weights_of
 from multihead.layer.module import AttentionCore
 
-__all__ = ["TorchMultiheadAttention", "keep_torch_fast_path_off"]
+__all__ = ["PrunedMultiheadAttention", "TorchMultiheadAttention", "TorchWeights", "heads_like_torch",
+           "keep_torch_fast_path_off", "torch_weights"]
 
 
 def keep_torch_fast_path_off(module, args):
@@ -25,7 +28,142 @@ def keep_torch_fast_path_off(module, args):
     return None
 
 
-class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
+class TorchWeights(NamedTuple):
+    """The parameters of one torch.nn-style attention call, q/k/v split: ``w_q`` (H*D, E), ``w_k``
+    (H*D, kdim), ``w_v`` (H*D, vdim); biases (H*D,) or None; ``bias_k`` / ``bias_v`` (1, 1, H*D) or
+    None (add_bias_kv); ``add_zero_attn``. (torch.nn has H*D = E; a pruned module has fewer heads.)"""
+
+    num_heads: int
+    w_q: Tensor
+    w_k: Tensor
+    w_v: Tensor
+    b_q: Tensor | None
+    b_k: Tensor | None
+    b_v: Tensor | None
+    bias_k: Tensor | None
+    bias_v: Tensor | None
+    add_zero_attn: bool
+
+
+def torch_weights(num_heads: int, w_q: Tensor, w_k: Tensor, w_v: Tensor, in_proj_bias: Tensor | None,
+                  bias_k: Tensor | None, bias_v: Tensor | None, add_zero_attn: bool) -> TorchWeights:
+    """:class:`TorchWeights` from torch.nn's parameters (``in_proj_bias`` (3*H*D,) split in three; a bias of
+    another dtype promoted to the weights', as torch.nn's slow path does)."""
+    b = in_proj_bias
+    if b is not None and b.dtype != w_q.dtype:
+        b = b.to(w_q.dtype)
+    b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)  # (3 H D,) -> 3 x (H D,)
+    return TorchWeights(num_heads, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, bool(add_zero_attn))
+
+
+def heads_like_torch(p: TorchWeights, query: Tensor, key: Tensor, value: Tensor, key_padding_mask, attn_mask,
+                     is_causal: bool, attend) -> tuple[Tensor, Tensor, Tensor, masks.Mask | None]:
+    """torch.nn.MultiheadAttention's computation up to its output projection, the attention itself done
+    by ``attend(q (B, Lq, H, D), k (B, Lk', H, D), v (B, Lk', H, D), mask) -> (B, Lq, H, D)``.
+
+    query (B, Lq, E), key (B, Lk, kdim), value (B, Lk, vdim), torch.nn's masks (bool True = blocked, float
+    = added; checked by the caller) -> (the heads merged (B, Lq, H*D), q, k, the validated mask), Lk'
+    counting the positions ``add_bias_kv`` / ``add_zero_attn`` append (every query may attend to them)."""
+    B, Lq, _ = query.shape
+    H = p.num_heads
+    q = F.linear(query, p.w_q, p.b_q)  # (B, Lq, H*D)
+    k = F.linear(key, p.w_k, p.b_k)  # (B, Lk, H*D)
+    v = F.linear(value, p.w_v, p.b_v)  # (B, Lk, H*D)
+    inner = q.shape[-1]
+    D = inner // H if H else 0
+    extra = 0
+    if p.bias_k is not None:  # one learned key/value position appended to every sequence
+        k = torch.cat([k, p.bias_k.expand(B, 1, inner).to(k.dtype)], 1)  # (B, Lk+1, H*D)
+        v = torch.cat([v, p.bias_v.expand(B, 1, inner).to(v.dtype)], 1)
+        extra += 1
+    q = q.view(B, Lq, H, D)  # (B, Lq, H*D) -> (B, Lq, H, D)
+    k = k.view(B, k.shape[1], H, D)  # (B, Lk', H*D) -> (B, Lk', H, D)
+    v = v.view(B, v.shape[1], H, D)
+    if p.add_zero_attn:  # one zero key/value per head appended
+        k = torch.cat([k, k.new_zeros(B, 1, H, D)], 1)  # (B, Lk'+1, H, D)
+        v = torch.cat([v, v.new_zeros(B, 1, H, D)], 1)
+        extra += 1
+    Lk = k.shape[1]
+    if extra:  # the appended positions may be attended to by every query (as torch.nn pads its masks)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, extra))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, extra))
+    if is_causal and not extra:  # the hint: attn_mask is the causal mask
+        mask = masks.from_torch(None, key_padding_mask, num_heads=H)
+        mask = masks.Causal() if mask is None else masks.Causal() & mask
+    else:
+        mask = masks.from_torch(attn_mask, key_padding_mask, num_heads=H)
+    if mask is not None:
+        mask.validate(B, H, Lq, Lk, query.device)
+    out = attend(q, k, v, mask) if H else q.new_zeros(B, Lq, 0, D)  # (B, Lq, H, D)
+    return out.reshape(B, Lq, inner), q, k, mask  # (B, Lq, H, D) -> (B, Lq, H*D)
+
+
+def torch_weights_out(q: Tensor, k: Tensor, mask, need_weights: bool, average: bool) -> Tensor | None:
+    """The weights torch.nn returns: (B, H, Lq, Lk) softmax weights of q (B, Lq, H, D) and k (B, Lk, H, D),
+    averaged over the heads to (B, Lq, Lk) when ``average``; None unless ``need_weights``."""
+    if not need_weights:
+        return None
+    weights = weights_of(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
+    return weights.mean(1) if average else weights  # (B, Lq, Lk)
+
+
+def batch_first(query, key, value, key_padding_mask, *, batched: bool, is_batch_first: bool):
+    """torch.nn's layouts ((L, B, E), (B, L, E) or unbatched (L, E)) -> (B, L, E), and the
+    key_padding_mask to (B, Lk)."""
+    if not batched:  # (L, E) -> (1, L, E)
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)  # (Lk,) -> (1, Lk)
+    elif not is_batch_first:  # (L, B, E) -> (B, L, E)
+        query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    return query, key, value, key_padding_mask
+
+
+def layout_back(out: Tensor, weights: Tensor | None, *, batched: bool, is_batch_first: bool):
+    """(B, Lq, E) and the weights back to the caller's layout (:func:`batch_first` undone)."""
+    if not batched:
+        return out.squeeze(0), None if weights is None else weights.squeeze(0)
+    return (out if is_batch_first else out.transpose(0, 1)), weights  # (B, Lq, E) -> (Lq, B, E)
+
+
+class _TorchCall:
+    """torch.nn.MultiheadAttention's forward (signature, checks, layouts, masks, return values) on
+    multihead's attention call. Needs ``torch_weights()``, ``out_proj``, ``num_heads``, ``embed_dim``,
+    ``kdim``, ``vdim``, ``batch_first`` and :class:`AttentionCore`'s ``_attend``."""
+
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """Self-attention on a nested batch (B sequences of (L_b, E)), as torch.nn's fast path takes it:
+        padded to (B, L, E) with the padding masked, and nested again."""
+        if not (query is key and key is value) or not self.batch_first or key_padding_mask is not None \
+                or attn_mask is not None or is_causal or need_weights:
+            raise validation.TorchShapeError(
+                "MultiheadAttention takes NestedTensor input for self-attention only (query is key is value), with "
+                "batch_first=True, no attn_mask / key_padding_mask / is_causal and need_weights=False (as "
+                "nn.TransformerEncoder passes it); otherwise pad the batch (torch.nested.to_padded_tensor) and pass "
+                "a key_padding_mask.")
+        lens = [t.shape[0] for t in query.unbind()]  # L_b of each sequence
+        x = torch.nested.to_padded_tensor(query, 0.0)  # (B, L, E)
+        pad = torch.arange(x.shape[1], device=x.device) >= torch.tensor(lens, device=x.device)[:, None]  # (B, L)
+        out, _ = self.forward(x, x, x, key_padding_mask=pad, need_weights=False)  # (B, L, E)
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lens)], layout=query.layout), None
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if isinstance(query, Tensor) and query.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        batched = validation.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
+                                              embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
+                                              batch_first=self.batch_first, is_causal=is_causal)
+        query, key, value, key_padding_mask = batch_first(query, key, value, key_padding_mask, batched=batched,
+                                                          is_batch_first=self.batch_first)
+        merged, q, k, mask = heads_like_torch(self.torch_weights(), query, key, value, key_padding_mask, attn_mask,
+                                              is_causal, self._attend)  # (B, Lq, H*D)
+        out = self.out_proj(merged)  # (B, Lq, E)
+        weights = torch_weights_out(q, k, mask, need_weights, average_attn_weights)
+        return layout_back(out, weights, batched=batched, is_batch_first=self.batch_first)
+
+
+class TorchMultiheadAttention(_TorchCall, AttentionCore, nn.MultiheadAttention):
     """A drop-in for ``torch.nn.MultiheadAttention`` that computes with multihead.
 
     Same constructor (``add_bias_kv`` and ``add_zero_attn`` included), parameters
@@ -95,86 +233,84 @@ class TorchMultiheadAttention(AttentionCore, nn.MultiheadAttention):
         plain.__dict__["_multihead_source"] = (self,)
         return plain
 
-    def projection_weights(self):
-        """(w_q, w_k, w_v, b_q, b_k, b_v): (E, E), (E, kdim), (E, vdim) and (E,) or None."""
+    def torch_weights(self) -> TorchWeights:
+        """The parameters as ``F.multi_head_attention_forward`` takes them (q/k/v split)."""
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        b = self.in_proj_bias
-        if b is not None and b.dtype != w_q.dtype:  # a bias of another dtype is promoted (as torch.nn's slow path does)
-            b = b.to(w_q.dtype)
-        b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)  # (3E,) -> 3 x (E,)
-        return w_q, w_k, w_v, b_q, b_k, b_v
+        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, self.bias_k, self.bias_v,
+                             self.add_zero_attn)
 
-    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
-        """Self-attention on a nested batch (B sequences of (L_b, E)), as torch.nn's fast path takes it:
-        padded to (B, L, E) with the padding masked, and nested again."""
-        if not (query is key and key is value) or not self.batch_first or key_padding_mask is not None \
-                or attn_mask is not None or is_causal or need_weights:
-            raise validation.TorchShapeError(
-                "MultiheadAttention takes NestedTensor input for self-attention only (query is key is value), with "
-                "batch_first=True, no attn_mask / key_padding_mask / is_causal and need_weights=False (as "
-                "nn.TransformerEncoder passes it); otherwise pad the batch (torch.nested.to_padded_tensor) and pass "
-                "a key_padding_mask.")
-        lens = [t.shape[0] for t in query.unbind()]  # L_b of each sequence
-        x = torch.nested.to_padded_tensor(query, 0.0)  # (B, L, E)
-        pad = torch.arange(x.shape[1], device=x.device) >= torch.tensor(lens, device=x.device)[:, None]  # (B, L)
-        out, _ = self.forward(x, x, x, key_padding_mask=pad, need_weights=False)  # (B, L, E)
-        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lens)], layout=query.layout), None
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
-        if isinstance(query, Tensor) and query.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
-        batched = validation.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
-                                          embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
-                                          batch_first=self.batch_first, is_causal=is_causal)
-        if not batched:  # (L, E) -> (1, L, E)
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)  # (Lk,) -> (1, Lk)
-        elif not self.batch_first:  # (L, B, E) -> (B, L, E)
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        B, Lq, E = query.shape
-        H, D = self.num_heads, self.head_dim
-        w_q, w_k, w_v, b_q, b_k, b_v = self.projection_weights()
-        q = F.linear(query, w_q, b_q)  # (B, Lq, E)
-        k = F.linear(key, w_k, b_k)  # (B, Lk, E)
-        v = F.linear(value, w_v, b_v)  # (B, Lk, E)
-        extra = 0
-        if self.bias_k is not None:  # one learned key/value position appended to every sequence
-            k = torch.cat([k, self.bias_k.expand(B, 1, E).to(k.dtype)], 1)  # (B, Lk+1, E)
-            v = torch.cat([v, self.bias_v.expand(B, 1, E).to(v.dtype)], 1)
-            extra += 1
-        q = q.view(B, Lq, H, D)  # (B, Lq, E) -> (B, Lq, H, D)
-        k = k.view(B, k.shape[1], H, D)  # (B, Lk', E) -> (B, Lk', H, D)
-        v = v.view(B, v.shape[1], H, D)
-        if self.add_zero_attn:  # one zero key/value per head appended
-            k = torch.cat([k, k.new_zeros(B, 1, H, D)], 1)  # (B, Lk'+1, H, D)
-            v = torch.cat([v, v.new_zeros(B, 1, H, D)], 1)
-            extra += 1
-        Lk = k.shape[1]
-        if extra:  # the appended positions may be attended to by every query (as torch.nn pads its masks)
-            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, extra))
-            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, extra))
-        if is_causal and not extra:  # the hint: attn_mask is the causal mask
-            mask = masks.from_torch(None, key_padding_mask, num_heads=H)
-            mask = masks.Causal() if mask is None else masks.Causal() & mask
+class PrunedMultiheadAttention(_TorchCall, AttentionCore, nn.Module):
+    """``torch.nn.MultiheadAttention`` with heads cut: what :func:`multihead.heads.prune` puts in the place
+    of a torch.nn module (or the drop-in) it prunes, since torch.nn fixes the head count by ``embed_dim``.
+
+    The same call as torch.nn's (signature, layouts, masks, input checks, return values, the drop-in's
+    deliberate differences) and the same parameter names (``in_proj_weight`` or ``q/k/v_proj_weight``,
+    ``in_proj_bias``, ``bias_k``/``bias_v``, ``out_proj``), with H heads of size D where H*D need not be
+    ``embed_dim``: ``in_proj_weight`` (3*H*D, E), ``out_proj`` (E, H*D). A multihead attention module:
+    capture, gates, importance and further pruning see it directly. Built empty with the sizes a pruned
+    checkpoint records (its ``state_dict`` then loads), or by :meth:`from_torch`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, kdim: int | None = None,
+                 vdim: int | None = None, bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 dropout: float = 0.0, batch_first: bool = False, packed: bool = True, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.kdim, self.vdim = kdim if kdim is not None else embed_dim, vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = packed
+        if packed and (self.kdim, self.vdim) != (embed_dim, embed_dim):
+            raise ValueError(f"packed=True (one in_proj_weight) needs kdim = vdim = embed_dim={embed_dim}; got "
+                             f"kdim={self.kdim}, vdim={self.vdim}. Pass packed=False.")
+        inner = num_heads * head_dim
+        if packed:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * inner, embed_dim, **kw))  # [Q | K | V] rows
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
         else:
-            mask = masks.from_torch(attn_mask, key_padding_mask, num_heads=H)
-        if mask is not None:
-            mask.validate(B, H, Lq, Lk, query.device)
-        out = self._attend(q, k, v, mask)  # (B, Lq, H, D)
-        out = self.out_proj(out.reshape(B, Lq, E))  # (B, Lq, H, D) -> (B, Lq, E)
-        weights = None
-        if need_weights:
-            weights = weights_of(q.transpose(1, 2), k.transpose(1, 2), mask, None)  # (B, H, Lq, Lk)
-            if average_attn_weights:
-                weights = weights.mean(1)  # (B, Lq, Lk)
-        if not batched:
-            out = out.squeeze(0)
-            weights = weights.squeeze(0) if weights is not None else None
-        elif not self.batch_first:
-            out = out.transpose(0, 1)  # (B, Lq, E) -> (Lq, B, E)
-        return out, weights
+            self.q_proj_weight = nn.Parameter(torch.empty(inner, embed_dim, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(inner, self.kdim, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(inner, self.vdim, **kw))
+            self.register_parameter("in_proj_weight", None)
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * inner, **kw)) if bias else None
+        self.bias_k = nn.Parameter(torch.zeros(1, 1, inner, **kw)) if add_bias_kv else None
+        self.bias_v = nn.Parameter(torch.zeros(1, 1, inner, **kw)) if add_bias_kv else None
+        self.add_zero_attn, self.batch_first = add_zero_attn, batch_first
+        self.out_proj = nn.Linear(inner, embed_dim, bias=bias, **kw)
+        self.register_forward_pre_hook(keep_torch_fast_path_off)
+        self.num_kv_heads, self.value_head_dim = num_heads, head_dim
+        self._init_core(dropout=dropout, scale=None, backend="auto")
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> PrunedMultiheadAttention:
+        """Every head of ``module`` (torch.nn's, or the drop-in), its weights copied."""
+        w = module.out_proj.weight
+        new = cls(module.embed_dim, module.num_heads, module.head_dim, kdim=module.kdim, vdim=module.vdim,
+                  bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
+                  add_zero_attn=module.add_zero_attn, dropout=module.dropout, batch_first=module.batch_first,
+                  packed=module._qkv_same_embed_dim, device=w.device, dtype=w.dtype)
+        new.load_state_dict(module.state_dict())
+        return new.train(module.training)
+
+    def __prepare_scriptable__(self):
+        raise TypeError(f"torch.jit.script cannot compile {type(self).__name__} (multihead's Python dispatch), and "
+                        f"torch.nn.MultiheadAttention cannot hold {self.num_heads} heads of {self.head_dim} with "
+                        f"embed_dim={self.embed_dim}; use torch.compile or torch.export instead.")
+
+    def torch_weights(self) -> TorchWeights:
+        """The parameters as ``F.multi_head_attention_forward`` would take them (q/k/v split)."""
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3 H D, E) -> 3 x (H D, E)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, self.bias_k, self.bias_v,
+                             self.add_zero_attn)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"batch_first={self.batch_first}")
