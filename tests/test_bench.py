@@ -78,3 +78,21 @@ def test_a_peer_that_fails_is_a_row_of_the_table_and_multihead_failing_fails_the
     with pytest.raises(RuntimeError, match="multihead itself failed in the benchmark"):
         bench.run(["W1"], reps=2, out=tmp_path, memory=False, peers=["torch.nn.MHA", "multihead"],
                   log=lambda *a: None)
+
+
+def test_the_vit_pruning_bench_runs_small_and_its_table_loads_back(tmp_path):
+    """bench/vit_pruning.py (timm- and torchvision-style ViTs, half the heads cut): the rows it writes
+    load back, pruned = gated, and the markdown shows every row."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("vit_pruning", Path(__file__).parent.parent / "bench" / "vit_pruning.py")
+    vit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vit)
+    out = vit.main(["--tiny", "--batches", "2", "--max-seconds", "1", "--out", str(tmp_path)])
+    rows = json.loads((out / "vit_pruning.json").read_text())
+    assert [(r["model"], r["batch"]) for r in rows] == [("timm ViT-S/16 (tiny)", 2), ("torchvision ViT-B/16 (tiny)", 2)]
+    assert all(r["pruned_minus_gated"] <= 1e-5 and r["pruned_ms"] > 0 for r in rows)
+    assert rows[0]["heads"] == "6 of 12 cut" and rows[1]["heads"] == "4 of 8 cut"
+    md = (out / "vit_pruning.md").read_text()
+    assert md.count("\n") == 4 and "torchvision ViT-B/16 (tiny) | 2 |" in md
