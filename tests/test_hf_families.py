@@ -472,3 +472,64 @@ def test_families_that_compute_attention_themselves_are_seen_through_sdpa_or_ref
         with pytest.raises(ValueError, match=rf"{type(model).__name__}: no module called torch.nn.functional."
                                              r"scaled_dot_product_attention .* compute attention another way"):
             heads.observe(model, {"input_ids": ids, "attention_mask": am})
+
+
+@pytest.mark.parametrize("arch", ["multi-query", "per head [q k v]", "new decoder (grouped)"])
+def test_falcon_heads_cut_through_the_sdpa_observation(arch):
+    """Falcon's three fused query_key_value layouts (multi-query [Q | k | v]; per head [q k v]; the new
+    decoder's per key/value group [q .. q k v], whose keys reach SDPA broadcast to every head): the
+    layout is derived and verified on the probe call, the cut model equals the gated one, and greedy
+    decoding with its cache gives the gated model's tokens."""
+    kw = {"multi-query": {}, "per head [q k v]": {"multi_query": False},
+          "new decoder (grouped)": {"new_decoder_architecture": True, "num_kv_heads": 2}}[arch]
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **kw)
+    cfg._attn_implementation = "sdpa"
+    model = T.FalconForCausalLM(cfg).eval()
+    ids, am = _ids()["input_ids"], _ids()["attention_mask"]
+    heads.observe(model, {"input_ids": ids, "attention_mask": am})
+    lay = model.transformer.h[0].self_attention.attention_hooks.layout
+    assert lay is not None and lay.fused == {"multi-query": "blocks", "per head [q k v]": "interleaved",
+                                             "new decoder (grouped)": "grouped"}[arch]
+    cut = {"transformer.h.0.self_attention": [1], "transformer.h.1.self_attention": [0, 2]}
+    gates = {n: torch.ones(4) for n in heads.attention_modules(model)}
+    for n, hs in cut.items():
+        gates[n][hs] = 0.0
+    prompt = ids[:1, :4]
+    with torch.no_grad(), heads.gated(model, gates):
+        want = model(input_ids=ids, attention_mask=am).logits
+        want_tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    heads.prune(model, cut)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=am).logits
+        tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    real = am.bool()
+    assert (got - want)[real].abs().max() < 1e-5
+    assert torch.equal(tokens, want_tokens)
+    assert model.transformer.h[1].self_attention.num_heads == 2
+
+
+def test_gptj_heads_cut_through_the_interface():
+    """GPT-J (on transformers' attention interface since 5.24; refused by name before): its separate
+    projections are derived at attach and cut; the cut model equals the gated one, greedy tokens too."""
+    torch.manual_seed(0)
+    cfg = T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)
+    model = T.GPTJForCausalLM(cfg).eval()
+    ids, am = _ids()["input_ids"], _ids()["attention_mask"]
+    try:
+        mhf.attach(model)
+    except ValueError as e:  # an older transformers: GPT-J computes attention itself and is refused in one line
+        assert "GPTJForCausalLM: none of its modules calls transformers' attention interface" in str(e)
+        return
+    cut = {"transformer.h.0.attn": [3], "transformer.h.1.attn": [0, 1]}
+    gates = {n: torch.ones(4).index_fill(0, torch.tensor(hs), 0.0) for n, hs in cut.items()}
+    prompt = ids[:1, :4]
+    with torch.no_grad(), heads.gated(model, gates):
+        want = model(input_ids=ids, attention_mask=am).logits
+        want_tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    heads.prune(model, cut)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=am).logits
+        tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert (got - want)[am.bool()].abs().max() < 1e-5 and torch.equal(tokens, want_tokens)
+    assert model.transformer.h[1].attn.q_proj.weight.shape == (16, 32)

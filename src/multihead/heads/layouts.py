@@ -32,12 +32,14 @@ class HeadLayout:
     o: str
     o_from_parent: bool = False
     #: False: separate q/k/v; "blocks": one projection [Q | K | V] (GPT-2's Conv1D, Phi-3's qkv_proj,
-    #: ModernBERT's Wqkv); "interleaved": per head [q_h k_h v_h] (GPT-NeoX's query_key_value)
+    #: ModernBERT's Wqkv); "interleaved": per head [q_h k_h v_h] (GPT-NeoX's query_key_value);
+    #: "grouped": per key/value group [q .. q k v] (Falcon's new decoder architecture)
     fused: bool | str = False
     #: whether the family's forward works with zero heads; if not, pruning every head keeps one
     #: head whose output-projection columns are zero (it contributes nothing: the output is the bias)
     zero_heads_ok: bool = True
     count_attrs: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads")
+    kv_count_attrs: tuple[str, ...] = ("num_kv_heads", "num_key_value_heads")  # Hkv, where the module keeps it
     size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size")
     per_head: tuple[str, ...] = ()  # parameters of shape (H,), one entry per query head
     head_size: int | None = None  # D, for a module with no head-size attribute
@@ -69,6 +71,9 @@ class HeadLayout:
         q, k, _, _ = self.projections(m, parent)
         if self.fused:
             total = out_features(q) // D  # H + 2 Hkv
+            hkv = next((m.__dict__[a] for a in self.kv_count_attrs if isinstance(m.__dict__.get(a), int)), None)
+            if self.fused in ("blocks", "grouped") and hkv is not None and 0 < hkv and total > 2 * hkv:  # Falcon
+                return total - 2 * hkv, hkv
             g = m.__dict__.get("num_key_value_groups")
             g = g if isinstance(g, int) and g > 0 and self.fused == "blocks" else 1  # H = g Hkv
             H = total * g // (g + 2)
@@ -123,6 +128,11 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: 
         if D == Dv and H == Hkv and out == 3 * H * D:
             lays.append(HeadLayout("fused per head [q k v]", qkv, qkv, qkv, o_name, from_parent, fused="interleaved",
                                    per_head=per_head, head_size=D))
+        groups = next((m.__dict__[a] for a in HeadLayout.kv_count_attrs if isinstance(m.__dict__.get(a), int)), None)
+        if D == Dv and groups and H % groups == 0 and groups < H and out == (H + 2 * groups) * D:
+            # Falcon's new decoder architecture: keys/values broadcast to every query head before the call
+            lays.append(HeadLayout("fused per group [q .. q k v]", qkv, qkv, qkv, o_name, from_parent,
+                                   fused="grouped", per_head=per_head, head_size=D))
         return lays or f"{qkv} gives {out} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
     return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
 
@@ -144,6 +154,9 @@ def verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hkv
 
     hooks = m.attention_hooks
     memo = {id(hooks.parent): hooks.parent}  # the parent is shared, never copied
+    H_lay, Hkv = lay.counts(m, hooks.parent)  # the call may show keys/values broadcast to every head (Falcon)
+    if H_lay != H:
+        return f"its projections hold {H_lay} query heads; the call has {H}"
 
     def run(mod, gate):
         h = None
@@ -185,6 +198,18 @@ def verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hkv
     return None
 
 
+def _group_rows(keep: list[int], kv: list[int], g: int, D: int) -> list[int]:
+    """Rows of a per-group fused projection ([q_{jg} .. q_{jg+g-1} | k_j | v_j], (g + 2) D rows per group j)
+    for query heads ``keep`` and key/value heads ``kv`` (one per kept query head when groups became uneven)."""
+    slots = [([h], j) for h, j in zip(keep, kv)] if len(kv) == len(keep) else \
+        [([h for h in keep if h // g == j], j) for j in kv]
+    rows: list[int] = []
+    for qs, j in slots:
+        base = j * (g + 2)  # the group's first head slot
+        rows += head_rows([base + h % g for h in qs] + [base + g, base + g + 1], D)
+    return rows
+
+
 def _set(owner: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(owner.get_submodule(parent) if parent else owner, leaf, new)
@@ -203,6 +228,8 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
     with torch.no_grad():
         if layout.fused == "interleaved":  # per head [q_h | k_h | v_h], 3 D rows each (H = Hkv)
             _set(m, layout.q, select(q, out_rows=head_rows(keep, 3 * D)))
+        elif layout.fused == "grouped":
+            _set(m, layout.q, select(q, out_rows=_group_rows(keep, kv, H0 // Hkv0, D)))
         elif layout.fused:  # [Q (H D) | K (Hkv D) | V (Hkv D)] along the output
             rows = head_rows(keep, D) + [H0 * D + r for r in head_rows(kv, D)] + [(H0 + Hkv0) * D + r for r in head_rows(kv, D)]
             _set(m, layout.q, select(q, out_rows=rows))
@@ -231,6 +258,9 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
             m.__dict__[a] = H * D
     if layout.fused and H == 0 and not m.__dict__.get("is_cross_attention"):
         m.__dict__["split_size"] = [0, 0, 0]  # GPT-2 splits c_attn's (B, L, 0) output into q, k, v: three empty parts
+    for a in layout.kv_count_attrs:
+        if isinstance(m.__dict__.get(a), int):
+            m.__dict__[a] = Hkv
     if isinstance(m.__dict__.get("num_key_value_groups"), int):
         m.__dict__["num_key_value_groups"] = H // Hkv if Hkv else 1
     before = hooks.kept if hooks.kept is not None else list(range(H0))
