@@ -79,8 +79,12 @@ def test_the_inline_explorer_works_in_the_notebooks_html(executed, tmp_path):
             frame = page.frame_locator("iframe.multihead-explorer")
             thumbs = frame.locator("#thumbs canvas")
             assert thumbs.count() >= 4
+            frame.locator("body[data-shown='0:0']").wait_for()  # the first head inflated and drawn
             before = frame.locator("#enlarged-title").text_content()
-            thumbs.nth(3).click()
+            third = thumbs.nth(3)
+            shown = f"{third.get_attribute('data-module')}:{third.get_attribute('data-head')}"
+            third.click()
+            frame.locator(f"body[data-shown='{shown}']").wait_for()
             after = frame.locator("#enlarged-title").text_content()
             labels = frame.locator("#xlabels span").all_text_contents()
         finally:

@@ -109,9 +109,17 @@ def _open(page_path, exe, sync_api, fn, width=1200):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(page_path).as_uri())
+            page.wait_for_selector("body[data-shown='0:0']", state="attached")  # the first head, inflated and drawn
             return fn(page), errors
         finally:
             browser.close()
+
+
+def _show(page, head: int, module: int | None = None) -> None:
+    """Click a thumbnail and wait until its head is inflated and drawn."""
+    m = "" if module is None else f'[data-module="{module}"]'
+    page.click(f'#thumbs canvas{m}[data-head="{head}"]')
+    page.wait_for_selector(f"body[data-shown='{0 if module is None else module}:{head}']", state="attached")
 
 
 def _not_blank(png: bytes) -> bool:
@@ -130,7 +138,7 @@ def test_explorer_in_chromium(tmp_path):
 
     def act(page):
         before = page.text_content("#enlarged-title")
-        page.click('#thumbs canvas[data-module="1"][data-head="2"]')
+        _show(page, 2, module=1)
         after = page.text_content("#enlarged-title")
         page.hover("#tokens span:nth-child(3)")
         shaded = page.eval_on_selector("#keys span:nth-child(1)", "e => e.style.background")
@@ -168,7 +176,7 @@ def test_explorer_long_input_and_image_in_chromium(tmp_path):
     assert p.stat().st_size < 3_000_000
 
     def act(page):
-        page.click('#thumbs canvas[data-head="1"]')
+        _show(page, 1)
         ys = page.eval_on_selector_all("#ylabels span", "els => els.map(e => e.textContent)")
         return page.text_content("#enlarged-title"), page.screenshot(), ys
 
@@ -256,7 +264,7 @@ def test_the_enlarged_head_and_its_scale_stay_on_screen_at_1024_px(tmp_path):
     p = explorer(cap, tokens=[f"tok{i}" for i in range(14)], path=tmp_path / "wide.html")
 
     def act(page):
-        page.click('#thumbs canvas[data-head="11"]')
+        _show(page, 11)
         boxes = {sel: page.eval_on_selector(sel, "e => { const r = e.getBoundingClientRect(); return [r.left, r.right]; }")
                  for sel in ("#ylabels", "#big", "#scalewrap", "#thumbs")}
         return boxes, page.evaluate("document.documentElement.scrollWidth"), page.text_content("#enlarged-title")
@@ -285,3 +293,30 @@ def test_long_inputs_get_a_colour_scale_per_head():
     assert len({a.images[0].get_clim() for a in heatmaps(c, scale="shared").axes if a.images}) == 1
     with pytest.raises(ValueError, match="scale must be 'auto', 'shared' or 'per_head'; got 'log'"):
         heatmaps(c, scale="log")
+
+
+def test_512_tokens_x_144_heads_open_at_once_and_each_head_at_full_resolution(tmp_path):
+    """bertviz's users' long inputs: 12 layers x 12 heads x 512 tokens. The page opens on light
+    thumbnails; a head's full-resolution map is inflated when it is opened, and a cell read on it is
+    that head's weight (8 bits of its own scale)."""
+    exe, sync_api = _chromium()
+    torch.manual_seed(0)
+    L = 512
+    cap = {f"encoder.layer.{i}": torch.softmax(torch.randn(1, 12, L, L) * 4, -1) for i in range(12)}  # peaked rows
+    p = explorer(cap, tokens=[f"t{i}" for i in range(L)], path=tmp_path / "long.html")
+    assert p.stat().st_size < 12_000_000  # 8-bit maps of 144 x 512 x 512 would be 50 MB as base64
+    w = cap["encoder.layer.7"][0, 5]
+    i = 300
+    j = int(w[i].argmax())  # a cell worth reading
+    cell = round(float(w[i, j] / w.max()) * 255) / 255 * float(w.max())
+
+    def act(page):
+        assert page.eval_on_selector_all("#thumbs canvas", "els => els.length") == 144
+        _show(page, 5, module=7)
+        cw, ch = page.eval_on_selector("#big", "e => [e.clientWidth, e.clientHeight]")  # inside the border
+        page.hover("#big", position={"x": (j + 0.5) / L * cw, "y": (i + 0.5) / L * ch})
+        return page.text_content("#enlarged-title"), page.text_content("#info")
+
+    (title, info), errors = _open(p, exe, sync_api, act)
+    assert errors == [] and title.startswith("encoder.layer.7 — head 5 (512 queries × 512 keys")
+    assert info == f'"t{i}" → "t{j}": {cell:.4f}'

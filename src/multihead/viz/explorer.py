@@ -1,6 +1,9 @@
 """One self-contained HTML file to explore every head: no CDN, no network; inline
 CSS and JS; the weights inside as JSON (each head quantized to 8 bits and, past
 ``max_cells`` positions, averaged over blocks so that 4096-token inputs stay light).
+The page opens on thumbnails (at most 56 x 56 cells a head, each on its own colour
+scale); a head's full-resolution map is stored zlib-compressed and inflated by the
+browser only when the head is opened, so 144 heads x 512 tokens open at once.
 
 - all layers x heads as thumbnails under their head numbers; click one to enlarge it;
 - the enlarged head reads without hovering: query tokens down its side, key tokens
@@ -21,6 +24,7 @@ import base64
 import html
 import io
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -29,9 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+#: thumbnails are at most this many cells a side (block means): what the page draws when it opens
+THUMB_CELLS = 56
 
-def _quantize(w: Tensor, max_cells: int) -> tuple[str, float, int, int]:
-    """(Lq, Lk) weights -> base64 of uint8 (rows x cols, block means), the max, rows, cols."""
+
+def _cells(w: Tensor, max_cells: int) -> tuple[bytes, float, int, int]:
+    """(Lq, Lk) weights -> uint8 bytes (rows x cols, block means past ``max_cells``; 255 = their max),
+    the max, rows, cols."""
     Lq, Lk = w.shape
     rows, cols = min(Lq, max_cells), min(Lk, max_cells)
     w = w.float()
@@ -39,8 +47,20 @@ def _quantize(w: Tensor, max_cells: int) -> tuple[str, float, int, int]:
         w = F.adaptive_avg_pool2d(w[None, None], (rows, cols))[0, 0]  # (Lq, Lk) -> (rows, cols)
     vmax = float(w.max()) if w.numel() else 0.0
     q = (w / vmax * 255).round().clamp(0, 255) if vmax > 0 else torch.zeros_like(w)
-    data = q.to(torch.uint8).numpy().tobytes()
-    return base64.b64encode(data).decode("ascii"), vmax, rows, cols
+    return q.to(torch.uint8).numpy().tobytes(), vmax, rows, cols
+
+
+def _head(w: Tensor, max_cells: int) -> tuple[dict, int, int]:
+    """One head's entry: its thumbnail (``thumb``: at most THUMB_CELLS a side, its own colour scale), and
+    its map at full resolution (``data``, up to ``max_cells`` a side) zlib-compressed when that is smaller
+    (``z``: the page inflates it with the browser's DecompressionStream only when the head is opened)."""
+    data, vmax, rows, cols = _cells(w, max_cells)
+    thumb, _, trows, tcols = _cells(w, THUMB_CELLS)
+    packed = zlib.compress(data, 1)
+    z = len(packed) < len(data)
+    entry = {"data": base64.b64encode(packed if z else data).decode("ascii"), "z": int(z), "vmax": vmax,
+             "thumb": base64.b64encode(thumb).decode("ascii"), "trows": trows, "tcols": tcols}
+    return entry, rows, cols
 
 
 def _image_data_url(image) -> str:
@@ -140,13 +160,14 @@ def explorer(
         kt = key_tokens.get(name) if isinstance(key_tokens, Mapping) else key_tokens
         if kt is None and tokens is not None and len(tokens) == Lk:
             kt = tokens
-        heads = [_quantize(w[h], max_cells) for h in range(H)]
+        heads = [_head(w[h], max_cells) for h in range(H)]
+        rows, cols = (heads[0][1], heads[0][2]) if heads else (min(Lq, max_cells), min(Lk, max_cells))
         modules.append({
             "name": name,
             "kind": "self" if Lq == Lk and (kt is None or kt is tokens) else "cross",
-            "lq": Lq, "lk": Lk, "rows": heads[0][2], "cols": heads[0][3],
+            "lq": Lq, "lk": Lk, "rows": rows, "cols": cols,
             "queries": _labels(tokens, Lq, "q"), "keys": _labels(kt, Lk, "k"),
-            "heads": [{"data": d, "vmax": v} for d, v, _, _ in heads],
+            "heads": [e for e, _, _ in heads],
         })
     data = {"title": title, "modules": modules}
     if image is not None:
