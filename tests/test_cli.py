@@ -81,6 +81,9 @@ def test_format_weights_grid():
     (["prune", "--model", "toy", "--fraction", "0.2", "--step", "0.3"], "must not exceed --fraction"),
     (["prune", "--hf", "x", "--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt does not exist"),
     (["prune", "--model", "toy", "--recover", "-1"], "--recover: must be >= 0"),
+    (["prune", "--model", "toy", "--time-budget", "5 minutes"],
+     "--time-budget: must be a duration: seconds (300) or 300s, 5m, 1h30m; got '5 minutes'"),
+    (["prune", "--model", "toy", "--time-budget", "0m"], "--time-budget: must be longer than 0 s; got '0m'"),
     (["viz", "--model", "vit", "--index", "-1"], "--index: must be >= 0"),
     (["viz", "--model", "vit", "--index", "99999"], "--index must be in [0, "),
     (["viz", "--model", "toy", "--index", "3"], "--index picks a test image of --model vit"),
@@ -130,3 +133,10 @@ def test_viz_and_prune_find_the_demos_checkpoints(trained, tmp_path, monkeypatch
     assert main(["viz", "--model", "toy", "--text", "123", "--out", str(tmp_path / "v")]) == 0
     assert f"transformer: loaded {demo_ckpts / 'transformer'}" in capsys.readouterr().out
     assert not (tmp_path / "v" / "checkpoints").exists()
+
+
+def test_durations_the_time_budget_takes():
+    from multihead_cli import _duration
+
+    assert [_duration(t) for t in ("300", "300s", "5m", "4.5m", "1h", "2m30s", "1h30m", " 90S ")] == \
+        [300, 300, 300, 270, 3600, 150, 5400, 90]

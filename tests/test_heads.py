@@ -213,3 +213,30 @@ def test_gates_follow_the_output_to_its_device():
     with heads.gated(m, {"": torch.tensor([1.0, 0.0, 1.0, 0.5])}, fill={"": torch.zeros(4, 4)}):
         out = m(x)
     assert out.device.type == "meta" and out.shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize("reestimate", [True, False])
+def test_the_curve_starts_from_a_known_importance_instead_of_estimating_it_again(reestimate, monkeypatch):
+    from multihead.heads import pruning as pr
+
+    def metric(m):
+        with torch.no_grad():
+            return -float(sum(loss_fn(m, b) for b in batches()))
+
+    def curve(**kw):
+        torch.manual_seed(0)
+        return heads.pruning_curve(Stack(), batches(), loss_fn, metric, step=0.25, max_fraction=0.5,
+                                   reestimate=reestimate, progress=False, **kw)
+
+    calls = []
+    real = pr.importance
+    monkeypatch.setattr(pr, "importance", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = curve()
+    n_plain = len(calls)
+    torch.manual_seed(0)
+    known = heads.importance(Stack(), batches(), loss_fn, "ablation", progress=False)
+    calls.clear()
+    given = curve(initial=known)
+    assert [r["removed"] for r in given] == [r["removed"] for r in plain]
+    assert [r["metric"] for r in given] == [r["metric"] for r in plain]
+    assert len(calls) == n_plain - 1 == (1 if reestimate else 0)

@@ -125,3 +125,33 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     cli = json.loads((out / "report.json").read_text())
     assert sum(layer.attn.num_heads for layer in again.layers) == 72 - cli["curve"][-1]["heads_pruned"]
     assert "transformers.BertModel" in cli["speed"] and "report:" in capsys.readouterr().out
+
+
+def test_the_speed_table_takes_what_the_time_budget_leaves_and_marks_unsettled_medians():
+    import time
+
+    from multihead.apps import pruning
+
+    assert pruning._allowed(60.0, None, 3) == (60.0, 7)  # no budget: --max-seconds per batch size, 7 rounds
+    seconds, rounds = pruning._allowed(60.0, time.monotonic() + 65.0, 3)  # 60 s left for 3 batch sizes
+    assert 19.0 < seconds <= 20.0 and rounds == 3
+    assert pruning._allowed(60.0, time.monotonic() - 1.0, 2) == (0.0, 3)  # past the deadline: 3 rounds, no more
+    ok = {"median_ms": 10.0, "ci95_ms": [9.8, 10.3], "min_ms": 9.5, "max_ms": 11.0, "rounds": 9}
+    loose = {"median_ms": 10.0, "ci95_ms": [8.0, 13.0], "min_ms": 7.0, "max_ms": 15.0, "rounds": 3}
+    table = pruning.speed_table({"unpruned": {"1": ok, "16": ok}, "pruned": {"1": ok, "16": loose}})
+    assert "| pruned | 10.00 (9.50-11.00) | 10.00 † (7.00-15.00) |" in table
+    assert table.endswith("† median not settled to ±5% in the time allowed (its 95% interval is wider): read it as "
+                          "a range, see min-max.")
+    assert "†" not in pruning.speed_table({"unpruned": {"1": ok}})
+
+
+def test_prune_keeps_to_its_time_budget(trained, tmp_path, capsys):
+    """A budget spent before the speed table: every batch size still gets 3 rounds, and the report
+    says the budget cut the timing short instead of running on."""
+    out = tmp_path / "p"
+    assert main(["prune", "--model", "toy", "--fraction", "0.125", "--step", "0.125", "--checkpoints",
+                 str(trained["dir"] / "transformer"), "--out", str(out), "--time-budget", "1s"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert all(t["rounds"] >= 3 for per in report["speed"].values() for t in per.values())
+    assert any("the time budget left 0 s for this batch size" in n for n in report["timing_notes"])
+    assert "the time budget left 0 s" in (out / "report.md").read_text()

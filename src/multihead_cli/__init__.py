@@ -4,6 +4,7 @@ answers at once); the work is done by :mod:`multihead.apps.cli`, imported after 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 #: the workloads ``multihead bench`` knows (W1-W4 in apps.bench, W5 decoding, W6 context parallel,
@@ -46,6 +47,19 @@ def _positive(kind):
 
     parse.__name__ = f"positive {kind.__name__}"
     return parse
+
+
+def _duration(text: str) -> float:
+    """An argparse type: a duration in seconds -- 300, 300s, 5m, 4.5m, 1h, 2m30s."""
+    t = text.strip().lower()
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", t)
+    if not t or parts is None:
+        raise argparse.ArgumentTypeError(f"must be a duration: seconds (300) or 300s, 5m, 1h30m; got {text!r}")
+    h, m, s = (float(x) if x else 0.0 for x in parts.groups())
+    seconds = 3600 * h + 60 * m + s
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0 s; got {text!r}")
+    return seconds
 
 
 def _non_negative_int(text: str) -> int:
@@ -150,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sentences", type=_positive(int), nargs=2, metavar=("IMPORTANCE", "HELD_OUT"), default=None,
                    help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
     p.add_argument("--max-seconds", type=_positive(float), default=60.0,
-                   help="time allowed per batch size for the interleaved speed table")
+                   help="at most this long per batch size for the interleaved speed table")
+    p.add_argument("--time-budget", type=_duration, default=_duration("4m30s"), metavar="DURATION",
+                   help="the whole command's time (300, 300s, 5m, 1h30m; default 4m30s): the heads are re-ranked "
+                        "after every step only if that leaves the speed table 30 s, and the table gets what is left "
+                        "after importance, the curve and recovery, saying which medians did not settle")
     p.add_argument("--out", default="out/prune")
     p.set_defaults(func="prune")
     p = sub.add_parser("check", epilog=EXAMPLES["check"], formatter_class=_Fmt,

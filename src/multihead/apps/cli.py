@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
@@ -70,6 +71,7 @@ def _viz(args) -> int:
 
 
 def _prune(args) -> int:
+    deadline = time.monotonic() + args.time_budget  # the speed table gets what is left of it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +108,8 @@ def _prune(args) -> int:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
     report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate,
-                         max_seconds=args.max_seconds, recover=args.recover, quantize=args.quantize)
+                         max_seconds=args.max_seconds, recover=args.recover, quantize=args.quantize,
+                         deadline=deadline)
     f = report["final"]
     print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
           f"(unpruned {f['metric_unpruned']:.4f})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,12 +122,15 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
 
 
 def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
-        progress: bool = True, max_seconds: float = 60.0, recover: int = 0, quantize: str | None = None) -> dict:
+        progress: bool = True, max_seconds: float = 60.0, recover: int = 0, quantize: str | None = None,
+        deadline: float | None = None) -> dict:
     """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
     the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``.
     ``quantize="int8"`` (transformers models): the pruned (and recovered) model is quantized
     last, its fidelity measured, timed beside the others, and saved so that ``multihead.hf.load``
-    returns it quantized."""
+    returns it quantized. ``deadline`` (a ``time.monotonic()`` time): the speed table gets what is
+    left before it, at most ``max_seconds`` per batch size and at least 3 rounds; the report says
+    which medians did not settle."""
     if quantize is not None:
         from multihead.quantize import check_dtype
 
@@ -135,9 +139,14 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
             raise ValueError(f"--quantize is not available for {setup.name} (transformers checkpoints: --hf DIR).")
     out.mkdir(parents=True, exist_ok=True)
     base = setup.model
+    started = time.monotonic()
     imp = heads.importance(base, setup.batches, setup.loss_fn, setup.method, progress=progress,
                            fill=heads.mean_head_outputs(base, setup.batches, setup.loss_fn)
                            if setup.mean_replacement else None)
+    run_notes = list(setup.notes)
+    if reestimate and (why := _no_time_to_reestimate(time.monotonic() - started, fraction, step, deadline)):
+        reestimate = False
+        run_notes.append(why)
     (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
     _heatmap(imp, out / "importance.png")
 
@@ -145,14 +154,14 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
     rows = heads.pruning_curve(base, setup.batches, setup.loss_fn, setup.metric_fn, step=step,
                                max_fraction=fraction, method=setup.method, reestimate=reestimate,
                                mean_replacement=setup.mean_replacement, progress=progress,
-                               on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()))
+                               on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()), initial=imp)
     final, quantized, recovery = _recover_and_save(setup, rows[-1], snapshots[-1], out, recover, quantize)
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
     qname = f"{rows[-1]['fraction']:.0%} pruned + {quantize}"
     if quantized is not None:
         models[qname] = quantized
-    timings, notes, extra_metric = _timings(setup, models, max_seconds)
+    timings, notes, extra_metric = _timings(setup, models, max_seconds, deadline, progress)
     for row, n in zip(rows, names):
         row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
     heads.save_curve(rows, out / "curve.json")
@@ -173,7 +182,7 @@ def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestima
                   "metric_unpruned": rows[0]["metric"], "quantize": quantize},
         "recovery": recovery,
         "peer_metrics": extra_metric,
-        "notes": setup.notes,
+        "notes": run_notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
@@ -205,9 +214,41 @@ def _recover_and_save(setup: Setup, last: dict, final: nn.Module, out: Path, rec
     return final, quantized, recovery
 
 
-def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float) -> tuple[dict, list[str], dict]:
+#: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
+RESERVE_S = 5.0
+#: the least time the speed table should keep when the curve decides whether to re-rank the heads
+TABLE_MIN_S = 30.0
+
+
+def _no_time_to_reestimate(took: float, fraction: float, step: float, deadline: float | None) -> str | None:
+    """Why the heads are ranked once (the re-estimates after every step, each costing what the first
+    importance ``took`` times the share of heads left, would leave the speed table less than
+    TABLE_MIN_S before the deadline), or None."""
+    if deadline is None:
+        return None
+    steps = int(round(fraction / step))
+    cost = took * sum(1 - s * step for s in range(1, steps))
+    if time.monotonic() + cost + TABLE_MIN_S <= deadline:
+        return None
+    return (f"heads ranked once: re-ranking them after every step would take about {cost:.0f} s more, past the time "
+            "budget (--time-budget; --no-reestimate says it at once)")
+
+
+def _allowed(max_seconds: float, deadline: float | None, sizes_left: int) -> tuple[float, int]:
+    """(seconds, rounds before the time may stop it) for the next batch size's timing: the time left
+    before the deadline shared by the batch sizes left, at most ``max_seconds``; 7 rounds, 3 under a
+    deadline."""
+    if deadline is None:
+        return max_seconds, 7
+    left = deadline - time.monotonic() - RESERVE_S
+    return max(0.0, min(max_seconds, left / sizes_left)), 3
+
+
+def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float, deadline: float | None = None,
+             progress: bool = False) -> tuple[dict, list[str], dict]:
     """Every model and the peers timed together (interleaved rounds, per batch size):
-    ({name: {batch: timing}} per batch of b, the busy-machine notes, {peer: metric})."""
+    ({name: {batch: timing}} per batch of b, the notes (a busy machine, medians that did not
+    settle, the time budget), {peer: metric})."""
     models = dict(models)
     runs = {n: setup.run_fn for n in models}
     if setup.peer is not None:
@@ -218,14 +259,20 @@ def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float) -> 
         extra_metric[name] = float(setup.metric_fn(m))
     timings: dict[str, dict[str, dict]] = {n: {} for n in models}
     notes = []
-    for b, xs in setup.speed_inputs.items():
+    sizes = list(setup.speed_inputs.items())
+    for i, (b, xs) in enumerate(sizes):
         calls = {n: (lambda m=m, f=runs[n], xs=xs: _run_all(m, f, xs)) for n, m in models.items()}
+        allowed, late_rounds = _allowed(max_seconds, deadline, len(sizes) - i)
         with torch.no_grad():
-            t = timing.interleaved(calls, max_seconds=max_seconds)
+            t = timing.interleaved(calls, max_seconds=allowed, late_rounds=late_rounds, warmup=1,
+                                   progress=f"speed table, batch {b}" if progress else None)
         for n, tm in t.items():  # per batch of b: a call runs len(xs) batches
             timings[n][str(b)] = tm.scaled(1 / len(xs)).to_json()
-        if (note := timing.busy_note(t)) is not None:
-            notes.append(f"batch {b}: {note}")
+        said = [n for n in (timing.busy_note(t),) if n is not None]
+        if deadline is not None and allowed < max_seconds:  # the budget, not --max-seconds, set this batch's time
+            said.append(f"the time budget left {allowed:.0f} s for this batch size ({t[next(iter(t))].n} rounds)")
+        if said:
+            notes.append(f"batch {b}: " + "; ".join(said))
     return timings, notes, extra_metric
 
 
@@ -253,17 +300,29 @@ def _heatmap(imp: heads.Importance, path: Path) -> None:
     plt.close(fig)
 
 
+def settled(t: dict) -> bool:
+    """Whether a timing (its JSON) settled: its median's 95% interval within ±5% of it."""
+    lo, hi = t.get("ci95_ms", (t["median_ms"], t["median_ms"]))
+    return t["median_ms"] > 0 and (hi - lo) <= 0.10 * t["median_ms"]
+
+
 def speed_table(speeds: dict) -> str:
     """{model: {batch: timing json}} -> a markdown table: median ms per batch (min-max), speed-up
-    against the first model."""
+    against the first model; a median that did not settle is marked and footnoted."""
     sizes = sorted({b for v in speeds.values() for b in v}, key=int)
     ref = next(iter(speeds.values()))
+
+    def cell(t: dict) -> str:
+        return f"{t['median_ms']:.2f}{'' if settled(t) else ' †'} ({t['min_ms']:.2f}-{t['max_ms']:.2f})"
+
     lines = ["| model | " + " | ".join(f"batch {b}: ms (min-max)" for b in sizes) + " | " +
              " | ".join(f"speed-up @{b}" for b in sizes) + " |", "|---|" + "---:|" * (2 * len(sizes))]
     for name, v in speeds.items():
-        lines.append(f"| {name} | " + " | ".join(f"{v[b]['median_ms']:.2f} ({v[b]['min_ms']:.2f}-{v[b]['max_ms']:.2f})"
-                                                for b in sizes) + " | " +
+        lines.append(f"| {name} | " + " | ".join(cell(v[b]) for b in sizes) + " | " +
                      " | ".join(f"{ref[b]['median_ms'] / v[b]['median_ms']:.2f}x" for b in sizes) + " |")
+    if not all(settled(t) for v in speeds.values() for t in v.values()):
+        lines += ["", "† median not settled to ±5% in the time allowed (its 95% interval is wider): read it as a "
+                      "range, see min-max."]
     return "\n".join(lines)
 
 

@@ -57,27 +57,44 @@ def median_interval(xs: list[float]) -> tuple[float, float]:
 
 
 def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_rounds: int = 7,
-                max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0) -> dict[str, Timing]:
+                max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0,
+                late_rounds: int | None = None, progress: str | None = None) -> dict[str, Timing]:
     """Time every call in the same rounds (the order rotates each round) until the
-    median's 95% interval of each is within ±``rel`` of it, or ``max_rounds`` /
-    ``max_seconds`` is reached. Returns {name: Timing} in milliseconds."""
+    median's 95% interval of each is within ±``rel`` of it (after ``min_rounds``), or
+    ``max_rounds`` / ``max_seconds`` is reached (after ``late_rounds``, default
+    ``min_rounds``: fewer rounds when a time budget runs short). ``progress``: a bar with
+    that description, in seconds of the ``max_seconds`` allowed. Returns {name: Timing}
+    in milliseconds."""
+    late_rounds = min_rounds if late_rounds is None else min(late_rounds, min_rounds)
     names = list(calls)
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=round(max_seconds), desc=progress, unit="s", mininterval=1.0,
+                   bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s allowed{postfix}")
+    start = time.perf_counter()
     for _ in range(warmup):
         for n in names:
             calls[n]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    start = time.perf_counter()
     for r in range(max_rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             t = time.perf_counter()
             calls[n]()
             times[n].append((time.perf_counter() - t) * 1e3)
-        if r + 1 >= min_rounds:
-            done = all((hi - lo) <= 2 * rel * statistics.median(ts)
-                       for ts in times.values() for lo, hi in [median_interval(ts)])
-            if done or time.perf_counter() - start > max_seconds:
-                break
+        spent = time.perf_counter() - start
+        if bar is not None:
+            bar.n = min(spent, bar.total)
+            bar.set_postfix_str(f"round {r + 1}", refresh=True)
+        if r + 1 >= late_rounds and spent > max_seconds:
+            break
+        if r + 1 >= min_rounds and all((hi - lo) <= 2 * rel * statistics.median(ts)
+                                       for ts in times.values() for lo, hi in [median_interval(ts)]):
+            break
+    if bar is not None:
+        bar.close()
     out = {}
     for n, ts in times.items():
         lo, hi = median_interval(ts)

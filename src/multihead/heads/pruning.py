@@ -268,14 +268,17 @@ def pruning_curve(
     mean_replacement: bool = False,
     progress: bool = True,
     on_step: Callable[[dict, nn.Module], None] | None = None,
+    initial: Importance | None = None,
 ) -> list[dict]:
     """Prune a copy of ``model`` in steps of ``step`` (a share of all heads) up to
     ``max_fraction``; at each step record the metric, which heads are gone and, with
     ``speed_fn(model) -> {batch: ms}``, the speed (measured step by step; to compare the
     steps' speeds fairly, keep the models with ``on_step(row, model)`` and time them
     together afterwards, as ``multihead prune`` does). Importance is re-estimated after
-    every step when ``reestimate``. Returns one dict per step (fraction 0 first), as a
-    :class:`Curve` (a list that a notebook shows as a table).
+    every step when ``reestimate``; ``initial``: the unpruned model's importance when it is known
+    already (same batches, loss and method), used for the first step instead of estimating it again.
+    Returns one dict per step (fraction 0 first), as a :class:`Curve` (a list that a notebook shows
+    as a table).
 
     Raises ValueError before any work unless 0 < step <= max_fraction <= 1."""
     import copy
@@ -293,16 +296,16 @@ def pruning_curve(
     removed: dict[str, list[int]] = {n: [] for n in ids}
     means = mean_head_outputs(work, batches, lambda m, b: loss_fn(m, b)) if mean_replacement else None
     rows = Curve()
-    imp = None
+    imp, fresh = initial, initial is not None  # fresh: scores of the model as it is now
     target_steps = int(round(max_fraction / step))
     for s in range(target_steps + 1):
         frac = s * step
         target = int(round(frac * total))
         gone_now = sum(len(v) for v in removed.values())
         if target > gone_now:
-            if imp is None or reestimate:
+            if imp is None or reestimate and not fresh:
                 imp = importance(work, batches, loss_fn, method, progress=progress, fill=means)
-            imp = _cut(work, imp, target - gone_now, ids, removed, means, reestimate)
+            imp, fresh = _cut(work, imp, target - gone_now, ids, removed, means, reestimate), False
         n_gone = sum(len(v) for v in removed.values())
         row = {"fraction": n_gone / total, "heads_pruned": n_gone, "metric": float(metric_fn(work)),
                "removed": {n: sorted(v) for n, v in removed.items() if v}}
