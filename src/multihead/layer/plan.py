@@ -191,10 +191,12 @@ def in_features(lin) -> int | None:
     return lin.in_features
 
 
-def flop_per_token(projs) -> float:
-    """Projection work per token (multiply-adds x 2), what packing saves on each padded token (a lazy layer
-    that has not seen an input yet counts nothing)."""
-    return 2.0 * sum(n * p.out_features for p in projs if (n := in_features(p)) is not None)
+def flop_per_token(projs, sizes: tuple[int, int, int]) -> float:
+    """Projection work per token (multiply-adds x 2), what packing saves on each padded token; ``sizes``:
+    the (validated) feature sizes of queries, keys and values, the q, k, v projections' inputs."""
+    o = projs[3]
+    return 2.0 * (sizes[0] * projs[0].out_features + sizes[1] * projs[1].out_features +
+                  sizes[2] * projs[2].out_features + o.in_features * o.out_features)
 
 
 def inputs(m, projs, queries, keys, values, valid_lens, mask, *, Lk: int | None = None, sharded: bool = False):
@@ -291,7 +293,8 @@ def make(m, projs, queries, keys=None, values=None, valid_lens=None, mask=None, 
     if torch.compiler.is_compiling():  # packing needs data-dependent shapes: one graph, no break
         why = "under torch.compile (packing needs data-dependent shapes)"
         return Plan("dense", why, mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
-    p = varlen.plan(mk, B, Lq, Lk, queries.device, flop_per_token=flop_per_token(projs))
+    fpt = flop_per_token(projs, (queries.shape[2], keys.shape[2], values.shape[2]))
+    p = varlen.plan(mk, B, Lq, Lk, queries.device, flop_per_token=fpt)
     if not isinstance(p, varlen.Packing):
         return Plan("dense", p, mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
     return packed_plan(m, varlen.Packed.from_plan(p, B, Lq, Lk, mk), mk), queries, keys, values
