@@ -276,7 +276,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
              sharded: Sharded | None = None) -> Plan:
         """How :meth:`forward` with these arguments runs (checked as forward checks them; nothing is
         projected or computed): a :class:`multihead.layer.plan.Plan`."""
-        return planning.make(self, self.projections(), queries, keys, values, valid_lens, mask, cache, sharded)[0]
+        call = planning.Call(queries, keys, values, valid_lens, mask, cache, sharded)
+        return planning.make(self, self.projections(), call)[0]
 
     def _project(self, projs, plain: bool, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(..., Lq, query_size), (..., Lk, key_size), (..., Lk, value_size) ->
@@ -321,8 +322,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         The call is planned once (:meth:`plan`; :meth:`explain` shows the same plan) and executed.
         """
         projs = self.projections()  # read once per call (a replaced or quantized projection is the one that runs)
-        plan, queries, keys, values = planning.make(self, projs, queries, keys, values, valid_lens, mask, cache,
-                                                    sharded)
+        call = planning.Call(queries, keys, values, valid_lens, mask, cache, sharded)
+        plan, queries, keys, values = planning.make(self, projs, call)
         plain = not any(_GLOBAL_HOOKS)
         if plan.layout == "cached":
             return self._step(plan, projs, plain, queries, keys, values, cache)
@@ -381,8 +382,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         (``.requests``) and which backend runs it and why not the others. ``str()`` is the text; a
         notebook shows a table. Nothing is projected or cached. On sequence-sharded inputs over
         several ranks it is collective (every rank calls it) and says what the ring does on this rank."""
-        plan, queries, keys, values = planning.make(self, self.projections(), queries, keys, values, valid_lens, mask,
-                                                    cache, sharded)
+        call = planning.Call(queries, keys, values, valid_lens, mask, cache, sharded)
+        plan, queries, keys, values = planning.make(self, self.projections(), call)
         dtype, needs_grad = self._probe(queries, keys, values, cache if plan.layout == "cached" else None)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         p = self.dropout if self.training and plan.layout != "sharded" else 0.0

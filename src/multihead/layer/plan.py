@@ -33,9 +33,24 @@ from multihead.core.ring import Sharded
 from multihead.layer.cache import KVCache
 from multihead.masks import Mask
 
-__all__ = ["CoreCall", "Explanation", "Plan", "make"]
+__all__ = ["Call", "CoreCall", "Explanation", "Plan", "make"]
 
 Layout = Literal["dense", "packed", "cached", "sharded"]
+
+
+class Call(NamedTuple):
+    """A module call's arguments as ``forward`` received them: queries (B, Lq, query_size), keys
+    (B, Lk, key_size) or None (= queries), values (B, Lk, value_size) or None (= keys), the course's
+    ``valid_lens``, a ``mask``, a :class:`multihead.KVCache` and a :class:`multihead.distributed.Sharded`
+    (each None when not given)."""
+
+    queries: object
+    keys: object = None
+    values: object = None
+    valid_lens: object = None
+    mask: object = None
+    cache: object = None
+    sharded: object = None
 
 
 class CoreCall(NamedTuple):
@@ -199,10 +214,12 @@ def flop_per_token(projs, sizes: tuple[int, int, int]) -> float:
                   sizes[2] * projs[2].out_features + o.in_features * o.out_features)
 
 
-def inputs(m, projs, queries, keys, values, valid_lens, mask, *, Lk: int | None = None, sharded: bool = False):
-    """Defaults (keys = queries, values = keys), checks, and one validated mask from valid_lens & mask (over
-    ``Lk`` keys, default the keys' length): everything is checked before any projection runs. ``sharded``:
-    shards of a sequence, whose masks ring attention checks against the whole sequence."""
+def inputs(m, projs, call: Call, *, Lk: int | None = None, sharded: bool = False):
+    """Defaults (keys = queries, values = keys), checks, and one validated mask from the call's valid_lens
+    & mask (over ``Lk`` keys, default the keys' length): (queries, keys, values, mask), everything checked
+    before any projection runs. ``sharded``: shards of a sequence, whose masks ring attention checks against
+    the whole sequence."""
+    queries, keys, values, valid_lens, mask = call[:5]
     keys = queries if keys is None else keys
     values = keys if values is None else values
     q, k, v = projs[0], projs[1], projs[2]
@@ -224,15 +241,16 @@ def _calls(m, B: int, Lq: int, Lk: int, mask) -> tuple[CoreCall, ...]:
     return () if m.num_heads == 0 or Lk == 0 else (CoreCall(B, Lq, Lk, mask),)
 
 
-def _sharded(m, projs, queries, keys, values, valid_lens, mask, cache, sharded):
+def _sharded(m, projs, call: Call):
+    sharded = call.sharded
     if not isinstance(sharded, Sharded):
         raise TypeError(f"sharded must be a multihead.distributed.Sharded(group, layout) (or None); got "
                         f"{type(sharded).__name__}.")
-    if cache is not None:
+    if call.cache is not None:
         raise ValueError("cache and sharded cannot be given together: a KV cache decodes one sequence on one "
                          "process; gather the sequence first.")
     m._check_sharded()
-    queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask, sharded=True)
+    queries, keys, values, mk = inputs(m, projs, call, sharded=True)
     B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
     if sharded.size == 1:
         why, calls = "sequence-sharded inputs; a group of one runs attention locally", _calls(m, B, Lq, Lk, mk)
@@ -242,19 +260,20 @@ def _sharded(m, projs, queries, keys, values, valid_lens, mask, cache, sharded):
     return Plan("sharded", why, mk, calls, sharded=sharded), queries, keys, values
 
 
-def _cached(m, projs, queries, keys, values, valid_lens, mask, cache):
+def _cached(m, projs, call: Call):
+    queries, keys, cache = call.queries, call.keys, call.cache
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a multihead.KVCache (or None); got {type(cache).__name__}.")
     B, n = queries.shape[0], queries.shape[1]
     if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
         Lk = cache.length(m) + n
-        queries, keys, values, mk = inputs(m, projs, queries, queries, queries, valid_lens, mask, Lk=Lk)
+        queries, keys, values, mk = inputs(m, projs, call._replace(keys=queries, values=queries), Lk=Lk)
         cache.check(m, B, n)  # batch and room, before any computation
         if n > 1 or mk is not None:  # one new position sees every cached one: no mask needed
             mk = masks.Causal("bottom-right") if mk is None else masks.Causal("bottom-right") & mk
         why = f"decoding step: {n} new position(s) appended to {Lk - n} cached"
     else:  # cross-attention: the memory is projected on the first step and reused
-        queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask)
+        queries, keys, values, mk = inputs(m, projs, call)
         cache.check(m, B, 0)
         memory = cache.memory(m)
         Lk = keys.shape[1] if memory is None else memory[0].shape[2]
@@ -279,14 +298,14 @@ def packed_plan(m, packed: varlen.Packed, mk) -> Plan:
     return Plan("packed", packed.reason, mk, tuple(calls), packed=packed, schedule=sched)
 
 
-def make(m, projs, queries, keys=None, values=None, valid_lens=None, mask=None, cache=None, sharded=None):
-    """Check everything and plan the call of module ``m`` (its projections ``projs``): (the :class:`Plan`,
-    queries, keys, values with their defaults filled)."""
-    if sharded is not None:
-        return _sharded(m, projs, queries, keys, values, valid_lens, mask, cache, sharded)
-    if cache is not None:
-        return _cached(m, projs, queries, keys, values, valid_lens, mask, cache)
-    queries, keys, values, mk = inputs(m, projs, queries, keys, values, valid_lens, mask)
+def make(m, projs, call: Call):
+    """Check everything and plan ``call``, a call of module ``m`` (its projections ``projs``): (the
+    :class:`Plan`, queries, keys, values with their defaults filled)."""
+    if call.sharded is not None:
+        return _sharded(m, projs, call)
+    if call.cache is not None:
+        return _cached(m, projs, call)
+    queries, keys, values, mk = inputs(m, projs, call)
     B, Lq, Lk = queries.shape[0], queries.shape[1], keys.shape[1]
     if mk is None:
         return Plan("dense", "no padding in the mask", mk, _calls(m, B, Lq, Lk, mk)), queries, keys, values
