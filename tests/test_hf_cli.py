@@ -58,7 +58,7 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
-    report = pruning.run(setup, 0.25, out, step=0.25, progress=False, max_seconds=2.0, recover=5)
+    report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=2.0, recover=5))
     assert report["curve"][-1]["heads_pruned"] == 2
     r = report["recovery"]
     assert r["steps"] == 5 and report["final"]["metric"] == r["metric_after"]

@@ -44,7 +44,7 @@ def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
     from multihead.models.seq2seq import reverse_batch
 
     setup = pruning.toy_setup(trained["dir"] / "transformer")
-    pruning.run(setup, 0.125, tmp_path, step=0.125, progress=False, max_seconds=2.0)
+    pruning.run(setup, tmp_path, pruning.Options(0.125, step=0.125, progress=False, max_seconds=2.0))
     loaded = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, tmp_path / "model")  # the documented call
     src, lens, tgt_in, _ = reverse_batch(16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     from multihead.models import Bert, SentenceEncoder
 
     setup = pruning.minilm_setup(8, 16)
-    report = pruning.run(setup, 0.1, tmp_path, step=0.1, progress=False, max_seconds=0.3)
+    report = pruning.run(setup, tmp_path, pruning.Options(0.1, step=0.1, progress=False, max_seconds=0.3))
     assert report["final"]["fraction"] > 0.05
     loaded = Bert.from_pretrained(tmp_path / "model")  # the documented call
     assert sum(layer.attn.num_heads for layer in loaded.layers) == 72 - report["curve"][-1]["heads_pruned"]

@@ -25,6 +25,17 @@ def _in_open_unit(text: str) -> float:
     return x
 
 
+def _cosine(text: str) -> float:
+    """An argparse type: a target cosine in (0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a cosine in (0, 1], e.g. 0.95; got {text!r}") from None
+    if not 0.0 < x <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a mean cosine to the unpruned model); got {text}")
+    return x
+
+
 def _workloads(text: str) -> list[str]:
     """'W1, W2' -> ['W1', 'W2']; an unknown or empty list is argparse's one-line refusal."""
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -88,6 +99,7 @@ EXAMPLES = {
         'examples:\n'
         '  multihead prune --model toy --fraction 0.4\n'
         '  multihead prune --hf DIR --fraction 0.5 --recover 400 --quantize int8\n'
+        '  multihead prune --hf DIR --target-cosine 0.95 --recover 200 --quantize int8 --time-budget 15m\n'
         'report.md, report.json, curve.png and the pruned model go to --out (default out/prune)'
     ),
     "check": (
@@ -108,7 +120,10 @@ EXAMPLES = {
 
 
 class _Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Examples kept as written, defaults shown."""
+    """Examples kept as written, defaults shown (an option whose help states its own default is left as written)."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,8 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "are reported and multihead.hf.load returns it quantized")
     p.add_argument("--recover-sentences", type=_positive(int), default=None, metavar="N",
                    help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
-    p.add_argument("--fraction", type=_in_open_unit, default=0.4, help="share of all heads to prune, in (0, 1) "
-                                                                       "(default 0.4)")
+    p.add_argument("--fraction", type=_in_open_unit, default=None,
+                   help="share of all heads to prune, in (0, 1) (default: 0.4); with --target-cosine the furthest "
+                        "to try (default: 0.8)")
+    p.add_argument("--target-cosine", type=_cosine, default=None, metavar="T",
+                   help="prune as far as the fidelity allows: keep the furthest step of the curve (recovered and "
+                        "quantized when asked) whose mean cosine's 95%% interval on the held-out sentences starts at "
+                        "or above T, in (0, 1]")
     p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
                                                                    "(0, 1) (default 0.1)")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")

@@ -78,8 +78,9 @@ def _prune(args) -> int:
     from multihead.apps import pruning
 
     out = Path(args.out)
-    if args.step > args.fraction:
-        print(f"multihead prune: --step ({args.step}) must not exceed --fraction ({args.fraction})", file=sys.stderr)
+    fraction = args.fraction if args.fraction is not None else 0.8 if args.target_cosine is not None else 0.4
+    if args.step > fraction:
+        print(f"multihead prune: --step ({args.step}) must not exceed --fraction ({fraction})", file=sys.stderr)
         return 2
     if args.corpus and not Path(args.corpus).is_file():
         print(f"multihead prune: --corpus {args.corpus} does not exist", file=sys.stderr)
@@ -107,18 +108,17 @@ def _prune(args) -> int:
         except FileNotFoundError as e:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
-    report = pruning.run(setup, args.fraction, out, step=args.step, reestimate=not args.no_reestimate,
-                         max_seconds=args.max_seconds, recover=args.recover, quantize=args.quantize,
-                         deadline=deadline)
-    f = report["final"]
-    print(f"{setup.name}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f} "
-          f"(unpruned {f['metric_unpruned']:.4f})")
-    if report.get("recovery"):
-        r = report["recovery"]
-        if r.get("steps"):
-            print(f"recovery: {r['steps']} steps took it from {r['metric_before']:.4f} to {r['metric_after']:.4f}")
-        if r.get("quantize"):
-            print(f"quantized to {r['quantize']}: {r['metric_quantized']:.4f}")
+    options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
+                              quantize=args.quantize, target=args.target_cosine, deadline=deadline,
+                              max_seconds=args.max_seconds)
+    try:
+        pruning.check_options(setup, options)
+    except ValueError as e:  # what this model cannot do, refused before any work
+        print(f"multihead prune: {e}", file=sys.stderr)
+        return 2
+    report = pruning.run(setup, out, options)
+    for line in pruning.summary(report):
+        print(line)
     print(pruning.speed_table(report["speed"]))
     for note in report["timing_notes"]:
         print(f"note: {note}")

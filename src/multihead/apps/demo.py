@@ -203,8 +203,8 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     print("\n== cut the heads: importance, the pruning curve and speed (the reversal Transformer)")
     from multihead.apps import pruning
 
-    report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), 0.5, out / "prune_toy",
-                         step=0.125, max_seconds=20.0)
+    report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), out / "prune_toy",
+                         pruning.Options(0.5, step=0.125, max_seconds=20.0))
     imp = json.loads((out / "prune_toy" / "importance.json").read_text())
     for name, scores in imp["modules"].items():
         print(f"  {name:28} " + " ".join(f"{s:5.2f}" for s in scores))

@@ -94,10 +94,11 @@ def _kl(lp, ref, am) -> torch.Tensor:
     return (kl * am).sum() / am.sum()
 
 
-def _objective(causal: bool, batches: list, refs: list) -> tuple[Callable, Callable, str]:
+def _objective(causal: bool, batches: list, refs: list) -> tuple[Callable, Callable, str, Callable | None]:
     """(loss_fn(model, ((ids, am), ref)), metric_fn(model) on the held-out ``batches`` against the
-    unpruned model's ``refs``, the metric's name): KL of next-token distributions for a decoder,
-    the cosine of mean-pooled states for an encoder."""
+    unpruned model's ``refs``, the metric's name, scores_fn(model) -> (n,) per sentence or None): KL of
+    next-token distributions for a decoder, the cosine of mean-pooled states for an encoder (per sentence:
+    the metric is their mean)."""
     if causal:
         def loss_fn(m, b):
             (ids, am), ref = b
@@ -107,16 +108,19 @@ def _objective(causal: bool, batches: list, refs: list) -> tuple[Callable, Calla
             with torch.no_grad():
                 return float(sum(_kl(_logp(m, i, a), r, a) for (i, a), r in zip(batches, refs)) / len(batches))
         name = "mean KL of next-token distributions to the unpruned model (lower is better)"
-    else:
-        def loss_fn(m, b):
-            (ids, am), ref = b
-            return 1 - (pooled(m, ids, am) * ref).sum(-1).mean()
+        return loss_fn, metric_fn, name, None
 
-        def metric_fn(m):
-            with torch.no_grad():
-                return torch.cat([(pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
-        name = "mean cosine of mean-pooled hidden states to the unpruned model"
-    return loss_fn, metric_fn, name
+    def loss_fn(m, b):
+        (ids, am), ref = b
+        return 1 - (pooled(m, ids, am) * ref).sum(-1).mean()
+
+    def scores_fn(m):  # (n,) each held-out sentence's cosine (pooled outputs are normalised)
+        with torch.no_grad():
+            return torch.cat([(pooled(m, i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)])
+
+    def metric_fn(m):
+        return scores_fn(m).mean().item()
+    return loss_fn, metric_fn, "mean cosine of mean-pooled hidden states to the unpruned model", scores_fn
 
 
 def save_with_files(model: nn.Module, out: str | Path, source: str | Path, *, quantize: str | None = None) -> Path:
@@ -167,7 +171,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
-    loss_fn, metric_fn, name = _objective(causal, batches, refs)
+    loss_fn, metric_fn, name, scores_fn = _objective(causal, batches, refs)
     speed = {n: _batches(tok, held_out[: 4 * n], n, causal)[:4] for n in (1, 16, 64)}
     p = Path(path).resolve()
     label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name
@@ -178,8 +182,10 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
                   [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "
                    f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
-    setup.recover_fn = lambda m, steps, quantize=None: recover(m, rec, steps, causal, quantize=quantize)
+    setup.recover_fn = lambda m, steps, quantize=None, until=None: recover(m, rec, steps, causal, quantize=quantize,
+                                                                            until=until)
     setup.quantize_fn = quantize
+    setup.scores_fn = scores_fn
 
     def ort_peer():
         """ONNX Runtime's int8 model of the unpruned checkpoint, when the onnx extra is installed."""
@@ -199,26 +205,34 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
-            quantize: str | None = None) -> list[float]:
+            quantize: str | None = None, until: float | None = None) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
     ``batches`` ((ids, am), the unpruned model's output: next-token log-probabilities of a
     decoder, hidden states (B, L, E) of an encoder, matched by :func:`_distil_loss`); returns the
-    losses. The learning rate decays from ``lr`` to 0 along a half cosine, so the model saved is
-    where the steps settled rather than a point of their noise (all-MiniLM-L6-v2, 50% pruned, 400
-    steps, int8: mean cosine 0.9589 on the 600 held-out sentences, 0.9557 at a constant rate).
+    losses (one per step run). The learning rate decays from ``lr`` to 0 along a half cosine, so the
+    model saved is where the steps settled rather than a point of their noise (all-MiniLM-L6-v2, 50%
+    pruned, 400 steps, int8: mean cosine 0.9589 on the 600 held-out sentences, 0.9557 at a constant rate).
     Dropout stays off (eval mode): the target is the unpruned model's deterministic output. ``quantize``:
     the model will be quantized to it afterwards, so the distillation runs with its Linear layers
-    rounded as they will be (:func:`multihead.quantize.fake_quantized`)."""
+    rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
+    ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
+    shortened to the steps that end before it (the cosine then decays over the shorter run)."""
+    import time
+
     from tqdm.auto import tqdm
 
     from multihead.quantize import fake_quantized
 
     pruned.eval()
+    total = [steps]  # the run's length; shortened once under ``until``
     opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     losses = []
+    started = time.monotonic()
+    bar = tqdm(total=steps, desc="recovery (distillation)", mininterval=1.0)
     with fake_quantized(pruned, quantize) if quantize else contextlib.nullcontext():
-        for s in tqdm(range(steps), desc="recovery (distillation)", mininterval=1.0):
+        s = 0
+        while s < total[0]:
             (ids, am), ref = batches[s % len(batches)]
             if causal:
                 loss = _kl(_logp(pruned, ids, am), ref, am)
@@ -229,6 +243,16 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             opt.step()
             decay.step()
             losses.append(loss.item())
+            s += 1
+            bar.update(1)
+            if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
+                per_step = (time.monotonic() - started) / s
+                affordable = s + int(max(0.0, until - time.monotonic()) / per_step)
+                if affordable < steps:
+                    total[0] = affordable
+                    bar.total = affordable
+                    bar.set_postfix_str(f"{affordable} of {steps} steps fit the time budget")
+    bar.close()
     return losses
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from multihead import heads
 from multihead.apps import timing
+from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, choose
 
 
 @dataclass
@@ -48,6 +49,26 @@ class Setup:
     recover_fn: Callable | None = None  # recover_fn(model, steps, quantize=) -> losses: distil a pruned model to the unpruned
     quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
     more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
+    scores_fn: Callable | None = None  # scores_fn(model) -> (n,) per held-out item, metric = their mean (a cosine)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``multihead prune`` asks of :func:`run`: prune up to ``fraction`` of all heads in steps of ``step``
+    (re-ranking after every step when ``reestimate``), ``recover`` distillation steps and ``quantize`` on the
+    kept model, ``target``: keep the furthest step whose fidelity's 95% interval starts at or above it (a
+    cosine; None: the last step), ``deadline``: a ``time.monotonic()`` time the command keeps to (None: no
+    limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars."""
+
+    fraction: float
+    step: float = 0.1
+    reestimate: bool = True
+    recover: int = 0
+    quantize: str | None = None
+    target: float | None = None
+    deadline: float | None = None
+    max_seconds: float = 60.0
+    progress: bool = True
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -100,9 +121,12 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
         (ids, am), ref = b
         return 1 - (m(ids, am) * ref).sum(-1).mean()
 
-    def metric_fn(m):
+    def scores_fn(m):  # (n,) each held-out sentence's cosine to the unpruned model (embeddings are normalised)
         with torch.no_grad():
-            return torch.cat([(m(i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)]).mean().item()
+            return torch.cat([(m(i, a) * r).sum(-1) for (i, a), r in zip(batches, refs)])
+
+    def metric_fn(m):
+        return scores_fn(m).mean().item()
 
     speed = {n: [enc.tokenize(held_out[i:i + n]) for i in range(0, min(len(held_out), 4 * n), n)]
              for n in (1, 16, 64)}
@@ -118,106 +142,118 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
     return Setup("minilm", enc, imp, loss_fn, metric_fn, "mean cosine to the unpruned model", speed,
                  lambda m, x: m(*x), "ablation", True, lambda m, p: m.bert.save_pretrained(p), peer,
                  [f"importance on the first {len(head)} sentences of pydoc_data.topics; fidelity on the other "
-                  f"{len(held_out)}"])
+                  f"{len(held_out)}"], scores_fn=scores_fn)
 
 
-def run(setup: Setup, fraction: float, out: Path, *, step: float = 0.1, reestimate: bool = True,
-        progress: bool = True, max_seconds: float = 60.0, recover: int = 0, quantize: str | None = None,
-        deadline: float | None = None) -> dict:
-    """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``fraction``,
-    the pruned model saved (safetensors), a speed table and ``report.md`` in ``out``.
-    ``quantize="int8"`` (transformers models): the pruned (and recovered) model is quantized
-    last, its fidelity measured, timed beside the others, and saved so that ``multihead.hf.load``
-    returns it quantized. ``deadline`` (a ``time.monotonic()`` time): the speed table gets what is
-    left before it, at most ``max_seconds`` per batch size and at least 3 rounds; the report says
-    which medians did not settle."""
-    if quantize is not None:
-        from multihead.quantize import check_dtype
-
-        check_dtype(quantize)
-        if setup.quantize_fn is None:
-            raise ValueError(f"--quantize is not available for {setup.name} (transformers checkpoints: --hf DIR).")
+def run(setup: Setup, out: Path, options: Options) -> dict:
+    """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``options.fraction``, the kept
+    step finished (recovered, quantized: :mod:`multihead.apps.target`; with a target, the furthest step that
+    meets it), saved (safetensors; with ``quantize``, so that ``multihead.hf.load`` returns it quantized),
+    a speed table and ``report.md`` in ``out``. Under a deadline the heads are ranked once when re-ranking
+    would leave the speed table too little, recovery runs the steps that fit, and the speed table gets
+    what is left (at least 3 rounds a batch size); the report says which medians did not settle."""
+    o = options
+    check_options(setup, o)
     out.mkdir(parents=True, exist_ok=True)
-    base = setup.model
-    started = time.monotonic()
-    imp = heads.importance(base, setup.batches, setup.loss_fn, setup.method, progress=progress,
-                           fill=heads.mean_head_outputs(base, setup.batches, setup.loss_fn)
-                           if setup.mean_replacement else None)
-    run_notes = list(setup.notes)
-    if reestimate and (why := _no_time_to_reestimate(time.monotonic() - started, fraction, step, deadline)):
-        reestimate = False
-        run_notes.append(why)
-    (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
-    _heatmap(imp, out / "importance.png")
-
+    budget = Budget(o.deadline)
+    imp, reestimate, notes = _importance(setup, o, budget, out)
     snapshots: list[nn.Module] = []
-    rows = heads.pruning_curve(base, setup.batches, setup.loss_fn, setup.metric_fn, step=step,
-                               max_fraction=fraction, method=setup.method, reestimate=reestimate,
-                               mean_replacement=setup.mean_replacement, progress=progress,
+    rows = heads.pruning_curve(setup.model, setup.batches, setup.loss_fn, budget.timed(setup.metric_fn), step=o.step,
+                               max_fraction=o.fraction, method=setup.method, reestimate=reestimate,
+                               mean_replacement=setup.mean_replacement, progress=o.progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()), initial=imp)
-    final, quantized, recovery = _recover_and_save(setup, rows[-1], snapshots[-1], out, recover, quantize)
+    kept, search = choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
+                          budget=budget)
+    setup.pruned = kept.kept
+    setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
-    qname = f"{rows[-1]['fraction']:.0%} pruned + {quantize}"
-    if quantized is not None:
-        models[qname] = quantized
-    timings, notes, extra_metric = _timings(setup, models, max_seconds, deadline, progress)
+    kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
+    if o.quantize is not None:  # the quantized model is timed beside the curve's
+        kname = f"{kname} + {o.quantize}"
+        models[kname] = kept.kept
+    timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress)
     for row, n in zip(rows, names):
         row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
     heads.save_curve(rows, out / "curve.json")
     heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
-    speeds = {"unpruned (multihead)": timings[names[0]], f"pruned {rows[-1]['fraction']:.0%} (multihead)":
-              timings[names[-1]]}
-    if quantized is not None:
-        speeds[f"pruned {rows[-1]['fraction']:.0%} + {quantize} (multihead)"] = timings[qname]
+    label = f"pruned {rows[kept.index]['fraction']:.0%}" + kname[len(names[kept.index]):]  # "pruned 50% + int8"
+    speeds = {"unpruned (multihead)": timings[names[0]], f"{label} (multihead)": timings[kname]}
     speeds |= {n: timings[n] for n in timings if n not in models}  # the peers
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
         "speed_ms": {n: {b: round(v["median_ms"], 2) for b, v in per.items()} for n, per in speeds.items()},
-        "speed": speeds, "timing_notes": notes,
-        "final": {"fraction": rows[-1]["fraction"],
-                  "metric": (recovery["metric_quantized"] if quantized is not None else recovery["metric_after"]
-                             if recovery else rows[-1]["metric"]),
-                  "metric_unpruned": rows[0]["metric"], "quantize": quantize},
-        "recovery": recovery,
+        "speed": speeds, "timing_notes": timing_notes,
+        "final": {"fraction": rows[kept.index]["fraction"], "heads_pruned": rows[kept.index]["heads_pruned"],
+                  "metric": kept.fidelity.mean, "fidelity": kept.fidelity.to_json(),
+                  "metric_unpruned": rows[0]["metric"], "quantize": o.quantize},
+        "recovery": kept.recovery, "target": search,
         "peer_metrics": extra_metric,
-        "notes": run_notes,
+        "notes": notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
 
 
-def _recover_and_save(setup: Setup, last: dict, final: nn.Module, out: Path, recover: int,
-                      quantize: str | None) -> tuple[nn.Module, nn.Module | None, dict | None]:
-    """The last step's model recovered (``recover`` distillation steps), quantized, saved to
-    ``out/model``: (the float model, the quantized one or None, the recovery record or None)."""
-    recovery = None
-    if recover > 0:
-        if setup.recover_fn is None:
-            raise ValueError(f"--recover is not available for {setup.name}.")
-        final = copy.deepcopy(final)
-        losses = setup.recover_fn(final, recover, quantize=quantize)
-        recovery = {"steps": recover, "metric_before": last["metric"], "metric_after": float(setup.metric_fn(final)),
-                    "loss_first": losses[0], "loss_last": losses[-1]}
-    setup.pruned = final
-    quantized = None
-    if quantize is not None:
-        quantized = setup.quantize_fn(final, quantize)
-        fid = float(setup.metric_fn(quantized))
-        recovery = {**(recovery or {}), "quantize": quantize, "metric_quantized": fid}
-        setup.pruned = quantized
-        setup.save_fn(final, out / "model", quantize=quantize)
-    else:
-        setup.save_fn(final, out / "model")
-    return final, quantized, recovery
+def summary(report: dict) -> list[str]:
+    """The lines ``multihead prune`` prints about the kept model: how much is pruned and its fidelity (with
+    its interval), recovery (and whether the time budget shortened it), quantization, the target search."""
+    f, r, t = report["final"], report.get("recovery") or {}, report.get("target")
+    fid = f.get("fidelity") or {"mean": f["metric"], "ci95": None}
+    ci = f" (95% interval {fid['ci95'][0]:.4f}-{fid['ci95'][1]:.4f})" if fid.get("ci95") else ""
+    lines = [f"{report['model']}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f}{ci} "
+             f"(unpruned {f['metric_unpruned']:.4f})"]
+    if r.get("steps"):
+        short = (f" ({r['steps']} of the {r['steps_asked']} asked: the time budget ended them; a longer "
+                 "--time-budget runs them all)" if r.get("steps_asked", r["steps"]) > r["steps"] else "")
+        lines.append(f"recovery: {r['steps']} steps took it from {r['metric_before']:.4f} to "
+                     f"{r['metric_after']:.4f}{short}")
+    if r.get("quantize"):
+        lines.append(f"quantized to {r['quantize']}: {r['metric_quantized']:.4f}")
+    if t is not None:
+        tried = "; ".join(f"{x['fraction']:.0%}: {x['fidelity']['mean']:.4f} from {x['fidelity']['ci95'][0]:.4f} "
+                          f"({'meets' if x['passed'] else 'short'})" for x in t["tried"])
+        verdict = (f"met at {t['chosen_fraction']:.0%} of heads pruned" if t["met"] else
+                   f"NOT met by any model tried; kept the closest ({t['chosen_fraction']:.0%} pruned)")
+        lines.append(f"target cosine {t['target']}: {verdict} (lower end of each 95% interval: {tried})" +
+                     ("; the time budget ended the search" if t["stopped_by_time_budget"] else ""))
+    return lines
 
 
-#: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
-RESERVE_S = 5.0
-#: the least time the speed table should keep when the curve decides whether to re-rank the heads
-TABLE_MIN_S = 30.0
+def check_options(setup: Setup, o: Options) -> None:
+    """Refuse what this setup cannot do, before any work."""
+    if o.quantize is not None:
+        from multihead.quantize import check_dtype
+
+        check_dtype(o.quantize)
+        if setup.quantize_fn is None:
+            raise ValueError(f"--quantize is not available for {setup.name} (transformers checkpoints: --hf DIR).")
+    if o.recover and setup.recover_fn is None:
+        raise ValueError(f"--recover is not available for {setup.name}.")
+    if o.target is not None and setup.scores_fn is None:
+        raise ValueError(f"--target-cosine needs a cosine fidelity; {setup.name} is measured by "
+                         f"{setup.metric_name}: prune a fixed --fraction instead.")
+
+
+def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[heads.Importance, bool, list[str]]:
+    """The unpruned model's head importance (table and heatmap written to ``out``), whether the curve
+    re-ranks after every step (not when that would leave the speed table too little of the budget), and
+    the run's notes."""
+    base = setup.model
+    started = time.monotonic()
+    imp = heads.importance(base, setup.batches, setup.loss_fn, setup.method, progress=o.progress,
+                           fill=heads.mean_head_outputs(base, setup.batches, setup.loss_fn)
+                           if setup.mean_replacement else None)
+    notes = list(setup.notes)
+    reestimate = o.reestimate
+    if reestimate and (why := _no_time_to_reestimate(time.monotonic() - started, o.fraction, o.step, o.deadline)):
+        reestimate = False
+        notes.append(why)
+    (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
+    _heatmap(imp, out / "importance.png")
+    return imp, reestimate, notes
 
 
 def _no_time_to_reestimate(took: float, fraction: float, step: float, deadline: float | None) -> str | None:
@@ -349,6 +385,13 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "![curve](curve.png)",
         "",
         *curve,
+        "",
+        "## The model kept",
+        "",
+        "Fidelity on the held-out sentences, with the 95% interval of the mean (normal approximation over "
+        "sentences):" if (r["final"].get("fidelity") or {}).get("ci95") else "Fidelity on the held-out items:",
+        "",
+        *[f"- {line}" for line in summary(r)],
         "",
         "## Speed (ms per batch; speed-up against the first row)",
         "",

@@ -1,0 +1,193 @@
+"""Which pruned model ``multihead prune`` keeps, and what it is worth.
+
+A step of the pruning curve is *finished* (:func:`finish`): copied, recovered by distillation when asked,
+quantized when asked, and its fidelity measured on the held-out sentences as a mean with a 95% interval
+(:class:`Fidelity`). Without a target the last step is finished; with ``--target-cosine T``
+(:func:`choose`) the furthest step whose interval's lower end is at least T is searched for (the last step
+first, then bisection below it: fidelity falls as heads go), within the command's time (:class:`Budget`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Budget", "Fidelity", "Finished", "choose", "fidelity", "finish"]
+
+#: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
+RESERVE_S = 5.0
+#: the least time the speed table should keep when something before it (re-ranking the heads, recovery,
+#: one more candidate of a target search) decides how much it takes
+TABLE_MIN_S = 30.0
+#: the normal quantile of a two-sided 95% interval
+Z95 = 1.959964
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """A model's fidelity to the unpruned one on the held-out items: the mean, and with per-item scores
+    (mean cosines) the 95% interval of that mean (normal approximation: mean ± 1.96 sd / sqrt(n), the items
+    independent) over ``n`` items; ``lo`` and ``hi`` are None for a metric without per-item scores."""
+
+    mean: float
+    lo: float | None = None
+    hi: float | None = None
+    n: int = 0
+
+    @classmethod
+    def of(cls, scores: torch.Tensor) -> Fidelity:
+        """From per-item scores (n,)."""
+        x = scores.double()
+        n = x.numel()
+        mean = float(x.mean())
+        half = Z95 * float(x.std()) / math.sqrt(n) if n > 1 else float("inf")
+        return cls(mean, mean - half, mean + half, n)
+
+    def to_json(self) -> dict:
+        return {"mean": self.mean, "ci95": None if self.lo is None else [self.lo, self.hi], "n": self.n}
+
+    def __str__(self) -> str:
+        if self.lo is None:
+            return f"{self.mean:.4f}"
+        return f"{self.mean:.4f} (95% interval {self.lo:.4f}-{self.hi:.4f}, {self.n} sentences)"
+
+
+def fidelity(setup, model: nn.Module) -> Fidelity:
+    """``model``'s fidelity on the setup's held-out items (with an interval when the setup has per-item scores)."""
+    if setup.scores_fn is not None:
+        with torch.no_grad():
+            return Fidelity.of(setup.scores_fn(model))
+    return Fidelity(float(setup.metric_fn(model)))
+
+
+class Budget:
+    """The command's time: a ``time.monotonic()`` deadline (None: no limit), and what one fidelity
+    evaluation costs (``eval_s``, measured as the curve runs) so that the steps before the speed table
+    can leave it :data:`TABLE_MIN_S` and the evaluations that follow them."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.eval_s = 0.0
+
+    def left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+    def timed(self, metric_fn):
+        """``metric_fn`` that records how long it takes (the largest seen is ``eval_s``)."""
+        def timed_metric(m):
+            t = time.monotonic()
+            out = metric_fn(m)
+            self.eval_s = max(self.eval_s, time.monotonic() - t)
+            return out
+        return timed_metric
+
+    def until(self, evals_after: int) -> float | None:
+        """The time a step must end by to leave the speed table :data:`TABLE_MIN_S`, ``evals_after``
+        fidelity evaluations and :data:`RESERVE_S` (None without a deadline)."""
+        if self.deadline is None:
+            return None
+        return self.deadline - TABLE_MIN_S - RESERVE_S - evals_after * self.eval_s
+
+
+@dataclass
+class Finished:
+    """Step ``index`` of the curve finished: the float ``model`` (recovered when asked), the ``quantized`` copy
+    or None, the recovery record or None, the fidelity of what is kept, and the seconds it took."""
+
+    index: int
+    model: nn.Module
+    quantized: nn.Module | None
+    recovery: dict | None
+    fidelity: Fidelity
+    seconds: float = 0.0
+
+    @property
+    def kept(self) -> nn.Module:
+        """What the command saves and times: the quantized model when asked, else the float one."""
+        return self.quantized if self.quantized is not None else self.model
+
+
+def finish(setup, snapshot: nn.Module, index: int, *, recover: int, quantize: str | None,
+           budget: Budget) -> Finished:
+    """Step ``index`` (its model ``snapshot``) recovered for ``recover`` steps (fewer when the budget ends
+    first: the record says how many ran), quantized to ``quantize``, its fidelity measured."""
+    started = time.monotonic()
+    model, recovery = snapshot, None
+    if recover > 0:
+        if setup.recover_fn is None:
+            raise ValueError(f"--recover is not available for {setup.name}.")
+        model = copy.deepcopy(snapshot)
+        before = fidelity(setup, model)
+        losses = setup.recover_fn(model, recover, quantize=quantize, until=budget.until(2 + (quantize is not None)))
+        after = fidelity(setup, model)
+        recovery = {"steps": len(losses), "steps_asked": recover, "metric_before": before.mean,
+                    "metric_after": after.mean, "fidelity_before": before.to_json(), "fidelity_after": after.to_json(),
+                    "loss_first": losses[0], "loss_last": losses[-1]}
+    quantized = None
+    if quantize is not None:
+        quantized = setup.quantize_fn(model, quantize)
+        fq = fidelity(setup, quantized)
+        recovery = {**(recovery or {}), "quantize": quantize, "metric_quantized": fq.mean,
+                    "fidelity_quantized": fq.to_json()}
+    kept = quantized if quantized is not None else model
+    fid = (fidelity(setup, kept) if recovery is None else
+           Fidelity(**_from_json(recovery["fidelity_quantized" if quantize else "fidelity_after"])))
+    return Finished(index, model, quantized, recovery, fid, time.monotonic() - started)
+
+
+def _from_json(j: dict) -> dict:
+    lo, hi = j["ci95"] if j["ci95"] is not None else (None, None)
+    return {"mean": j["mean"], "lo": lo, "hi": hi, "n": j["n"]}
+
+
+def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: float | None, recover: int,
+           quantize: str | None, budget: Budget) -> tuple[Finished, dict | None]:
+    """The step to keep, finished, and the target search's record (None without ``target``): the last
+    step without a target; with one, the furthest step (fraction > 0) whose fidelity's 95% interval starts at
+    or above ``target``, searched from the last step down by bisection while the budget leaves time for one
+    more candidate; when no pruned step meets it, the unpruned model (step 0). When none of those tried
+    meets it, the one with the highest lower end is kept and the record says the target was not met."""
+    def run(i: int) -> Finished:
+        return finish(setup, snapshots[i], i, recover=recover, quantize=quantize, budget=budget)
+
+    last = len(rows) - 1
+    if target is None:
+        return run(last), None
+    tried: dict[int, Finished] = {}
+
+    def passes(i: int) -> bool:
+        tried[i] = run(i)
+        return tried[i].fidelity.lo >= target
+
+    def affordable() -> bool:
+        cost = max(f.seconds for f in tried.values())
+        return budget.left() - cost > TABLE_MIN_S + RESERVE_S
+
+    lo, hi = 0, last  # the furthest passing step is in [lo, hi]; lo = 0: none known (the unpruned model)
+    if not passes(last):
+        hi = last - 1
+        while lo < hi and affordable():
+            mid = (lo + hi + 1) // 2
+            if passes(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+    else:
+        lo = last
+    stopped = lo < hi  # the budget ended the search
+    if lo == 0 and not stopped:  # no pruned step meets the target: the unpruned model (quantized when asked) is next
+        passes(0)
+    passed = [i for i, f in tried.items() if f.fidelity.lo >= target]
+    chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: f.fidelity.lo)
+    record = {"target": target, "met": bool(passed), "stopped_by_time_budget": stopped,
+              "chosen_fraction": rows[chosen.index]["fraction"],
+              "tried": [{"fraction": rows[i]["fraction"], "heads_pruned": rows[i]["heads_pruned"],
+                         "fidelity": f.fidelity.to_json(), "passed": f.fidelity.lo >= target,
+                         "recovery_steps": (f.recovery or {}).get("steps"), "seconds": round(f.seconds, 1)}
+                        for i, f in sorted(tried.items())]}
+    return chosen, record

@@ -1,0 +1,177 @@
+"""Which pruned model `multihead prune` keeps: fidelity with its 95% interval, `--target-cosine` (the
+furthest step whose interval starts at or above the target), recovery kept within the time budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from multihead.apps import target
+from multihead.apps.cli import main
+
+
+def test_the_interval_is_the_normal_one_of_the_mean():
+    g = torch.Generator().manual_seed(0)
+    scores = 0.9 + 0.05 * torch.rand(400, generator=g)
+    f = target.Fidelity.of(scores)
+    xs = scores.double().tolist()
+    half = statistics.NormalDist().inv_cdf(0.975) * statistics.stdev(xs) / math.sqrt(len(xs))
+    assert f.n == 400 and f.mean == pytest.approx(statistics.fmean(xs), abs=1e-12)
+    assert (f.lo, f.hi) == (pytest.approx(f.mean - half, abs=1e-6), pytest.approx(f.mean + half, abs=1e-6))
+    assert "95% interval" in str(f) and str(target.Fidelity(0.5)) == "0.5000"
+    # the interval covers the true mean about 95% of the time (200 samples of 50 draws from U[0, 1])
+    hits = 0
+    for _ in range(200):
+        f = target.Fidelity.of(torch.rand(50, generator=g))
+        hits += f.lo <= 0.5 <= f.hi
+    assert 180 <= hits <= 200  # 95% of 200 = 190; binomial sd ~3
+
+
+class Step(nn.Module):
+    """A stand-in for a step of the pruning curve: its fidelity falls with the share of heads pruned."""
+
+    def __init__(self, fraction: float):
+        super().__init__()
+        self.fraction = fraction
+
+
+def _setup(fidelity_at, calls):
+    def scores_fn(m):
+        calls.append(m.fraction)
+        g = torch.Generator().manual_seed(int(1000 * m.fraction))
+        return fidelity_at(m.fraction) + 0.001 * torch.randn(300, generator=g)
+
+    return SimpleNamespace(name="stand-in", scores_fn=scores_fn, metric_fn=lambda m: float(scores_fn(m).mean()),
+                           recover_fn=None, quantize_fn=None)
+
+
+def _curve(n_steps: int, step: float = 0.1):
+    rows = [{"fraction": i * step, "heads_pruned": i} for i in range(n_steps + 1)]
+    return rows, [Step(r["fraction"]) for r in rows]
+
+
+@pytest.mark.parametrize("knee, expected", [(0.85, 8), (0.55, 5), (0.15, 1), (0.05, 0)])
+def test_the_search_keeps_the_furthest_step_that_meets_the_target(knee, expected):
+    """Fidelity 0.99 up to ``knee`` of the heads pruned, 0.90 past it; target 0.95: the furthest step at or
+    below the knee is kept, found by bisection (a handful of evaluations, not one per step), and when no
+    pruned step meets the target the unpruned model is the answer."""
+    calls = []
+    setup = _setup(lambda f: 0.99 if f <= knee + 1e-9 else 0.90, calls)
+    rows, snaps = _curve(8)
+    kept, record = target.choose(setup, rows, snaps, target=0.95, recover=0, quantize=None,
+                                 budget=target.Budget(None))
+    assert kept.index == expected and record["met"] and record["chosen_fraction"] == rows[expected]["fraction"]
+    assert len(calls) <= 1 + math.ceil(math.log2(8)) + 1
+    tried = {round(t["fraction"], 3): t["passed"] for t in record["tried"]}
+    assert all(p == (f <= knee + 1e-9) for f, p in tried.items())
+    assert not record["stopped_by_time_budget"]
+
+
+def test_a_target_no_model_meets_is_said_and_the_closest_is_kept():
+    calls = []
+    setup = _setup(lambda f: 0.97 - 0.05 * f, calls)  # even the unpruned model is below 0.99
+    rows, snaps = _curve(4)
+    kept, record = target.choose(setup, rows, snaps, target=0.99, recover=0, quantize=None,
+                                 budget=target.Budget(None))
+    assert not record["met"] and kept.index == 0  # the highest lower end: the unpruned model
+    assert kept.fidelity.lo == max(t["fidelity"]["ci95"][0] for t in record["tried"])
+
+
+def test_the_time_budget_ends_the_search():
+    calls = []
+    setup = _setup(lambda f: 0.99 if f <= 0.35 else 0.90, calls)
+    rows, snaps = _curve(8)
+    budget = target.Budget(time.monotonic() + 1.0)  # less than the speed table's share: one candidate, no more
+    kept, record = target.choose(setup, rows, snaps, target=0.95, recover=0, quantize=None, budget=budget)
+    assert len(calls) == 1 and record["stopped_by_time_budget"] and not record["met"]
+    assert kept.index == 8  # the only one tried
+
+
+def test_without_a_target_the_last_step_is_kept():
+    calls = []
+    setup = _setup(lambda f: 1.0 - f, calls)
+    rows, snaps = _curve(3)
+    kept, record = target.choose(setup, rows, snaps, target=None, recover=0, quantize=None,
+                                 budget=target.Budget(None))
+    assert record is None and kept.index == 3 and calls == [pytest.approx(0.3)]
+    assert kept.fidelity.mean == pytest.approx(0.7, abs=1e-3) and kept.fidelity.lo < 0.7 < kept.fidelity.hi
+
+
+def test_target_cosine_bad_input(capsys):
+    for bad, said in (("0", "must be in (0, 1] (a mean cosine to the unpruned model); got 0"),
+                      ("1.5", "must be in (0, 1]"), ("high", "must be a cosine in (0, 1], e.g. 0.95; got 'high'")):
+        with pytest.raises(SystemExit):
+            main(["prune", "--model", "toy", "--target-cosine", bad])
+        assert said in capsys.readouterr().err
+
+
+def test_target_cosine_is_refused_for_a_model_measured_otherwise(trained, tmp_path, capsys):
+    assert main(["prune", "--model", "toy", "--target-cosine", "0.9", "--checkpoints",
+                 str(trained["dir"] / "transformer"), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "--target-cosine needs a cosine fidelity; toy is measured by digits reversed right" in err
+    assert not (tmp_path / "p" / "report.json").exists()
+
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture
+def bert(tmp_path):
+    from multihead.apps.data import sentences
+    from test_hf_cli import _save, _words
+
+    corpus = sentences(96)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=210, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=160)
+    d = _save(tmp_path, transformers.BertModel(cfg).eval(), _words(corpus))
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n".join(corpus))
+    return d, f
+
+
+def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, tmp_path, capsys):
+    import multihead.hf as mhf
+    from multihead.apps import hf_models
+
+    d, corpus = bert
+    out = tmp_path / "t"
+    assert main(["prune", "--hf", str(d), "--target-cosine", "0.97", "--fraction", "0.75", "--step", "0.25",
+                 "--recover", "2", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
+                 "--time-budget", "10m", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    t = report["target"]
+    assert t["target"] == 0.97 and "target cosine 0.97:" in said
+    passed = [x["fraction"] for x in t["tried"] if x["passed"]]
+    assert t["met"] == bool(passed)
+    if passed:
+        assert t["chosen_fraction"] == max(passed) == report["final"]["fraction"]
+    assert all((x["fidelity"]["ci95"][0] >= 0.97) == x["passed"] for x in t["tried"])
+    # the saved model is the one measured: its fidelity (mean and interval) computed again from the directory
+    setup = hf_models.hf_setup(d, corpus.read_text().splitlines(), 16, 48)
+    again = target.fidelity(setup, mhf.load(out / "model"))
+    assert again.mean == pytest.approx(report["final"]["fidelity"]["mean"], abs=1e-5)
+    assert [again.lo, again.hi] == pytest.approx(report["final"]["fidelity"]["ci95"], abs=1e-5)
+    assert "95% interval" in (out / "report.md").read_text()
+
+
+def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_path, capsys):
+    d, corpus = bert
+    out = tmp_path / "r"
+    assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--recover", "500",
+                 "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
+                 "--time-budget", "2s", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    r = json.loads((out / "report.json").read_text())["recovery"]
+    assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits
+    assert "recovery: 3 steps took it from" in said and "(3 of the 500 asked: the time budget ended them" in said
