@@ -1,6 +1,7 @@
 """multihead.hf.export_onnx: a pruned (and padding-free) transformers model written as ONNX; ONNX
-Runtime's output equals the torch model's within 1e-4 on real tokens at batch sizes and lengths the
-export never saw. Needs the onnx extra (onnx, onnxscript, onnxruntime), which `make test` installs."""
+Runtime's and OpenVINO's outputs equal the torch model's within 1e-4 on real tokens at batch sizes and lengths
+the export never saw. Needs the onnx extra (onnx, onnxscript, onnxruntime) and the openvino extra, which
+`make test` installs."""
 
 from __future__ import annotations
 
@@ -28,18 +29,31 @@ def _bert(packed):
     return mhf.attach(T.BertModel(cfg).eval(), packed=packed)
 
 
+def _runtime(kind: str, f):
+    """(inputs as numpy) -> the first output, from the ONNX file ``f`` in ONNX Runtime or OpenVINO (CPU, fp32,
+    one thread)."""
+    if kind == "onnxruntime":
+        session = ort.InferenceSession(str(f))
+        return lambda feed: session.run(None, feed)[0]
+    ov = pytest.importorskip("openvino")  # the openvino extra, which `make test` installs
+    compiled = ov.Core().compile_model(str(f), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
+    return lambda feed: compiled(feed)[compiled.output(0)]
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_pruned_model_exported_to_onnx_gives_the_same_outputs_in_onnx_runtime(tmp_path, packed):
+def test_a_pruned_model_exported_to_onnx_gives_the_same_outputs_in_onnx_runtime_and_openvino(tmp_path, packed,
+                                                                                              runtime):
     model = _bert(packed)
     heads.prune(model, {"encoder.layer.0.attention.self": [1, 3], "encoder.layer.1.attention.self": [0]})
     f = mhf.export_onnx(model, tmp_path / "m.onnx")
-    session = ort.InferenceSession(str(f))
+    run = _runtime(runtime, f)
     for B, L in ((3, 9), (2, 17), (1, 1)):
         g = torch.Generator().manual_seed(B * 100 + L)
         ids = torch.randint(3, 100, (B, L), generator=g)
         am = torch.ones(B, L, dtype=torch.long)
         am[B - 1, max(1, L // 3):] = 0
-        got = torch.from_numpy(session.run(None, {"input_ids": ids.numpy(), "attention_mask": am.numpy()})[0])
+        got = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy()}))
         with torch.no_grad():
             want = model(input_ids=ids, attention_mask=am).last_hidden_state
         keep = am.bool()
