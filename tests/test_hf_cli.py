@@ -206,7 +206,8 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     m = batch["attention_mask"][..., None].float()
     want = torch.nn.functional.normalize((a * m).sum(1) / m.sum(1), dim=-1)
     assert (got - want).abs().max() < 1e-5
-    model[0].auto_model = ours  # multihead's pruned, padding-free model inside sentence-transformers: encode unchanged
+    model[0].model = ours  # multihead's pruned, padding-free model inside sentence-transformers: encode unchanged
+    assert model[0].auto_model is ours  # (auto_model is a read-only view of .model: assigning it changes nothing)
     assert (torch.as_tensor(model.encode(corpus[:3])) - want).abs().max() < 1e-5
     unpruned = SentenceTransformer(str(src), device="cpu")
     before = torch.as_tensor(unpruned.encode(corpus[:5]))

@@ -228,17 +228,30 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     model = mhf.attach(T.AutoModel.from_pretrained(minilm_path()).eval(), packed=True)
     heads.prune(model, {"encoder.layer.0.attention.self": [0, 1]})
     mhf.save(model, tmp_path / "m", quantize="int8")
-    r = hf_bench.run(tmp_path / "m", n_batches=1, max_seconds=1.0, log=lambda s: None)
-    rows = {row["peer"]: row for row in r["rows"]}
+    r = hf_bench.run(tmp_path / "m", sizes=(1, 3), n_batches=1, st_sentences=6, max_seconds=1.0,
+                     log=lambda s: None)
+    assert set(r["sizes"]) == {"1", "3"}
+    rows = {row["peer"]: row for row in r["sizes"]["3"]["rows"]}
     want = {"transformers (sdpa)", "multihead, padded", "multihead, padding-free",
             "multihead, 70/72 heads, int8, padding-free"}
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        assert set(rows) == want
-    else:  # the onnx extra: ONNX Runtime's int8 model of the unpruned checkpoint beside ours
-        assert set(rows) == want | {"ONNX Runtime int8 (unpruned)"}
+    runtimes = {"ONNX Runtime int8 (unpruned)": "onnxruntime", "OpenVINO fp32 (unpruned)": "openvino"}
+    for name, module in runtimes.items():  # the onnx and openvino extras: their models of the unpruned checkpoint
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        want.add(name)
+    assert set(rows) == want
+    if "ONNX Runtime int8 (unpruned)" in rows:
         assert 0.9 < rows["ONNX Runtime int8 (unpruned)"]["cosine"] < 1
+    if "OpenVINO fp32 (unpruned)" in rows:  # the same fp32 model in another runtime
+        assert rows["OpenVINO fp32 (unpruned)"]["cosine"] > 1 - 1e-5
     assert rows["multihead, padding-free"]["cosine"] > 1 - 1e-6 and rows["transformers (sdpa)"]["speedup"] == 1.0
     assert 0.9 < rows["multihead, 70/72 heads, int8, padding-free"]["cosine"] < 1
+    st = r["sentence_transformers"]
+    if st is not None:  # inside SentenceTransformer.encode: attached padding-free is exact, the pruned model close
+        srows = {row["peer"]: row for row in st["rows"]}
+        assert srows["sentence-transformers + multihead padding-free"]["cosine"] > 1 - 1e-5
+        assert 0.9 < srows["sentence-transformers + the pruned model"]["cosine"] < 1 - 1e-6
+        assert "**Inside sentence-transformers**" in hf_bench.markdown(r)
     assert "| multihead, padding-free | 1.0000 |" in hf_bench.markdown(r)

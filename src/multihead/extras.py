@@ -12,7 +12,8 @@ __all__ = ["quiet_logs", "require"]
 
 #: the extra of pyproject.toml that installs each optional top-level package
 EXTRA = {"matplotlib": "viz", "sklearn": "train", "tqdm": "train", "keras": "keras", "transformers": "hf",
-         "tokenizers": "hf", "playwright": "browser", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx"}
+         "tokenizers": "hf", "playwright": "browser", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx",
+         "openvino": "openvino"}
 
 
 def require(module: str, what: str) -> ModuleType:

@@ -1,15 +1,20 @@
 """W7 of ``multihead bench``: a sentence encoder from transformers, as a practitioner serves it.
 
-all-MiniLM-L6-v2 (the ``pretrained`` extra) at batch 16 on mixed-length sentences that no
-pruning step saw (the held-out part of the corpus, as ``prune --hf`` splits it), under
-``torch.inference_mode``. Peers, timed in the same process, interleaved after a warm-up, median
-and min-max per batch of 16: transformers' sdpa (the reference, 1.00x), the model attached to
-multihead (padded), attached padding-free (``attach(packed=True)``), and — with ``--pruned DIR``,
-a directory written by ``multihead prune --hf ... --quantize int8`` — that pruned, recovered,
-int8 model loaded with ``multihead.hf.load``; and with the onnx extra, ONNX Runtime's int8 model of
-the unpruned checkpoint (exported by ``multihead.hf.export_onnx``, ``onnxruntime.quantization.quantize_dynamic``,
-idle workers not spinning). Fidelity: mean cosine of mean-pooled last hidden
-states to the sdpa model's on every timed sentence.
+all-MiniLM-L6-v2 (the ``pretrained`` extra) at batch 1, 16 and 64 on mixed-length sentences that no pruning
+step saw (the held-out part of the corpus, as ``prune --hf`` splits it: never used for importance or
+recovery), under ``torch.inference_mode``. Peers, timed in the same process, interleaved after a warm-up,
+median and min-max per batch, per batch size: transformers' sdpa (the reference, 1.00x), the model attached
+to multihead (padded), attached padding-free (``attach(packed=True)``), and — with ``--pruned DIR``, a
+directory written by ``multihead prune --hf ...`` — that pruned (recovered, int8) model loaded with
+``multihead.hf.load``; with the ``onnx`` extra, ONNX Runtime's int8 model of the unpruned checkpoint, and with
+the ``openvino`` extra, OpenVINO's fp32 model of it (both from ``multihead.hf.export_onnx``; see
+:mod:`multihead.apps.runtimes`). Fidelity: mean cosine of mean-pooled last hidden states to the sdpa model's
+on every timed sentence.
+
+And inside sentence-transformers (when installed): ``SentenceTransformer(<package>).encode`` on the same
+sentences (it tokenizes, sorts by length and batches itself) with its own model, with that model attached
+padding-free, and with the pruned model in its place — the whole ``encode`` timed, so tokenization is in
+every row.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from pathlib import Path
 import torch
 
 from multihead.apps import hf_models
-from multihead.apps.ort_peer import ort_int8
+
+#: batches of each size timed (so each batch size sees 32-64 sentences)
+BATCHES = {1: 32, 16: 4, 64: 1}
 
 
 def _pooled(model, batch) -> torch.Tensor:
@@ -29,16 +36,57 @@ def _pooled(model, batch) -> torch.Tensor:
     return hf_models.pooled(model, batch["input_ids"], batch["attention_mask"])
 
 
-def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8, max_seconds: float = 60.0,
-        log: Callable[[str], None] = print) -> dict:
+def _models(path, pruned, example: dict, log) -> dict:
+    """{name: model called as model(input_ids=, attention_mask=)}: the peers this machine has."""
+    import transformers
+
+    import multihead.hf as mhf
+    from multihead.apps import runtimes
+
+    models = {
+        "transformers (sdpa)": transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(),
+        "multihead, padded": mhf.attach(transformers.AutoModel.from_pretrained(path).eval()),
+        "multihead, padding-free": mhf.attach(transformers.AutoModel.from_pretrained(path).eval(), packed=True),
+    }
+    if pruned is not None:
+        from multihead.quantize import is_quantized
+
+        m = mhf.load(pruned)
+        heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
+        models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
+    for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
+                       ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
+        try:  # the runtimes a practitioner would reach for, made from the unpruned checkpoint
+            models[name] = make(models["multihead, padded"], example)
+        except ImportError as e:
+            log(f"  {name} not timed: {e}")
+    return models
+
+
+def _time_batch_size(models: dict, batches: list, ref: torch.Tensor, max_seconds: float) -> tuple[list, str | None]:
+    """Every model on ``batches`` in interleaved rounds: (rows of the table, the busy-machine note)."""
+    from multihead.apps import timing
+
+    fidelity = {n: float((torch.cat([_pooled(m, b) for b in batches]) * ref).sum(-1).mean()) for n, m in models.items()}
+    calls = {n: (lambda m=m: [m(**b) for b in batches]) for n, m in models.items()}
+    t = timing.interleaved(calls, max_seconds=max_seconds)
+    base = t["transformers (sdpa)"].median
+    rows = [{"peer": n, "cosine": fidelity[n], "ms_per_batch": t[n].scaled(1 / len(batches)).to_json(),
+             "speedup": round(base / t[n].median, 3),
+             "speedup_range": [round(base / t[n].max, 3), round(base / t[n].min, 3)]} for n in models]
+    return rows, timing.busy_note(t)
+
+
+def run(pruned: str | Path | None = None, *, sizes: tuple[int, ...] = (1, 16, 64), n_batches: int | None = None,
+        st_sentences: int = 64, max_seconds: float = 60.0, log: Callable[[str], None] = print) -> dict:
+    """The tables above: {"sizes": {batch size: rows}, "sentence_transformers": rows or None}. ``n_batches``:
+    batches timed per size (default :data:`BATCHES`); ``st_sentences``: sentences per ``encode``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from multihead.extras import require
 
     require("transformers", "hf")
     import transformers
 
-    import multihead.hf as mhf
-    from multihead.apps import timing
     from multihead.apps.data import sentences
     from multihead.models import minilm_path
 
@@ -46,58 +94,91 @@ def run(pruned: str | Path | None = None, *, batch: int = 16, n_batches: int = 8
     tok = transformers.AutoTokenizer.from_pretrained(path)
     corpus = sentences()
     held_out = corpus[128 + min(256, len(corpus) // 4):]  # prune --hf's default split: never used for pruning
-    sents = held_out[: batch * n_batches]
-    encoded = [tok(sents[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="pt")
-               for i in range(0, len(sents), batch)]
-    batches = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded]  # (B, L) each
-    models = {
-        "transformers (sdpa)": transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(),
-        "multihead, padded": mhf.attach(transformers.AutoModel.from_pretrained(path).eval()),
-        "multihead, padding-free": mhf.attach(transformers.AutoModel.from_pretrained(path).eval(), packed=True),
-    }
-    if pruned is not None:
-        m = mhf.load(pruned)
-        heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
-        from multihead.quantize import is_quantized
+    per_size = {}
+    models = None
+    for B in sizes:
+        sents = held_out[: B * (n_batches or BATCHES.get(B, 1))]
+        batches = [dict(tok(sents[i:i + B], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+                   for i in range(0, len(sents), B)]
+        batches = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in batches]  # (B, L)
+        if models is None:
+            models = _models(path, pruned, batches[0], log)
+        with torch.inference_mode():
+            ref = torch.cat([_pooled(models["transformers (sdpa)"], b) for b in batches])
+            rows, busy = _time_batch_size(models, batches, ref, max_seconds)
+        lens = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
+        log(f"W7 batch {B}: {len(batches)} batches of held-out sentences, {min(lens)}-{max(lens)} tokens, "
+            f"{torch.get_num_threads()} threads")
+        for r in rows:
+            ms = r["ms_per_batch"]["median_ms"]
+            log(f"  {r['peer']:45} cosine {r['cosine']:.4f}  {ms:7.1f} ms/batch  {r['speedup']:.2f}x "
+                f"({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})")
+        per_size[str(B)] = {"batches": len(batches), "tokens": [min(lens), max(lens)], "rows": rows, "busy": busy}
+    st = _sentence_transformers(path, pruned, held_out[:st_sentences], max_seconds, log)
+    return {"workload": "W7", "threads": torch.get_num_threads(), "sizes": per_size, "sentence_transformers": st}
 
-        models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
-    try:  # ONNX Runtime's int8 model of the unpruned checkpoint (the onnx extra), as a practitioner would make it
-        models["ONNX Runtime int8 (unpruned)"] = ort_int8(models["multihead, padded"], batches[0])
-    except ImportError as e:
-        log(f"  ONNX Runtime not timed: {e}")
-    lengths = [int(b["attention_mask"].sum(1).min()) for b in batches], [int(b["attention_mask"].sum(1).max())
-                                                                         for b in batches]
-    log(f"W7: all-MiniLM-L6-v2, {len(batches)} batches of {batch} held-out sentences, {min(lengths[0])}-"
-        f"{max(lengths[1])} tokens, {torch.get_num_threads()} threads")
+
+def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, log) -> dict | None:
+    """``SentenceTransformer.encode`` (batch 16) with its own model, attached padding-free, and with the pruned
+    model in its place: {rows, busy}, or None without sentence-transformers."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        log("  sentence-transformers not installed: its table is skipped")
+        return None
+    import multihead.hf as mhf
+    from multihead.apps import timing
+
+    def encoder(swap=None, packed=False):
+        st = SentenceTransformer(str(path), device="cpu")
+        if packed:
+            mhf.attach(st[0].auto_model, packed=True)
+        if swap is not None:  # (.auto_model is a read-only view of .model)
+            st[0].model = mhf.load(swap)
+        return st.eval()
+
+    encoders = {"sentence-transformers": encoder(), "sentence-transformers + multihead padding-free":
+                encoder(packed=True)}
+    if pruned is not None:
+        encoders["sentence-transformers + the pruned model"] = encoder(swap=pruned)
     with torch.inference_mode():
-        ref = torch.cat([_pooled(models["transformers (sdpa)"], b) for b in batches])
-        fidelity = {n: float((torch.cat([_pooled(m, b) for b in batches]) * ref).sum(-1).mean())
-                    for n, m in models.items()}
-        calls = {n: (lambda m=m: [m(**b) for b in batches]) for n, m in models.items()}
-        t = timing.interleaved(calls, max_seconds=max_seconds)
-    base = t["transformers (sdpa)"].median
-    rows = []
-    for n in models:
-        tm = t[n].scaled(1 / len(batches))
-        rows.append({"peer": n, "cosine": round(fidelity[n], 4), "ms_per_batch": tm.to_json(),
-                     "speedup": round(base / t[n].median, 3),
-                     "speedup_range": [round(base / t[n].max, 3), round(base / t[n].min, 3)]})
-        log(f"  {n:45} cosine {fidelity[n]:.4f}  {tm.median:7.1f} ms/batch  {base / t[n].median:.2f}x "
-            f"({base / t[n].max:.2f}-{base / t[n].min:.2f})")
-    return {"workload": "W7", "batch": batch, "batches": len(batches), "threads": torch.get_num_threads(),
-            "rows": rows, "busy": timing.busy_note(t)}
+        ref = encoders["sentence-transformers"].encode(sents, batch_size=16, convert_to_tensor=True)
+        cos = {n: float((e.encode(sents, batch_size=16, convert_to_tensor=True) * ref).sum(-1).mean())
+               for n, e in encoders.items()}
+        t = timing.interleaved({n: (lambda e=e: e.encode(sents, batch_size=16)) for n, e in encoders.items()},
+                               max_seconds=max_seconds)
+    base = t["sentence-transformers"].median
+    rows = [{"peer": n, "cosine": cos[n], "ms_per_encode": t[n].to_json(),
+             "speedup": round(base / t[n].median, 3),
+             "speedup_range": [round(base / t[n].max, 3), round(base / t[n].min, 3)]} for n in encoders]
+    for r in rows:
+        log(f"  {r['peer']:50} cosine {r['cosine']:.4f}  {r['ms_per_encode']['median_ms']:7.1f} ms  "
+            f"{r['speedup']:.2f}x")
+    return {"sentences": len(sents), "rows": rows, "busy": timing.busy_note(t)}
 
 
 def markdown(r: dict) -> str:
-    lines = [f"W7: all-MiniLM-L6-v2 through transformers, batch {r['batch']} of held-out mixed-length sentences, "
-             f"{r['threads']} threads, inference_mode; speed-up = transformers sdpa's time / the peer's (median, "
-             "range over interleaved rounds)", "",
-             "| peer | mean cosine to sdpa | ms per batch (median, min-max) | speed-up |", "|---|---:|---:|---:|"]
-    for row in r["rows"]:
-        ms = row["ms_per_batch"]
-        lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
-                     f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({row['speedup_range'][0]:.2f}-"
-                     f"{row['speedup_range'][1]:.2f}) |")
-    if r.get("busy"):
-        lines += ["", f"note: {r['busy']}"]
+    lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads, "
+             "inference_mode; speed-up = transformers sdpa's time / the peer's (median, range over interleaved "
+             "rounds)", ""]
+    for B, s in r["sizes"].items():
+        lines += [f"**Batch {B}** ({s['batches']} batches, {s['tokens'][0]}-{s['tokens'][1]} tokens)", "",
+                  "| peer | mean cosine to sdpa | ms per batch (median, min-max) | speed-up |", "|---|---:|---:|---:|"]
+        for row in s["rows"]:
+            ms = row["ms_per_batch"]
+            lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
+                         f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({row['speedup_range'][0]:.2f}-"
+                         f"{row['speedup_range'][1]:.2f}) |")
+        lines += (["", f"note: {s['busy']}"] if s.get("busy") else []) + [""]
+    st = r.get("sentence_transformers")
+    if st:
+        lines += [f"**Inside sentence-transformers**: `encode` of {st['sentences']} sentences, batch_size=16 "
+                  "(tokenization and its length sorting included)", "",
+                  "| encoder | mean cosine | ms per encode (median, min-max) | speed-up |", "|---|---:|---:|---:|"]
+        for row in st["rows"]:
+            ms = row["ms_per_encode"]
+            lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
+                         f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({row['speedup_range'][0]:.2f}-"
+                         f"{row['speedup_range'][1]:.2f}) |")
+        lines += (["", f"note: {st['busy']}"] if st.get("busy") else [])
     return "\n".join(lines) + "\n"

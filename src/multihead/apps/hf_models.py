@@ -187,20 +187,25 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.quantize_fn = quantize
     setup.scores_fn = scores_fn
 
-    def ort_peer():
-        """ONNX Runtime's int8 model of the unpruned checkpoint, when the onnx extra is installed."""
+    def runtime_peers():
+        """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned checkpoint, those whose extra
+        (onnx, openvino) is installed."""
         if causal:
             return []
-        try:
-            from multihead.apps.ort_peer import ort_int8
+        from multihead.apps import runtimes
 
-            ids, am = speed[16][0]
-            ort = ort_int8(peer, {"input_ids": ids, "attention_mask": am})
-        except ImportError:
-            return []
-        return [("ONNX Runtime int8 (unpruned)", ort, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))]
+        ids, am = speed[16][0]
+        out = []
+        for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
+                           ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
+            try:
+                out.append((name, make(peer, {"input_ids": ids, "attention_mask": am}),
+                            lambda m, x: m(input_ids=x[0], attention_mask=x[1])))
+            except ImportError:
+                continue
+        return out
 
-    setup.more_peers = ort_peer
+    setup.more_peers = runtime_peers
     return setup
 
 

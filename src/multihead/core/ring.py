@@ -521,7 +521,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
         for p, (ls, _, n) in enumerate(pieces[rank]):
             compute(rank, p, k[:, :, ls:ls + n], v[:, :, ls:ls + n])
 
-    _exchange(c, wire, k, v, pieces, rank, compute, own)
+    _exchange(c, _Traffic(wire, plan, rank, k, v), compute, own)
     wire.settle(0)
     return out, lse
 
@@ -541,42 +541,47 @@ def _kv_piece(k: Tensor, v: Tensor, piece: tuple) -> Tensor:
     return torch.cat([k[:, :, ls:ls + n], v[:, :, ls:ls + n]], -1)
 
 
-def _exchange(c: _Call, wire: _Wire, k: Tensor, v: Tensor, pieces, rank: int, compute, own) -> None:
-    """Steps 1..N-1 of the forward: at each tick (s, p) rank r sends its piece p to r+s when r+s
-    needs it and receives piece p of r-s when it needs it; the next tick's transfers are posted
-    before this tick's piece is computed, and at most two sends are in flight. ``own()`` computes
-    the own block once the first transfers are on their way."""
-    plan, N, D = c.plan, c.plan.N, c.D
-    ticks = _schedule(plan)
-    nxt = _post_kv(wire, plan, ticks, 0, rank, k, v, pieces, in_flight=1)
+class _Traffic:
+    """This rank's key/value traffic around the ring: at tick (s, p) of the shared schedule, rank r sends its
+    piece p to r+s when that rank needs it and receives piece p of r-s when it needs it."""
+
+    def __init__(self, wire: _Wire, plan: _Plan, rank: int, k: Tensor, v: Tensor):
+        self.wire, self.plan, self.rank, self.k, self.v = wire, plan, rank, k, v
+        self.ticks = _schedule(plan)
+
+    def post(self, i: int, in_flight: int):
+        """Post tick i's traffic: this rank's piece to rank+s if it needs it (once at most ``in_flight``
+        earlier sends are still under way), and a buffer for rank-s's piece if this rank needs it.
+        Returns (the receive's works, the buffer (B, Hkv, keys, D+Dv) or None), or None past the last tick."""
+        if i >= len(self.ticks):
+            return None
+        s, p = self.ticks[i]
+        plan, rank, k, v, pieces = self.plan, self.rank, self.k, self.v, self.plan.pieces
+        dst, src = (rank + s) % plan.N, (rank - s) % plan.N
+        sends, recvs, buf = [], [], None
+        if plan.needs(dst, rank, p):
+            self.wire.settle(in_flight)
+            sends.append((_kv_piece(k, v, pieces[rank][p]), dst, _tag(0, s, p, plan)))
+        if plan.needs(rank, src, p):
+            buf = k.new_empty(k.shape[0], k.shape[1], pieces[src][p][2], k.shape[-1] + v.shape[-1])  # (B, Hkv, keys, D+Dv)
+            recvs.append((buf, src, _tag(0, s, p, plan)))
+        return self.wire.post(sends, recvs), buf
+
+
+def _exchange(c: _Call, traffic: _Traffic, compute, own) -> None:
+    """Steps 1..N-1 of the forward: each tick's piece computed once it arrives; the next tick's transfers
+    are posted before this tick's piece is computed, and at most two sends are in flight. ``own()``
+    computes the own block once the first transfers are on their way."""
+    N, D, rank = c.plan.N, c.D, traffic.rank
+    nxt = traffic.post(0, in_flight=1)
     own()
-    for i, (s, p) in enumerate(ticks):
+    for i, (s, p) in enumerate(traffic.ticks):
         works, buf = nxt
-        nxt = _post_kv(wire, plan, ticks, i + 1, rank, k, v, pieces, in_flight=1)
+        nxt = traffic.post(i + 1, in_flight=1)
         if buf is not None:
-            wire.wait(works)
+            traffic.wire.wait(works)
             compute((rank - s) % N, p, buf[..., :D], buf[..., D:])
-    wire.settle(0)
-
-
-def _post_kv(wire: _Wire, plan: _Plan, ticks: tuple, i: int, rank: int, k: Tensor, v: Tensor, pieces,
-             in_flight: int):
-    """Post tick i's key/value traffic: this rank's piece to rank+s if it needs it (once at most
-    ``in_flight`` earlier sends are still under way), and a buffer for rank-s's piece if this
-    rank needs it. Returns (the receive's works, the buffer or None), or None past the last tick."""
-    if i >= len(ticks):
-        return None
-    s, p = ticks[i]
-    N = plan.N
-    dst, src = (rank + s) % N, (rank - s) % N
-    sends, recvs, buf = [], [], None
-    if plan.needs(dst, rank, p):
-        wire.settle(in_flight)
-        sends.append((_kv_piece(k, v, pieces[rank][p]), dst, _tag(0, s, p, plan)))
-    if plan.needs(rank, src, p):
-        buf = k.new_empty(k.shape[0], k.shape[1], pieces[src][p][2], k.shape[-1] + v.shape[-1])  # (B, Hkv, keys, D+Dv)
-        recvs.append((buf, src, _tag(0, s, p, plan)))
-    return wire.post(sends, recvs), buf
+    traffic.wire.settle(0)
 
 
 def _tag(kind: int, s: int, p: int, plan: _Plan) -> int:
@@ -640,15 +645,15 @@ def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, T
     pieces = plan.pieces
     wire = _Wire(c.group, stats)
 
-    ticks = _schedule(plan)
+    traffic = _Traffic(wire, plan, rank, k, v)
     width = D + Dv
     pending = None  # (works, buffer, piece) of the gradients coming back for one of this rank's pieces
-    nxt = _post_kv(wire, plan, ticks, 0, rank, k, v, pieces, in_flight=3)
+    nxt = traffic.post(0, in_flight=3)
     for p, (ls, _, n) in enumerate(pieces[rank]):  # step 0: the own block, while the first pieces travel
         compute(rank, p, k[:, :, ls:ls + n], v[:, :, ls:ls + n], dk[:, :, ls:ls + n], dv[:, :, ls:ls + n])
-    for i, (s, p) in enumerate(ticks):
+    for i, (s, p) in enumerate(traffic.ticks):
         works, buf = nxt
-        nxt = _post_kv(wire, plan, ticks, i + 1, rank, k, v, pieces, in_flight=3)
+        nxt = traffic.post(i + 1, in_flight=3)
         dst, src = (rank + s) % N, (rank - s) % N
         sends, recvs, back = [], [], None
         if buf is not None:

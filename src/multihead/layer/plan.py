@@ -267,7 +267,8 @@ def _cached(m, projs, call: Call):
     B, n = queries.shape[0], queries.shape[1]
     if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
         Lk = cache.length(m) + n
-        queries, keys, values, mk = inputs(m, projs, call._replace(keys=queries, values=queries), Lk=Lk)
+        self_call = Call(queries, queries, queries, call.valid_lens, call.mask)  # keys and values: the step's own
+        queries, keys, values, mk = inputs(m, projs, self_call, Lk=Lk)
         cache.check(m, B, n)  # batch and room, before any computation
         if n > 1 or mk is not None:  # one new position sees every cached one: no mask needed
             mk = masks.Causal("bottom-right") if mk is None else masks.Causal("bottom-right") & mk
