@@ -89,7 +89,10 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     assert report["curve"][0]["metric"] == pytest.approx(0.0, abs=1e-6) and report["curve"][-1]["metric"] > 0
     back = mhf.load(out / "model")
     assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(back).values()) == 6
-    capsys.readouterr()
+    said = capsys.readouterr().out  # grouped key/value heads: stored at the pruned sizes, and the command says so
+    assert "AutoModel.from_pretrained and SentenceTransformer cannot read it; open it with multihead.hf.load(" in said
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # (as it says: the sizes do not match)
+        T.AutoModelForCausalLM.from_pretrained(out / "model")
     assert main(["viz", "--hf", str(d), "--text", "The value of the object", "--out", str(tmp_path / "v"),
                  "--explain"]) == 0
     text = capsys.readouterr().out

@@ -144,6 +144,23 @@ def save_with_files(model: nn.Module, out: str | Path, source: str | Path, *, qu
     return out
 
 
+def readable_elsewhere(out: str | Path) -> str | None:
+    """None when the directory :func:`save_with_files` wrote opens with ``AutoModel.from_pretrained`` and
+    ``SentenceTransformer`` (unpruned, or stored at full size); else the one line that says it does not and
+    how to open it."""
+    import json
+
+    import multihead.hf as mhf
+
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    if cfg.get(mhf.FULL_SIZE_KEY) or not cfg.get(mhf.HEADS_KEY):
+        return None
+    return (f"{out} keeps each layer's own head counts (grouped key/value heads or fused q/k/v cannot be stored at "
+            "full size with the kept heads named): AutoModel.from_pretrained and SentenceTransformer cannot read "
+            f"it; open it with multihead.hf.load('{out}') (and put that model in a SentenceTransformer as "
+            "st[0].model)")
+
+
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
              n_held_out: int | None = None, n_recover: int | None = None) -> Setup:
     """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
@@ -177,7 +194,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     label = p.parent.name if p.name == "model" else p.name  # e.g. <package>/model -> the package's name
     setup = Setup(label, model, imp, loss_fn, metric_fn, name, speed,
                   lambda m, x: m(input_ids=x[0], attention_mask=x[1]), "ablation", True,
-                  lambda m, p, quantize=None: save_with_files(m, p, path, quantize=quantize),
+                  lambda m, p, quantize=None: readable_elsewhere(save_with_files(m, p, path, quantize=quantize)),
                   (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
                   [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "

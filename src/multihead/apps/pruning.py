@@ -42,7 +42,7 @@ class Setup:
     run_fn: Callable  # run_fn(model, inputs) -> output
     method: str
     mean_replacement: bool
-    save_fn: Callable[[nn.Module, Path], None]
+    save_fn: Callable[[nn.Module, Path], str | None]  # -> None, or a line on what the saved directory cannot do
     peer: tuple[str, nn.Module, Callable] | None = None  # (name, model, run_fn) timed beside ours
     notes: list[str] = field(default_factory=list)
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
@@ -165,7 +165,8 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     kept, search = choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
                           budget=budget)
     setup.pruned = kept.kept
-    setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
+    said = setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
+    model_note = said if isinstance(said, str) else None  # what the saved directory cannot do, in one line
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
     kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
@@ -188,7 +189,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
         "final": {"fraction": rows[kept.index]["fraction"], "heads_pruned": rows[kept.index]["heads_pruned"],
                   "metric": kept.fidelity.mean, "fidelity": kept.fidelity.to_json(),
                   "metric_unpruned": rows[0]["metric"], "quantize": o.quantize},
-        "recovery": kept.recovery, "target": search,
+        "recovery": kept.recovery, "target": search, "model_note": model_note,
         "peer_metrics": extra_metric,
         "notes": notes,
     }
@@ -219,6 +220,8 @@ def summary(report: dict) -> list[str]:
                    f"NOT met by any model tried; kept the closest ({t['chosen_fraction']:.0%} pruned)")
         lines.append(f"target cosine {t['target']}: {verdict} (lower end of each 95% interval: {tried})" +
                      ("; the time budget ended the search" if t["stopped_by_time_budget"] else ""))
+    if report.get("model_note"):
+        lines.append(f"note: {report['model_note']}")
     return lines
 
 
