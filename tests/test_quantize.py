@@ -76,3 +76,28 @@ def test_the_exactness_probe_catches_a_saturating_kernel(monkeypatch):
     monkeypatch.setattr(q, "_kernel", saturating)
     monkeypatch.setattr(q, "_EXACT", {})
     assert q.full_range_exact() is False
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_layer_whose_heads_were_all_pruned_stays_float_and_the_rest_is_int8():
+    """Every head of an attention module cut: its q/k/v weights are (0, E) and its output projection's (E, 0),
+    which the int8 kernels cannot take (they raised); they compute only their bias, so they stay float."""
+    import multihead
+    from multihead import heads
+
+    torch.manual_seed(0)
+    m = nn.Sequential(multihead.MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16),
+                      multihead.MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16)).eval()
+    heads.prune(m, {"0": [0, 1, 2, 3], "1": [2]})
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        flt, q = m(x), quantize(m)(x)
+        with fake_quantized(m):
+            fake = m(x)
+    qm = quantize(m)
+    assert [type(p).__name__ for p in qm[0].projections()] == ["Linear"] * 4  # empty: float, untouched
+    assert all(type(p) is not nn.Linear for p in qm[1].projections())  # the others: int8
+    with torch.no_grad():  # the emptied module computes its output projection's bias exactly, int8 or not
+        assert torch.equal(qm[0](x), m[0](x)) and torch.equal(m[0](x), m[0].o_proj.bias.expand(2, 5, 16))
+    assert (q - flt).abs().max() > 0  # int8 where there is work
+    assert (fake - q).abs().max() < 0.1 * (flt - q).abs().max()

@@ -51,7 +51,9 @@ def quantize(model: nn.Module, dtype: str = "int8") -> nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
         warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
-        q = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
+        q = copy.deepcopy(model).eval()
+        spec = {name: per_channel_dynamic_qconfig for name in _linears(q)}  # by name: empty layers stay float
+        q = quantize_dynamic(q, spec, inplace=True)
     if full_range_exact():
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
@@ -123,6 +125,13 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The model's nn.Linear layers that have weights to round: a layer emptied by pruning (every head of
+    an attention module cut: q/k/v (0, E), the output projection (E, 0)) computes only its bias and stays
+    float (exact, and the int8 kernels take no empty weight)."""
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.numel() > 0}
+
+
 def is_quantized(model: nn.Module) -> str | None:
     """The dtype ``model`` was quantized to, or None."""
     return model.__dict__.get(KEY)
@@ -157,7 +166,7 @@ def fake_quantized(model: nn.Module, dtype: str = "int8"):
     int8``'s distillation) fits the model the int8 layers will run. The weights themselves stay
     float and are left as trained when the block ends."""
     check_dtype(dtype)
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = list(_linears(model).values())
     hooks = []
     try:
         for m in linears:
