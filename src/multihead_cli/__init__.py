@@ -132,12 +132,37 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", epilog=EXAMPLES["demo"], formatter_class=_Fmt,
                        help="the course's example, two small models trained here, every head drawn")
-    p.add_argument("--out", default="out", help="output folder (checkpoints are kept in OUT/checkpoints)")
-    p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
-    p.add_argument("--seed", type=int, default=0)
+    _demo_options(p)
     p.set_defaults(func="demo")
     p = sub.add_parser("viz", epilog=EXAMPLES["viz"], formatter_class=_Fmt,
                        help="draw every head of a model on an input")
+    _viz_options(p)
+    p.set_defaults(func="viz")
+    p = sub.add_parser("prune", epilog=EXAMPLES["prune"], formatter_class=_Fmt,
+                       help="head importance, the pruning curve with measured speed, the pruned model")
+    _prune_options(p)
+    p.set_defaults(func="prune")
+    p = sub.add_parser("check", epilog=EXAMPLES["check"], formatter_class=_Fmt,
+                       help="grade your own multi-head attention module, or a class's submissions, and "
+                                     "locate each bug (exit 0 OK, 1 not OK, 2 cannot be graded)")
+    _check_options(p)
+    p.set_defaults(func="check")
+    p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
+                       help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
+    _bench_options(p)
+    p.set_defaults(func="bench")
+    return parser
+
+
+def _demo_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead demo``."""
+    p.add_argument("--out", default="out", help="output folder (checkpoints are kept in OUT/checkpoints)")
+    p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _viz_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead viz``."""
     p.add_argument("--model", choices=["toy", "vit", "minilm"], default=None,
                    help="toy: the digit-reversing Transformer (text = digits); vit: the digits ViT (--index); "
                         "minilm: the pretrained all-MiniLM-L6-v2")
@@ -153,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where trained checkpoints live (default: OUT/checkpoints or the demo's out/checkpoints, "
                         "whichever holds them; trained into out/checkpoints when neither does)")
     p.add_argument("--retrain", action="store_true")
-    p.set_defaults(func="viz")
-    p = sub.add_parser("prune", epilog=EXAMPLES["prune"], formatter_class=_Fmt,
-                       help="head importance, the pruning curve with measured speed, the pruned model")
+
+
+def _prune_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead prune``."""
     p.add_argument("--model", choices=["toy", "minilm"], default=None)
     p.add_argument("--hf", default=None, metavar="DIR",
                    help="a local transformers checkpoint directory (encoders: cosine of mean-pooled hidden states; "
@@ -190,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "after every step only if that leaves the speed table 30 s, and the table gets what is left "
                         "after importance, the curve and recovery, saying which medians did not settle")
     p.add_argument("--out", default="out/prune")
-    p.set_defaults(func="prune")
-    p = sub.add_parser("check", epilog=EXAMPLES["check"], formatter_class=_Fmt,
-                       help="grade your own multi-head attention module, or a class's submissions, and "
-                                     "locate each bug (exit 0 OK, 1 not OK, 2 cannot be graded)")
+
+
+def _check_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead check``."""
     p.add_argument("target", nargs="+", help="FILE.py:NAME (one module, whole report), or folders / globs / files "
                                              "with --name (each in its own process, a table)")
     p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
@@ -217,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", default=None, metavar="DIR",
                    help="write the class summary: each mistake and how many made it (summary.md, summary.png)")
     p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
-    p.set_defaults(func="check")
-    p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
-                       help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
+
+
+def _bench_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead bench``."""
     p.add_argument("--workloads", default="W1,W2,W3,W4", type=_workloads,
                    help="comma-separated: W1, W2, W3, W4, W5 (decoding), W6 (context parallel, gloo processes), "
                         "W7 (all-MiniLM-L6-v2 through transformers: sdpa, multihead padded and padding-free)")
@@ -244,8 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=_positive(float), default=60.0, help="W7: time allowed for the interleaved "
                                                                                 "rounds")
     p.add_argument("--out", default="bench/results")
-    p.set_defaults(func="bench")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,26 +204,25 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.quantize_fn = quantize
     setup.scores_fn = scores_fn
 
-    def runtime_peers():
-        """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned checkpoint, those whose extra
-        (onnx, openvino) is installed."""
-        if causal:
-            return []
-        from multihead.apps import runtimes
-
-        ids, am = speed[16][0]
-        out = []
-        for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
-                           ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
-            try:
-                out.append((name, make(peer, {"input_ids": ids, "attention_mask": am}),
-                            lambda m, x: m(input_ids=x[0], attention_mask=x[1])))
-            except ImportError:
-                continue
-        return out
-
-    setup.more_peers = runtime_peers
+    setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
     return setup
+
+
+def runtime_peers(model: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:
+    """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned encoder ``model`` (exported with the
+    (ids, am) ``example``), those whose extra (onnx, openvino) is installed: [(name, model, run_fn)]."""
+    from multihead.apps import runtimes
+
+    ids, am = example
+    out = []
+    for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
+                       ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
+        try:
+            out.append((name, make(model, {"input_ids": ids, "attention_mask": am}),
+                        lambda m, x: m(input_ids=x[0], attention_mask=x[1])))
+        except ImportError:
+            continue
+    return out
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,

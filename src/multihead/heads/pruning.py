@@ -282,13 +282,8 @@ def pruning_curve(
 
     Raises ValueError before any work unless 0 < step <= max_fraction <= 1."""
     import copy
-    import math
 
-    for name, val in (("step", step), ("max_fraction", max_fraction)):
-        if not isinstance(val, int | float) or isinstance(val, bool) or math.isnan(val) or not 0 < val <= 1:
-            raise ValueError(f"{name} must be a share of the heads in (0, 1]; got {val!r}.")
-    if step > max_fraction:
-        raise ValueError(f"step ({step}) must not exceed max_fraction ({max_fraction}): no step would be taken.")
+    _check_steps(step, max_fraction)
     work = copy.deepcopy(model).eval()
     total = sum(_num_heads(m) for m in attention_modules(work).values())
     # original head ids per module, to report which heads are gone
@@ -315,6 +310,17 @@ def pruning_curve(
         if on_step is not None:
             on_step(row, work)
     return rows
+
+
+def _check_steps(step, max_fraction) -> None:
+    """0 < step <= max_fraction <= 1, or a ValueError that says which does not hold."""
+    import math
+
+    for name, val in (("step", step), ("max_fraction", max_fraction)):
+        if not isinstance(val, int | float) or isinstance(val, bool) or math.isnan(val) or not 0 < val <= 1:
+            raise ValueError(f"{name} must be a share of the heads in (0, 1]; got {val!r}.")
+    if step > max_fraction:
+        raise ValueError(f"step ({step}) must not exceed max_fraction ({max_fraction}): no step would be taken.")
 
 
 def _cut(work: nn.Module, imp: Importance, n: int, ids: dict[str, list[int]], removed: dict[str, list[int]],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,6 +49,53 @@ def as_grid(weights, *, batch: int = 0, num_heads: int | None = None) -> tuple[T
     raise ValueError(f"weights must be 2-D, 3-D (with num_heads), 4-D or a mapping; got shape {tuple(w.shape)}.")
 
 
+class _Style(NamedTuple):
+    """How every panel of :func:`heatmaps` is labelled: token labels, axis names, titles, colours, the
+    label limit, whether each head has its own scale, the grid's R x C, and the rows' names."""
+
+    queries: Sequence[str] | None
+    keys: Sequence[str] | None
+    xlabel: str
+    ylabel: str
+    titles: Sequence[str] | None
+    cmap: str
+    max_labels: int
+    per_head: bool
+    R: int
+    C: int
+    row_names: list
+
+
+def _panel(ax, img, r: int, c: int, st: _Style, vmax: float):
+    """Draw panel (r, c): the weights ``img`` (Lq, Lk), its title, labels and ticks; returns the image."""
+    from matplotlib.ticker import MaxNLocator
+
+    Lq, Lk = img.shape
+    top = (float(img.max()) if img.numel() else 0.0) if st.per_head else vmax
+    im = ax.imshow(img.numpy(), cmap=st.cmap, vmin=0.0, vmax=top or 1.0, aspect="auto", interpolation="nearest")
+    titles = st.titles
+    title = titles[c] if titles is not None and len(titles) == st.C else \
+        titles[r * st.C + c] if titles is not None else f"head {c}" if r == 0 or st.per_head else None
+    if st.per_head:
+        title = f"{title or ''} (max {top:.2g})".strip()
+    if title is not None:
+        ax.set_title(title, fontsize=8 if not st.per_head else 6)
+    if c == 0:
+        ax.set_ylabel(f"{st.row_names[r]}\n{st.ylabel}" if st.row_names[r] else st.ylabel, fontsize=7)
+    if r == st.R - 1:
+        ax.set_xlabel(st.xlabel, fontsize=7)
+    if st.keys is not None and Lk <= st.max_labels:
+        ax.set_xticks(range(Lk), labels=list(st.keys), rotation=90, fontsize=6)
+    if st.queries is not None and Lq <= st.max_labels:
+        ax.set_yticks(range(Lq), labels=list(st.queries), fontsize=6)
+    ax.tick_params(length=0, labelsize=6)
+    if st.keys is None or Lk > st.max_labels:  # positions: whole numbers only
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if st.queries is None or Lq > st.max_labels:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return im
+
+
 def heatmaps(
     weights,
     *,
@@ -80,7 +128,6 @@ def heatmaps(
     from multihead.extras import require
 
     plt = require("matplotlib.pyplot", "heatmaps")  # the backend is the caller's: inline in a notebook, Agg headless
-    from matplotlib.ticker import MaxNLocator
 
     if scale not in ("auto", "shared", "per_head"):
         raise ValueError(f"scale must be 'auto', 'shared' or 'per_head'; got {scale!r}.")
@@ -91,33 +138,12 @@ def heatmaps(
         if labels is not None and len(labels) != n:
             raise ValueError(f"{name} has {len(labels)} labels but the weights have {n} {name}.")
     fig, axes = plt.subplots(R, C, figsize=(cell * C + 1.2, cell * R + 0.4), squeeze=False, sharex=True, sharey=True)
+    style = _Style(queries, keys, xlabel, ylabel, titles, cmap, max_labels, per_head, R, C, row_names)
     vmax = float(grid.max()) if grid.numel() else 1.0
     im = None
     for r in range(R):
         for c in range(C):
-            ax = axes[r, c]
-            top = (float(grid[r, c].max()) if grid[r, c].numel() else 0.0) if per_head else vmax
-            im = ax.imshow(grid[r, c].numpy(), cmap=cmap, vmin=0.0, vmax=top or 1.0, aspect="auto",
-                           interpolation="nearest")
-            title = titles[c] if titles is not None and len(titles) == C else \
-                titles[r * C + c] if titles is not None else f"head {c}" if r == 0 or per_head else None
-            if per_head:
-                title = f"{title or ''} (max {top:.2g})".strip()
-            if title is not None:
-                ax.set_title(title, fontsize=8 if not per_head else 6)
-            if c == 0:
-                ax.set_ylabel(f"{row_names[r]}\n{ylabel}" if row_names[r] else ylabel, fontsize=7)
-            if r == R - 1:
-                ax.set_xlabel(xlabel, fontsize=7)
-            if keys is not None and Lk <= max_labels:
-                ax.set_xticks(range(Lk), labels=list(keys), rotation=90, fontsize=6)
-            if queries is not None and Lq <= max_labels:
-                ax.set_yticks(range(Lq), labels=list(queries), fontsize=6)
-            ax.tick_params(length=0, labelsize=6)
-            if keys is None or Lk > max_labels:  # positions: whole numbers only
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if queries is None or Lq > max_labels:
-                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            im = _panel(axes[r, c], grid[r, c], r, c, style, vmax)
     if not per_head:  # one scale: one colour bar (per head, each title gives its panel's top)
         fig.colorbar(im, ax=axes, shrink=0.6, label=value_label)
     return fig
