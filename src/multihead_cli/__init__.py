@@ -130,27 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line; each subcommand's ``func`` names its handler in multihead.apps.cli."""
     parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see and cut the heads.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", epilog=EXAMPLES["demo"], formatter_class=_Fmt,
-                       help="the course's example, two small models trained here, every head drawn")
-    _demo_options(p)
-    p.set_defaults(func="demo")
-    p = sub.add_parser("viz", epilog=EXAMPLES["viz"], formatter_class=_Fmt,
-                       help="draw every head of a model on an input")
-    _viz_options(p)
-    p.set_defaults(func="viz")
-    p = sub.add_parser("prune", epilog=EXAMPLES["prune"], formatter_class=_Fmt,
-                       help="head importance, the pruning curve with measured speed, the pruned model")
-    _prune_options(p)
-    p.set_defaults(func="prune")
-    p = sub.add_parser("check", epilog=EXAMPLES["check"], formatter_class=_Fmt,
-                       help="grade your own multi-head attention module, or a class's submissions, and "
-                                     "locate each bug (exit 0 OK, 1 not OK, 2 cannot be graded)")
-    _check_options(p)
-    p.set_defaults(func="check")
-    p = sub.add_parser("bench", epilog=EXAMPLES["bench"], formatter_class=_Fmt,
-                       help="multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention")
-    _bench_options(p)
-    p.set_defaults(func="bench")
+    for name, help_, options in (
+            ("demo", "the course's example, two small models trained here, every head drawn", _demo_options),
+            ("viz", "draw every head of a model on an input", _viz_options),
+            ("prune", "head importance, the pruning curve with measured speed, the pruned model", _prune_options),
+            ("check", "grade your own multi-head attention module, or a class's submissions, and locate each bug "
+                      "(exit 0 OK, 1 not OK, 2 cannot be graded)", _check_options),
+            ("bench", "multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention", _bench_options)):
+        p = sub.add_parser(name, epilog=EXAMPLES[name], formatter_class=_Fmt, help=help_)
+        options(p)
+        p.set_defaults(func=name)
     return parser
 
 

@@ -54,12 +54,7 @@ def _models(path, pruned, example: dict, log) -> dict:
         m = mhf.load(pruned)
         heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
-    for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
-                       ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
-        try:  # the runtimes a practitioner would reach for, made from the unpruned checkpoint
-            models[name] = make(models["multihead, padded"], example)
-        except ImportError as e:
-            log(f"  {name} not timed: {e}")
+    models |= runtimes.peers(models["multihead, padded"], example, log)  # what a practitioner reaches for
     return models
 
 
@@ -157,28 +152,29 @@ def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, l
     return {"sentences": len(sents), "rows": rows, "busy": timing.busy_note(t)}
 
 
+def _table(first: str, what: str, rows: list[dict], key: str) -> list[str]:
+    """A markdown table of ``rows``: peer, mean cosine, ``row[key]`` ms (median, min-max), speed-up (range)."""
+    lines = [f"| {first} | mean cosine{' to sdpa' if first == 'peer' else ''} | ms per {what} (median, min-max) | "
+             "speed-up |", "|---|---:|---:|---:|"]
+    for row in rows:
+        ms, lo_hi = row[key], row["speedup_range"]
+        lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
+                     f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}) |")
+    return lines
+
+
 def markdown(r: dict) -> str:
     lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads, "
              "inference_mode; speed-up = transformers sdpa's time / the peer's (median, range over interleaved "
              "rounds)", ""]
     for B, s in r["sizes"].items():
-        lines += [f"**Batch {B}** ({s['batches']} batches, {s['tokens'][0]}-{s['tokens'][1]} tokens)", "",
-                  "| peer | mean cosine to sdpa | ms per batch (median, min-max) | speed-up |", "|---|---:|---:|---:|"]
-        for row in s["rows"]:
-            ms = row["ms_per_batch"]
-            lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
-                         f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({row['speedup_range'][0]:.2f}-"
-                         f"{row['speedup_range'][1]:.2f}) |")
+        lines += [f"**Batch {B}** ({s['batches']} batches, {s['tokens'][0]}-{s['tokens'][1]} tokens)", ""]
+        lines += _table("peer", "batch", s["rows"], "ms_per_batch")
         lines += (["", f"note: {s['busy']}"] if s.get("busy") else []) + [""]
     st = r.get("sentence_transformers")
     if st:
         lines += [f"**Inside sentence-transformers**: `encode` of {st['sentences']} sentences, batch_size=16 "
-                  "(tokenization and its length sorting included)", "",
-                  "| encoder | mean cosine | ms per encode (median, min-max) | speed-up |", "|---|---:|---:|---:|"]
-        for row in st["rows"]:
-            ms = row["ms_per_encode"]
-            lines.append(f"| {row['peer']} | {row['cosine']:.4f} | {ms['median_ms']:.1f} ({ms['min_ms']:.1f}-"
-                         f"{ms['max_ms']:.1f}) | {row['speedup']:.2f}x ({row['speedup_range'][0]:.2f}-"
-                         f"{row['speedup_range'][1]:.2f}) |")
+                  "(tokenization and its length sorting included)", ""]
+        lines += _table("encoder", "encode", st["rows"], "ms_per_encode")
         lines += (["", f"note: {st['busy']}"] if st.get("busy") else [])
     return "\n".join(lines) + "\n"

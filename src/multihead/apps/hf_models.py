@@ -209,20 +209,13 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 
 
 def runtime_peers(model: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:
-    """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned encoder ``model`` (exported with the
-    (ids, am) ``example``), those whose extra (onnx, openvino) is installed: [(name, model, run_fn)]."""
+    """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned encoder ``model`` (exported once with
+    the (ids, am) ``example``), those whose extra (onnx, openvino) is installed: [(name, model, run_fn)]."""
     from multihead.apps import runtimes
 
     ids, am = example
-    out = []
-    for name, make in (("ONNX Runtime int8 (unpruned)", runtimes.ort_int8),
-                       ("OpenVINO fp32 (unpruned)", runtimes.openvino_fp32)):
-        try:
-            out.append((name, make(model, {"input_ids": ids, "attention_mask": am}),
-                        lambda m, x: m(input_ids=x[0], attention_mask=x[1])))
-        except ImportError:
-            continue
-    return out
+    return [(name, m, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))
+            for name, m in runtimes.peers(model, {"input_ids": ids, "attention_mask": am}).items()]
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,

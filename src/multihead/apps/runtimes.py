@@ -1,6 +1,7 @@
 """Other runtimes of the same checkpoint, timed beside ours by ``prune --hf`` and bench W7: ONNX Runtime's int8
-model (the ``onnx`` extra) and OpenVINO's fp32 model (the ``openvino`` extra), both from the ONNX file
-:func:`multihead.hf.export_onnx` writes, both called like the transformers model."""
+model (the ``onnx`` extra) and OpenVINO's fp32 model (the ``openvino`` extra), both from one ONNX file
+(:func:`export`, through :func:`multihead.hf.export_onnx`), both called like the transformers model;
+:func:`peers` makes those this machine has."""
 
 from __future__ import annotations
 
@@ -23,22 +24,23 @@ class RuntimeModel:
         return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
 
 
-def _export(model, example: dict) -> Path:
+def export(model, example: dict) -> Path:
+    """``model`` written as ONNX (:func:`multihead.hf.export_onnx`, traced on ``example``'s input_ids and
+    attention_mask) into a new temporary folder: the file every runtime here starts from."""
     import multihead.hf as mhf
 
     d = Path(tempfile.mkdtemp())
     return mhf.export_onnx(model, d / "fp32.onnx", example={k: example[k] for k in ("input_ids", "attention_mask")})
 
 
-def ort_int8(model, example: dict) -> RuntimeModel:
-    """The model exported, dynamically quantized to int8 by onnxruntime (QInt8 weights), run with as many
+def ort_int8(f: Path) -> RuntimeModel:
+    """The ONNX file ``f`` dynamically quantized to int8 by onnxruntime (QInt8 weights), run with as many
     threads as torch and its idle workers not spinning (they would slow torch beside them)."""
     from multihead.extras import quiet_logs, require
 
     ort = require("onnxruntime", "the ONNX Runtime peer")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    f = _export(model, example)
     with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
         quantize_dynamic(str(f), str(f.with_name("int8.onnx")), weight_type=QuantType.QInt8)
     so = ort.SessionOptions()
@@ -49,14 +51,36 @@ def ort_int8(model, example: dict) -> RuntimeModel:
     return RuntimeModel(lambda feed: session.run(None, feed)[0])
 
 
-def openvino_fp32(model, example: dict) -> RuntimeModel:
-    """The model exported and compiled by OpenVINO for the CPU: fp32 inference precision (no bf16 even where
+def openvino_fp32(f: Path) -> RuntimeModel:
+    """The ONNX file ``f`` compiled by OpenVINO for the CPU: fp32 inference precision (no bf16 even where
     the CPU has it), as many threads as torch, the latency hint (one request at a time, as timed here)."""
     from multihead.extras import require
 
     ov = require("openvino", "the OpenVINO peer")
-    compiled = ov.Core().compile_model(str(_export(model, example)), "CPU", {
+    compiled = ov.Core().compile_model(str(f), "CPU", {
         "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
         "PERFORMANCE_HINT": "LATENCY"})
     out = compiled.output(0)
     return RuntimeModel(lambda feed: compiled(feed)[out])
+
+
+def peers(model, example: dict, log=None) -> dict[str, RuntimeModel]:
+    """{name: runtime model} of the unpruned encoder ``model`` in every runtime whose extra is installed
+    (exported once); a missing extra is told to ``log`` when given."""
+    from multihead.extras import require
+
+    try:
+        require("onnxscript", "the ONNX export")  # the exporter comes with the onnx extra
+    except ImportError as e:
+        if log is not None:
+            log(f"  no other runtime timed: {e}")
+        return {}
+    f = export(model, example)
+    out = {}
+    for name, make in (("ONNX Runtime int8 (unpruned)", ort_int8), ("OpenVINO fp32 (unpruned)", openvino_fp32)):
+        try:
+            out[name] = make(f)
+        except ImportError as e:
+            if log is not None:
+                log(f"  {name} not timed: {e}")
+    return out
