@@ -131,3 +131,31 @@ def test_the_library_never_imports_the_applications():
 def test_no_sys_path_edits_in_the_package():
     for p in ROOT.rglob("*.py"):
         assert "sys.path" not in p.read_text(), p
+
+
+#: the signatures that mirror another library's contract, positional arguments and all: transformers'
+#: attention-function interface and torch.nn.MultiheadAttention / TransformerEncoderLayer's
+MIRRORS = {("multihead.hf.attention", "attention_forward"), ("multihead.layer.dropin", "forward"),
+           ("multihead.layer.dropin", "__init__")}
+
+
+def _functions():
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield _module_name(path), node
+
+
+def test_functions_are_small_and_their_arguments_named():
+    """No library function over 60 lines; none taking more than 6 positional arguments (beyond self) except
+    the mirrors of another library's signature -- more go in a record or are passed by name."""
+    long = [f"{mod}.{n.name} ({n.end_lineno - n.lineno + 1} lines)" for mod, n in _functions()
+            if n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
+    wide = []
+    for mod, n in _functions():
+        a = n.args
+        positional = len(a.posonlyargs) + len(a.args) - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+        if positional > 6 and (mod, n.name) not in MIRRORS:
+            wide.append(f"{mod}.{n.name} ({positional} positional)")
+    assert not wide, wide

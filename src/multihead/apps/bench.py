@@ -295,7 +295,7 @@ def _floor(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x[0, 0] + 1  # (E,): one small kernel
 
 
-def time_workload(w: Workload, peers: list[str], reps: int, warmup: int = 3, log=print,
+def time_workload(w: Workload, peers: list[str], reps: int, *, warmup: int = 3, log=print,
                   compile: bool = False, cpp_wrapper: bool = False) -> list[Result]:
     torch.manual_seed(0)
     base = nn.MultiheadAttention(w.E, w.H, batch_first=True)

@@ -293,7 +293,7 @@ def traced_choice(head: tuple, mask_key: tuple | None, dropout_p: float, needs_g
 _REPORTED: set[tuple[str, str]] = set()
 
 
-def request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float,
+def request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropout_p: float, *,
             softcap: float | None = None, sinks: Tensor | None = None) -> Request:
     """The :class:`Request` of a call on (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) tensors."""
     B, H, Lq, D = query.shape
@@ -327,7 +327,7 @@ def call(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
                 return b.run(query, key, value, mask, scale=scale, dropout_p=dropout_p)
             except Unavailable as e:  # reported once and evicted; the full path below falls back
                 failed(b, choice_key(head, dropout_p, needs_grad, mask), e)
-    req = request(query, key, value, mask, dropout_p, softcap, sinks)
+    req = request(query, key, value, mask, dropout_p, softcap=softcap, sinks=sinks)
     return run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
 
 

@@ -105,7 +105,7 @@ def explain(query: Tensor, key: Tensor, value: Tensor, mask=None, *, dropout_p: 
     other backend would not. ``training=True`` asks as if gradients were needed.
     Returns an :class:`~multihead.backends.registry.Choice`; print it."""
     mask = validation.attention_inputs(query, key, value, mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
-    req = registry.request(query, key, value, mask, dropout_p, softcap, sinks)
+    req = registry.request(query, key, value, mask, dropout_p, softcap=softcap, sinks=sinks)
     if training:
         req = req._replace(needs_grad=True)
     return backends.explain_request(req, backend)

@@ -42,7 +42,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -215,7 +215,7 @@ def _mask_error(mask: Mask | None) -> str | None:
     return None
 
 
-def _local_checks(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale, N: int, layout: str) -> str | None:
+def _local_checks(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale, N: int, layout: str) -> str | None:
     """This rank's input checks (no communication): the message of the first that fails."""
     try:
         validation.attention_inputs(q, k, v, None, scale=scale)
@@ -335,8 +335,22 @@ def _kind(q: tuple[int, int, int], k: tuple[int, int, int], band, key_limit) -> 
     return masks.band_block(*band, qa, qn, ka, kn)
 
 
+class _Grid(NamedTuple):
+    """Where this rank's shards sit and how they are cut: N ranks, this one ``rank``, the ``layout``, local
+    lengths Lq and Lk, query tiles of ``rows`` and key pieces of ``piece`` positions."""
+
+    N: int
+    rank: int
+    layout: str
+    Lq: int
+    Lk: int
+    rows: int
+    piece: int
+
+
 @lru_cache(maxsize=64)
-def _plan(N: int, rank: int, layout: str, Lq: int, Lk: int, rows: int, piece: int, band, key_limit) -> _Plan:
+def _plan(grid: _Grid, band, key_limit) -> _Plan:
+    N, rank, layout, Lq, Lk, rows, piece = grid
     segments = tuple(_segments(Lq, r, N, layout) for r in range(N))
     tiles = tuple(_split(Lq, segments[r], rows) for r in range(N))
     pieces = tuple(_split(Lk, _segments(Lk, r, N, layout), piece) for r in range(N))
@@ -345,8 +359,11 @@ def _plan(N: int, rank: int, layout: str, Lq: int, Lk: int, rows: int, piece: in
     return _Plan(N, rank, layout, Lq, Lk, segments, tiles, pieces, band, key_limit, kinds)
 
 
-def _sizes(B: int, H: int, Hkv: int, D: int, Dv: int, Lq: int, Lk: int, itemsize: int) -> tuple[int, int]:
-    """(query rows per tile, keys per piece) within :data:`BUDGET_BYTES`."""
+def _sizes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int]:
+    """(query rows per tile, keys per piece) within :data:`BUDGET_BYTES`, for q (B, H, Lq, D), k (B, Hkv, Lk, D),
+    v (B, Hkv, Lk, Dv)."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv, itemsize = k.shape[1], k.shape[2], v.shape[-1], q.element_size()
     piece = max(16, BUDGET_BYTES // max(1, B * Hkv * (D + Dv) * itemsize))
     rows = max(16, BUDGET_BYTES // max(1, B * H * min(piece, Lk) * 4))
     return min(rows, Lq), min(piece, Lk)
@@ -355,9 +372,10 @@ def _sizes(B: int, H: int, Hkv: int, D: int, Dv: int, Lq: int, Lk: int, itemsize
 # --- the block computation ---------------------------------------------------------------
 
 
-def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, Lq: int, Lk: int, device) -> Tensor | None:
+def _block_keep(sm: _ShardMask, kind: int, q: tuple, k: tuple, plan: _Plan, device) -> Tensor | None:
     """Bool keep mask broadcastable to (B, Hkv, g, rows, keys) for one block of global positions
-    (whole sequence: Lq x Lk), or None (all kept)."""
+    (whole sequence: N*Lq x N*Lk), or None (all kept)."""
+    Lq, Lk = plan.N * plan.Lq, plan.N * plan.Lk
     _, qg, qn = q
     _, kg, kn = k
     i = torch.arange(qg, qg + qn, device=device)[:, None]  # (rows, 1) global query positions
@@ -506,7 +524,7 @@ def _ring_forward(c: _Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
             kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
-            keep = _block_keep(sm, kind, rows, pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
+            keep = _block_keep(sm, kind, rows, pieces[owner][p], plan, q.device)
             s = _scores(_tile(q, g, rows).to(acc), kp.to(acc), c.scale, keep, g)  # (B, Hkv, g*rows, keys)
             m = torch.logsumexp(s, -1)  # (B, Hkv, g*rows)
             pr = s.sub_(_finite(m)[..., None]).exp_()  # the block's own softmax
@@ -616,7 +634,7 @@ class _Backward:
             kind = plan.kinds[t, owner, p]
             if not kind:
                 continue
-            keep = _block_keep(c.sm, kind, rows, plan.pieces[owner][p], plan.N * plan.Lq, plan.N * plan.Lk, q.device)
+            keep = _block_keep(c.sm, kind, rows, plan.pieces[owner][p], plan, q.device)
             qt, dot = _tile(q, g, rows).to(acc), _tile(self.dout, g, rows)  # (B, Hkv, g*rows, D), (.., Dv)
             pr = _scores(qt, kp, c.scale, keep, g)  # (B, Hkv, g*rows, keys)
             pr = pr.sub_(_rows(self.lse, g, rows)[..., None]).exp_()  # the final softmax's weights on these keys
@@ -630,9 +648,10 @@ class _Backward:
         self.stats.compute_s += time.perf_counter() - t0
 
 
-def _ring_backward(c: _Call, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of the ring forward, given its output and log-sum-exp. Each piece's
-    key/value gradients are summed where the piece was used and sent back to its owner."""
+def _ring_backward(c: _Call, saved: tuple[Tensor, ...], dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of the ring forward, given what it saved (q, k, v, its output and log-sum-exp).
+    Each piece's key/value gradients are summed where the piece was used and sent back to its owner."""
+    q, k, v, out, lse = saved
     plan, D = c.plan, c.D
     N, rank = plan.N, dist.get_rank(c.group)
     stats = RingStats()
@@ -692,23 +711,24 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.call, q, k, v, out, lse, dout)
+        q, k, v, _, _ = saved = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.call, saved, dout)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 # --- the public entry points -----------------------------------------------------------------
 
 
-def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, group, layout: str, scale) -> _Call | None:
+def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, *, group, layout: str, scale) -> _Call | None:
     """Validate on every rank, agree, and build the call (None: a group of one, run locally)."""
     _check_layout(layout)
     N, _ = _world(group)
     if N == 1:  # run locally: multihead.attention checks its inputs and takes every mask it knows
         return None
     mask = masks.as_mask(mask)
-    error = _local_checks(q, k, v, mask, scale, N, layout) if isinstance(q, Tensor) and isinstance(k, Tensor) \
-        and isinstance(v, Tensor) else "query, key and value must be torch.Tensors (B, H, L, D)."
+    tensors = isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    error = _local_checks(q, k, v, mask, scale=scale, N=N, layout=layout) if tensors \
+        else "query, key and value must be torch.Tensors (B, H, L, D)."
     device = q.device if isinstance(q, Tensor) else torch.device("cpu")
     shapes = [*q.shape, *k.shape, v.shape[-1]] if error is None else [0] * 9
     kinds = [zlib.crc32(" & ".join(type(p).__name__ for p in mask.parts()).encode())] if mask is not None else [0]
@@ -720,10 +740,10 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, mask, group, layout: str, scale) -
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     sm = _shard_mask(mask, group, layout, Lq, Lk, N)
-    rows, piece = _sizes(B, H, Hkv, D, v.shape[-1], Lq, Lk, q.element_size())
+    rows, piece = _sizes(q, k, v)
     piece = min(piece, Lk if layout == "contiguous" else Lk // 2)
     rows = min(rows, Lq if layout == "contiguous" else Lq // 2)
-    plan = _plan(N, dist.get_rank(group), layout, Lq, Lk, rows, piece, sm.band, sm.key_limit)
+    plan = _plan(_Grid(N, dist.get_rank(group), layout, Lq, Lk, rows, piece), sm.band, sm.key_limit)
     return _Call(group, plan, sm, 1.0 / math.sqrt(D) if scale is None else float(scale), H // Hkv, D)
 
 
@@ -751,7 +771,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask=None, *, group=None, la
     Every rank checks its inputs and the ranks agree on the shapes in one all-gather before
     anything else is sent: a bad input on any rank raises a ValueError on every rank.
     """
-    call = _prepare(q, k, v, mask, group, layout, scale)
+    call = _prepare(q, k, v, mask, group=group, layout=layout, scale=scale)
     if call is None:
         from multihead.core.functional import attention
         return attention(q, k, v, mask, scale=scale)
@@ -762,7 +782,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, mask=None, *, group=None, layout: L
             scale: float | None = None) -> str:
     """What :func:`ring_attention` does with these shards on this rank (collective: every rank
     must call it): the local fallback for a group of one, or the ring's steps and its work."""
-    call = _prepare(q, k, v, mask, group, layout, scale)
+    call = _prepare(q, k, v, mask, group=group, layout=layout, scale=scale)
     if call is None:
         from multihead.core.functional import explain as local
         return f"context parallel: group of size 1, so attention runs locally\n{local(q, k, v, mask)}"

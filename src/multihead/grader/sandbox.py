@@ -53,7 +53,7 @@ def _build(path: str, name: str, init: dict, seed: int):
     return module, None
 
 
-def serve(req: int, rep: int, path: str, name: str, init: dict, call: str, seed: int) -> None:
+def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int) -> None:
     import torch
 
     from multihead.grader import wire
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     os.close(rep)
     os.set_inheritable(rep2, False)
     os.set_inheritable(req, False)
-    serve(req, rep2, path, name, init, call, seed)
+    serve(req, rep2, path, name, init=init, call=call, seed=seed)
     return 0
 
 

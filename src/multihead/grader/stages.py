@@ -388,7 +388,7 @@ def localise(s: Session, parts: Parts, x: Inputs) -> list[Finding]:
         used = {r: t[keep] for r, t in used.items()}
     qk = _score_candidates(parts, x if keep is None else x._replace(q=x.q[keep], k=x.k[keep], v=x.v[keep]), used,
                            split_ok, s)
-    return findings + wstage.weights_findings(W, qk, X, parts.H, s.E, parts, s.causal)
+    return findings + wstage.weights_findings(W, qk, X, parts, H=parts.H, E=s.E, causal=s.causal)
 
 
 def spec_heads(parts: Parts, x: Inputs) -> Tensor:

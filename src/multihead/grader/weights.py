@@ -214,7 +214,7 @@ TRANSPOSED = Finding("attention weights transposed", "weigh the values with soft
                      "weights (B, H, Lq, Lk), each query's row summing to 1", "the weights' transpose: keys' rows")
 
 
-def weights_findings(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Parts, causal: bool) -> list[Finding]:
+def weights_findings(W: Tensor, qk: list, X: Tensor, parts: Parts, *, H: int, E: int, causal: bool) -> list[Finding]:
     """What is wrong with the solved weights W (B, H, Lq, Lk), given candidates for the scores ``qk``:
     (split ok, Q, K, findings that candidate stands for...). The first candidate whose scores reproduce
     W names the mistakes; none: a generic finding."""
@@ -227,7 +227,7 @@ def weights_findings(W: Tensor, qk: list, X: Tensor, H: int, E: int, parts: Part
             return [Finding("log_softmax instead of softmax", "weigh the values with softmax(scores, dim=-1) (the "
                             "probabilities), not log_softmax (their logarithms).", "normalisation",
                             "softmax(scores) @ V", "log_softmax(scores) @ V")] + weights_findings(
-                                We, qk, X, H, E, parts, causal)
+                                We, qk, X, parts, H=H, E=E, causal=causal)
     for ok, Q, K, *extra in qk:
         S = split(Q, H, ok) @ split(K, H, ok).transpose(-2, -1)  # (B, H, Lq, Lk), unscaled
         pre = ([] if ok else [_SPLIT]) + list(extra)

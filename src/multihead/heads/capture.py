@@ -64,7 +64,7 @@ class Captured(Mapping):
             return bool(inc(name, module))
         return any(fnmatch.fnmatchcase(name, pat) for pat in inc)
 
-    def record(self, module, q: Tensor, k: Tensor, mask, scale, softcap=None, sinks=None) -> None:
+    def record(self, module, q: Tensor, k: Tensor, mask, scale, *, softcap=None, sinks=None) -> None:
         """The observer hook: q (B, H, Lq, D), k (B, Hkv, Lk, D), and the call's score modifiers."""
         name = self._name(module)
         if name is None or not self._wanted(name, module):

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
+from multihead.layer.hooks import Seen
 
 __all__ = ["HeadLayout", "candidates", "in_features", "out_features", "verify"]
 
@@ -91,9 +92,9 @@ def _inside(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, H: int, Hkv: int, D: int,
-                Dv: int) -> list[HeadLayout] | str:
-    """The head layouts m's projections allow (names by role, sizes by the recorded call), or why none."""
+def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, seen: Seen) -> list[HeadLayout] | str:
+    """The head layouts m's projections allow (names by role, sizes by the recorded call ``seen``), or why none."""
+    H, Hkv, D, Dv = seen
     from multihead.heads.surgery import role_of
 
     lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)}
@@ -145,9 +146,12 @@ def _first(out):
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def verify(lay: HeadLayout, m: nn.Module, args: tuple, kwargs: dict, H: int, Hkv: int, Dv: int) -> str | None:
-    """None if pruning by ``lay`` equals gating on the recorded call (the first group of heads removed,
-    and every head); else why not. The module itself is left unchanged (copies are cut)."""
+def verify(lay: HeadLayout, m: nn.Module, call: tuple[tuple, dict], seen: Seen) -> str | None:
+    """None if pruning by ``lay`` equals gating on the recorded call ``call`` = (args, kwargs) of sizes ``seen``
+    (the first group of heads removed, and every head); else why not. The module itself is left unchanged
+    (copies are cut)."""
+    args, kwargs = call
+    H, Dv = seen.H, seen.Dv
     import copy
 
     from multihead.heads.pruning import kept_heads

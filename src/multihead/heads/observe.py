@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from multihead import masks
 from multihead.heads.layouts import candidates, verify
-from multihead.layer.hooks import AttentionHooks, hooked_modules
+from multihead.layer.hooks import AttentionHooks, Seen, hooked_modules
 
 __all__ = ["observe", "observed", "unobserve"]
 
@@ -123,7 +123,8 @@ def _mha_through_hooks(module: nn.Module, a: dict):
         w_q, w_k, w_v = a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]
     else:
         w_q, w_k, w_v = a["in_proj_weight"].chunk(3)  # (3 H D, E) -> 3 x (H D, E)
-    p = torch_weights(H, w_q, w_k, w_v, a["in_proj_bias"], a["bias_k"], a["bias_v"], a["add_zero_attn"])
+    p = torch_weights(H, w_q, w_k, w_v, a["in_proj_bias"], bias_k=a["bias_k"], bias_v=a["bias_v"],
+                      add_zero_attn=a["add_zero_attn"])
     query, key, value, kpm, attn_mask = a["query"], a["key"], a["value"], a["key_padding_mask"], a["attn_mask"]
     batched = validation.torch_mha_inputs(query, key, value, kpm, attn_mask, num_heads=H,
                                           embed_dim=a["embed_dim_to_check"], kdim=w_k.shape[1], vdim=w_v.shape[1],
@@ -137,7 +138,8 @@ def _mha_through_hooks(module: nn.Module, a: dict):
                 "attn_mask": None if mask is None else _sdpa_mask(mask, B, H, Lq, Lk, q), "dropout_p": dropout}
         return _through_hooks(module, sdpa, SDPA).transpose(1, 2)  # (B, H, Lq, D) -> (B, Lq, H, D)
 
-    merged, q, k, mask = heads_like_torch(p, query, key, value, kpm, attn_mask, a["is_causal"], attend)
+    merged, q, k, mask = heads_like_torch(p, query, key, value, key_padding_mask=kpm, attn_mask=attn_mask,
+                                          is_causal=a["is_causal"], attend=attend)
     out = F.linear(merged, a["out_proj_weight"], a["out_proj_bias"])  # (B, Lq, H D) -> (B, Lq, E)
     weights = torch_weights_out(q, k, mask, a["need_weights"], a["average_attn_weights"])
     return layout_back(out, weights, batched=batched, is_batch_first=False)
@@ -153,7 +155,7 @@ def _through_hooks(module: nn.Module, a: dict, sdpa) -> Tensor:
     B, H, Lq, _ = q.shape
     Lk = k.shape[-2]
     hooks.num_heads = H
-    hooks.seen = (H, k.shape[-3], q.shape[-1], a["value"].shape[-1])
+    hooks.seen = Seen(H, k.shape[-3], q.shape[-1], a["value"].shape[-1])
     mask = _mask(a, Lq, Lk)
     if hooks.observers:
         hooks.observe(module, q, k, mask, a.get("scale"))
@@ -198,18 +200,18 @@ class _Found(NamedTuple):
 
     module: nn.Module
     call: tuple  # (args, kwargs)
-    seen: tuple[int, int, int, int] | None  # None: the query was not (B, H, Lq, D)
+    seen: Seen | None  # None: the query was not (B, H, Lq, D)
 
 
-def _seen(func, a: dict) -> tuple[int, int, int, int] | None:
+def _seen(func, a: dict) -> Seen | None:
     """(H, Hkv, D, Dv) of an SDPA call (None: its query is not (B, H, Lq, D)) or of torch.nn's call."""
     if func is MHA:
         H = a["num_heads"]
         w = a["q_proj_weight"] if a["use_separate_proj_weight"] else a["in_proj_weight"]
         D = w.shape[0] // (H if a["use_separate_proj_weight"] else 3 * H)  # (H D, E) or (3 H D, E)
-        return H, H, D, D
+        return Seen(H, H, D, D)
     q, k, v = a["query"], a["key"], a["value"]
-    return (q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
+    return Seen(q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
 
 
 def _run(model: nn.Module, example) -> None:
@@ -292,12 +294,11 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
             hooks.layout_reason = (f"{type(m).__name__} overrides torch.nn.MultiheadAttention.forward (the pruned "
                                    "module would compute torch.nn's forward, not its own)")
         return
-    H, Hkv, D, Dv = f.seen
-    lays = candidates(m, name, hooks.parent, parent_name, H, Hkv, D, Dv)
+    lays = candidates(m, name, hooks.parent, parent_name, f.seen)
     reasons = []
     for lay in [] if isinstance(lays, str) else lays:
         try:
-            why = verify(lay, m, *f.call, H, Hkv, Dv)
+            why = verify(lay, m, f.call, f.seen)
         except Exception as e:  # noqa: BLE001 - the module's forward on its recorded inputs: say why
             why = f"its recorded call does not run again ({type(e).__name__}: {str(e)[:120]})"
         if why is None:

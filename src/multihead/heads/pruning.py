@@ -300,7 +300,7 @@ def pruning_curve(
         if target > gone_now:
             if imp is None or reestimate and not fresh:
                 imp = importance(work, batches, loss_fn, method, progress=progress, fill=means)
-            imp, fresh = _cut(work, imp, target - gone_now, ids, removed, means, reestimate), False
+            imp, fresh = _cut(work, imp, target - gone_now, ids, removed, means=means, reestimate=reestimate), False
         n_gone = sum(len(v) for v in removed.values())
         row = {"fraction": n_gone / total, "heads_pruned": n_gone, "metric": float(metric_fn(work)),
                "removed": {n: sorted(v) for n, v in removed.items() if v}}
@@ -323,7 +323,7 @@ def _check_steps(step, max_fraction) -> None:
         raise ValueError(f"step ({step}) must not exceed max_fraction ({max_fraction}): no step would be taken.")
 
 
-def _cut(work: nn.Module, imp: Importance, n: int, ids: dict[str, list[int]], removed: dict[str, list[int]],
+def _cut(work: nn.Module, imp: Importance, n: int, ids: dict[str, list[int]], removed: dict[str, list[int]], *,
          means: dict | None, reestimate: bool) -> Importance:
     """One step of the curve: the ``n`` least important heads pruned from ``work`` (with their mean
     outputs when ``means``); ``ids`` (the original ids of the kept heads), ``removed`` and ``means``

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from multihead import masks
 from multihead.core.functional import attention, weights_of
 from multihead.layer import hooks as hooks_mod
-from multihead.layer.hooks import AttentionHooks
+from multihead.layer.hooks import AttentionHooks, Seen
 
 __all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "Computed", "PackedRows", "attention_forward",
            "attention_modules", "calls_interface", "discover", "loading", "refusal"]
@@ -184,9 +184,10 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if packed:
         extra = {"position_bias": position_bias, "softcap": softcap, "s_aux": s_aux}
         _packable(module, hooks, [k for k, v in extra.items() if v is not None], output_attentions)
-        rows = PackedRows.of(module, query, key, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)
-        return _packed(module, hooks, query, key, value, rows, call), None
-    return _padded(module, hooks, query, key, value, attention_mask, call, position_bias, s_aux, output_attentions)
+        rows = PackedRows.of(module, query, key, cu_seq_lens_q, cu_seq_lens_k, max_q=max_length_q, max_k=max_length_k)
+        return _packed(module, hooks, query, key, value, rows=rows, call=call), None
+    return _padded(module, hooks, query, key, value, attention_mask=attention_mask, call=call, position_bias=position_bias,
+                   s_aux=s_aux, output_attentions=output_attentions)
 
 
 def _hooks_for(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask) -> AttentionHooks:
@@ -197,7 +198,7 @@ def _hooks_for(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
         _check_masks(module, attention_mask)
         hooks = module.__dict__["attention_hooks"] = AttentionHooks()
     H = query.shape[1]
-    hooks.seen = (H, key.shape[1], query.shape[-1], value.shape[-1])
+    hooks.seen = Seen(H, key.shape[1], query.shape[-1], value.shape[-1])
     if hooks.num_heads != H:
         if hooks:  # gates or observers were made for the count read before any call: refuse, never mis-gate
             raise ValueError(f"{type(module).__name__}: multihead read {hooks.num_heads} heads from its attributes or "
@@ -207,7 +208,7 @@ def _hooks_for(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
     return hooks
 
 
-def _padded(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+def _padded(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, *, attention_mask,
             call: Computed, position_bias: Tensor | None, s_aux: Tensor | None,
             output_attentions) -> tuple[Tensor, Tensor | None]:
     """A padded call: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv)
@@ -245,7 +246,7 @@ class PackedRows(NamedTuple):
     same: bool  # the query and key boundaries are the same
 
     @classmethod
-    def of(cls, module: nn.Module, query: Tensor, key: Tensor, cu_q, cu_k, max_q, max_k) -> PackedRows:
+    def of(cls, module: nn.Module, query: Tensor, key: Tensor, cu_q, cu_k, *, max_q, max_k) -> PackedRows:
         name = type(module).__name__
         if query.shape[0] != 1:
             raise ValueError(f"{name}: cu_seq_lens_q/k describe packed rows of batch 1; got query "
@@ -275,7 +276,7 @@ def _packable(module: nn.Module, hooks: AttentionHooks, extra: list[str], output
                          "varlen; pass a padded batch instead.")
 
 
-def _packed(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, rows: PackedRows,
+def _packed(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor, value: Tensor, *, rows: PackedRows,
             call: Computed) -> Tensor:
     """Packed rows (query (1, H, N, D)) with transformers' flash-attention arguments -> (1, N, H, Dv):
     causal within each sequence when the module is; a ``sliding_window`` w keeps keys with

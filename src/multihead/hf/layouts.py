@@ -91,14 +91,13 @@ def derive(model: nn.Module, example: dict | None = None) -> dict[str, str]:
         if name not in calls or hooks.seen is None:
             hooks.layout_reason = why or "the probe call did not reach it"
         else:
-            H, Hkv, D, Dv = hooks.seen
             parent = hooks.parent
-            lays = candidates(m, name, parent, rev.get(id(parent), ""), H, Hkv, D, Dv)
+            lays = candidates(m, name, parent, rev.get(id(parent), ""), hooks.seen)
             reasons = []
             for lay in [] if isinstance(lays, str) else lays:
-                r = verify(lay, m, *calls[name], H, Hkv, Dv)
+                r = verify(lay, m, calls[name], hooks.seen)
                 if r is None:
-                    hooks.layout, hooks.num_heads, hooks.layout_reason = lay, H, None
+                    hooks.layout, hooks.num_heads, hooks.layout_reason = lay, hooks.seen.H, None
                     break
                 reasons.append(f"{lay.family}: {r}")
             if hooks.layout is None:

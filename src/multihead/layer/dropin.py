@@ -45,7 +45,7 @@ class TorchWeights(NamedTuple):
     add_zero_attn: bool
 
 
-def torch_weights(num_heads: int, w_q: Tensor, w_k: Tensor, w_v: Tensor, in_proj_bias: Tensor | None,
+def torch_weights(num_heads: int, w_q: Tensor, w_k: Tensor, w_v: Tensor, in_proj_bias: Tensor | None, *,
                   bias_k: Tensor | None, bias_v: Tensor | None, add_zero_attn: bool) -> TorchWeights:
     """:class:`TorchWeights` from torch.nn's parameters (``in_proj_bias`` (3*H*D,) split in three; a bias of
     another dtype promoted to the weights', as torch.nn's slow path does)."""
@@ -56,7 +56,7 @@ def torch_weights(num_heads: int, w_q: Tensor, w_k: Tensor, w_v: Tensor, in_proj
     return TorchWeights(num_heads, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, bool(add_zero_attn))
 
 
-def heads_like_torch(p: TorchWeights, query: Tensor, key: Tensor, value: Tensor, key_padding_mask, attn_mask,
+def heads_like_torch(p: TorchWeights, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask, attn_mask,
                      is_causal: bool, attend) -> tuple[Tensor, Tensor, Tensor, masks.Mask | None]:
     """torch.nn.MultiheadAttention's computation up to its output projection, the attention itself done
     by ``attend(q (B, Lq, H, D), k (B, Lk', H, D), v (B, Lk', H, D), mask) -> (B, Lq, H, D)``.
@@ -131,7 +131,7 @@ class _TorchCall:
     multihead's attention call. Needs ``torch_weights()``, ``out_proj``, ``num_heads``, ``embed_dim``,
     ``kdim``, ``vdim``, ``batch_first`` and :class:`AttentionCore`'s ``_attend``."""
 
-    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+    def _forward_nested(self, query, key, value, *, key_padding_mask, need_weights, attn_mask, is_causal):
         """Self-attention on a nested batch (B sequences of (L_b, E)), as torch.nn's fast path takes it:
         padded to (B, L, E) with the padding masked, and nested again."""
         if not (query is key and key is value) or not self.batch_first or key_padding_mask is not None \
@@ -150,14 +150,15 @@ class _TorchCall:
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if isinstance(query, Tensor) and query.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+            return self._forward_nested(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                        attn_mask=attn_mask, is_causal=is_causal)
         batched = validation.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
                                               embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
                                               batch_first=self.batch_first, is_causal=is_causal)
         query, key, value, key_padding_mask = batch_first(query, key, value, key_padding_mask, batched=batched,
                                                           is_batch_first=self.batch_first)
-        merged, q, k, mask = heads_like_torch(self.torch_weights(), query, key, value, key_padding_mask, attn_mask,
-                                              is_causal, self._attend)  # (B, Lq, H*D)
+        merged, q, k, mask = heads_like_torch(self.torch_weights(), query, key, value, key_padding_mask=key_padding_mask,
+                                              attn_mask=attn_mask, is_causal=is_causal, attend=self._attend)  # (B, Lq, H*D)
         out = self.out_proj(merged)  # (B, Lq, E)
         weights = torch_weights_out(q, k, mask, need_weights, average_attn_weights)
         return layout_back(out, weights, batched=batched, is_batch_first=self.batch_first)
@@ -239,8 +240,8 @@ class TorchMultiheadAttention(_TorchCall, AttentionCore, nn.MultiheadAttention):
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, self.bias_k, self.bias_v,
-                             self.add_zero_attn)
+        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, bias_k=self.bias_k, bias_v=self.bias_v,
+                             add_zero_attn=self.add_zero_attn)
 
 
 class PrunedMultiheadAttention(_TorchCall, AttentionCore, nn.Module):
@@ -308,8 +309,8 @@ class PrunedMultiheadAttention(_TorchCall, AttentionCore, nn.Module):
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3 H D, E) -> 3 x (H D, E)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, self.bias_k, self.bias_v,
-                             self.add_zero_attn)
+        return torch_weights(self.num_heads, w_q, w_k, w_v, self.in_proj_bias, bias_k=self.bias_k, bias_v=self.bias_v,
+                             add_zero_attn=self.add_zero_attn)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -20,6 +20,7 @@ an empty list. Registration returns a handle whose ``remove()`` undoes it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -38,6 +39,15 @@ class _Handle:
             self._items.remove(self._fn)
 
 
+class Seen(NamedTuple):
+    """The sizes of a module's last attention call: query heads, key/value heads, query/key and value head sizes."""
+
+    H: int
+    Hkv: int
+    D: int
+    Dv: int
+
+
 class AttentionHooks:
     """Observers and transforms of one attention module, applied in registration order."""
 
@@ -53,7 +63,7 @@ class AttentionHooks:
         #: layers, T5's position bias, is cut to them); None = unpruned
         self.kept: list[int] | None = None
         #: (H, Hkv, D, Dv) of the last call, and why no head layout could be derived (None: not tried)
-        self.seen: tuple[int, int, int, int] | None = None
+        self.seen: Seen | None = None
         self.layout_reason: str | None = None
         #: what the last call computed (a multihead.hf.attention.Computed; see multihead.hf.explain)
         self.args = None

@@ -326,7 +326,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         plan, queries, keys, values = planning.make(self, projs, call)
         plain = not any(_GLOBAL_HOOKS)
         if plan.layout == "cached":
-            return self._step(plan, projs, plain, queries, keys, values, cache)
+            return self._step(plan, projs, plain, queries, keys, values, cache=cache)
         packed = plan.packed
         if packed is not None:  # padding is not computed: (B, L, ·) -> the real tokens (N, ·)
             queries, keys, values = packed.gather(queries, keys, values)
@@ -340,7 +340,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             out = out.masked_fill(~real[..., None], 0.0)  # padded query rows: zeros, as on the packed path
         return out
 
-    def _step(self, plan: Plan, projs, plain: bool, queries: Tensor, keys: Tensor, values: Tensor,
+    def _step(self, plan: Plan, projs, plain: bool, queries: Tensor, keys: Tensor, values: Tensor, *,
               cache: KVCache) -> Tensor:
         """One planned decoding step with the cache: (B, n, query_size) -> (B, n, out_features)."""
         if keys is queries:  # self-attention: the step's keys and values join the cache
