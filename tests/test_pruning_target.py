@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from multihead.apps import target
-from multihead.apps.cli import main
+from multihead.apps.cli import _unseen_text, main
 
 
 def test_the_interval_is_the_normal_one_of_the_mean():
@@ -147,7 +147,7 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     out = tmp_path / "t"
     assert main(["prune", "--hf", str(d), "--target-cosine", "0.97", "--fraction", "0.75", "--step", "0.25",
                  "--recover", "2", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--time-budget", "10m", "--out", str(out)]) == 0
+                 "--unseen-sentences", "40", "--time-budget", "10m", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     t = report["target"]
@@ -157,11 +157,22 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     if passed:
         assert t["chosen_fraction"] == max(passed) == report["final"]["fraction"]
     assert all((x["fidelity"]["ci95"][0] >= 0.97) == x["passed"] for x in t["tried"])
+    # two kinds of held-out text, each measured; the worse one is the figure, the other beside it
+    kinds = [report["final"]["fidelity"]] + report["final"]["fidelity"]["others"]
+    assert sorted((k["kind"], k["n"]) for k in kinds) == [("the held-out split", 48),
+                                                         ("the installed packages' descriptions", 40)]
+    assert report["final"]["fidelity"]["ci95"][0] == min(k["ci95"][0] for k in kinds)
+    assert all((x["fidelity"]["ci95"][0] >= 0.97) == (min(k["ci95"][0] for k in [x["fidelity"], *x["fidelity"]["others"]])
+                                                     >= 0.97) for x in t["tried"])
     # the saved model is the one measured: its fidelity (mean and interval) computed again from the directory
-    setup = hf_models.hf_setup(d, corpus.read_text().splitlines(), 16, 48)
+    lines = corpus.read_text().splitlines()
+    unseen = _unseen_text(SimpleNamespace(unseen_sentences=40, recover=2, recover_text="wide"), lines)
+    setup = hf_models.hf_setup(d, lines, 16, 48, held_out_extra=unseen)
     again = target.fidelity(setup, mhf.load(out / "model"))
+    assert again.kind == report["final"]["fidelity"]["kind"]
     assert again.mean == pytest.approx(report["final"]["fidelity"]["mean"], abs=1e-5)
     assert [again.lo, again.hi] == pytest.approx(report["final"]["fidelity"]["ci95"], abs=1e-5)
+    assert again.others[0].mean == pytest.approx(report["final"]["fidelity"]["others"][0]["mean"], abs=1e-5)
     assert "95% interval" in (out / "report.md").read_text()
 
 
@@ -175,3 +186,54 @@ def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_pa
     r = json.loads((out / "report.json").read_text())["recovery"]
     assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits
     assert "recovery: 3 steps took it from" in said and "(3 of the 500 asked: the time budget ended them" in said
+
+
+def test_docstring_sentences_are_wider_text_that_the_pruning_corpus_does_not_hold():
+    from multihead.apps.data import docstring_sentences, sentences
+
+    wide = docstring_sentences()
+    assert len(wide) > 1000 and len(set(wide)) == len(wide) and not set(wide) & set(sentences())
+    assert docstring_sentences(5) == wide[:5] and all(40 <= len(s) <= 200 and s[0].isupper() for s in wide)
+
+
+def test_recovery_distils_on_the_extra_text_it_is_given(bert):
+    import copy
+
+    from multihead import heads
+    from multihead.apps import hf_models
+
+    d, corpus = bert
+    text = corpus.read_text().splitlines()
+    extra = [s.replace("the", "a") for s in text[:40]]  # other sentences, same words
+
+    def first_losses(more):
+        setup = hf_models.hf_setup(d, text, 16, 48, n_recover=8, recover_extra=more)
+        model = copy.deepcopy(setup.model)
+        heads.prune(model, {"encoder.layer.0.attention.self": [0]})
+        torch.manual_seed(0)
+        return setup.recover_fn(model, 3), setup.notes[0]
+
+    plain, said_plain = first_losses(None)
+    wide, said = first_losses(extra)
+    assert "recovery (if asked) on the next 8 and 40 more" in said and "more" not in said_plain
+    assert plain != wide  # other batches: other losses
+
+
+def test_the_worst_kind_of_text_is_the_figure_and_every_kind_loads_back():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.cat([0.96 + 0.01 * torch.rand(60, generator=g), 0.93 + 0.01 * torch.rand(30, generator=g)])
+    f = target.Fidelity.worst(scores, (("split", 60), ("other", 30)))
+    assert f.kind == "other" and f.n == 30 and f.mean == pytest.approx(float(scores[60:].double().mean()))
+    assert [o.kind for o in f.others] == ["split"] and f.others[0].mean == pytest.approx(float(scores[:60].double().mean()))
+    assert "30 sentences of other" in str(f) and "60 sentences of split" in str(f)
+    assert target.Fidelity(**target._from_json(f.to_json())) == f
+    with pytest.raises(ValueError, match="count 80 items; the scores have 90"):
+        target.Fidelity.worst(scores, (("split", 60), ("other", 20)))
+
+
+def test_package_sentences_are_another_kind_of_text_and_exclude_what_they_are_told():
+    from multihead.apps.data import package_sentences
+
+    got = package_sentences(50)
+    assert len(got) == 50 and len(set(got)) == 50 and all(40 <= len(s) <= 200 and "http" not in s for s in got)
+    assert not set(package_sentences(60, exclude=set(got[:10]))) & set(got[:10])

@@ -184,6 +184,14 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "are reported and multihead.hf.load returns it quantized")
     p.add_argument("--recover-sentences", type=_positive(int), default=None, metavar="N",
                    help="--hf: sentences reserved for recovery (default: a quarter of the corpus, at most 256)")
+    p.add_argument("--recover-text", choices=["split", "wide"], default="wide",
+                   help="--hf: distil on the corpus' recovery split only, or on it and the standard library's "
+                        "docstrings, 16 sentences per step (default wide: it holds better on text of other kinds, "
+                        "bench/results/fidelity_unseen.md)")
+    p.add_argument("--unseen-sentences", type=_non_negative_int, default=300, metavar="N",
+                   help="--hf encoders: also measure fidelity on N sentences of the installed Python packages' "
+                        "descriptions (text of another kind, never trained on); the worse kind's figure is the one "
+                        "reported and --target-cosine must meet (default 300; 0: the held-out split only)")
     p.add_argument("--fraction", type=_in_open_unit, default=None,
                    help="share of all heads to prune, in (0, 1) (default: 0.4); with --target-cosine the furthest "
                         "to try (default: 0.8)")

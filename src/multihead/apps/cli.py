@@ -70,6 +70,27 @@ def _viz(args) -> int:
     return 0
 
 
+def _wide_text(args) -> list[str] | None:
+    """``prune --hf``'s extra recovery text: the standard library's docstrings, 16 per recovery step (none when
+    there is no recovery or ``--recover-text split``)."""
+    from multihead.apps.data import docstring_sentences
+
+    return docstring_sentences(16 * args.recover) if args.recover and args.recover_text == "wide" else None
+
+
+def _unseen_text(args, corpus: list[str] | None) -> tuple[str, list[str]] | None:
+    """``prune --hf``'s second kind of held-out text: the installed packages' descriptions, none of them in the
+    corpus or the recovery text."""
+    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+
+    if not args.unseen_sentences:
+        return None
+    known = set(corpus if corpus is not None else sentences())
+    if args.recover and args.recover_text == "wide":
+        known |= set(docstring_sentences())
+    return "the installed packages' descriptions", package_sentences(args.unseen_sentences, exclude=known)
+
+
 def _prune(args) -> int:
     deadline = time.monotonic() + args.time_budget  # the speed table gets what is left of it
     import matplotlib
@@ -95,7 +116,8 @@ def _prune(args) -> int:
         if args.corpus:
             corpus = [line.strip() for line in Path(args.corpus).read_text().splitlines() if line.strip()]
         sizes = args.sentences or (128, None)
-        setup = hf_models.hf_setup(args.hf, corpus, *sizes, n_recover=args.recover_sentences)
+        setup = hf_models.hf_setup(args.hf, corpus, *sizes, n_recover=args.recover_sentences,
+                                   recover_extra=_wide_text(args), held_out_extra=_unseen_text(args, corpus))
     elif args.model is None:
         print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
         return 2

@@ -162,11 +162,14 @@ def readable_elsewhere(out: str | Path) -> str | None:
 
 
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
-             n_held_out: int | None = None, n_recover: int | None = None) -> Setup:
+             n_held_out: int | None = None, n_recover: int | None = None,
+             recover_extra: list[str] | None = None, held_out_extra: tuple[str, list[str]] | None = None) -> Setup:
     """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
     on the first ``n_importance`` sentences, recovery (distillation) on the next ``n_recover``
-    (default: a quarter of the corpus, at most 256), fidelity on the ``n_held_out`` after them
-    (default: all the rest), so the fidelity sentences are never trained on."""
+    (default: a quarter of the corpus, at most 256) and on ``recover_extra`` (more text, e.g.
+    :func:`multihead.apps.data.docstring_sentences`), fidelity on the ``n_held_out`` after them
+    (default: all the rest), so the fidelity sentences are never trained on, and on ``held_out_extra`` =
+    (its name, sentences of another kind): then each kind's fidelity is measured and the worst one counts."""
     from multihead.apps.data import sentences
 
     model, peer, tok, causal = _load(Path(path))
@@ -184,7 +187,16 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
         rec_fn = _logp if causal else _hidden  # recovery matches every token, not only the pooled vector
-        rec = [(b, rec_fn(model, *b)) for b in _batches(tok, recover_set or head, 16, causal)]
+        rec_text = (recover_set or head) + list(recover_extra or [])
+        if recover_extra:  # mixed, in a fixed order: the steps walk through every source, not one after another
+            import random
+
+            random.Random(0).shuffle(rec_text)
+        rec = [(b, rec_fn(model, *b)) for b in _batches(tok, rec_text, 16, causal)]
+        kinds = (("the held-out split", len(held_out)),)
+        if held_out_extra and held_out_extra[1]:
+            kinds += ((held_out_extra[0], len(held_out_extra[1])),)
+            held_out = held_out + list(held_out_extra[1])
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
@@ -197,12 +209,16 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                   lambda m, p, quantize=None: readable_elsewhere(save_with_files(m, p, path, quantize=quantize)),
                   (f"transformers {type(peer).__name__} (sdpa)", peer,
                                                 lambda m, x: m(input_ids=x[0], attention_mask=x[1])),
-                  [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}, "
-                   f"fidelity on the {len(held_out)} after them", "fidelity: " + name])
+                  [f"importance on the first {len(head)} sentences, recovery (if asked) on the next {len(recover_set)}"
+                   + (f" and {len(recover_extra)} more" if recover_extra else "") +
+                   f", fidelity on the {kinds[0][1]} after them"
+                   + (f" and on {kinds[1][1]} {kinds[1][0]} (the worse of the two counts)" if len(kinds) > 1 else ""),
+                   "fidelity: " + name])
     setup.recover_fn = lambda m, steps, quantize=None, until=None: recover(m, rec, steps, causal, quantize=quantize,
                                                                             until=until)
     setup.quantize_fn = quantize
     setup.scores_fn = scores_fn
+    setup.held_out_kinds = kinds if len(kinds) > 1 and not causal else None
 
     setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
     return setup

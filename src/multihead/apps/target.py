@@ -38,6 +38,22 @@ class Fidelity:
     lo: float | None = None
     hi: float | None = None
     n: int = 0
+    kind: str | None = None  # the kind of held-out text it was measured on (None: one kind)
+    others: tuple[Fidelity, ...] = ()  # the other kinds' figures, when this is the worst of several
+
+    @classmethod
+    def worst(cls, scores: torch.Tensor, kinds: tuple[tuple[str, int], ...]) -> Fidelity:
+        """From per-item scores (n,) made of consecutive kinds of text ``(name, count)``: the kind whose
+        interval starts lowest, the others kept beside it -- a target is met only where every kind meets it."""
+        parts, start = [], 0
+        for name, count in kinds:
+            f = cls.of(scores[start:start + count])
+            parts.append(cls(f.mean, f.lo, f.hi, f.n, name))
+            start += count
+        if start != scores.numel():
+            raise ValueError(f"the held-out kinds {kinds} count {start} items; the scores have {scores.numel()}.")
+        low = min(parts, key=lambda f: f.lo)
+        return cls(low.mean, low.lo, low.hi, low.n, low.kind, tuple(f for f in parts if f is not low))
 
     @classmethod
     def of(cls, scores: torch.Tensor) -> Fidelity:
@@ -49,19 +65,28 @@ class Fidelity:
         return cls(mean, mean - half, mean + half, n)
 
     def to_json(self) -> dict:
-        return {"mean": self.mean, "ci95": None if self.lo is None else [self.lo, self.hi], "n": self.n}
+        out = {"mean": self.mean, "ci95": None if self.lo is None else [self.lo, self.hi], "n": self.n}
+        if self.kind is not None:
+            out["kind"] = self.kind
+        if self.others:
+            out["others"] = [f.to_json() for f in self.others]
+        return out
 
     def __str__(self) -> str:
         if self.lo is None:
             return f"{self.mean:.4f}"
-        return f"{self.mean:.4f} (95% interval {self.lo:.4f}-{self.hi:.4f}, {self.n} sentences)"
+        on = f" of {self.kind}" if self.kind else ""
+        rest = "".join(f"; {f}" for f in self.others)
+        return f"{self.mean:.4f} (95% interval {self.lo:.4f}-{self.hi:.4f}, {self.n} sentences{on}){rest}"
 
 
 def fidelity(setup, model: nn.Module) -> Fidelity:
     """``model``'s fidelity on the setup's held-out items (with an interval when the setup has per-item scores)."""
     if setup.scores_fn is not None:
         with torch.no_grad():
-            return Fidelity.of(setup.scores_fn(model))
+            scores = setup.scores_fn(model)  # (n,)
+        kinds = getattr(setup, "held_out_kinds", None)  # a Setup, or a stand-in without kinds
+        return Fidelity.worst(scores, kinds) if kinds else Fidelity.of(scores)
     return Fidelity(float(setup.metric_fn(model)))
 
 
@@ -142,7 +167,8 @@ def finish(setup, snapshot: nn.Module, index: int, *, recover: int, quantize: st
 
 def _from_json(j: dict) -> dict:
     lo, hi = j["ci95"] if j["ci95"] is not None else (None, None)
-    return {"mean": j["mean"], "lo": lo, "hi": hi, "n": j["n"]}
+    return {"mean": j["mean"], "lo": lo, "hi": hi, "n": j["n"], "kind": j.get("kind"),
+            "others": tuple(Fidelity(**_from_json(o)) for o in j.get("others", ()))}
 
 
 def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: float | None, recover: int,
