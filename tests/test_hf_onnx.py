@@ -77,3 +77,27 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         mhf.export_onnx(lm, tmp_path / "lm.onnx")
     with pytest.raises(TypeError, match=r"export_onnx takes a transformers PreTrainedModel; got Linear"):
         mhf.export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
+
+
+def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quantize_it(tmp_path):
+    """save(quantize="int8") keeps the float weights: load(quantized=False) gives the pruned float model exactly
+    (load() the int8 one), and its export quantized by ONNX Runtime (runtimes.ort_int8) stays close to it."""
+    from multihead.apps import runtimes
+    from multihead.quantize import is_quantized
+
+    model = _bert(True)
+    heads.prune(model, {"encoder.layer.0.attention.self": [1, 3]})
+    mhf.save(model, tmp_path / "m", quantize="int8")
+    loaded, as_float = mhf.load(tmp_path / "m"), mhf.load(tmp_path / "m", quantized=False)
+    assert is_quantized(loaded) == "int8" and not is_quantized(as_float)
+    g = torch.Generator().manual_seed(5)
+    ids, am = torch.randint(3, 100, (3, 11), generator=g), torch.ones(3, 11, dtype=torch.long)
+    am[2, 4:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=am).last_hidden_state
+        assert torch.equal(as_float(input_ids=ids, attention_mask=am).last_hidden_state, want)
+    served = runtimes.ort_int8(runtimes.export(as_float, {"input_ids": ids, "attention_mask": am}))
+    got = served(input_ids=ids, attention_mask=am).last_hidden_state
+    keep = am.bool()
+    cos = torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1)
+    assert cos.min() > 0.99  # int8 rounding, not another model

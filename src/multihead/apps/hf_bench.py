@@ -6,7 +6,9 @@ recovery), under ``torch.inference_mode``. Peers, timed in the same process, int
 median and min-max per batch, per batch size: transformers' sdpa (the reference, 1.00x), the model attached
 to multihead (padded), attached padding-free (``attach(packed=True)``), and — with ``--pruned DIR``, a
 directory written by ``multihead prune --hf ...`` — that pruned (recovered, int8) model loaded with
-``multihead.hf.load``; with the ``onnx`` extra, ONNX Runtime's int8 model of the unpruned checkpoint, and with
+``multihead.hf.load``, and that model's float weights exported (``multihead.hf.export_onnx``) and quantized by
+ONNX Runtime (the pruned model served by another runtime); with the ``onnx`` extra, ONNX Runtime's int8 model of
+the unpruned checkpoint, and with
 the ``openvino`` extra, OpenVINO's fp32 model of it (both from ``multihead.hf.export_onnx``; see
 :mod:`multihead.apps.runtimes`). Fidelity: mean cosine of mean-pooled last hidden states to the sdpa model's
 on every timed sentence.
@@ -55,6 +57,9 @@ def _models(path, pruned, example: dict, log) -> dict:
         heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
     models |= runtimes.peers(models["multihead, padded"], example, log)  # what a practitioner reaches for
+    if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
+        models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = runtimes.ort_int8(
+            runtimes.export(mhf.load(pruned, quantized=False), example))
     return models
 
 

@@ -225,11 +225,12 @@ def _full_size(model: nn.Module) -> nn.Module | None:
     return full
 
 
-def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
+def load(path: str | Path, *, model_class: Callable | None = None, quantized: bool = True) -> nn.Module:
     """Rebuild a model written by :func:`save` (pruned or not) from its directory: the model is
     built from config.json, its attention modules resized to the recorded head counts, the
     weights loaded (strictly); returned attached, in eval mode, padding-free and quantized when
-    it was saved so."""
+    it was saved so (``quantized=False``: the float model it was quantized from, e.g. to export it
+    with :func:`export_onnx` and quantize it in another runtime)."""
     import transformers
     from safetensors import SafetensorError
     from safetensors.torch import load_model
@@ -268,7 +269,7 @@ def load(path: str | Path, *, model_class: Callable | None = None) -> nn.Module:
         from multihead.hf import packed as hf_packed
 
         hf_packed.enable(model, attention_modules(model), probe_inputs(model))
-    if raw.get(QUANTIZE_KEY):
+    if raw.get(QUANTIZE_KEY) and quantized:
         from multihead.quantize import quantize
 
         model = quantize(model, raw[QUANTIZE_KEY])
