@@ -215,3 +215,30 @@ def test_reference_validates_its_inputs():
         reference_attention(q, k, v)
     with pytest.raises(ValueError, match=r"scale must be a positive finite number"):
         reference_attention(*qkv(1, 2, 2, 3, 3, 4, 4), scale=float("inf"))
+
+
+def test_four_python_frames_from_forward_to_sdpa_on_a_plain_call():
+    """The course's call (valid lengths, inference mode): at most 4 Python frames between the module's forward
+    and the frame that calls F.scaled_dot_product_attention (issue 34: the plan is executed, not re-decided)."""
+    import sys
+
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    m = MultiHeadAttention(32, 4, dropout=0.0).eval()
+    chains = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                f, names = sys._getframe(1), []  # the frame that called SDPA, then up to forward
+                while f is not None and f.f_code is not type(m).forward.__code__:
+                    names.append(f.f_code.co_name)
+                    f = f.f_back
+                chains.append(names if f is not None else None)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode(), Spy():
+        m(x, x, x, torch.tensor([3, 5]))
+    assert len(chains) == 1 and chains[0] is not None and len(chains[0]) <= 4, chains
