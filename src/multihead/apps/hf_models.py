@@ -161,8 +161,24 @@ def readable_elsewhere(out: str | Path) -> str | None:
             "st[0].model)")
 
 
+def _split(corpus: list[str], n_importance: int, n_recover: int | None,
+           n_held_out: int | None) -> tuple[list[str], list[str], list[str]]:
+    """(importance, recovery, held-out) sentences: the first ``n_importance``, the next ``n_recover`` (default a
+    quarter of the corpus, at most 256), then ``n_held_out`` (default all the rest)."""
+    n_recover = min(256, len(corpus) // 4) if n_recover is None else n_recover
+    head = corpus[:n_importance]
+    recover_set = corpus[n_importance:n_importance + n_recover]
+    held_out = corpus[n_importance + n_recover:]
+    if n_held_out is not None:
+        held_out = held_out[:n_held_out]
+    if not head or not held_out:
+        raise ValueError(f"the corpus has {len(corpus)} sentences: it needs more than {n_importance} (importance on "
+                         "the first ones, fidelity on the rest).")
+    return head, recover_set, held_out
+
+
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
-             n_held_out: int | None = None, n_recover: int | None = None,
+             n_held_out: int | None = None, n_recover: int | None = None, *,
              recover_extra: list[str] | None = None, held_out_extra: tuple[str, list[str]] | None = None) -> Setup:
     """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
     on the first ``n_importance`` sentences, recovery (distillation) on the next ``n_recover``
@@ -174,15 +190,11 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 
     model, peer, tok, causal = _load(Path(path))
     corpus = corpus if corpus is not None else sentences()
-    n_recover = min(256, len(corpus) // 4) if n_recover is None else n_recover
-    head = corpus[:n_importance]
-    recover_set = corpus[n_importance:n_importance + n_recover]
-    held_out = corpus[n_importance + n_recover:]
-    if n_held_out is not None:
-        held_out = held_out[:n_held_out]
-    if not head or not held_out:
-        raise ValueError(f"the corpus has {len(corpus)} sentences: it needs more than {n_importance} (importance on "
-                         "the first ones, fidelity on the rest).")
+    head, recover_set, held_out = _split(corpus, n_importance, n_recover, n_held_out)
+    kinds = (("the held-out split", len(held_out)),)
+    if held_out_extra and held_out_extra[1] and not causal:  # a decoder's KL is one figure over one kind of text
+        kinds += ((held_out_extra[0], len(held_out_extra[1])),)
+        held_out = held_out + list(held_out_extra[1])
     out_fn = _logp if causal else pooled
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
@@ -193,10 +205,6 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 
             random.Random(0).shuffle(rec_text)
         rec = [(b, rec_fn(model, *b)) for b in _batches(tok, rec_text, 16, causal)]
-        kinds = (("the held-out split", len(held_out)),)
-        if held_out_extra and held_out_extra[1]:
-            kinds += ((held_out_extra[0], len(held_out_extra[1])),)
-            held_out = held_out + list(held_out_extra[1])
         batches = _batches(tok, held_out, 16, causal)
         refs = [out_fn(model, *b) for b in batches]
 
@@ -218,7 +226,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                                                                             until=until)
     setup.quantize_fn = quantize
     setup.scores_fn = scores_fn
-    setup.held_out_kinds = kinds if len(kinds) > 1 and not causal else None
+    setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
     setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
     return setup
