@@ -101,3 +101,20 @@ def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quant
     keep = am.bool()
     cos = torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1)
     assert cos.min() > 0.99  # int8 rounding, not another model
+
+
+def test_the_same_model_is_exported_once_per_process_and_a_changed_one_again():
+    """runtimes.export caches by content (class, config, every tensor): the same checkpoint gives the same file,
+    a pruned or gated one its own export."""
+    from multihead.apps import runtimes
+
+    model = _bert(False)
+    ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    first = runtimes.export(model, ex)
+    assert runtimes.export(_bert(False), ex) == first  # built again from the same seed: the same weights
+    assert runtimes.export(_bert(True), ex) == first  # padding-free: exported padded, the same graph
+    pruned = _bert(False)
+    heads.prune(pruned, {"encoder.layer.0.attention.self": [1]})
+    assert runtimes._fingerprint(pruned) != runtimes._fingerprint(model)
+    with heads.gated(model, {"encoder.layer.0.attention.self": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
+        assert runtimes._fingerprint(model) is None  # a gate is not in the weights: never cached

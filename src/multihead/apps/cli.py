@@ -81,13 +81,11 @@ def _wide_text(args) -> list[str] | None:
 def _unseen_text(args, corpus: list[str] | None) -> tuple[str, list[str]] | None:
     """``prune --hf``'s second kind of held-out text: the installed packages' descriptions, none of them in the
     corpus or the recovery text."""
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.data import package_sentences, sentences
 
     if not args.unseen_sentences:
         return None
-    known = set(corpus if corpus is not None else sentences())
-    if args.recover and args.recover_text == "wide":
-        known |= set(docstring_sentences())
+    known = set(corpus if corpus is not None else sentences()) | set(_wide_text(args) or ())
     return "the installed packages' descriptions", package_sentences(args.unseen_sentences, exclude=known)
 
 
