@@ -283,7 +283,40 @@ def test_nested_tensors_as_torchs_encoder_hands_them():
     with torch.no_grad():
         assert torch.allclose(ours(src, src_key_padding_mask=~keep), enc(src, src_key_padding_mask=~keep), atol=ATOL)
     mha = ours.layers[0].self_attn
-    with pytest.raises(ValueError, match="NestedTensor input for self-attention only .* need_weights=False"):
-        mha(x, x, x)  # need_weights=True
-    with pytest.raises(ValueError, match="NestedTensor input for self-attention only"):
+    with pytest.raises(ValueError, match="NestedTensor input as query, key and value all nested, .*key_padding_mask"):
         mha(x, x, x, need_weights=False, key_padding_mask=~keep)
+    with pytest.raises(ValueError, match="all nested"):
+        mha(x, src, src)
+    with pytest.raises(AssertionError, match="unbatched 2D or batched 3D tensor but received 1-D query tensor"):
+        empty = torch.nested.nested_tensor([])
+        mha(empty, empty, empty)
+    # the weights as torch.nn's fast path gives them for nested input: padded, zero outside each sequence
+    plain = enc.layers[0].self_attn
+    for average in (True, False):
+        with torch.no_grad():
+            (o1, w1), (o2, w2) = (m(x, x, x, average_attn_weights=average) for m in (plain, mha))
+        assert w1.shape == w2.shape and torch.allclose(w1, w2, atol=ATOL)
+        assert all(torch.allclose(a, b, atol=ATOL) for a, b in zip(o1.unbind(), o2.unbind()))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}])
+def test_nested_cross_attention_is_each_sequence_alone(layout, extra):
+    """Nested query / key / value of their own lengths (cross-attention, as newer torch.nn takes them outside
+    its fast path): each output sequence is the unbatched call on that sequence, gradients included."""
+    torch.manual_seed(1)
+    mha = TorchMultiheadAttention(10, 5, batch_first=True, kdim=6, vdim=6, **extra)
+    qs = [torch.randn(n, 10, requires_grad=True) for n in (4, 6)]
+    ks = [torch.randn(n, 6) for n in (7, 16)]
+    nq, nk = (torch.nested.as_nested_tensor(t, layout=layout) for t in (qs, ks))
+    out, weights = mha(nq, nk, nk)
+    assert out.is_nested and out.layout == layout and weights.shape == (2, 4 + 2, 16 + len(extra))
+    for b, (q, k) in enumerate(zip(qs, ks)):
+        want, want_w = mha(q, k, k)  # unbatched (Lq_b, E), weights (Lq_b, Lk_b')
+        assert torch.allclose(out.unbind()[b], want, atol=ATOL)
+        lk = k.shape[0]
+        got_w = torch.cat([weights[b, :q.shape[0], :lk], weights[b, :q.shape[0], 16:]], -1)  # own keys + appended
+        assert torch.allclose(got_w, want_w, atol=ATOL) and not weights[b, q.shape[0]:].any()
+    grad, = torch.autograd.grad(out.unbind()[1].sum(), qs[1])
+    want_grad, = torch.autograd.grad(mha(qs[1], ks[1], ks[1])[0].sum(), qs[1])
+    assert torch.allclose(grad, want_grad, atol=ATOL)

@@ -131,27 +131,43 @@ class _TorchCall:
     multihead's attention call. Needs ``torch_weights()``, ``out_proj``, ``num_heads``, ``embed_dim``,
     ``kdim``, ``vdim``, ``batch_first`` and :class:`AttentionCore`'s ``_attend``."""
 
-    def _forward_nested(self, query, key, value, *, key_padding_mask, need_weights, attn_mask, is_causal):
-        """Self-attention on a nested batch (B sequences of (L_b, E)), as torch.nn's fast path takes it:
-        padded to (B, L, E) with the padding masked, and nested again."""
-        if not (query is key and key is value) or not self.batch_first or key_padding_mask is not None \
-                or attn_mask is not None or is_causal or need_weights:
+    def _forward_nested(self, query, key, value, *, key_padding_mask, attn_mask, is_causal, weights: tuple[bool, bool]):
+        """Attention on nested batches: query, key and value each B sequences ((Lq_b, E), (Lk_b, kdim),
+        (Lk_b, vdim)), padded to (B, Lq, E) / (B, Lk, .) with the key padding masked, and the output
+        nested again in the query's layout. Weights (``weights`` = (need_weights, average)) come back
+        as torch.nn's fast path gives them for nested input: padded (B, [H,] Lq, Lk'), zero outside
+        each sequence."""
+        if query.dim() != 3:
+            raise validation.TorchShapeError(f"query should be unbatched 2D or batched 3D tensor but received "
+                                             f"{query.dim()}-D query tensor (a nested batch of (L, E) sequences)")
+        if not (key.is_nested and value.is_nested) or not self.batch_first or key_padding_mask is not None \
+                or attn_mask is not None or is_causal:
             raise validation.TorchShapeError(
-                "MultiheadAttention takes NestedTensor input for self-attention only (query is key is value), with "
-                "batch_first=True, no attn_mask / key_padding_mask / is_causal and need_weights=False (as "
-                "nn.TransformerEncoder passes it); otherwise pad the batch (torch.nested.to_padded_tensor) and pass "
-                "a key_padding_mask.")
-        lens = [t.shape[0] for t in query.unbind()]  # L_b of each sequence
-        x = torch.nested.to_padded_tensor(query, 0.0)  # (B, L, E)
-        pad = torch.arange(x.shape[1], device=x.device) >= torch.tensor(lens, device=x.device)[:, None]  # (B, L)
-        out, _ = self.forward(x, x, x, key_padding_mask=pad, need_weights=False)  # (B, L, E)
-        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lens)], layout=query.layout), None
+                "MultiheadAttention takes NestedTensor input as query, key and value all nested, with "
+                "batch_first=True and no attn_mask / key_padding_mask / is_causal (the sequence lengths are the "
+                "padding); otherwise pad the batch (torch.nested.to_padded_tensor) and pass a key_padding_mask.")
+        q_lens, k_lens = [t.shape[0] for t in query.unbind()], [t.shape[0] for t in key.unbind()]  # L_b each
+        v_lens = k_lens if value is key else [t.shape[0] for t in value.unbind()]
+        if len(k_lens) != len(q_lens) or v_lens != k_lens:
+            raise validation.TorchShapeError(
+                f"nested query, key and value must hold the same number of sequences, key and value of the same "
+                f"lengths; got query lengths {q_lens}, key lengths {k_lens}, value lengths {v_lens}")
+        x = torch.nested.to_padded_tensor(query, 0.0)  # (B, Lq, E)
+        k = x if key is query else torch.nested.to_padded_tensor(key, 0.0)  # (B, Lk, kdim)
+        v = k if value is key else torch.nested.to_padded_tensor(value, 0.0)  # (B, Lk, vdim)
+        pad = torch.arange(k.shape[1], device=k.device) >= torch.tensor(k_lens, device=k.device)[:, None]  # (B, Lk)
+        out, w = self.forward(x, k, v, key_padding_mask=pad, need_weights=weights[0],
+                              average_attn_weights=weights[1])  # (B, Lq, E)
+        if w is not None:  # padded query rows weigh nothing, as torch.nn's fast path gives them
+            q_pad = torch.arange(x.shape[1], device=x.device) >= torch.tensor(q_lens, device=x.device)[:, None]
+            w = w.masked_fill(q_pad.view(q_pad.shape[0], *[1] * (w.dim() - 3), -1, 1), 0.0)  # (B, [H,] Lq, Lk')
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lens)], layout=query.layout), w
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if isinstance(query, Tensor) and query.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                                        attn_mask=attn_mask, is_causal=is_causal)
+            return self._forward_nested(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                        is_causal=is_causal, weights=(need_weights, average_attn_weights))
         batched = validation.torch_mha_inputs(query, key, value, key_padding_mask, attn_mask, num_heads=self.num_heads,
                                               embed_dim=self.embed_dim, kdim=self.kdim, vdim=self.vdim,
                                               batch_first=self.batch_first, is_causal=is_causal)
@@ -187,9 +203,11 @@ class TorchMultiheadAttention(_TorchCall, AttentionCore, nn.MultiheadAttention):
       ``F.multi_head_attention_forward`` with them computes what the module does). Tests that
       check that fast path was entered (by mocking torch's fused kernels) cannot pass;
     - nested-tensor inputs (``nn.TransformerEncoder``'s padding-free path hands them to its
-      layers) are taken for self-attention with ``batch_first=True`` and no masks, as torch.nn's
-      fast path takes them: the padding is masked and the output is nested again
-      (``need_weights`` must then be False);
+      layers; strided or jagged) are taken with ``batch_first=True`` and no masks, as torch.nn's
+      fast path takes them and newer torch takes them outside it: self- or cross-attention
+      (query, key and value all nested, ``add_bias_kv`` / ``add_zero_attn`` and gradients
+      included), the padding masked, the output nested again in the query's layout, the
+      weights padded (B, [H,] Lq, Lk) with zeros outside each sequence as the fast path gives;
     - ``torch.jit.script`` scripts a plain ``torch.nn.MultiheadAttention`` with the same
       weights (TorchScript cannot compile multihead's dispatch); scripting a patched
       model also puts that plain module back into the model (torch does it in place).
