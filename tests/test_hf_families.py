@@ -11,12 +11,15 @@ refused with a reason."""
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 import multihead  # noqa: E402
@@ -465,13 +468,93 @@ def test_families_that_compute_attention_themselves_are_seen_through_sdpa_or_ref
         gated = falcon(input_ids=ids, attention_mask=am).last_hidden_state
     assert (gated - ref)[real].abs().max() > 1e-4  # the head mattered
     heads.unobserve(falcon)
-    for make in (lambda: T.BloomModel(T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=4)),
-                 lambda: T.DebertaV2Model(T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
-                                                            num_attention_heads=4, intermediate_size=64))):
-        model = make().eval()
-        with pytest.raises(ValueError, match=rf"{type(model).__name__}: no module called torch.nn.functional."
-                                             r"scaled_dot_product_attention .* compute attention another way"):
-            heads.observe(model, {"input_ids": ids, "attention_mask": am})
+    model = T.DebertaV2Model(T.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, intermediate_size=64)).eval()
+    with pytest.raises(ValueError, match=r"DebertaV2Model: no module called torch.nn.functional."
+                                         r"scaled_dot_product_attention .* compute attention another way"):
+        heads.observe(model, {"input_ids": ids, "attention_mask": am})
+
+
+@pytest.mark.parametrize("n_head", [4, 6])
+def test_bloom_seen_through_its_sdpa_form_and_cut_with_its_alibi_slopes(n_head):
+    """Bloom computes attention by hand (ALiBi through baddbmm): observe gives BloomAttention its SDPA
+    form (multihead.hf.forms), the outputs and output_attentions unchanged; capture = Bloom's own weights
+    on the real rows; cut = gated (each layer keeps its kept heads' ALiBi slopes: 6 heads have the
+    non-power-of-two slopes), logits and greedy tokens with the cache; the form survives deepcopy."""
+    torch.manual_seed(0)
+    model = T.BloomForCausalLM(T.BloomConfig(vocab_size=V, hidden_size=8 * n_head, n_layer=2, n_head=n_head)).eval()
+    ids, am = _ids()["input_ids"], _ids()["attention_mask"]
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, output_attentions=True)
+    assert list(heads.observe(model, {"input_ids": ids, "attention_mask": am})) == \
+        ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
+    real = am.bool()
+    with torch.no_grad():
+        same = model(input_ids=ids, attention_mask=am, output_attentions=True)
+        assert (same.logits - ref.logits).abs().max() < 1e-5
+        assert all((a - b).abs().max() < 1e-6 for a, b in zip(same.attentions, ref.attentions))
+        with multihead.capture(model) as cap:
+            model(input_ids=ids, attention_mask=am)
+    for i, name in enumerate(cap):
+        assert (cap[name] - ref.attentions[i]).transpose(1, 2)[real].abs().max() < 1e-5  # (B, Lq, H, Lk) real rows
+    lay = model.transformer.h[0].self_attention.attention_hooks.layout
+    assert lay is not None and lay.fused == "interleaved" and lay.per_head == ("alibi_heads",)
+    cut = {"transformer.h.0.self_attention": [1], "transformer.h.1.self_attention": [0, 2, n_head - 1]}
+    gates = {n: torch.ones(n_head).index_fill(0, torch.tensor(hs), 0.0) for n, hs in cut.items()}
+    prompt = ids[:1, :4]
+    with torch.no_grad(), heads.gated(model, gates):
+        want = model(input_ids=ids, attention_mask=am).logits
+        want_tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    heads.prune(model, cut)
+    for m in (model, copy.deepcopy(model)):
+        with torch.no_grad():
+            got = m(input_ids=ids, attention_mask=am).logits
+            tokens = m.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert (got - want)[real].abs().max() < 1e-5 and torch.equal(tokens, want_tokens)
+    attn = model.transformer.h[1].self_attention
+    assert attn.num_heads == n_head - 3 and attn.alibi_heads.tolist() == [1] + list(range(3, n_head - 1))
+    assert not any(k.endswith("alibi_heads") for k in model.state_dict())  # not saved: Bloom's checkpoints stay Bloom's
+
+
+def test_a_form_that_changes_the_output_is_taken_back():
+    """A registered SDPA form is kept only if the model's output is unchanged: a wrong one is taken back
+    and observe refuses, naming the module class."""
+    from multihead.heads.observe import FORMS
+
+    class ByHand(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+
+        def forward(self, x):  # (B, L, 8), 2 heads of 4, written out by hand
+            q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
+            return self.o(((q @ k.transpose(-1, -2)) / 2).softmax(-1).matmul(v).transpose(1, 2).flatten(2))
+
+    def wrong(self, x):  # forgets the scale
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+    def give(m):
+        if type(m) is ByHand and "forward" not in m.__dict__:
+            m.forward = wrong.__get__(m)
+            return True
+        return False
+
+    def take(m):
+        m.__dict__.pop("forward", None)
+
+    model = nn.Sequential(ByHand()).eval()
+    x = torch.randn(2, 5, 8)
+    before = model(x)
+    FORMS.append((give, take))
+    try:
+        with pytest.raises(ValueError, match=r"Sequential: with ByHand in their SDPA form the output differs .* "
+                                             r"cannot see their heads"):
+            heads.observe(model, x)
+    finally:
+        FORMS.remove((give, take))
+    assert "forward" not in model[0].__dict__ and torch.equal(model(x), before)
 
 
 @pytest.mark.parametrize("arch", ["multi-query", "per head [q k v]", "new decoder (grouped)"])

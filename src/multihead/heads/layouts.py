@@ -23,7 +23,7 @@ class HeadLayout:
     """One attention module's head surgery: the names of its q/k/v/o projections (one fused
     qkv projection when ``fused``), where the output projection lives (``o_from_parent``: a
     path from the attention module's parent, for BERT's ``output.dense``), its per-head
-    parameters (shape (H,): gpt-oss' sinks), and which attributes hold the head count and
+    parameters and buffers (shape (H,): gpt-oss' sinks, Bloom's ALiBi head index), and which attributes hold the head count and
     inner size. Derived from the module and verified on a recorded call (:func:`derive`)."""
 
     family: str
@@ -113,7 +113,8 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, see
                 break
     if o_name is None:
         return f"no output projection taking the {H} heads' {H * Dv} features among {sorted(lin) or 'no layers'}"
-    per_head = tuple(n for n, p in m.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == H)
+    per_head = tuple(n for n, p in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                     if p is not None and p.dim() == 1 and p.shape[0] == H)  # gpt-oss' sinks, Bloom's ALiBi heads
     q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
     if q and k and v:
         sizes = (out_features(lin[q]), out_features(lin[k]), out_features(lin[v]))
@@ -245,7 +246,10 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
             owner, _, leaf = name.rpartition(".")
             holder = m.get_submodule(owner) if owner else m
             p = getattr(holder, leaf)
-            setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
+            if leaf in holder._buffers:  # a buffer stays one (saved or not, as it was)
+                holder._buffers[leaf] = p[keep].clone()
+            else:
+                setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
         if with_o:
             new_o = select(o, in_cols=head_rows(keep, D))
             if null:

@@ -26,6 +26,12 @@ returned with ``need_weights=True`` are those before dropout. ``heads.prune`` pu
 :class:`multihead.layer.dropin.PrunedMultiheadAttention` (the same call and parameter names, fewer heads)
 in its place.
 
+Modules that compute attention by hand are seen where a *form* is registered for them (``FORMS``:
+their forward rewritten with one SDPA call, the same arithmetic otherwise; :mod:`multihead.hf.forms`
+registers Bloom's): :func:`observe` gives them their form and keeps it only if the model's output on the
+example is unchanged. A module given a form keeps it after :func:`unobserve` (it computes what its class
+computes, and a module cut by ``heads.prune`` needs it).
+
 Refused with a clear error: a model none of whose modules calls SDPA in Python during the probe
 (a fused kernel called from C++, attention written out by hand), an SDPA call whose query is not
 (B, H, Lq, D), a ``multi_head_attention_forward`` call with ``static_k``/``static_v``.
@@ -55,6 +61,9 @@ _SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dropout
                                enable_gqa=False: None)
 _MHA_SIGNATURE = inspect.signature(MHA)
 _KEY = "multihead_sdpa_observer"  # the module's hook handles, in its __dict__
+#: (give, take) pairs: ``give(module) -> bool`` gives a module that computes attention by hand its SDPA
+#: form (True when it did), ``take(module)`` undoes it (``multihead.hf.forms`` registers Bloom's)
+FORMS: list = []
 
 
 class _Calls(TorchFunctionMode):
@@ -214,14 +223,15 @@ def _seen(func, a: dict) -> Seen | None:
     return Seen(q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]) if q.dim() == 4 else None
 
 
+def _call(model: nn.Module, example):
+    if isinstance(example, dict):
+        return model(**example)
+    return model(*example) if isinstance(example, tuple) else model(example)
+
+
 def _run(model: nn.Module, example) -> None:
     with torch.no_grad():
-        if isinstance(example, dict):
-            model(**example)
-        elif isinstance(example, tuple):
-            model(*example)
-        else:
-            model(example)
+        _call(model, example)
 
 
 def _probe(model: nn.Module, example) -> dict[str, _Found]:
@@ -308,6 +318,41 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
     hooks.layout_reason = lays if isinstance(lays, str) else "; ".join(reasons)
 
 
+def _main_output(out) -> Tensor:
+    """The first tensor of a model's output (a tensor, a tuple, or a transformers ModelOutput)."""
+    while not isinstance(out, Tensor):
+        out = out.to_tuple()[0] if hasattr(out, "to_tuple") else out[0]
+    return out
+
+
+def _give_forms(model: nn.Module, example) -> None:
+    """Give the modules a registered form rewrites (``FORMS``) their SDPA form, and keep the forms only
+    if the model's output on ``example`` is unchanged (else take them back and refuse, naming them)."""
+    given = [(m, give, take) for m in model.modules() for give, take in FORMS if give(m)]
+    if not given:
+        return
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            formed = _main_output(_call(model, example))
+            for m, _, take in given:
+                take(m)
+            plain = _main_output(_call(model, example))
+    finally:
+        model.train(was)
+        for m, give, _ in given:
+            give(m)
+    gap = float((formed.double() - plain.double()).abs().max()) if formed.shape == plain.shape else float("inf")
+    if gap > 1e-4 * (float(plain.abs().max()) + 1e-6):
+        for m, _, take in given:
+            take(m)
+        kinds = sorted({type(m).__name__ for m, _, _ in given})
+        raise ValueError(f"{type(model).__name__}: with {', '.join(kinds)} in their SDPA form the output differs from "
+                         f"the model's own (max {gap:.3g} on the example); multihead leaves them as they are and "
+                         "cannot see their heads.")
+
+
 def observe(model: nn.Module, example) -> dict[str, nn.Module]:
     """Find the modules of ``model`` that call SDPA (one probe call on ``example``: a tensor, a
     tuple of positional inputs or a dict of keyword inputs) and make their heads visible to
@@ -315,6 +360,7 @@ def observe(model: nn.Module, example) -> dict[str, nn.Module]:
     Calling it again on an observed model changes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"observe takes an nn.Module; got {type(model).__name__}.")
+    _give_forms(model, example)
     found = _probe(model, example)
     if not found and hooked_modules(model):  # multihead's own modules (or an attached model): seen already
         return observed(model)
@@ -323,7 +369,11 @@ def observe(model: nn.Module, example) -> dict[str, nn.Module]:
         raise ValueError(f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention "
                          "during a forward pass on the example"
                          + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called "
-                            "from C++)" if attn else "") + "; multihead can neither see nor gate its heads.")
+                            "from C++)" if attn else "")
+                         + ("; import multihead.hf first: it knows the SDPA forms of transformers families that "
+                            "compute attention by hand (Bloom)" if not FORMS and
+                            type(model).__module__.startswith("transformers.") else "")
+                         + "; multihead can neither see nor gate its heads.")
     for name, f in found.items():
         if f.seen is None:
             raise ValueError(f"{name} ({type(f.module).__name__}) calls scaled_dot_product_attention without a "

@@ -12,11 +12,12 @@ around it, so ``capture``, ``heads.gated``, ``heads.importance`` work on the mod
 :func:`attach` gives each attention module its hook list and its
 head layout (which weights hold head h), which ``heads.prune`` uses.
 
-The package's transformers code lives in four files, imported one way:
+The package's transformers code lives in five files, imported one way:
 :mod:`multihead.hf.attention` (the attention function, its registration, module discovery),
 :mod:`multihead.hf.layouts` (head layouts: derived, verified, explained, cut), this file (``attach``,
-save / load / ONNX export, and the public names) and :mod:`multihead.hf.packed` (padding-free
-models). Nothing else in the package imports transformers.
+save / load / ONNX export, and the public names), :mod:`multihead.hf.packed` (padding-free
+models) and :mod:`multihead.hf.forms` (SDPA forms of families that compute attention by hand, for
+:func:`multihead.heads.observe`). Nothing else in the package imports transformers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads.surgery import head_rows
-from multihead.hf import probe
+from multihead.hf import forms, probe  # noqa: F401 - forms registers Bloom's SDPA form with heads.observe
 from multihead.hf.attention import (  # noqa: F401
     NAME,
     NAMES,

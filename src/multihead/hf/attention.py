@@ -448,6 +448,6 @@ def refusal(model: nn.Module) -> str:
     return (f"{type(model).__name__}: none of its modules calls transformers' attention interface "
             f"(ALL_ATTENTION_FUNCTIONS){'; ' + ', '.join(attn) + ' compute attention themselves' if attn else ''}, "
             "so multihead can neither see nor replace its attention through transformers. Where those modules "
-            "call torch's scaled_dot_product_attention (their sdpa branch), multihead.heads.observe(model, "
-            "example) sees and gates their heads; otherwise use multihead's own modules, or keep "
-            "attn_implementation='sdpa' for this model.")
+            "call torch's scaled_dot_product_attention (their sdpa branch), or multihead knows their SDPA form "
+            "(Bloom), multihead.heads.observe(model, example) sees and gates their heads; otherwise use "
+            "multihead's own modules, or keep attn_implementation='sdpa' for this model.")
