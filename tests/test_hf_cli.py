@@ -58,7 +58,8 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
-    report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=2.0, recover=5))
+    report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=2.0, recover=5,
+                                                     runtime_peers=False))
     assert report["curve"][-1]["heads_pruned"] == 2
     r = report["recovery"]
     assert r["steps"] == 5 and report["final"]["metric"] == r["metric_after"]
@@ -193,7 +194,9 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     corpus_file.write_text("\n".join(corpus[:48]))
     out = tmp_path / "p"
     assert main(["prune", "--hf", str(src), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
-                 "--sentences", "16", "32", "--max-seconds", "1", "--out", str(out)]) == 0
+                 "--sentences", "16", "32", "--max-seconds", "1", "--no-runtime-peers", "--out", str(out)]) == 0
+    assert not any("ONNX Runtime" in name or "OpenVINO" in name  # left out of the speed table, as asked
+                   for name in json.loads((out / "report.json").read_text())["speed"])
     ours = mhf.load(out / "model")
     assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(ours).values()) == 6
     theirs = T.AutoModel.from_pretrained(out / "model").eval()

@@ -147,7 +147,7 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     out = tmp_path / "t"
     assert main(["prune", "--hf", str(d), "--target-cosine", "0.97", "--fraction", "0.75", "--step", "0.25",
                  "--recover", "2", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--unseen-sentences", "40", "--time-budget", "10m", "--out", str(out)]) == 0
+                 "--unseen-sentences", "40", "--time-budget", "10m", "--no-runtime-peers", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     t = report["target"]
@@ -181,7 +181,7 @@ def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_pa
     out = tmp_path / "r"
     assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--recover", "500",
                  "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--time-budget", "2s", "--out", str(out)]) == 0
+                 "--time-budget", "2s", "--no-runtime-peers", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     r = json.loads((out / "report.json").read_text())["recovery"]
     assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits

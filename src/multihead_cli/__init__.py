@@ -208,6 +208,9 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="minilm: sentences for importance and for fidelity (default 256 and all the rest)")
     p.add_argument("--max-seconds", type=_positive(float), default=60.0,
                    help="at most this long per batch size for the interleaved speed table")
+    p.add_argument("--no-runtime-peers", action="store_true",
+                   help="--hf encoders: leave ONNX Runtime int8 and OpenVINO fp32 (the unpruned model exported, ~15 s) "
+                        "out of the speed table")
     p.add_argument("--time-budget", type=_duration, default=_duration("4m30s"), metavar="DURATION",
                    help="the whole command's time (300, 300s, 5m, 1h30m; default 4m30s): the heads are re-ranked "
                         "after every step only if that leaves the speed table 30 s, and the table gets what is left "

@@ -130,7 +130,7 @@ def _prune(args) -> int:
             return 2
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
                               quantize=args.quantize, target=args.target_cosine, deadline=deadline,
-                              max_seconds=args.max_seconds)
+                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers)
     try:
         pruning.check_options(setup, options)
     except ValueError as e:  # what this model cannot do, refused before any work

@@ -59,7 +59,8 @@ class Options:
     (re-ranking after every step when ``reestimate``), ``recover`` distillation steps and ``quantize`` on the
     kept model, ``target``: keep the furthest step whose fidelity's 95% interval starts at or above it (a
     cosine; None: the last step), ``deadline``: a ``time.monotonic()`` time the command keeps to (None: no
-    limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars."""
+    limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars;
+    ``runtime_peers``: the setup's other runtimes (ONNX Runtime, OpenVINO: an export each) timed beside."""
 
     fraction: float
     step: float = 0.1
@@ -70,6 +71,7 @@ class Options:
     deadline: float | None = None
     max_seconds: float = 60.0
     progress: bool = True
+    runtime_peers: bool = True
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -174,7 +176,8 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     if o.quantize is not None:  # the quantized model is timed beside the curve's
         kname = f"{kname} + {o.quantize}"
         models[kname] = kept.kept
-    timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress)
+    timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress,
+                                                   runtime_peers=o.runtime_peers)
     for row, n in zip(rows, names):
         row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
     heads.save_curve(rows, out / "curve.json")
@@ -285,7 +288,7 @@ def _allowed(max_seconds: float, deadline: float | None, sizes_left: int) -> tup
 
 
 def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float, deadline: float | None = None,
-             progress: bool = False) -> tuple[dict, list[str], dict]:
+             progress: bool = False, *, runtime_peers: bool = True) -> tuple[dict, list[str], dict]:
     """Every model and the peers timed together (interleaved rounds, per batch size):
     ({name: {batch: timing}} per batch of b, the notes (a busy machine, medians that did not
     settle, the time budget), {peer: metric})."""
@@ -294,7 +297,7 @@ def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float, dea
     if setup.peer is not None:
         models[setup.peer[0]], runs[setup.peer[0]] = setup.peer[1], setup.peer[2]
     extra_metric = {}
-    for name, m, fn in (setup.more_peers() if setup.more_peers is not None else []):
+    for name, m, fn in (setup.more_peers() if setup.more_peers is not None and runtime_peers else []):
         models[name], runs[name] = m, fn
         extra_metric[name] = float(setup.metric_fn(m))
     timings: dict[str, dict[str, dict]] = {n: {} for n in models}
