@@ -112,12 +112,14 @@ def test_target_cosine_bad_input(capsys):
         assert said in capsys.readouterr().err
 
 
-def test_target_cosine_is_refused_for_a_model_measured_otherwise(trained, tmp_path, capsys):
-    assert main(["prune", "--model", "toy", "--target-cosine", "0.9", "--checkpoints",
-                 str(trained["dir"] / "transformer"), "--out", str(tmp_path / "p")]) == 2
+def test_target_cosine_is_refused_for_a_model_measured_otherwise(tmp_path, capsys):
+    """Refused before any work: the toy model is neither loaded nor trained (its checkpoint directory stays empty)."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["prune", "--model", "toy", "--target-cosine", "0.9", "--checkpoints", str(ckpt),
+                 "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "--target-cosine needs a cosine fidelity; toy is measured by digits reversed right" in err
-    assert not (tmp_path / "p" / "report.json").exists()
+    assert not (tmp_path / "p" / "report.json").exists() and not ckpt.exists()
 
 
 transformers = pytest.importorskip("transformers")
@@ -181,7 +183,7 @@ def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_pa
     out = tmp_path / "r"
     assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--recover", "500",
                  "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--time-budget", "2s", "--no-runtime-peers", "--out", str(out)]) == 0
+                 "--time-budget", "2s", "--no-runtime-peers", "--recover-text", "split", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     r = json.loads((out / "report.json").read_text())["recovery"]
     assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits

@@ -55,8 +55,7 @@ def _docstring_sentences(n: int | None, min_chars: int, max_chars: int) -> tuple
             tree = ast.parse(f.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = [tree] + [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                       ast.ClassDef)) and not x.name.startswith("_")]
+        nodes = [tree] + [x for x in _defs(tree) if not x.name.startswith("_")]
         text = re.sub(r"\s+", " ", " ".join(ast.get_docstring(x) or "" for x in nodes))
         for s in re.split(r"(?<=[.!?])\s+", text):
             if _usable(s, min_chars, max_chars) and s not in seen and s not in known:
@@ -65,6 +64,20 @@ def _docstring_sentences(n: int | None, min_chars: int, max_chars: int) -> tuple
                 if len(out) == n:
                     return tuple(out)
     return tuple(out)
+
+
+def _defs(tree):
+    """The function and class definitions of a parsed file, in ``ast.walk``'s (breadth-first) order; only
+    statements are visited (a definition is a statement), not the expressions ``ast.walk`` also goes through."""
+    import ast
+    from collections import deque
+
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case)))
 
 
 def package_sentences(n: int = 300, *, exclude: frozenset[str] | set[str] = frozenset(), min_chars: int = 40,
