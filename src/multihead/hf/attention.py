@@ -309,7 +309,7 @@ AttentionMaskInterface.register(EAGER_MASKS, eager_mask)  # always built, float:
 
 def _model_file_calls_interface(cls: type) -> bool:
     """Whether the modeling file of ``cls`` (or of a class it derives from) calls the attention
-    interface at all: a model built from one that does not (Falcon, GPT-J, DeBERTa-v2) never reaches it."""
+    interface at all: a model built from one that does not (Falcon, Bloom, DeBERTa-v2) never reaches it."""
     known = _FILES.get(cls)
     if known is None:
         known = False
