@@ -148,6 +148,8 @@ def _demo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out", help="output folder (checkpoints are kept in OUT/checkpoints)")
     p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=_positive(float), default=20.0,
+                   help="at most this long per batch size for the pruned toy model's interleaved speed table")
 
 
 def _viz_options(p: argparse.ArgumentParser) -> None:

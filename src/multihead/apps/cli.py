@@ -25,7 +25,7 @@ def _checkpoints(given: str | None, out: Path) -> Path:
 def _demo(args) -> int:
     from multihead.apps import demo
 
-    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed)
+    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds)
     return 0
 
 

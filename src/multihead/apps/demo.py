@@ -181,8 +181,9 @@ def check_demo(seed: int = 0) -> None:
     print(multihead.check(NotebookMHSA(), call="x"))
 
 
-def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
-    """The whole demo; returns the files written."""
+def run(out: Path, *, retrain: bool = False, seed: int = 0, max_seconds: float = 20.0) -> list[Path]:
+    """The whole demo; returns the files written. ``max_seconds``: the pruned toy model's speed table's time per
+    batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +205,7 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0) -> list[Path]:
     from multihead.apps import pruning
 
     report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), out / "prune_toy",
-                         pruning.Options(0.5, step=0.125, max_seconds=20.0))
+                         pruning.Options(0.5, step=0.125, max_seconds=max_seconds))
     imp = json.loads((out / "prune_toy" / "importance.json").read_text())
     for name, scores in imp["modules"].items():
         print(f"  {name:28} " + " ".join(f"{s:5.2f}" for s in scores))
