@@ -535,9 +535,14 @@ def test_a_form_that_changes_the_output_is_taken_back():
         out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
         return self.o(out.transpose(1, 2).flatten(2))
 
+    def broken(self, x):
+        raise RuntimeError("shape mismatch in the form")
+
+    form = [wrong]
+
     def give(m):
         if type(m) is ByHand and "forward" not in m.__dict__:
-            m.forward = wrong.__get__(m)
+            m.forward = form[0].__get__(m)
             return True
         return False
 
@@ -549,8 +554,13 @@ def test_a_form_that_changes_the_output_is_taken_back():
     before = model(x)
     FORMS.append((give, take))
     try:
-        with pytest.raises(ValueError, match=r"Sequential: with ByHand in their SDPA form the output differs .* "
-                                             r"cannot see their heads"):
+        with pytest.raises(ValueError, match=r"Sequential: with ByHand in their SDPA form the model gives another "
+                                             r"output \(max .* on the example\); .* cannot see their heads"):
+            heads.observe(model, x)
+        assert "forward" not in model[0].__dict__ and torch.equal(model(x), before)
+        form[0] = broken  # a form that cannot run at all
+        with pytest.raises(ValueError, match=r"with ByHand in their SDPA form the model does not run on the example "
+                                             r"\(RuntimeError: .*\); multihead leaves them as they are"):
             heads.observe(model, x)
     finally:
         FORMS.remove((give, take))
