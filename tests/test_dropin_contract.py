@@ -320,3 +320,29 @@ def test_nested_cross_attention_is_each_sequence_alone(layout, extra):
     grad, = torch.autograd.grad(out.unbind()[1].sum(), qs[1])
     want_grad, = torch.autograd.grad(mha(qs[1], ks[1], ks[1])[0].sum(), qs[1])
     assert torch.allclose(grad, want_grad, atol=ATOL)
+
+
+def test_the_tool_runs_torchs_tests_on_the_drop_in(tmp_path):
+    """tools/torch_tests_on_dropin.py: every torch.nn.MultiheadAttention a test file builds (directly, or inside
+    nn.TransformerEncoderLayer) is the drop-in, and pytest's exit code comes back (here on a small test file; the
+    real one is PyTorch's test/nn/test_multihead_attention.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "torch_tests_on_dropin.py"
+    (tmp_path / "test_built.py").write_text(
+        "import torch\n"
+        "from torch.nn import MultiheadAttention\n"
+        "from multihead.layer.dropin import TorchMultiheadAttention\n\n"
+        "def test_built_is_the_drop_in():\n"
+        "    assert MultiheadAttention is TorchMultiheadAttention\n"
+        "    assert type(torch.nn.MultiheadAttention(4, 2)) is TorchMultiheadAttention\n"
+        "    assert type(torch.nn.TransformerEncoderLayer(4, 2, 8).self_attn) is TorchMultiheadAttention\n\n"
+        "def test_a_failure_is_reported():\n"
+        "    assert False\n")
+    run = subprocess.run([sys.executable, str(tool), str(tmp_path / "test_built.py")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 failed, 1 passed" in run.stdout and "test_a_failure_is_reported" in run.stdout
