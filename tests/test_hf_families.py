@@ -514,6 +514,9 @@ def test_bloom_seen_through_its_sdpa_form_and_cut_with_its_alibi_slopes(n_head):
     attn = model.transformer.h[1].self_attention
     assert attn.num_heads == n_head - 3 and attn.alibi_heads.tolist() == [1] + list(range(3, n_head - 1))
     assert not any(k.endswith("alibi_heads") for k in model.state_dict())  # not saved: Bloom's checkpoints stay Bloom's
+    h = torch.zeros(1, 2, 8 * n_head)
+    with pytest.raises(TypeError, match=r"computes from hidden_states, .* got also \['position_bias'\]"):
+        attn(h, h, torch.zeros(n_head, 1, 2), None, position_bias=None)  # an argument the form does not compute
 
 
 def test_a_form_that_changes_the_output_is_taken_back():

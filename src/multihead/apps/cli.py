@@ -108,8 +108,7 @@ def _prune(args) -> int:
         print("multihead prune: --quantize applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
         return 2
     if args.target_cosine is not None and not args.hf and args.model == "toy":  # before the model is loaded or trained
-        print("multihead prune: --target-cosine needs a cosine fidelity; toy is measured by digits reversed right: "
-              "prune a fixed --fraction instead.", file=sys.stderr)
+        print(f"multihead prune: {pruning.no_cosine('toy', pruning.TOY_METRIC)}", file=sys.stderr)
         return 2
     if args.hf:
         from multihead.apps import hf_models

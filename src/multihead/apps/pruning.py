@@ -74,6 +74,15 @@ class Options:
     runtime_peers: bool = True
 
 
+#: what the toy model is measured by (its fidelity is no cosine: ``--target-cosine`` is refused for it)
+TOY_METRIC = "digits reversed right"
+
+
+def no_cosine(name: str, metric_name: str) -> str:
+    """Why ``--target-cosine`` is refused for a model measured by ``metric_name``."""
+    return f"--target-cosine needs a cosine fidelity; {name} is measured by {metric_name}: prune a fixed --fraction instead."
+
+
 def toy_setup(ckpt: Path) -> Setup:
     from multihead.models import checkpoint
     from multihead.models.seq2seq import PAD, digit_accuracy, load_or_train, reverse_batch
@@ -93,7 +102,7 @@ def toy_setup(ckpt: Path) -> Setup:
         src, lens, tgt_in, _ = b
         return m(src, lens, tgt_in)
 
-    return Setup("toy", model, batches, loss_fn, digit_accuracy, "digits reversed right", speed, run_fn,
+    return Setup("toy", model, batches, loss_fn, digit_accuracy, TOY_METRIC, speed, run_fn,
                  "gradient", False, lambda m, p: checkpoint.save(m, p))
 
 
@@ -240,8 +249,7 @@ def check_options(setup: Setup, o: Options) -> None:
     if o.recover and setup.recover_fn is None:
         raise ValueError(f"--recover is not available for {setup.name}.")
     if o.target is not None and setup.scores_fn is None:
-        raise ValueError(f"--target-cosine needs a cosine fidelity; {setup.name} is measured by "
-                         f"{setup.metric_name}: prune a fixed --fraction instead.")
+        raise ValueError(no_cosine(setup.name, setup.metric_name))
 
 
 def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[heads.Importance, bool, list[str]]:

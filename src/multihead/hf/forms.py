@@ -34,7 +34,9 @@ def bloom_attention_forward(self, hidden_states: Tensor, residual: Tensor, alibi
     hidden_states (B, Lq, E), alibi (B*n_head, 1, Lk), attention_mask (B, 1, Lq, Lk) float or None
     -> (output (B, Lq, E) with the residual added, weights (B, H, Lq, Lk) if output_attentions else None)."""
     if kwargs:
-        raise TypeError(f"BloomAttention's SDPA form takes no further arguments; got {sorted(kwargs)}")
+        raise TypeError(f"BloomAttention's SDPA form computes from hidden_states, residual, alibi, attention_mask, "
+                        f"layer_past, use_cache and output_attentions only; got also {sorted(kwargs)} (a transformers "
+                        "version whose Bloom passes more: multihead cannot observe it).")
     B, Lq, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (B, Lq, H*3*D) -> 3 x (B, H, Lq, D)
     if layer_past is not None:
