@@ -127,10 +127,12 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """The demo's two models, trained once per test run and saved as checkpoints; under xdist the
-    workers share one training (the first trains under a file lock, the others load its checkpoints)."""
+    """The demo's two models, trained once per test run and saved as checkpoints. Under xdist the
+    workers share the training: each model has its own file lock, a worker first trains whichever
+    model no other worker is training (so two workers train the two models at once instead of one
+    waiting out both), then waits for the rest and loads their checkpoints."""
     pytest.importorskip("sklearn")
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, ViT, ViTConfig, checkpoint, train_reverser, train_vit
 
@@ -138,14 +140,34 @@ def trained(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the run's root, shared by the workers
     root = shared / "demo-checkpoints"
-    with FileLock(str(shared / "demo-checkpoints.lock")):
-        if not (root / "done").exists():
-            reverser = train_reverser(progress=False)
-            vit, acc = train_vit(progress=False)
-            checkpoint.save(reverser, root / "transformer")
-            checkpoint.save(vit, root / "vit")
-            (root / "accuracy").write_text(repr(acc))
-            (root / "done").write_text("")
+
+    def make_transformer():
+        checkpoint.save(train_reverser(progress=False), root / "transformer")
+
+    def make_vit():
+        model, acc = train_vit(progress=False)
+        checkpoint.save(model, root / "vit")
+        (root / "accuracy").write_text(repr(acc))
+
+    jobs = {"transformer": make_transformer, "vit": make_vit}  # the longer first: the first worker to come takes it
+
+    def train(name: str, wait: bool) -> None:
+        lock = FileLock(str(shared / f"demo-{name}.lock"))
+        try:
+            lock.acquire(timeout=-1 if wait else 0)
+        except Timeout:  # another worker is training it
+            return
+        try:
+            if not (root / f"{name}.done").exists():
+                jobs[name]()
+                (root / f"{name}.done").write_text("")
+        finally:
+            lock.release()
+
+    for name in jobs:  # what nobody is training yet
+        train(name, wait=False)
+    for name in jobs:  # then what others were training (trained here if they failed)
+        train(name, wait=True)
     reverser = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, root / "transformer")
     vit = checkpoint.load(ViT, ViTConfig, root / "vit")
     return {"dir": root, "reverser": reverser, "vit": vit, "vit_accuracy": float((root / "accuracy").read_text())}
