@@ -3,6 +3,8 @@ cached length, cross-attention memory projected once, clear errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -81,6 +83,11 @@ def test_cache_errors():
         other(x, cache=cache)
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         KVCache(m, 2, 0)
+    y = torch.randn(2, 1, 16)
+    for keys in (None, y):  # values apart from self-attention's queries would be ignored: refused
+        with pytest.raises(ValueError, match=r"a self-attention step \(keys not given, or keys=queries\) projects its "
+                                             r"keys and values from the queries, and values were given apart"):
+            m(y, keys, torch.randn(2, 1, 16), cache=KVCache(m, 2, 4))
 
 
 def test_one_token_steps_find_their_backend_without_choosing_again(monkeypatch):
@@ -100,3 +107,111 @@ def test_one_token_steps_find_their_backend_without_choosing_again(monkeypatch):
         steps = [m(x[:, t:t + 1], cache=cache) for t in range(12)]
     assert chosen == [1], f"auto chose again at key lengths {chosen}"
     assert torch.allclose(torch.cat(steps, 1), m(x, mask=masks.Causal()), atol=1e-5)
+
+
+def _decode(m, x, cache, *, explicit_keys=False):
+    """Feed x (B, T, E) one position at a time; explicit_keys passes keys=queries (the same tensor: self-attention),
+    which plans every step."""
+    steps = [x[:, t:t + 1] for t in range(x.shape[1])]  # (B, 1, E) each
+    return torch.cat([m(h, h, cache=cache) if explicit_keys else m(h, cache=cache) for h in steps], 1)
+
+
+def test_a_step_planned_like_the_last_runs_that_plan_again_with_the_same_numbers(monkeypatch):
+    """Greedy decoding plans a layer's first step; the next steps (same queries' shape, no mask, no grad,
+    no hooks) run that plan again, and give exactly what planning every step gives (GQA, batch 3)."""
+    from multihead.layer import plan as planning
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(24, 6, bias=True, num_kv_heads=2, query_size=24, key_size=24, value_size=24).eval()
+    x = torch.randn(3, 7, 24)
+    made = []
+    real = planning.make
+    monkeypatch.setattr(planning, "make", lambda *a: made.append(1) or real(*a))
+    with torch.no_grad():
+        again = _decode(m, x, KVCache(m, 3, 7))
+        assert len(made) == 1  # the first step only
+        every = _decode(m, x, KVCache(m, 3, 7), explicit_keys=True)
+        assert len(made) == 1 + 7
+        cache = KVCache(m, 3, 7)
+        _decode(m, x, cache)
+        cache.reset()
+        after_reset = _decode(m, x, cache)
+    assert torch.equal(again, every) and torch.equal(after_reset, every)
+    assert torch.allclose(every, m(x, mask=masks.Causal()), atol=1e-5)
+    with pytest.raises(ValueError, match=r"7 cached positions \+ 1 new ones exceed max_len=7"), torch.no_grad():
+        m(x[:, :1], cache=cache)  # full: planned in full, and refused
+
+
+def test_what_could_change_a_step_is_planned_again():
+    """Between two steps: a capture, a gate, a replaced projection (checked again), a global hook, gradients,
+    training with dropout, backends.use(), queries of another dtype, pruning -- each is seen, as when every
+    step is planned."""
+    from multihead import backends, heads
+
+    torch.manual_seed(0)
+
+    def fresh():
+        m = MultiHeadAttention(16, 4, dropout=0.5, bias=True, query_size=16, key_size=16, value_size=16).eval()
+        cache = KVCache(m, 2, 8)
+        with torch.no_grad():
+            _decode(m, torch.randn(2, 3, 16), cache)  # three steps: the plan is repeated from the second
+        return m, cache
+
+    x = torch.randn(2, 1, 16)
+
+    def both(change):
+        """The next step after ``change`` (which returns a context, or None), against the same step planned."""
+        outs = []
+        for explicit in (False, True):
+            torch.manual_seed(1)
+            m, cache = fresh()
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())  # as decoding runs; a change may enable grad again
+                ctx = change(m)
+                got = None if ctx is None else stack.enter_context(ctx)
+                out = m(x, x, cache=cache) if explicit else m(x, cache=cache)
+            outs.append((out, got))
+        return outs
+
+    (a, _), (b, _) = both(lambda m: None)
+    assert torch.equal(a, b)
+    (a, cap), (b, _) = both(lambda m: multihead.capture(m))
+    assert cap.calls("MultiHeadAttention")[0].shape == (2, 4, 1, 4)  # the weights of the step over 3 cached + 1
+    (a, _), (b, _) = both(lambda m: heads.gated(m, {"": torch.tensor([1.0, 0.0, 1.0, 0.0])}))
+    assert torch.equal(a, b)
+    (a, _), (b, _) = both(lambda m: setattr(m, "o_proj", torch.nn.Identity()))  # a replaced projection
+    assert a.shape == (2, 1, 16) and torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"queries must be \(B, L, query_size=8\)"):  # checked, as when planned
+        both(lambda m: setattr(m, "q_proj", torch.nn.Linear(8, 16)))
+    seen = []
+
+    @contextlib.contextmanager
+    def hooked(m):
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: seen.append(type(mod)))
+        yield
+        handle.remove()
+
+    (a, _), (b, _) = both(hooked)
+    assert seen.count(torch.nn.Linear) == 8 and torch.equal(a, b)  # the global hook saw q, k, v, o on both paths
+    (a, _), (b, _) = both(lambda m: torch.enable_grad())
+    assert a.requires_grad and b.requires_grad and torch.equal(a, b)
+    a.sum().backward()  # gradients reach the parameters
+    assert a.grad_fn is not None
+    (a, _), (b, _) = both(lambda m: m.train() and None)  # training: attention dropout on the weights
+    assert torch.equal(a, b)
+    ran = []
+    sdpa = backends.get("sdpa")
+    backends.register("probe", lambda *a, **k: ran.append(1) or sdpa.run(*a, **k), priority=-1)
+    try:
+        (a, _), (b, _) = both(lambda m: backends.use("probe"))
+    finally:
+        backends.unregister("probe")
+    assert ran == [1, 1] and torch.equal(a, b)  # the backend use() names runs on both paths
+    with torch.no_grad():
+        m, cache = fresh()
+        with pytest.raises(RuntimeError, match="same dtype"):  # float64 queries: planned in full, refused as before
+            m.double()(x.double(), cache=cache)
+        m, cache = fresh()
+        heads.prune(m, {"": [0]})
+        with pytest.raises(ValueError, match="the cache holds Hkv=4 heads of D=4; this step has 3 of 4"):
+            m(x, cache=cache)

@@ -23,7 +23,9 @@ __all__ = ["KVCache"]
 
 class _Layer:
     """One module's cache: k (B, Hkv, Lmax, D), v (B, Hkv, Lmax, Dv), ``length`` positions filled;
-    or, for cross-attention, the projected memory (``static``)."""
+    or, for cross-attention, the projected memory (``static``). ``step``: what the module's last
+    self-attention step was planned on, when its plan may be run again unchanged (see
+    :meth:`multihead.MultiHeadAttention.forward`), else None."""
 
     def __init__(self, name: str):
         self.name = name
@@ -31,6 +33,17 @@ class _Layer:
         self.v: Tensor | None = None
         self.length = 0
         self.static: tuple[Tensor, Tensor] | None = None
+        self.step: tuple | None = None
+
+    def push(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k (B, Hkv, n, D), v (B, Hkv, n, Dv) after the filled positions (checked by the caller:
+        the buffers exist, match and have room) -> every cached key (B, Hkv, L, D) and value
+        (B, Hkv, L, Dv), L = length + n."""
+        start, end = self.length, self.length + k.shape[2]
+        self.k.narrow(2, start, end - start).copy_(k)  # (B, Hkv, n, D) into positions start..end
+        self.v.narrow(2, start, end - start).copy_(v)
+        self.length = end
+        return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)  # (B, Hkv, L, D), (B, Hkv, L, Dv)
 
 
 class KVCache:
@@ -79,11 +92,15 @@ class KVCache:
         elif layer.k.shape[1] != Hkv or layer.k.shape[3] != D:
             raise ValueError(f"{layer.name}: the cache holds Hkv={layer.k.shape[1]} heads of D={layer.k.shape[3]}; this "
                              f"step has {Hkv} of {D} (the module changed: make a new KVCache).")
-        end = layer.length + n
-        layer.k.narrow(2, layer.length, n).copy_(k)  # (B, Hkv, n, D) into positions length..end
-        layer.v.narrow(2, layer.length, n).copy_(v)
-        layer.length = end
-        return layer.k.narrow(2, 0, end), layer.v.narrow(2, 0, end)  # (B, Hkv, L, D), (B, Hkv, L, Dv)
+        return layer.push(k, v)
+
+    def again(self, module: nn.Module, step: tuple) -> _Layer | None:
+        """``module``'s cache when its last self-attention step was planned on ``step`` (and may run
+        again unchanged) and one more position fits; else None (the call is planned in full)."""
+        layer = self._layers.get(id(module))
+        if layer is None or layer.step != step or layer.length >= self.max_len:
+            return None
+        return layer
 
     def check(self, module: nn.Module, B: int, n: int) -> None:
         """Refuse a step of B sequences and n new positions that the cache cannot take (before any computation)."""
@@ -111,7 +128,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept)."""
         for layer in self._layers.values():
-            layer.length, layer.static = 0, None
+            layer.length, layer.static, layer.step = 0, None, None
 
     def __repr__(self) -> str:
         filled = {layer.name: layer.length for layer in self._layers.values()}

@@ -321,6 +321,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
         The call is planned once (:meth:`plan`; :meth:`explain` shows the same plan) and executed.
         """
+        if cache is not None and keys is None and values is None and valid_lens is None and mask is None and \
+                sharded is None and (out := self._step_again(queries, cache)) is not None:
+            return out
         projs = self.projections()  # read once per call (a replaced or quantized projection is the one that runs)
         call = planning.Call(queries, keys, values, valid_lens, mask, cache, sharded)
         plan, queries, keys, values = planning.make(self, projs, call)
@@ -346,6 +349,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         if keys is queries:  # self-attention: the step's keys and values join the cache
             q, k, v = self._project(projs, plain, queries, keys, values)  # (B, n, H, D), (B, n, Hkv, D), (.., Dv)
             k_all, v_all = cache.append(self, k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, Lk, D), (.., Dv)
+            again = plan.mask is None and queries.shape[1] == 1 and self._repeatable(plain, queries)
+            cache.layer(self).step = self._step_key(queries, projs) if again else None
         else:
             H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
             memory = cache.memory(self)
@@ -359,6 +364,44 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             q = _apply(projs[0], queries, plain).view(*queries.shape[:2], H, D)  # (B, n, H*D) -> (B, n, H, D)
         out = self._attend(q, k_all, v_all, plan.mask, plan, heads_first=True)  # (B, n, H, Dv)
         return _apply(projs[3], out.flatten(-2), plain)  # (B, n, H*Dv) -> (B, n, out_features)
+
+    # A decoding step planned like the previous one. Greedy decoding calls each layer once per token with
+    # the same (B, 1, E) queries: the plan (checks, layout, mask, backend request) is the same every step
+    # but for one more cached position, and planning it again costs about as much as the step's attention
+    # (~35 us a call on a 2-core CPU). The cache remembers what the last self-attention step of this module
+    # was planned on (_step_key); a step with the same, no mask, and nothing that could see or change its
+    # computation (_repeatable) runs that plan again: the same projections, the same cache write, the same
+    # backend dispatch (the registry's remembered choice, which knows whether gradients are needed), the same
+    # output projection.
+
+    def _repeatable(self, plain: bool, queries: Tensor) -> bool:
+        """Whether a one-position step of this module may run its previous plan again: no hooks (global, or the
+        module's attention hooks), no attention dropout, not traced by torch.compile, a plain dense tensor, and
+        heads left (gradients may be on: the plan does not depend on them, the backend's choice is the registry's)."""
+        return (plain and not self.attention_hooks and self.num_heads > 0 and
+                not (self.training and self.dropout > 0) and type(queries) is Tensor and not queries.is_nested and
+                not torch.compiler.is_compiling())
+
+    def _step_key(self, queries: Tensor, projs) -> tuple:
+        """What a self-attention step's plan was made on beyond the cache: the queries' (B, 1, query_size)
+        shape, dtype and device, the projection modules, and the head counts (H, Hkv)."""
+        return (queries.shape, queries.dtype, queries.device, projs, self.num_heads, self.num_kv_heads)
+
+    def _step_again(self, queries, cache) -> Tensor | None:
+        """A self-attention step (B, 1, query_size) -> (B, 1, out_features) run with the plan of this module's
+        previous step on ``cache``, when that plan holds (see the comment above); None when the call must be
+        planned in full."""
+        if not isinstance(cache, KVCache) or not self._repeatable(not any(_GLOBAL_HOOKS), queries):
+            return None
+        projs = self.projections()
+        layer = cache.again(self, self._step_key(queries, projs))
+        if layer is None:
+            return None
+        q, k, v = self._project(projs, True, queries, queries, queries)  # (B, 1, H, D), (B, 1, Hkv, D), (.., Dv)
+        k_all, v_all = layer.push(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, L, D), (B, Hkv, L, Dv)
+        out = run(q.transpose(1, 2), k_all, v_all, None, scale=self.scale, dropout_p=0.0,
+                  backend=self.backend)  # (B, H, 1, D) -> (B, H, 1, Dv)
+        return _apply(projs[3], out.transpose(1, 2).flatten(-2), True)  # (B, 1, H*Dv) -> (B, 1, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Self-attention on packed tokens: x (N, E), sequence b being

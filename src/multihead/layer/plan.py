@@ -265,6 +265,10 @@ def _cached(m, projs, call: Call):
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a multihead.KVCache (or None); got {type(cache).__name__}.")
     B, n = queries.shape[0], queries.shape[1]
+    if (keys is None or keys is queries) and call.values is not None and call.values is not queries:
+        raise ValueError("with a cache, a self-attention step (keys not given, or keys=queries) projects its keys and "
+                         "values from the queries, and values were given apart; for cross-attention give keys and "
+                         "values both (the memory), or give neither.")
     if keys is None or keys is queries:  # self-attention: masks cover every cached position and the step's
         Lk = cache.length(m) + n
         self_call = Call(queries, queries, queries, call.valid_lens, call.mask)  # keys and values: the step's own
