@@ -80,11 +80,12 @@ def err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def rounding(ref, dtype) -> float:
+def rounding(ref, dtype, terms: float = 0.0) -> float:
     """One rounding in ``dtype`` at the reference's magnitude: the spacing of ``dtype`` numbers at
-    max|ref| + 0.3 (flash-attention's ``ref + 0.3 - 0.3`` floor, so entries near zero whose terms are
-    of order one are not held to a tighter spacing than their terms)."""
-    mag = ref.detach().abs().max().item() + 0.3
+    max(max|ref|, terms) + 0.3 (flash-attention's ``ref + 0.3 - 0.3`` floor, so entries near zero whose terms
+    are of order one are not held to a tighter spacing than their terms; ``terms``: the magnitude of the
+    terms a result cancels from, where it is known to be larger)."""
+    mag = max(ref.detach().abs().max().item(), terms) + 0.3
     one = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(mag))  # the spacing of dtype numbers in [2^k, 2^k+1)
     if dtype == torch.float64:  # the reference is the plain computation here: summation order over Lk and D
         one += 8 * torch.finfo(dtype).eps * mag
@@ -113,11 +114,30 @@ def assert_close_to_reference(run, q, k, v, mask=None, *, grads=True, seed=1, **
     gs = torch.autograd.grad(out, leaves, dout.to(dtype))
     grs = torch.autograd.grad(ref, ref_leaves, dout)
     g0s = torch.autograd.grad(base, plain_leaves, dout.to(dtype))
+    terms = _score_grad_terms(*ref_leaves, dout, kw.get("scale"))
     for name, a, r, b in zip("qkv", gs, grs, g0s):
         assert torch.isfinite(a).all(), f"d{name} not finite"
         ea, eb = err(a, r), err(b, r)
-        assert ea <= K_GRAD * eb + ROUNDINGS * rounding(r, dtype), (
+        assert ea <= K_GRAD * eb + ROUNDINGS * rounding(r, dtype, terms.get(name, 0.0)), (
             f"d{name} error {ea:.3g} > {K_GRAD} x plain {eb:.3g} + {ROUNDINGS} roundings")
+
+
+def _score_grad_terms(q, k, v, dout, scale) -> dict[str, float]:
+    """The magnitude of the terms dq and dk cancel from. Both go through the scores' gradient
+    dS = P * (dP - rowsum(P * dP)), dP = dout @ v^T: with one key (P = 1) dS is exactly 0, and a kernel that
+    forms dP and rowsum(P * dP) = dout . out in two evaluation orders (SDPA's flash backward) leaves a rounding
+    of dP. So dq = scale * dS @ k and dk = scale * dS^T @ q carry roundings at scale * |dP| @ |k| and
+    scale * |dP|^T @ |q| (P <= 1), however small the exact result; computed here in float64."""
+    H, Hkv = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        kr = k.detach().repeat_interleave(H // Hkv, 1)  # (B, Hkv, Lk, D) -> (B, H, Lk, D)
+        vr = v.detach().repeat_interleave(H // Hkv, 1)  # (B, Hkv, Lk, Dv) -> (B, H, Lk, Dv)
+        dp = (dout @ vr.transpose(-1, -2)).abs()  # (B, H, Lq, Lk)
+        if dp.numel() == 0:
+            return {}
+        return {"q": scale * (dp @ kr.abs()).max().item(),
+                "k": scale * (dp.transpose(-1, -2) @ q.detach().abs()).max().item()}
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from multihead.apps.cli import main
 
@@ -96,3 +97,16 @@ def test_the_vit_pruning_bench_runs_small_and_its_table_loads_back(tmp_path):
     assert rows[0]["heads"] == "6 of 12 cut" and rows[1]["heads"] == "4 of 8 cut"
     md = (out / "vit_pruning.md").read_text()
     assert md.count("\n") == 4 and "torchvision ViT-B/16 (tiny) | 2 |" in md
+
+
+def test_bench_w5_without_recompute_times_the_cache_against_the_hand_written_loop_step_by_step(tmp_path):
+    assert main(["bench", "--workloads", "W5", "--decode-steps", "5", "--decode-batches", "1", "--decode-rounds", "3",
+                 "--decode-no-recompute", "--out", str(tmp_path)]) == 0
+    assert torch.is_grad_enabled()  # the decoders turn gradients off only while they run, whatever order they stop in
+    data = json.loads((tmp_path / "decode.json").read_text())
+    row = data["batches"]["1"]
+    assert "recompute (no cache)" not in row and "speedup_vs_recompute" not in row and row["same_tokens"] is True
+    pr = row["ratio_lockstep"]
+    assert pr["min_max"][0] <= pr["ratio"] <= pr["min_max"][1]
+    md = (tmp_path / "decode.md").read_text()
+    assert "recompute" not in md and f"**{pr['ratio']:.3f}x** ({pr['min_max'][0]:.2f}-{pr['min_max'][1]:.2f} by round)" in md

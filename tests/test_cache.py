@@ -215,3 +215,38 @@ def test_what_could_change_a_step_is_planned_again():
         heads.prune(m, {"": [0]})
         with pytest.raises(ValueError, match="the cache holds Hkv=4 heads of D=4; this step has 3 of 4"):
             m(x, cache=cache)
+
+
+def test_a_kept_backend_that_becomes_unavailable_is_reported_and_the_next_choice_runs():
+    """A step run again keeps the registry's choice; when that backend raises Unavailable mid-decoding, the
+    registry reports it once and the next choice computes the step, as on a planned call."""
+    from multihead import backends
+    from multihead.backends import registry
+
+    sdpa = backends.get("sdpa")
+    state = {"fail": False, "ran": 0}
+
+    def flaky(q, k, v, mask, *, scale, dropout_p):
+        state["ran"] += 1
+        if state["fail"]:
+            raise registry.Unavailable("its compiler broke")
+        return sdpa.run(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+
+    backends.register("flaky", flaky, priority=1000, cacheable=True)
+    try:
+        torch.manual_seed(0)
+        m = MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16).eval()
+        x = torch.randn(2, 5, 16)
+        cache = KVCache(m, 2, 5)
+        with torch.no_grad():
+            first = _decode(m, x[:, :3], cache)
+            assert state["ran"] == 3
+            state["fail"] = True
+            with pytest.warns(RuntimeWarning, match="'flaky' could not run"):
+                fourth = m(x[:, 3:4], cache=cache)
+            fifth = m(x[:, 4:5], cache=cache)  # no longer chosen: not tried again
+            assert state["ran"] == 4
+            full = m(x, mask=masks.Causal())
+    finally:
+        backends.unregister("flaky")
+    assert torch.allclose(torch.cat([first, fourth, fifth], 1), full, atol=1e-6)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import multihead
@@ -153,6 +153,8 @@ def test_gqa_equals_repeated_heads():
                           "window", "dense-bool", "dense-bias", "dense-bias-inf", "lens&causal", "bias&window"]),
     seed=st.integers(0, 2**16),
 )
+# one key, no mask: dq and dk are exactly 0; SDPA's backward leaves roundings of dout . v (conftest's terms)
+@example(B=1, Hkv=1, group=1, Lq=3, Lk=1, D=8, Dv=8, kind="none", seed=0)
 def test_property_sdpa_equals_reference(B, Hkv, group, Lq, Lk, D, Dv, kind, seed):
     H = Hkv * group
     q, k, v = qkv(B, H, Hkv, Lq, Lk, D, Dv, seed=seed, contiguous=seed % 2 == 0)

@@ -264,6 +264,8 @@ def _bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="with --compile: also compile with inductor's C++ wrapper (options={'cpp_wrapper': True})")
     p.add_argument("--decode-rounds", type=int, default=3, help="W5: interleaved rounds (median, min-max)")
+    p.add_argument("--decode-no-recompute", action="store_true",
+                   help="W5: time the cached and the hand-written decoders only (recomputing takes 25x at batch 16)")
     p.add_argument("--memory-only", action="store_true", help="re-measure W4's peak memory into OUT/bench.json")
     p.add_argument("--ranks", type=int, default=4, help="W6: processes the sequence is sharded over")
     p.add_argument("--cp-length", type=int, default=16384, help="W6: the whole sequence's length")

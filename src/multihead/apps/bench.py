@@ -417,7 +417,7 @@ def _write(data: dict, out: Path, log=print) -> None:
 def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), memory: bool = True,
         peers: list[str] | None = None, lengths: tuple[int, ...] = (4096, 8192), log=print,
         compile: bool = False, decode_steps: int = 256, decode_batches: tuple[int, ...] = (1, 16),
-        cpp_wrapper: bool = False, decode_rounds: int = 3) -> dict:
+        cpp_wrapper: bool = False, decode_rounds: int = 3, decode_recompute: bool = True) -> dict:
     peers = peers or list(PEERS)
     torch.set_num_threads(torch.get_num_threads())
     info = {
@@ -429,7 +429,8 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
         from multihead.apps import decode_bench
 
         names = [n for n in names if n != "W5"]
-        d = decode_bench.run(batches=decode_batches, steps=decode_steps, rounds=decode_rounds, log=log)
+        d = decode_bench.run(batches=decode_batches, steps=decode_steps, rounds=decode_rounds, log=log,
+                             recompute=decode_recompute)
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode.json").write_text(json.dumps({"machine": info, **d}, indent=2))
         (out / "decode.md").write_text(decode_bench.markdown(d))

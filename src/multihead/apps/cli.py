@@ -252,7 +252,7 @@ def _bench(args) -> int:
     bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
               compile=args.compile, decode_steps=args.decode_steps,
               decode_batches=tuple(int(b) for b in args.decode_batches.split(",")), cpp_wrapper=args.cpp_wrapper,
-              decode_rounds=args.decode_rounds)
+              decode_rounds=args.decode_rounds, decode_recompute=not args.decode_no_recompute)
     return 0
 
 

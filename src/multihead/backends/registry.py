@@ -107,6 +107,15 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+#: changes whenever what "auto" picks may change: a backend registered or removed, the remembered choices
+#: forgotten, a failure recorded, ``use()`` entered or left. A caller that kept a choice (a decoding step
+#: run again, :meth:`multihead.MultiHeadAttention.forward`) may run it again while this is the same.
+generation = 0
+
+
+def _changed() -> None:
+    global generation
+    generation += 1
 #: the score modifiers a call may carry (see :func:`multihead.attention`)
 MODIFIERS = frozenset({"softcap", "sinks"})
 #: the names ``use()`` has forced, innermost last (a plain list, which torch.compile traces: a
@@ -151,6 +160,7 @@ def register(
     b = Backend(name, run, can_run or _always, priority, doc, describe, prefer, cacheable, frozenset(modifiers))
     _REGISTRY[name] = b
     _CHOICE.clear()
+    _changed()
     return b
 
 
@@ -158,6 +168,7 @@ def unregister(name: str) -> None:
     get(name)
     del _REGISTRY[name]
     _CHOICE.clear()
+    _changed()
 
 
 #: remembered choices of "auto": {(forced, request without the mask, the mask's kind): Backend}
@@ -190,11 +201,32 @@ def remembered(key: tuple) -> Backend | None:
     return None if _FORCED else _CHOICE.get(key)
 
 
+def _plain_key(query: Tensor, key: Tensor, value: Tensor) -> tuple:
+    """:func:`choice_key` of a call on these tensors with no mask, no dropout and no gradients."""
+    B, H, Lq, D = query.shape
+    head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
+    return choice_key(head, 0.0, False, None)
+
+
+def remembered_for(query: Tensor, key: Tensor, value: Tensor) -> Backend | None:
+    """The backend "auto" remembers for attention on tensors like query (B, H, Lq, D), key (B, Hkv, Lk, D),
+    value (B, Hkv, Lk, Dv) with no mask, no dropout and no gradients; None when it has not chosen for such a
+    call yet or ``use()`` forces one. A caller that runs it itself reports an :class:`Unavailable` it raises
+    with :func:`failed_for`."""
+    return remembered(_plain_key(query, key, value))
+
+
+def failed_for(b: Backend, query: Tensor, key: Tensor, value: Tensor, e: Exception) -> None:
+    """:func:`failed` for a backend that :func:`remembered_for` gave and that raised ``e`` on these tensors."""
+    failed(b, _plain_key(query, key, value), e)
+
+
 def forget() -> None:
     """Drop the remembered choices and failures (a backend's capability changed, e.g. its compiler
     was fixed)."""
     _CHOICE.clear()
     _FAILED.clear()
+    _changed()
 
 
 def available() -> list[str]:
@@ -221,10 +253,12 @@ def use(name: str):
     (process-wide: every thread sees it)."""
     get(name)
     _FORCED.append(name)
+    _changed()
     try:
         yield
     finally:
         _FORCED.pop()
+        _changed()
 
 
 def select(name: str, req: Request, *, exclude: frozenset[str] = frozenset()) -> Backend:
@@ -350,6 +384,7 @@ def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask
 def failed(b: Backend, key: tuple, e: Exception) -> None:
     """``b`` raised Unavailable on a call of kind ``key``: reported once (a warning), evicted from
     the remembered choices, and never "auto"'s choice for that kind again (until :func:`forget`)."""
+    _changed()
     if b.cacheable and len(_FAILED) < _CHOICE_MAX:
         _FAILED.add((key, b.name))
     if _CHOICE.get(key) is b:

@@ -48,14 +48,15 @@ def _with_sink_key(query, key, value, mask, sinks):
 
 
 def run(query, key, value, mask, *, scale, dropout_p, sinks=None):
+    if mask is None and sinks is None:  # the common call (a decoding step's), in the fewest Python steps
+        return F.scaled_dot_product_attention(query, key, value, scale=scale, dropout_p=dropout_p,
+                                              enable_gqa=key.shape[1] != query.shape[1])
     B, H, Lq, _ = query.shape
     Lk = key.shape[2]
     kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=key.shape[1] != H)
     if sinks is not None:  # every row has the sink to attend to: no NaN, and an empty row gives zeros
         key, value, attn_mask = _with_sink_key(query, key, value, mask, sinks)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kw)
-    if mask is None:
-        return F.scaled_dot_product_attention(query, key, value, **kw)
     if _is_plain_causal(mask):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, **kw)
     keep = mask.keep(B, H, Lq, Lk, query.device)  # (B|1, H|1, Lq|1, Lk)

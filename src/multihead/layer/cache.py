@@ -25,7 +25,8 @@ class _Layer:
     """One module's cache: k (B, Hkv, Lmax, D), v (B, Hkv, Lmax, Dv), ``length`` positions filled;
     or, for cross-attention, the projected memory (``static``). ``step``: what the module's last
     self-attention step was planned on, when its plan may be run again unchanged (see
-    :meth:`multihead.MultiHeadAttention.forward`), else None."""
+    :meth:`multihead.MultiHeadAttention.forward`), else None; ``chosen``: the backend the registry chose for
+    such a step, with the registry's generation, the queries' dtype and the scale it was chosen and run with."""
 
     def __init__(self, name: str):
         self.name = name
@@ -34,6 +35,7 @@ class _Layer:
         self.length = 0
         self.static: tuple[Tensor, Tensor] | None = None
         self.step: tuple | None = None
+        self.chosen: tuple | None = None
 
     def push(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k (B, Hkv, n, D), v (B, Hkv, n, Dv) after the filled positions (checked by the caller:
@@ -128,7 +130,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept)."""
         for layer in self._layers.values():
-            layer.length, layer.static, layer.step = 0, None, None
+            layer.length, layer.static, layer.step, layer.chosen = 0, None, None, None
 
     def __repr__(self) -> str:
         filled = {layer.name: layer.length for layer in self._layers.values()}

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import backends
+from multihead.backends import registry
 from multihead.core import validation, varlen
 from multihead.core.functional import run
 from multihead.core.ring import Sharded
@@ -367,31 +368,38 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     # A decoding step planned like the previous one. Greedy decoding calls each layer once per token with
     # the same (B, 1, E) queries: the plan (checks, layout, mask, backend request) is the same every step
-    # but for one more cached position, and planning it again costs about as much as the step's attention
-    # (~35 us a call on a 2-core CPU). The cache remembers what the last self-attention step of this module
-    # was planned on (_step_key); a step with the same, no mask, and nothing that could see or change its
-    # computation (_repeatable) runs that plan again: the same projections, the same cache write, the same
-    # backend dispatch (the registry's remembered choice, which knows whether gradients are needed), the same
-    # output projection.
+    # but for one more cached position. Between two big matrix-vector products every Python step runs on
+    # cold caches (~1 us an attribute read on this 2-core CPU), and planning plus the registry's lookup
+    # cost a 512-wide layer ~100 us a token more than a hand-written F.linear + buffers + SDPA step. So the
+    # cache remembers what the last self-attention step of this module was planned on (_step_key); a step
+    # with the same, no mask, and nothing that could see or change its computation (_repeatable) runs that
+    # plan again: the same projections, the same cache write, the same output projection, and the backend
+    # the registry chose for it (kept with the registry's generation, which any change to what "auto" picks
+    # moves on: register, unregister, use(), forget, a failure), while gradients are off and the dtype holds.
 
     def _repeatable(self, plain: bool, queries: Tensor) -> bool:
         """Whether a one-position step of this module may run its previous plan again: no hooks (global, or the
         module's attention hooks), no attention dropout, not traced by torch.compile, a plain dense tensor, and
-        heads left (gradients may be on: the plan does not depend on them, the backend's choice is the registry's)."""
+        heads left (gradients may be on: the plan does not depend on them, the backend's choice is the registry's).
+        (:meth:`_step_again` checks the same in one expression; the heads are in the step's key.)"""
         return (plain and not self.attention_hooks and self.num_heads > 0 and
                 not (self.training and self.dropout > 0) and type(queries) is Tensor and not queries.is_nested and
                 not torch.compiler.is_compiling())
 
     def _step_key(self, queries: Tensor, projs) -> tuple:
         """What a self-attention step's plan was made on beyond the cache: the queries' (B, 1, query_size)
-        shape, dtype and device, the projection modules, and the head counts (H, Hkv)."""
-        return (queries.shape, queries.dtype, queries.device, projs, self.num_heads, self.num_kv_heads)
+        shape, dtype and device, the projection modules, the head counts (H, Hkv), the scale and the backend."""
+        return (queries.shape, queries.dtype, queries.device, projs, self.num_heads, self.num_kv_heads, self.scale,
+                self.backend)
 
     def _step_again(self, queries, cache) -> Tensor | None:
         """A self-attention step (B, 1, query_size) -> (B, 1, out_features) run with the plan of this module's
         previous step on ``cache``, when that plan holds (see the comment above); None when the call must be
         planned in full."""
-        if not isinstance(cache, KVCache) or not self._repeatable(not any(_GLOBAL_HOOKS), queries):
+        hooks = self.attention_hooks  # _repeatable, inlined: this runs once a layer per decoded token
+        if type(cache) is not KVCache or type(queries) is not Tensor or queries.is_nested or hooks.observers or \
+                hooks.transforms or (self.training and self.dropout > 0) or any(_GLOBAL_HOOKS) or \
+                torch.compiler.is_compiling():
             return None
         projs = self.projections()
         layer = cache.again(self, self._step_key(queries, projs))
@@ -399,8 +407,21 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             return None
         q, k, v = self._project(projs, True, queries, queries, queries)  # (B, 1, H, D), (B, 1, Hkv, D), (.., Dv)
         k_all, v_all = layer.push(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, L, D), (B, Hkv, L, Dv)
-        out = run(q.transpose(1, 2), k_all, v_all, None, scale=self.scale, dropout_p=0.0,
-                  backend=self.backend)  # (B, H, 1, D) -> (B, H, 1, Dv)
+        q = q.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+        chosen = layer.chosen  # (backend, registry generation, dtype, scale) of the last such step
+        if chosen is not None and chosen[1] == registry.generation and chosen[2] is q.dtype and \
+                not torch.is_grad_enabled():  # the registry's choice for this step holds: run it again
+            try:
+                out = chosen[0].run(q, k_all, v_all, None, scale=chosen[3], dropout_p=0.0)  # (B, H, 1, Dv)
+            except registry.Unavailable as e:  # reported once and evicted, as the registry does; the next choice runs
+                registry.failed_for(chosen[0], q, k_all, v_all, e)
+                layer.chosen = None
+                out = run(q, k_all, v_all, None, scale=self.scale, dropout_p=0.0, backend=self.backend)
+        else:  # the registry chooses (or finds its remembered choice), and the choice is kept for the next step
+            out = run(q, k_all, v_all, None, scale=self.scale, dropout_p=0.0, backend=self.backend)  # (B, H, 1, Dv)
+            b = registry.remembered_for(q, k_all, v_all) if self.backend == "auto" else None
+            layer.chosen = None if b is None else (b, registry.generation, q.dtype,
+                                                   q.shape[-1] ** -0.5 if self.scale is None else self.scale)
         return _apply(projs[3], out.transpose(1, 2).flatten(-2), True)  # (B, 1, H*Dv) -> (B, 1, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
