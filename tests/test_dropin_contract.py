@@ -191,6 +191,33 @@ def test_torchscript_scripts_the_same_weights(kv):
     assert type(enc.layers[0].self_attn) is nn.MultiheadAttention
 
 
+def test_torchscript_where_torch_nn_itself_is_patched_to_the_drop_in(monkeypatch):
+    """With ``torch.nn.MultiheadAttention`` replaced by the drop-in everywhere (as
+    tools/torch_tests_on_dropin.py runs PyTorch's tests), scripting still gets torch's own class: a
+    TransformerEncoder of a TransformerEncoderLayer subclass, and a module with kdim/vdim (no in_proj_weight)."""
+    import torch.nn.modules.transformer as transformer
+
+    monkeypatch.setattr(nn, "MultiheadAttention", TorchMultiheadAttention)
+    monkeypatch.setattr(transformer, "MultiheadAttention", TorchMultiheadAttention)
+
+    class MyLayer(nn.TransformerEncoderLayer):
+        pass
+
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(MyLayer(8, 4, 32, batch_first=True), num_layers=2).eval()
+    assert type(enc.layers[0].self_attn) is TorchMultiheadAttention
+    x = torch.rand(2, 4, 8)
+    with torch.no_grad():
+        before = enc(x, mask=torch.zeros(4, 4, dtype=torch.bool))
+        scripted = torch.jit.script(enc)
+        assert torch.allclose(scripted(x, mask=torch.zeros(4, 4, dtype=torch.bool)), before, atol=1e-6)
+    mha = nn.MultiheadAttention(16, 4, kdim=12, vdim=12).eval()
+    assert type(mha) is TorchMultiheadAttention and mha.in_proj_weight is None
+    q, k = torch.randn(3, 2, 16), torch.randn(5, 2, 12)
+    with torch.no_grad():
+        assert torch.allclose(torch.jit.script(mha)(q, k, k)[0], mha(q, k, k)[0], atol=1e-6)
+
+
 def test_every_combination_constructs_like_torch():
     for bias, bkv, zattn, bf in itertools.product([True, False], repeat=4):
         ref = nn.MultiheadAttention(8, 2, bias=bias, add_bias_kv=bkv, add_zero_attn=zattn, batch_first=bf)

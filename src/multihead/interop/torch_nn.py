@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multihead.layer.dropin import TorchMultiheadAttention
+from multihead.layer.dropin import TORCH_MHA, TorchMultiheadAttention
 from multihead.layer.module import MultiHeadAttention
 from multihead.layer.plan import in_features
 
@@ -73,8 +73,8 @@ def to_torch(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.Mult
         raise ValueError("torch.nn.MultiheadAttention cannot hold this module: " + "; ".join(problems) + ".")
     bias = q.bias is not None
     w = q.weight
-    new = nn.MultiheadAttention(E, H, dropout=module.dropout, bias=bias, kdim=sizes[1], vdim=sizes[2],
-                                batch_first=batch_first, device=w.device, dtype=w.dtype)
+    new = TORCH_MHA(E, H, dropout=module.dropout, bias=bias, kdim=sizes[1], vdim=sizes[2],
+                    batch_first=batch_first, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         if new._qkv_same_embed_dim:
             new.in_proj_weight.copy_(torch.cat([q.weight, k.weight, v.weight]))  # 3 x (E, E) -> (3E, E)

@@ -17,6 +17,10 @@ from multihead.core import validation
 from multihead.core.functional import weights_of
 from multihead.layer.module import AttentionCore
 
+#: torch's own class, bound at import: what ``to_torch`` builds even where ``torch.nn.MultiheadAttention`` has
+#: been patched to the drop-in (``tools/torch_tests_on_dropin.py``, or a user's own patch)
+TORCH_MHA = nn.MultiheadAttention
+
 __all__ = ["PrunedMultiheadAttention", "TorchMultiheadAttention", "TorchWeights", "heads_like_torch",
            "keep_torch_fast_path_off", "torch_weights"]
 
@@ -236,7 +240,7 @@ class TorchMultiheadAttention(_TorchCall, AttentionCore, nn.MultiheadAttention):
     def to_torch(self) -> nn.MultiheadAttention:
         """A plain ``torch.nn.MultiheadAttention`` with this module's configuration and weights."""
         w = self.out_proj.weight
-        plain = nn.MultiheadAttention(self.embed_dim, self.num_heads, self.dropout, self.in_proj_bias is not None,
+        plain = TORCH_MHA(self.embed_dim, self.num_heads, self.dropout, self.in_proj_bias is not None,
                                       self.bias_k is not None, self.add_zero_attn, self.kdim, self.vdim,
                                       self.batch_first, device=w.device, dtype=w.dtype)
         plain.load_state_dict(self.state_dict())
