@@ -107,6 +107,11 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+#: the score modifiers a call may carry (see :func:`multihead.attention`)
+MODIFIERS = frozenset({"softcap", "sinks"})
+#: the names ``use()`` has forced, innermost last (a plain list, which torch.compile traces: a
+#: context variable would break the graph; ``use`` is therefore process-wide, not per thread)
+_FORCED: list[str] = []
 #: changes whenever what "auto" picks may change: a backend registered or removed, the remembered choices
 #: forgotten, a failure recorded, ``use()`` entered or left. A caller that kept a choice (a decoding step
 #: run again, :meth:`multihead.MultiHeadAttention.forward`) may run it again while this is the same.
@@ -116,11 +121,6 @@ generation = 0
 def _changed() -> None:
     global generation
     generation += 1
-#: the score modifiers a call may carry (see :func:`multihead.attention`)
-MODIFIERS = frozenset({"softcap", "sinks"})
-#: the names ``use()`` has forced, innermost last (a plain list, which torch.compile traces: a
-#: context variable would break the graph; ``use`` is therefore process-wide, not per thread)
-_FORCED: list[str] = []
 
 
 def _always(req: Request) -> None:
