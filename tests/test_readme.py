@@ -343,8 +343,11 @@ def test_readme_command_lines_run(tmp_path, monkeypatch):
             argv = _argv(line, fill)
             if argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
                 argv += ["--max-seconds", "1"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
-            if argv[0] == "prune" and "--hf" in argv:
-                argv += ["--no-runtime-peers"]
+            if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths are tested in
+                argv += ["--no-runtime-peers"]         # test_hf_cli and test_pruning_target
+                for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
+                    if flag not in argv:
+                        argv += [flag, small]
             code_, out = _cli(argv)
             ran.append((argv[0], code_, out))
     by = {}
