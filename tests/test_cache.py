@@ -250,3 +250,21 @@ def test_a_kept_backend_that_becomes_unavailable_is_reported_and_the_next_choice
     finally:
         backends.unregister("flaky")
     assert torch.allclose(torch.cat([first, fourth, fifth], 1), full, atol=1e-6)
+
+
+def test_a_copied_cache_forks_the_decoding_without_copying_the_model():
+    """copy.deepcopy(cache) (a beam search's fork) continues as the original does, and carries tensors only:
+    what the last step was planned on (which names the projection modules) is not copied."""
+    import copy
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16).eval()
+    x = torch.randn(2, 6, 16)
+    cache = KVCache(m, 2, 6)
+    with torch.no_grad():
+        _decode(m, x[:, :4], cache)
+        fork = copy.deepcopy(cache)
+        assert all(isinstance(t, torch.Tensor) or t is None
+                   for layer in fork._layers.values() for t in (layer.k, layer.v, layer.step, layer.chosen))
+        a, b = _decode(m, x[:, 4:], cache), _decode(m, x[:, 4:], fork)
+    assert torch.equal(a, b)

@@ -37,6 +37,14 @@ class _Layer:
         self.step: tuple | None = None
         self.chosen: tuple | None = None
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy(cache)``, to fork a decoding) or a pickle carries the cached positions, not
+        what the last step was planned on: that names the model's projection modules, which would be copied
+        with it. The copy's first step is planned in full."""
+        state = self.__dict__.copy()
+        state["step"] = state["chosen"] = None
+        return state
+
     def push(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k (B, Hkv, n, D), v (B, Hkv, n, Dv) after the filled positions (checked by the caller:
         the buffers exist, match and have room) -> every cached key (B, Hkv, L, D) and value
