@@ -49,8 +49,11 @@ demo: $(VENV)/.demo
 lint: $(VENV)/.test
 	$(BIN)/ruff check src tests tools $(wildcard bench)
 
+# PYTHONDONTWRITEBYTECODE is emptied for the run: uv installs without bytecode, and where the environment sets it
+# every test process (two workers, ~25 sandboxes, kernels and torchrun ranks) compiled numpy, transformers, scipy
+# and multihead from source again (import torch + multihead: 4.1 s -> 3.1 s a process once cached in .venv)
 test: $(VENV)/.test chromium lint
-	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS)
+	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS)
 
 # Not part of CI: the suite on the newest releases pyproject.toml's ranges allow, in .venv-latest.
 # When it passes, `make lock` writes that environment into constraints.txt (commit it).
