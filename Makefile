@@ -64,7 +64,7 @@ test-latest: chromium
 	.venv-latest/bin/python -m pip install -q $(TORCH_SPEC)
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-build-isolation -e '.[$(EXTRAS)]'
 	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
-	KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS)
+	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS)
 
 lock:
 	$(BIN)/python tools/lockfile.py write .venv-latest
