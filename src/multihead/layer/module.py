@@ -380,8 +380,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     def _repeatable(self, plain: bool, queries: Tensor) -> bool:
         """Whether a one-position step of this module may run its previous plan again: no hooks (global, or the
         module's attention hooks), no attention dropout, not traced by torch.compile, a plain dense tensor, and
-        heads left (gradients may be on: the plan does not depend on them, the backend's choice is the registry's).
-        (:meth:`_step_again` checks the same in one expression; the heads are in the step's key.)"""
+        heads left (gradients may be on: the plan does not depend on them, the backend's choice is the registry's)."""
         return (plain and not self.attention_hooks and self.num_heads > 0 and
                 not (self.training and self.dropout > 0) and type(queries) is Tensor and not queries.is_nested and
                 not torch.compiler.is_compiling())
@@ -396,10 +395,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         """A self-attention step (B, 1, query_size) -> (B, 1, out_features) run with the plan of this module's
         previous step on ``cache``, when that plan holds (see the comment above); None when the call must be
         planned in full."""
-        hooks = self.attention_hooks  # _repeatable, inlined: this runs once a layer per decoded token
-        if type(cache) is not KVCache or type(queries) is not Tensor or queries.is_nested or hooks.observers or \
-                hooks.transforms or (self.training and self.dropout > 0) or any(_GLOBAL_HOOKS) or \
-                torch.compiler.is_compiling():
+        if type(cache) is not KVCache or not self._repeatable(not any(_GLOBAL_HOOKS), queries):
             return None
         projs = self.projections()
         layer = cache.again(self, self._step_key(queries, projs))
