@@ -208,17 +208,35 @@ def _plain_key(query: Tensor, key: Tensor, value: Tensor) -> tuple:
     return choice_key(head, 0.0, False, None)
 
 
-def remembered_for(query: Tensor, key: Tensor, value: Tensor) -> Backend | None:
-    """The backend "auto" remembers for attention on tensors like query (B, H, Lq, D), key (B, Hkv, Lk, D),
-    value (B, Hkv, Lk, Dv) with no mask, no dropout and no gradients; None when it has not chosen for such a
-    call yet or ``use()`` forces one. A caller that runs it itself reports an :class:`Unavailable` it raises
-    with :func:`failed_for`."""
-    return remembered(_plain_key(query, key, value))
+class Kept(NamedTuple):
+    """"auto"'s choice for one kind of call, kept by a caller that makes that call again and again (a
+    decoding step run again): the backend, the :data:`generation` it was chosen in, the dtype and the scale."""
+
+    backend: Backend
+    generation: int
+    dtype: torch.dtype
+    scale: float
 
 
-def failed_for(b: Backend, query: Tensor, key: Tensor, value: Tensor, e: Exception) -> None:
-    """:func:`failed` for a backend that :func:`remembered_for` gave and that raised ``e`` on these tensors."""
-    failed(b, _plain_key(query, key, value), e)
+def keep(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Kept | None:
+    """The backend "auto" remembers for attention on query (B, H, Lq, D), key (B, Hkv, Lk, D), value
+    (B, Hkv, Lk, Dv) with no mask, no dropout and no gradients, kept for :func:`run_kept`; None when it has not
+    chosen for such a call yet or ``use()`` forces one."""
+    b = remembered(_plain_key(query, key, value))
+    return None if b is None else Kept(b, generation, query.dtype, query.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def run_kept(kept: Kept | None, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+    """Run a kept choice on a call of the kind it was kept for (no mask, no dropout) -> (B, H, Lq, Dv); None when
+    it no longer holds (the registry changed, another dtype, gradients on) or its backend raised
+    :class:`Unavailable` (reported and evicted as :func:`call` does): the caller then goes through :func:`call`."""
+    if kept is None or kept.generation != generation or kept.dtype is not query.dtype or torch.is_grad_enabled():
+        return None
+    try:
+        return kept.backend.run(query, key, value, None, scale=kept.scale, dropout_p=0.0)
+    except Unavailable as e:
+        failed(kept.backend, _plain_key(query, key, value), e)
+        return None
 
 
 def forget() -> None:

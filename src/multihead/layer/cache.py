@@ -25,8 +25,8 @@ class _Layer:
     """One module's cache: k (B, Hkv, Lmax, D), v (B, Hkv, Lmax, Dv), ``length`` positions filled;
     or, for cross-attention, the projected memory (``static``). ``step``: what the module's last
     self-attention step was planned on, when its plan may be run again unchanged (see
-    :meth:`multihead.MultiHeadAttention.forward`), else None; ``chosen``: the backend the registry chose for
-    such a step, with the registry's generation, the queries' dtype and the scale it was chosen and run with."""
+    :meth:`multihead.MultiHeadAttention.forward`), else None; ``chosen``: the registry's choice for such a step
+    (:class:`multihead.backends.registry.Kept`)."""
 
     def __init__(self, name: str):
         self.name = name

@@ -404,20 +404,10 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         q, k, v = self._project(projs, True, queries, queries, queries)  # (B, 1, H, D), (B, 1, Hkv, D), (.., Dv)
         k_all, v_all = layer.push(k.transpose(1, 2), v.transpose(1, 2))  # (B, Hkv, L, D), (B, Hkv, L, Dv)
         q = q.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
-        chosen = layer.chosen  # (backend, registry generation, dtype, scale) of the last such step
-        if chosen is not None and chosen[1] == registry.generation and chosen[2] is q.dtype and \
-                not torch.is_grad_enabled():  # the registry's choice for this step holds: run it again
-            try:
-                out = chosen[0].run(q, k_all, v_all, None, scale=chosen[3], dropout_p=0.0)  # (B, H, 1, Dv)
-            except registry.Unavailable as e:  # reported once and evicted, as the registry does; the next choice runs
-                registry.failed_for(chosen[0], q, k_all, v_all, e)
-                layer.chosen = None
-                out = run(q, k_all, v_all, None, scale=self.scale, dropout_p=0.0, backend=self.backend)
-        else:  # the registry chooses (or finds its remembered choice), and the choice is kept for the next step
+        out = registry.run_kept(layer.chosen, q, k_all, v_all)  # the registry's choice for the last such step
+        if out is None:  # the registry chooses (or finds its remembered choice); the choice is kept for the next step
             out = run(q, k_all, v_all, None, scale=self.scale, dropout_p=0.0, backend=self.backend)  # (B, H, 1, Dv)
-            b = registry.remembered_for(q, k_all, v_all) if self.backend == "auto" else None
-            layer.chosen = None if b is None else (b, registry.generation, q.dtype,
-                                                   q.shape[-1] ** -0.5 if self.scale is None else self.scale)
+            layer.chosen = registry.keep(q, k_all, v_all, self.scale) if self.backend == "auto" else None
         return _apply(projs[3], out.transpose(1, 2).flatten(-2), True)  # (B, 1, H*Dv) -> (B, 1, out_features)
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
