@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-__all__ = ["DTYPES", "fake_quantized", "is_quantized", "quantize"]
+__all__ = ["DTYPES", "fake_quantized", "fused", "is_quantized", "linear", "quantize"]
 
 DTYPES = ("int8",)
 KEY = "multihead_quantized"
@@ -62,6 +62,80 @@ def quantize(model: nn.Module, dtype: str = "int8") -> nn.Module:
                 m.__class__ = __getattr__("FullRangeLinear")
     q.__dict__[KEY] = dtype
     return q
+
+
+def fused(*linears: nn.Module) -> nn.Module:
+    """One layer computing ``linears`` side by side: ``fused(q, k, v)(x)`` is ``cat([q(x), k(x), v(x)], -1)``,
+    in one call instead of three. The layers share their input size and kind: ``nn.Linear`` (weights and
+    biases concatenated by rows), or the int8 layers :func:`quantize` makes (their int8 rows and per-row
+    scales concatenated: nothing is rounded again, and the activations are quantized once per call, as each
+    layer would quantize the same input, so the outputs are the separate layers' own). A new module; the
+    layers are left as they are. Raises TypeError or ValueError naming what differs."""
+    if not linears:
+        raise ValueError("fused: give at least one layer.")
+    kinds = {type(m) for m in linears}
+    if len(kinds) != 1:
+        raise TypeError(f"fused: the layers must be of one kind; got {sorted(k.__name__ for k in kinds)}.")
+    sizes = [m.in_features for m in linears]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"fused: the layers must take one input size; got in_features {sizes}.")
+    kind, E = kinds.pop(), sizes[0]
+    biased = [_bias(m) is not None for m in linears]
+    if len(set(biased)) != 1:
+        raise ValueError("fused: either every layer has a bias or none has.")
+    out = sum(m.out_features for m in linears)
+    if kind is nn.Linear:
+        w0 = linears[0].weight
+        f = nn.Linear(E, out, bias=biased[0], device=w0.device, dtype=w0.dtype)
+        with torch.no_grad():
+            f.weight.copy_(torch.cat([m.weight for m in linears]))  # (sum out, E)
+            if biased[0]:
+                f.bias.copy_(torch.cat([m.bias for m in linears]))  # (sum out,)
+        return f.train(linears[0].training)
+    if not all(is_int8_linear(m) for m in linears):
+        raise TypeError(f"fused: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
+    ws = [m.weight() for m in linears]  # per-row (out, E) qint8 tensors
+    if any(w.qscheme() != torch.per_channel_affine or w.q_per_channel_axis() != 0 for w in ws):
+        raise ValueError("fused: int8 layers must have one scale per output row (as quantize() makes them).")
+    w = torch._make_per_channel_quantized_tensor(
+        torch.cat([w.int_repr() for w in ws]), torch.cat([w.q_per_channel_scales() for w in ws]),
+        torch.cat([w.q_per_channel_zero_points() for w in ws]), 0)  # (sum out, E) int8, the same rows and scales
+    bias = torch.cat([_bias(m) for m in linears]) if biased[0] else None  # (sum out,)
+    f = kind(E, out)
+    f.set_weight_bias(w, bias)
+    return f
+
+
+def linear(m: nn.Module, x: Tensor) -> Tensor:
+    """``m(x)`` for an ``nn.Linear`` or one of :func:`quantize`'s int8 layers (:func:`is_int8_linear`), computed
+    as the module computes it but without the module call: for loops where the call costs as much as the
+    product (a served encoder at batch 1). Raises TypeError for any other module."""
+    kind = type(m)
+    if kind is nn.Linear:
+        return torch.nn.functional.linear(x, m.weight, m.bias)
+    reduce_range = _REDUCE_RANGE.get(kind)
+    if reduce_range is None:
+        if not is_int8_linear(m):
+            raise TypeError(f"linear: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
+        reduce_range = _REDUCE_RANGE[kind] = kind is not globals().get("FullRangeLinear")  # as its forward asks
+    return _kernel(x, m._packed_params._packed_params, reduce_range=reduce_range).to(x.dtype)
+
+
+_REDUCE_RANGE: dict[type, bool] = {}  # int8 layer class -> the reduce_range its forward passes
+
+
+def is_int8_linear(m: nn.Module) -> bool:
+    """Whether ``m`` is one of the int8 layers :func:`quantize` makes (torch's dynamic int8 Linear, qint8
+    weights, or multihead's full-range subclass of it), so :func:`linear` and :func:`fused` compute it."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    ok = type(m) is DynamicLinear or type(m) is globals().get("FullRangeLinear")
+    return ok and m._packed_params.dtype == torch.qint8
+
+
+def _bias(m: nn.Module) -> Tensor | None:
+    b = m.bias
+    return b() if callable(b) else b  # torch's int8 Linear keeps its bias behind a method
 
 
 def _full_range_linear_class():

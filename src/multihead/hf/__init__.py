@@ -5,6 +5,7 @@
     with multihead.capture(model) as cap: model(**batch)  # (B, H, Lq, Lk) per attention module
     heads.prune(model, {"encoder.layer.0.attention.self": [0, 3]})
     multihead.hf.save(model, "pruned");  multihead.hf.load("pruned")
+    encoder = multihead.hf.serve(multihead.hf.load("pruned"))  # a BERT-family encoder, lean for prediction
 
 Importing this module registers ``"multihead"`` with transformers (see :mod:`multihead.hf.attention`:
 every attention call then goes through :func:`multihead.attention` with the module's hook list
@@ -12,11 +13,12 @@ around it, so ``capture``, ``heads.gated``, ``heads.importance`` work on the mod
 :func:`attach` gives each attention module its hook list and its
 head layout (which weights hold head h), which ``heads.prune`` uses.
 
-The package's transformers code lives in five files, imported one way:
+The package's transformers code lives in six files, imported one way:
 :mod:`multihead.hf.attention` (the attention function, its registration, module discovery),
 :mod:`multihead.hf.layouts` (head layouts: derived, verified, explained, cut), this file (``attach``,
 save / load / ONNX export, and the public names), :mod:`multihead.hf.packed` (padding-free
-models) and :mod:`multihead.hf.forms` (SDPA forms of families that compute attention by hand, for
+models), :mod:`multihead.hf.encoder` (a BERT-family encoder rebuilt lean for prediction) and
+:mod:`multihead.hf.forms` (SDPA forms of families that compute attention by hand, for
 :func:`multihead.heads.observe`). Nothing else in the package imports transformers.
 """
 
@@ -46,10 +48,11 @@ from multihead.hf.attention import (  # noqa: F401
     loading,
     refusal,
 )
+from multihead.hf.encoder import serve
 from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
-           "export_onnx", "load", "loading", "save"]
+           "export_onnx", "load", "loading", "save", "serve"]
 
 HEADS_KEY = "multihead_head_counts"
 PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))

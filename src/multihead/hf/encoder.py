@@ -1,0 +1,382 @@
+"""A served encoder: a BERT-family model's forward rebuilt lean for prediction, ``multihead.hf.serve(model)``.
+
+At batch 1 a sentence encoder spends as much time in Python as in arithmetic: transformers' module
+tree (a dozen module calls a layer, the attention interface, mask preparation) and three query, key and
+value projections that are each too small to use the machine. :class:`Encoder` computes the same
+function with the least of both:
+
+- the query, key and value projections of each layer fused into one (:func:`multihead.quantize.fused`:
+  float, or the int8 layers of a quantized model with their own rows and scales);
+- the real tokens only: a padded batch (B, L) is unpadded once after the embeddings, every layer runs on
+  the N real tokens (attention per sequence, :func:`multihead.core.varlen.attention_varlen`) and the last
+  hidden states are padded back, zeros at padding; a batch without padding runs dense
+  (:func:`multihead.attention`);
+- each layer's norms, feed-forward and activation called as functions of the model's own weights.
+
+The embeddings are the model's own module (position and token-type conventions stay the model's). What
+it takes is checked, never assumed: every layer must have BERT's parts (``attention.self.query/key/value``,
+``attention.output.dense/LayerNorm``, ``intermediate.dense`` and its activation, ``output.dense/LayerNorm``)
+and no cross-attention, and :func:`serve` compares the encoder with the model on probe batches (one with
+padding, one without) before returning it, naming the first layer that differs. It is a copy: later changes
+to the model (pruning, training) do not reach it. Prediction only: no gradients, no attention weights, no
+hooks (use the model itself for ``capture`` and ``heads``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_outputs import BaseModelOutput
+
+from multihead.backends import registry
+from multihead.core.functional import attention
+from multihead.core.padding import Unpadding
+from multihead.core.varlen import attention_varlen
+from multihead.hf import probe
+from multihead.quantize import fused, is_int8_linear, linear
+
+__all__ = ["Encoder", "serve"]
+
+#: a layer's parts, by their names in transformers' BERT layer (BERT, RoBERTa, MiniLM, ELECTRA, XLM-R)
+PARTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+
+
+class EncoderLayer(nn.Module):
+    """One post-norm layer: x = norm1(x + out(attention(qkv(x)))); x = norm2(x + down(act(up(x)))).
+    ``qkv``: the fused projection (E -> 3*H*D); H heads of size D; ``scale`` on the scores."""
+
+    def __init__(self, qkv: nn.Module | None, out: nn.Module, up: nn.Module, down: nn.Module, *, act, norm1: nn.LayerNorm,
+                 norm2: nn.LayerNorm, num_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.qkv, self.out, self.norm1, self.up, self.down, self.norm2 = qkv, out, norm1, up, down, norm2
+        self.act = act
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+
+    def forward(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: Call) -> Tensor:
+        """x: (N, E), the real tokens of the batch sequence after sequence (``rows``), or all B*L
+        positions of a batch without padding (``rows`` None) -> (N, E). ``call``: what the layers of one
+        encoder call share (the attention backend chosen by the first)."""
+        H, D = self.num_heads, self.head_dim
+        N = x.shape[0]
+        if H:
+            qkv = linear(self.qkv, x).view(N, 3, H, D)  # (N, 3*H*D) -> (N, 3, H, D)
+            if rows is None:
+                q, k, v = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
+                a = call.attention(q, k, v, self.scale).transpose(1, 2).reshape(N, H * D)  # (B, H, L, D) -> (N, H*D)
+            else:
+                q, k, v = qkv.unbind(1)  # 3 x (N, H, D)
+                cu = rows.cu_seqlens
+                a = attention_varlen(q, k, v, cu, cu, scale=self.scale).reshape(N, H * D)  # (N, H, D) -> (N, H*D)
+            a = linear(self.out, a)  # (N, E)
+        else:  # every head pruned: the output projection gives its bias
+            a = linear(self.out, x.new_zeros(N, 0))  # (N, E)
+        n1, n2 = self.norm1, self.norm2
+        x = F.layer_norm(x + a, n1.normalized_shape, n1.weight, n1.bias, n1.eps)  # (N, E)
+        h = linear(self.down, self.act(linear(self.up, x)))  # (N, E)
+        return F.layer_norm(x + h, n2.normalized_shape, n2.weight, n2.bias, n2.eps)  # (N, E)
+
+
+class Call:
+    """What the layers of one :class:`Encoder` call share: the first layer's attention goes through
+    :func:`multihead.attention` (validated, the backend chosen as for any call), the next ones run that
+    backend again through :func:`multihead.backends.registry.run_kept` (the registry's own checks: the same
+    registry generation, dtype, no gradients; otherwise the full path again). Lives for one call only."""
+
+    def __init__(self):
+        self.kept: registry.Kept | None = None
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q, k, v (B, H, L, D), no mask -> (B, H, L, D)."""
+        out = registry.run_kept(self.kept, q, k, v) if self.kept is not None and self.kept.scale == scale else None
+        if out is None:
+            out = attention(q, k, v, scale=scale)
+            self.kept = registry.keep(q, k, v, scale)
+        return out
+
+
+class ModelEmbeddings(nn.Module):
+    """The model's own embeddings module, called with token ids and token types: (B, L) -> (B, L, E)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
+        return self.module(input_ids=input_ids, token_type_ids=token_type_ids)  # (B, L, E)
+
+
+class BertEmbeddings(nn.Module):
+    """BERT's embeddings as functions of its weights: word + position (0..L-1) + token type (0 when not
+    given), then LayerNorm (dropout is off in prediction). Used only where it equals the model's own
+    module on the probe inputs (:func:`serve`)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.word = module.word_embeddings
+        self.position = module.position_embeddings
+        self.token_type = module.token_type_embeddings
+        self.norm = module.LayerNorm
+
+    @staticmethod
+    def of(module: nn.Module) -> BertEmbeddings | None:
+        """For a module with BERT's parts (word, position and token-type nn.Embedding, an nn.LayerNorm), else None."""
+        parts = [getattr(module, n, None) for n in
+                 ("word_embeddings", "position_embeddings", "token_type_embeddings")]
+        if not all(type(p) is nn.Embedding for p in parts) or type(getattr(module, "LayerNorm", None)) is not \
+                nn.LayerNorm:
+            return None
+        return BertEmbeddings(module)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
+        L = input_ids.shape[1]
+        tt = self.token_type.weight[0] if token_type_ids is None else self.token_type.weight[token_type_ids]
+        x = self.word.weight[input_ids] + self.position.weight[:L] + tt  # (B, L, E)
+        n = self.norm
+        return F.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)  # (B, L, E)
+
+
+class Encoder(nn.Module):
+    """``Encoder(input_ids (B, L), attention_mask (B, L) of 0/1 or None, token_type_ids (B, L) or None)``
+    -> transformers' ``BaseModelOutput`` with ``last_hidden_state`` (B, L, E) (also ``out[0]``), zeros at padded
+    positions: what the model returns, so pooling code written for it works unchanged. Built by
+    :func:`serve` (see the module's docstring)."""
+
+    def __init__(self, embeddings: nn.Module, layers: list[EncoderLayer], name: str):
+        super().__init__()
+        self.embeddings = embeddings
+        self.layers = nn.ModuleList(layers)
+        self.name = name  # the model's class, for messages
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> BaseModelOutput:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"{self.name} (served): input_ids must be (B, L) token ids; got {got}.")
+        B, L = input_ids.shape
+        for arg, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t is not None and (not isinstance(t, Tensor) or t.shape != input_ids.shape):
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{self.name} (served): {arg} must be (B, L) like input_ids {(B, L)}; got {got}.")
+        rows = None
+        if attention_mask is not None and attention_mask.numel():
+            if attention_mask.dtype == torch.bool:
+                full = bool(attention_mask.all())
+            else:
+                lo, hi = torch.aminmax(attention_mask)
+                full = float(lo) == float(hi) == 1.0
+                if not full and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                    raise ValueError(f"{self.name} (served): attention_mask must hold 0 (padding) and 1 (a token); "
+                                     "other masks (4-D, float biases) are not served: call the model itself.")
+            if not full:
+                rows = Unpadding.of(attention_mask.bool())  # (B, L) -> where the N real tokens are
+        x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
+        E = x.shape[-1]
+        h = x.reshape(B * L, E) if rows is None else rows.pack(x)  # (B, L, E) -> (N, E)
+        call = Call()
+        for layer in self.layers:
+            h = layer(h, rows, B, L, call)
+        out = h.view(B, L, E) if rows is None else rows.unpack(h)  # (N, E) -> (B, L, E), zeros at padding
+        return BaseModelOutput(last_hidden_state=out)
+
+
+def serve(model: nn.Module, *, example: dict | None = None) -> Encoder:
+    """A lean copy of a BERT-family encoder for prediction (see the module's docstring): float or int8
+    (a :func:`multihead.quantize.quantize`'d model), pruned or not (each layer keeps its own head count).
+    ``example``: the model's keyword inputs for the probe calls (default: made from its config). Raises
+    TypeError or ValueError, before anything is built, naming the layer or part that is not BERT's, or
+    after the probes, naming the first layer whose output differs from the model's."""
+    from multihead.hf.attention import PreTrainedModel
+    from multihead.hf.layouts import probe_inputs
+    from multihead.hf.packed import _stack
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"serve takes a transformers PreTrainedModel (a BERT-family encoder); got "
+                        f"{type(model).__name__}.")
+    name = type(model).__name__
+    cfg = model.config
+    if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
+        raise ValueError(f"serve: {name} is configured as a decoder (is_decoder / add_cross_attention); serve "
+                         "rebuilds encoders only.")
+    base = getattr(model, "base_model", model)
+    embeddings = getattr(base, "embeddings", None)
+    if not isinstance(embeddings, nn.Module):
+        raise ValueError(f"serve: {name} has no embeddings module on its base model; serve rebuilds BERT-family "
+                         "encoders (BERT, RoBERTa, MiniLM, ELECTRA).")
+    stack_name, _ = _stack(base, _self_attentions(base, name))
+    example = example if example is not None else probe_inputs(model)
+    enc = _build(base, stack_name, name, example)
+    if any(is_int8_linear(m) for m in base.modules()):
+        # int8 activations are quantized per call, over what the call holds: a model that runs padded rounds
+        # them over its padding too, so only a batch without padding gives both the same arithmetic. The
+        # padded batch is compared on the float model the int8 weights stand for (same structure, exact).
+        _verify(base, enc, example, stack_name, padded=False)
+        twin = _dequantized(base)
+        _verify(twin, _build(twin, stack_name, name, example), example, stack_name, padded=True)
+    else:
+        _verify(base, enc, example, stack_name, padded=True)
+    return enc
+
+
+def _build(base: nn.Module, stack_name: str, name: str, example: dict) -> Encoder:
+    stack = base.get_submodule(stack_name)
+    layers = [_layer(layer, f"{stack_name}.{i}", name) for i, layer in enumerate(stack)]
+    return Encoder(_embeddings(copy.deepcopy(base.embeddings), example), layers, name).eval()
+
+
+def _dequantized(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose int8 Linear layers are float ones holding their dequantized weights."""
+    twin = copy.deepcopy(module)
+    for parent in list(twin.modules()):
+        for child_name, child in list(parent.named_children()):
+            if is_int8_linear(child):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias() is not None)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight().dequantize())  # (out, in)
+                    if lin.bias is not None:
+                        lin.bias.copy_(child.bias())
+                setattr(parent, child_name, lin)
+    return twin.eval()
+
+
+def _embeddings(module: nn.Module, example: dict) -> nn.Module:
+    """:class:`BertEmbeddings` where it gives the module's output on the probe's token ids (with and without
+    token types), else the module itself (:class:`ModelEmbeddings`: RoBERTa's positions, for one)."""
+    own = ModelEmbeddings(module).eval()
+    fast = BertEmbeddings.of(module)
+    if fast is None or module.training:
+        return own
+    ids = probe.padded_example(example)["input_ids"]  # (B, L)
+    tt = (torch.arange(ids.shape[1]) >= ids.shape[1] // 2).long().expand_as(ids)  # (B, L): two segments
+    with torch.no_grad():
+        for t in (None, tt):
+            try:
+                ref = own(ids, t)
+            except (IndexError, RuntimeError):  # no second token type: compare without it
+                continue
+            if probe.differs(ref, fast(ids, t)):
+                return own
+    return fast
+
+
+def _self_attentions(base: nn.Module, name: str) -> dict[str, nn.Module]:
+    found = {n: m for n, m in base.named_modules() if n.endswith("attention.self")}
+    if not found:
+        raise ValueError(f"serve: {name} has no BERT attention modules (attention.self); serve rebuilds "
+                         "BERT-family encoders (BERT, RoBERTa, MiniLM, ELECTRA).")
+    return found
+
+
+def _layer(layer: nn.Module, where: str, name: str) -> EncoderLayer:
+    """One layer of the model as an :class:`EncoderLayer` (copied weights), or a ValueError naming what is missing."""
+    if hasattr(layer, "crossattention"):
+        raise ValueError(f"serve: {where} ({type(layer).__name__}) has cross-attention; serve rebuilds encoders only.")
+    parts = {}
+    for p in PARTS:
+        try:
+            parts[p] = layer.get_submodule(p)
+        except AttributeError:
+            raise ValueError(f"serve: {where} ({type(layer).__name__}) has no {p}: its layers are not BERT's "
+                             f"(needed: {', '.join(PARTS)}); call {name} itself.") from None
+    for p in ("attention.output.LayerNorm", "output.LayerNorm"):
+        if type(parts[p]) is not nn.LayerNorm:
+            raise ValueError(f"serve: {where}.{p} is {type(parts[p]).__name__}, not nn.LayerNorm; call {name} itself.")
+    for p in PARTS:
+        if "LayerNorm" not in p and not (type(parts[p]) is nn.Linear or is_int8_linear(parts[p])):
+            raise ValueError(f"serve: {where}.{p} is {type(parts[p]).__name__}; serve computes nn.Linear layers and "
+                             "multihead.quantize's int8 ones. Call the model itself.")
+    act = getattr(layer.intermediate, "intermediate_act_fn", None)
+    if act is None:
+        raise ValueError(f"serve: {where}.intermediate has no intermediate_act_fn (BERT's activation); call "
+                         f"{name} itself.")
+    attn = layer.get_submodule("attention.self")
+    q, k, v = (parts[f"attention.self.{p}"] for p in ("query", "key", "value"))
+    D = getattr(attn, "attention_head_size", None)
+    if not isinstance(D, int) or D <= 0 or q.out_features % D or k.out_features != q.out_features or \
+            v.out_features != q.out_features:
+        raise ValueError(f"serve: {where}.attention.self: projections of {q.out_features}, {k.out_features} and "
+                         f"{v.out_features} rows do not make heads of attention_head_size {D}; call {name} itself.")
+    scale = getattr(attn, "scaling", None)
+    scale = float(scale) if isinstance(scale, int | float) else 1.0 / math.sqrt(D)
+    H = q.out_features // D
+    with torch.no_grad():
+        return EncoderLayer(
+            fused(q, k, v) if H else None, copy.deepcopy(parts["attention.output.dense"]),
+            copy.deepcopy(parts["intermediate.dense"]), copy.deepcopy(parts["output.dense"]), act=copy.deepcopy(act),
+            norm1=copy.deepcopy(parts["attention.output.LayerNorm"]), norm2=copy.deepcopy(parts["output.LayerNorm"]),
+            num_heads=H, head_dim=D, scale=scale).eval()
+
+
+def _verify(base: nn.Module, enc: Encoder, example: dict, stack: str, *, padded: bool) -> None:
+    """The encoder against the base model on a batch without padding and (``padded``) on a padded one (real
+    tokens), within :mod:`multihead.hf.probe`'s tolerance; a difference is a ValueError naming where: between
+    the embeddings and the first layer, or the first layer whose output differs."""
+    pad = probe.padded_example(example)
+    ids, am = pad["input_ids"], pad["attention_mask"]
+    full = {"input_ids": ids[:1].expand(2, -1).clone(), "attention_mask": torch.ones_like(ids[:2])}  # (2, L)
+    was = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            for x in [full, {"input_ids": ids, "attention_mask": am}][: 2 if padded else 1]:
+                keep = x["attention_mask"].bool()
+                outs, first = _layer_outputs(base, stack, len(enc.layers), x)
+                ref = first.pop("output")  # (B, L, E)
+                try:
+                    got = enc(**x).last_hidden_state
+                except (RuntimeError, ValueError) as e:  # shapes that do not fit: told below, where
+                    got, err = None, e
+                if got is not None and not probe.differs(ref[keep], got[keep]):
+                    continue
+                where = _where(enc, x, outs, first, stack)
+                gap = "it raised " + str(err).splitlines()[0][:200] if got is None else \
+                    f"max difference {float((ref[keep].float() - got[keep].float()).abs().max()):.3g}"
+                raise ValueError(f"serve: the served {enc.name} does not compute the model's function ({gap}, on a "
+                                 f"probe batch{' with padding' if not bool(keep.all()) else ''}){where}; call the "
+                                 "model itself.")
+    finally:
+        base.train(was)
+
+
+def _layer_outputs(base: nn.Module, stack: str, n: int, x: dict) -> tuple[dict[int, Tensor], dict[str, Tensor]]:
+    """The base model on ``x``: ({i: layer i's output}, {"input": what layer 0 received, "output": the model's})."""
+    outs, first = {}, {}
+    layers = base.get_submodule(stack)
+    hooks = [layers[i].register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, probe.first_output(o)))
+             for i in range(n)]
+    hooks.append(layers[0].register_forward_pre_hook(
+        lambda m, a, kw: first.__setitem__("input", a[0] if a else kw.get("hidden_states")), with_kwargs=True))
+    try:
+        first["output"] = probe.first_output(base(**x))
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs, first
+
+
+def _where(enc: Encoder, x: dict, outs: dict[int, Tensor], first: dict[str, Tensor], stack: str) -> str:
+    """'; <where the served encoder first differs>' from the model's recorded layer inputs and outputs, or ''."""
+    keep = x["attention_mask"].bool()
+    B, L = keep.shape
+    h = enc.embeddings(x["input_ids"], None)  # (B, L, E)
+    entry = first.get("input")
+    if not isinstance(entry, Tensor) or entry.shape != h.shape or probe.differs(entry[keep], h[keep]):
+        got = tuple(entry.shape) if isinstance(entry, Tensor) else type(entry).__name__
+        return (f"; its first layer {stack}.0 does not receive the embeddings' output (it gets {got} where the "
+                f"embeddings give {tuple(h.shape)}): the model computes something between them that serve does not "
+                "(ELECTRA's embeddings_project, for one)")
+    rows = None if bool(keep.all()) else Unpadding.of(keep)
+    h = h.reshape(B * L, -1) if rows is None else rows.pack(h)  # (B, L, E) -> (N, E)
+    call = Call()
+    for i, layer in enumerate(enc.layers):
+        h = layer(h, rows, B, L, call)
+        ref = outs.get(i)
+        if ref is None or ref.dim() != 3 or ref.shape[:2] != (B, L):
+            return ""  # a packed model's layers see (1, N, E): no per-layer comparison
+        if probe.differs(ref[keep], h if rows is not None else h[keep.reshape(-1)]):
+            return f"; the first layer that differs is {stack}.{i}"
+    return ""
