@@ -232,8 +232,8 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
                      log=lambda s: None)
     assert set(r["sizes"]) == {"1", "3"}
     rows = {row["peer"]: row for row in r["sizes"]["3"]["rows"]}
-    want = {"transformers (sdpa)", "multihead, padded", "multihead, padding-free",
-            "multihead, 70/72 heads, int8, padding-free"}
+    want = {"transformers (sdpa)", "multihead, padded", "multihead, padding-free", "multihead served, fp32",
+            "multihead, 70/72 heads, int8, padding-free", "multihead served, 70/72 heads, int8"}
     runtimes = {"ONNX Runtime int8 (unpruned)": "onnxruntime", "OpenVINO fp32 (unpruned)": "openvino"}
     for name, module in runtimes.items():  # the onnx and openvino extras: their models of the unpruned checkpoint
         try:
@@ -252,6 +252,9 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
         assert rows["OpenVINO fp32 (unpruned)"]["cosine"] > 1 - 1e-5
     assert rows["multihead, padding-free"]["cosine"] > 1 - 1e-6 and rows["transformers (sdpa)"]["speedup"] == 1.0
     assert 0.9 < rows["multihead, 70/72 heads, int8, padding-free"]["cosine"] < 1
+    assert rows["multihead served, fp32"]["cosine"] > 1 - 1e-6  # the same function, lean
+    int8 = rows["multihead, 70/72 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
+    assert abs(rows["multihead served, 70/72 heads, int8"]["cosine"] - int8) < 1e-4
     st = r["sentence_transformers"]
     if st is not None:  # inside SentenceTransformer.encode: attached padding-free is exact, the pruned model close
         srows = {row["peer"]: row for row in st["rows"]}

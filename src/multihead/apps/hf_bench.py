@@ -4,9 +4,10 @@ all-MiniLM-L6-v2 (the ``pretrained`` extra) at batch 1, 16 and 64 on mixed-lengt
 step saw (the held-out part of the corpus, as ``prune --hf`` splits it: never used for importance or
 recovery), under ``torch.inference_mode``. Peers, timed in the same process, interleaved after a warm-up,
 median and min-max per batch, per batch size: transformers' sdpa (the reference, 1.00x), the model attached
-to multihead (padded), attached padding-free (``attach(packed=True)``), and — with ``--pruned DIR``, a
+to multihead (padded), attached padding-free (``attach(packed=True)``), the same weights served
+(``multihead.hf.serve``: the encoder rebuilt lean for prediction), and — with ``--pruned DIR``, a
 directory written by ``multihead prune --hf ...`` — that pruned (recovered, int8) model loaded with
-``multihead.hf.load``, and that model's float weights exported (``multihead.hf.export_onnx``) and quantized by
+``multihead.hf.load``, that model served, and that model's float weights exported (``multihead.hf.export_onnx``) and quantized by
 ONNX Runtime (the pruned model served by another runtime); with the ``onnx`` extra, ONNX Runtime's int8 model of
 the unpruned checkpoint, and with
 the ``openvino`` extra, OpenVINO's fp32 model of it (both from ``multihead.hf.export_onnx``; see
@@ -50,12 +51,14 @@ def _models(path, pruned, example: dict, log) -> dict:
         "multihead, padded": mhf.attach(transformers.AutoModel.from_pretrained(path).eval()),
         "multihead, padding-free": mhf.attach(transformers.AutoModel.from_pretrained(path).eval(), packed=True),
     }
+    models["multihead served, fp32"] = mhf.serve(models["transformers (sdpa)"])  # the same weights, lean
     if pruned is not None:
         from multihead.quantize import is_quantized
 
         m = mhf.load(pruned)
         heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
+        models[f"multihead served, {heads}/72 heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
     models |= runtimes.peers(models["multihead, padded"], example, log)  # what a practitioner reaches for
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
         models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = runtimes.ort_int8(
