@@ -182,7 +182,7 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     """`prune --hf` on a sentence-transformers directory: the directory it writes opens with
     AutoModel.from_pretrained (weights at full size, the pruned heads zero) and with SentenceTransformer
     (its pooling and normalisation copied), both giving what multihead.hf.load gives; and multihead's
-    models (loaded pruned, or attached padding-free) run inside a SentenceTransformer, encode unchanged."""
+    models (loaded pruned, served, or attached padding-free) run inside a SentenceTransformer, encode unchanged."""
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
@@ -215,6 +215,9 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     model[0].model = ours  # multihead's pruned, padding-free model inside sentence-transformers: encode unchanged
     assert model[0].auto_model is ours  # (auto_model is a read-only view of .model: assigning it changes nothing)
     assert (torch.as_tensor(model.encode(corpus[:3])) - want).abs().max() < 1e-5
+    model[0].model = mhf.serve(ours)  # served in its place: encode unchanged
+    assert (torch.as_tensor(model.encode(corpus[:3])) - want).abs().max() < 1e-5
+    assert (torch.as_tensor(model.encode(corpus[:1])) - want[:1]).abs().max() < 1e-5  # one sentence: no padding
     unpruned = SentenceTransformer(str(src), device="cpu")
     before = torch.as_tensor(unpruned.encode(corpus[:5]))
     mhf.attach(unpruned[0].auto_model, packed=True)  # attached inside it, padding-free

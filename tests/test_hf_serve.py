@@ -66,6 +66,9 @@ def test_served_bert_gives_the_models_hidden_states(pad, types):
         _close(model, enc, _batch(seed=seed, pad=pad, types=types))
     out = enc(**_batch())
     assert out[0] is out.last_hidden_state  # what transformers' outputs allow
+    (alone,) = enc(**_batch(), return_dict=False)
+    assert torch.equal(alone, out.last_hidden_state)
+    assert enc.config.hidden_size == 32 and enc.config is not model.config
 
 
 def test_served_bert_runs_padding_free_and_without_padding_dense(monkeypatch):

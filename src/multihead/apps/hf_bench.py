@@ -16,7 +16,7 @@ on every timed sentence.
 
 And inside sentence-transformers (when installed): ``SentenceTransformer(<package>).encode`` on the same
 sentences (it tokenizes, sorts by length and batches itself) with its own model, with that model attached
-padding-free, and with the pruned model in its place — the whole ``encode`` timed, so tokenization is in
+padding-free, and with the pruned model in its place (as loaded, and served) — the whole ``encode`` timed, so tokenization is in
 every row.
 """
 
@@ -132,18 +132,19 @@ def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, l
     import multihead.hf as mhf
     from multihead.apps import timing
 
-    def encoder(swap=None, packed=False):
+    def encoder(swap=None, packed=False, served=False):
         st = SentenceTransformer(str(path), device="cpu")
         if packed:
             mhf.attach(st[0].auto_model, packed=True)
         if swap is not None:  # (.auto_model is a read-only view of .model)
-            st[0].model = mhf.load(swap)
+            st[0].model = mhf.serve(mhf.load(swap)) if served else mhf.load(swap)
         return st.eval()
 
     encoders = {"sentence-transformers": encoder(), "sentence-transformers + multihead padding-free":
                 encoder(packed=True)}
     if pruned is not None:
         encoders["sentence-transformers + the pruned model"] = encoder(swap=pruned)
+        encoders["sentence-transformers + the pruned model served"] = encoder(swap=pruned, served=True)
     with torch.inference_mode():
         ref = encoders["sentence-transformers"].encode(sents, batch_size=16, convert_to_tensor=True)
         cos = {n: float((e.encode(sents, batch_size=16, convert_to_tensor=True) * ref).sum(-1).mean())

@@ -143,17 +143,20 @@ class BertEmbeddings(nn.Module):
 class Encoder(nn.Module):
     """``Encoder(input_ids (B, L), attention_mask (B, L) of 0/1 or None, token_type_ids (B, L) or None)``
     -> transformers' ``BaseModelOutput`` with ``last_hidden_state`` (B, L, E) (also ``out[0]``), zeros at padded
-    positions: what the model returns, so pooling code written for it works unchanged. Built by
+    positions: what the model returns, so pooling code written for it works unchanged (``return_dict=False``: the
+    tuple ``(last_hidden_state,)``). It has the model's ``config``, so it takes the model's place inside
+    sentence-transformers (``st[0].model = serve(model)``). Built by
     :func:`serve` (see the module's docstring)."""
 
-    def __init__(self, embeddings: nn.Module, layers: list[EncoderLayer], name: str):
+    def __init__(self, embeddings: nn.Module, layers: list[EncoderLayer], name: str, config):
         super().__init__()
         self.embeddings = embeddings
         self.layers = nn.ModuleList(layers)
         self.name = name  # the model's class, for messages
+        self.config = config  # a copy of the model's (sentence-transformers reads hidden_size and output flags)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> BaseModelOutput:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                *, return_dict: bool = True) -> BaseModelOutput | tuple[Tensor]:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"{self.name} (served): input_ids must be (B, L) token ids; got {got}.")
@@ -181,7 +184,7 @@ class Encoder(nn.Module):
         for layer in self.layers:
             h = layer(h, rows, B, L, call)
         out = h.view(B, L, E) if rows is None else rows.unpack(h)  # (N, E) -> (B, L, E), zeros at padding
-        return BaseModelOutput(last_hidden_state=out)
+        return BaseModelOutput(last_hidden_state=out) if return_dict else (out,)
 
 
 def serve(model: nn.Module, *, example: dict | None = None) -> Encoder:
@@ -225,7 +228,8 @@ def serve(model: nn.Module, *, example: dict | None = None) -> Encoder:
 def _build(base: nn.Module, stack_name: str, name: str, example: dict) -> Encoder:
     stack = base.get_submodule(stack_name)
     layers = [_layer(layer, f"{stack_name}.{i}", name) for i, layer in enumerate(stack)]
-    return Encoder(_embeddings(copy.deepcopy(base.embeddings), example), layers, name).eval()
+    return Encoder(_embeddings(copy.deepcopy(base.embeddings), example), layers, name,
+                   copy.deepcopy(base.config)).eval()
 
 
 def _dequantized(module: nn.Module) -> nn.Module:

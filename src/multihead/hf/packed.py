@@ -19,7 +19,9 @@ packed path cannot give (hidden states or attentions of every layer, a cache, ``
 runs padded, unchanged.
 
 The hooks are module-level classes holding no tensors between calls: a packed model pickles,
-deep-copies and ``state_dict``s as before.
+deep-copies and ``state_dict``s as before. They run when the model is called as a module; code that calls
+``model.forward(...)`` itself (sentence-transformers 6 does) skips module hooks, so there the model runs
+padded (exact; :func:`multihead.hf.serve` gives a padding-free encoder that needs no hooks).
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> 
     p = PackedModel(stack_name)
     p.attention = list(attention.values())
     p.causal = any(getattr(m, "is_causal", False) for m in p.attention)
-    handles = [base.register_forward_pre_hook(_Start(p), with_kwargs=True), base.register_forward_hook(_End(p))]
+    handles = [base.register_forward_pre_hook(_Start(p), with_kwargs=True),
+               base.register_forward_hook(_End(p), always_call=True)]  # a call that raises leaves no plan behind
     for i, layer in enumerate(stack):
         params = [q.name for q in _kwargs_of(layer.forward).values() if q.kind is not inspect.Parameter.VAR_KEYWORD]
         handles.append(layer.register_forward_pre_hook(_Layer(p, i == 0, params), with_kwargs=True))
