@@ -214,6 +214,8 @@ def test_bad_inputs_get_one_clear_line():
         enc(x["input_ids"], x["attention_mask"][:, :10])
     with pytest.raises(ValueError, match="attention_mask must hold 0"):
         enc(x["input_ids"], x["attention_mask"] * 2)
+    with pytest.raises(ValueError, match=r"is for prediction: it has no dropout to train with. Call \.eval\(\)"):
+        enc.train()(**x)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -240,3 +242,8 @@ def test_fused_layers_are_the_separate_layers_side_by_side():
         fused(parts[0], nn.Linear(24, 3, bias=False))
     with pytest.raises(TypeError, match="neither nn.Linear"):
         linear(nn.Conv1d(2, 2, 1), x)
+    from torch.ao.quantization import float16_dynamic_qconfig, quantize_dynamic
+
+    half = quantize_dynamic(nn.Sequential(nn.Linear(24, 8)), {nn.Linear: float16_dynamic_qconfig})[0]  # not int8
+    with pytest.raises(TypeError, match="neither nn.Linear"):
+        linear(half, x)  # after int8 layers of the same class went through

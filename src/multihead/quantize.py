@@ -114,7 +114,7 @@ def linear(m: nn.Module, x: Tensor) -> Tensor:
     if kind is nn.Linear:
         return torch.nn.functional.linear(x, m.weight, m.bias)
     reduce_range = _REDUCE_RANGE.get(kind)
-    if reduce_range is None:
+    if reduce_range is None or m._packed_params.dtype != torch.qint8:
         if not is_int8_linear(m):
             raise TypeError(f"linear: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
         reduce_range = _REDUCE_RANGE[kind] = kind is not globals().get("FullRangeLinear")  # as its forward asks

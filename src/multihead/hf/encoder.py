@@ -157,6 +157,9 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 *, return_dict: bool = True) -> BaseModelOutput | tuple[Tensor]:
+        if self.training:
+            raise ValueError(f"{self.name} (served) is for prediction: it has no dropout to train with. Call .eval(), "
+                             "or train the model it was served from and serve it again.")
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"{self.name} (served): input_ids must be (B, L) token ids; got {got}.")
