@@ -13,13 +13,16 @@ function with the least of both:
   (:func:`multihead.attention`);
 - each layer's norms, feed-forward and activation called as functions of the model's own weights.
 
-The embeddings are the model's own module (position and token-type conventions stay the model's). What
-it takes is checked, never assumed: every layer must have BERT's parts (``attention.self.query/key/value``,
-``attention.output.dense/LayerNorm``, ``intermediate.dense`` and its activation, ``output.dense/LayerNorm``)
-and no cross-attention, and :func:`serve` compares the encoder with the model on probe batches (one with
-padding, one without) before returning it, naming the first layer that differs. It is a copy: later changes
-to the model (pruning, training) do not reach it. Prediction only: no gradients, no attention weights, no
-hooks (use the model itself for ``capture`` and ``heads``).
+The embeddings are BERT's (word + position + token type, LayerNorm) computed from the model's weights where
+that gives the model's own embeddings module on the probe, else that module itself (RoBERTa's positions, for
+one). What it takes is checked, never assumed: every layer must have BERT's parts
+(``attention.self.query/key/value``, ``attention.output.dense/LayerNorm``, ``intermediate.dense`` and its
+activation, ``output.dense/LayerNorm``) and no cross-attention, and :func:`serve` compares the encoder with the
+model on probe batches before returning it (one without padding; one with padding, for an int8 model on its
+dequantized float twin, since int8 activations are rounded over what a call holds), naming where it first
+differs. It is a copy: later changes to the model (pruning, training) do not reach it. Prediction only: no
+dropout (training mode is refused), no attention weights, no hooks (use the model itself for ``capture`` and
+``heads``).
 """
 
 from __future__ import annotations
