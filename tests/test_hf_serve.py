@@ -247,3 +247,31 @@ def test_fused_layers_are_the_separate_layers_side_by_side():
     half = quantize_dynamic(nn.Sequential(nn.Linear(24, 8)), {nn.Linear: float16_dynamic_qconfig})[0]  # not int8
     with pytest.raises(TypeError, match="neither nn.Linear"):
         linear(half, x)  # after int8 layers of the same class went through
+
+
+FAMILIES = {  # tiny configs of families serve was not written against: served, or refused in one line naming why
+    "xlm-roberta": (lambda: T.XLMRobertaModel(T.XLMRobertaConfig(**SMALL, pad_token_id=1)), None),
+    "ernie": (lambda: T.ErnieModel(T.ErnieConfig(**SMALL)), None),
+    "data2vec-text": (lambda: T.Data2VecTextModel(T.Data2VecTextConfig(**SMALL, pad_token_id=1)), None),
+    "bert-masked-lm": (lambda: T.BertForMaskedLM(T.BertConfig(**SMALL)), None),
+    "albert": (lambda: T.AlbertModel(T.AlbertConfig(**SMALL, embedding_size=16)), "no BERT attention modules"),
+    "xlm-roberta-xl": (lambda: T.XLMRobertaXLModel(T.XLMRobertaXLConfig(**SMALL, pad_token_id=1)),
+                       r"encoder\.layer\.0 \(XLMRobertaXLLayer\) has no attention\.output\.LayerNorm"),
+    "rembert": (lambda: T.RemBertModel(T.RemBertConfig(**SMALL, input_embedding_size=16, output_embedding_size=32)),
+                "does not receive the embeddings' output"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_are_served_exactly_or_refused_by_name(family):
+    make, refusal = FAMILIES[family]
+    torch.manual_seed(0)
+    model = make().eval()
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            mhf.serve(model)
+        return
+    enc = mhf.serve(model)
+    base = model.base_model
+    for x in (_batch(), _batch(seed=1, pad=False)):
+        _close(base, enc, x)
