@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import torch
@@ -113,24 +114,24 @@ def linear(m: nn.Module, x: Tensor) -> Tensor:
     kind = type(m)
     if kind is nn.Linear:
         return torch.nn.functional.linear(x, m.weight, m.bias)
-    reduce_range = _REDUCE_RANGE.get(kind)
+    reduce_range = _int8_kinds().get(kind)
     if reduce_range is None or m._packed_params.dtype != torch.qint8:
-        if not is_int8_linear(m):
-            raise TypeError(f"linear: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
-        reduce_range = _REDUCE_RANGE[kind] = kind is not globals().get("FullRangeLinear")  # as its forward asks
+        raise TypeError(f"linear: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
     return _kernel(x, m._packed_params._packed_params, reduce_range=reduce_range).to(x.dtype)
 
 
-_REDUCE_RANGE: dict[type, bool] = {}  # int8 layer class -> the reduce_range its forward passes
+@functools.cache
+def _int8_kinds() -> dict[type, bool]:
+    """The int8 layer classes :func:`quantize` makes -> the ``reduce_range`` each one's forward passes."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return {DynamicLinear: True, __getattr__("FullRangeLinear"): False}
 
 
 def is_int8_linear(m: nn.Module) -> bool:
     """Whether ``m`` is one of the int8 layers :func:`quantize` makes (torch's dynamic int8 Linear, qint8
     weights, or multihead's full-range subclass of it), so :func:`linear` and :func:`fused` compute it."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    ok = type(m) is DynamicLinear or type(m) is globals().get("FullRangeLinear")
-    return ok and m._packed_params.dtype == torch.qint8
+    return type(m) in _int8_kinds() and m._packed_params.dtype == torch.qint8
 
 
 def _bias(m: nn.Module) -> Tensor | None:

@@ -54,11 +54,16 @@ class EncoderLayer(nn.Module):
     ``qkv``: the fused projection (E -> 3*H*D); H heads of size D; ``scale`` on the scores."""
 
     def __init__(self, qkv: nn.Module | None, out: nn.Module, up: nn.Module, down: nn.Module, *, act, norm1: nn.LayerNorm,
-                 norm2: nn.LayerNorm, num_heads: int, head_dim: int, scale: float):
+                 norm2: nn.LayerNorm, head_dim: int, scale: float):
         super().__init__()
         self.qkv, self.out, self.norm1, self.up, self.down, self.norm2 = qkv, out, norm1, up, down, norm2
         self.act = act
-        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.head_dim, self.scale = head_dim, scale
+
+    @property
+    def num_heads(self) -> int:
+        """H, from the fused projection's rows (3*H*D; no projection: every head pruned)."""
+        return 0 if self.qkv is None else self.qkv.out_features // (3 * self.head_dim)
 
     def forward(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: Call) -> Tensor:
         """x: (N, E), the real tokens of the batch sequence after sequence (``rows``), or all B*L
@@ -318,7 +323,7 @@ def _layer(layer: nn.Module, where: str, name: str) -> EncoderLayer:
             fused(q, k, v) if H else None, copy.deepcopy(parts["attention.output.dense"]),
             copy.deepcopy(parts["intermediate.dense"]), copy.deepcopy(parts["output.dense"]), act=copy.deepcopy(act),
             norm1=copy.deepcopy(parts["attention.output.LayerNorm"]), norm2=copy.deepcopy(parts["output.LayerNorm"]),
-            num_heads=H, head_dim=D, scale=scale).eval()
+            head_dim=D, scale=scale).eval()
 
 
 def _verify(base: nn.Module, enc: Encoder, example: dict, stack: str, *, padded: bool) -> None:
@@ -354,18 +359,16 @@ def _verify(base: nn.Module, enc: Encoder, example: dict, stack: str, *, padded:
 
 def _layer_outputs(base: nn.Module, stack: str, n: int, x: dict) -> tuple[dict[int, Tensor], dict[str, Tensor]]:
     """The base model on ``x``: ({i: layer i's output}, {"input": what layer 0 received, "output": the model's})."""
-    outs, first = {}, {}
     layers = base.get_submodule(stack)
-    hooks = [layers[i].register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, probe.first_output(o)))
-             for i in range(n)]
-    hooks.append(layers[0].register_forward_pre_hook(
-        lambda m, a, kw: first.__setitem__("input", a[0] if a else kw.get("hidden_states")), with_kwargs=True))
+    first = {}
+    h = layers[0].register_forward_pre_hook(
+        lambda m, a, kw: first.__setitem__("input", a[0] if a else kw.get("hidden_states")), with_kwargs=True)
     try:
-        first["output"] = probe.first_output(base(**x))
+        with probe.recording(layers) as (rec, _):  # every module under the stack, by its name in it ("0", "0.attention")
+            first["output"] = probe.first_output(base(**x))
     finally:
-        for h in hooks:
-            h.remove()
-    return outs, first
+        h.remove()
+    return {i: rec[str(i)] for i in range(n) if str(i) in rec}, first
 
 
 def _where(enc: Encoder, x: dict, outs: dict[int, Tensor], first: dict[str, Tensor], stack: str) -> str:
