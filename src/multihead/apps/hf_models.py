@@ -250,7 +250,8 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     losses (one per step run). The learning rate decays from ``lr`` to 0 along a half cosine, so the
     model saved is where the steps settled rather than a point of their noise (all-MiniLM-L6-v2, 50%
     pruned, 400 steps, int8: mean cosine 0.9589 on the 600 held-out sentences, 0.9557 at a constant rate).
-    Dropout stays off (eval mode): the target is the unpruned model's deterministic output. ``quantize``:
+    AdamW takes its fused step (all-MiniLM-L6-v2: 0.70 s a step where its per-tensor loop takes 0.92 s, one
+    thread). Dropout stays off (eval mode): the target is the unpruned model's deterministic output. ``quantize``:
     the model will be quantized to it afterwards, so the distillation runs with its Linear layers
     rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
     ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
@@ -263,7 +264,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
 
     pruned.eval()
     total = [steps]  # the run's length; shortened once under ``until``
-    opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0, fused=True)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     losses = []
     started = time.monotonic()

@@ -84,7 +84,7 @@ def train_vit(*, epochs: int = 25, batch: int = 64, seed: int = 0, progress: boo
     xtr, ytr, xte, yte = digits(seed)
     model = ViT(cfg or ViTConfig())
     steps = epochs * ((len(ytr) + batch - 1) // batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, fused=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
     bar = tqdm(range(epochs), desc="ViT (8x8 digits)", disable=not progress, mininterval=1.0)
