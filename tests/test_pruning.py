@@ -108,7 +108,11 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     from multihead.models import Bert, SentenceEncoder
 
     setup = pruning.minilm_setup(8, 16)
-    report = pruning.run(setup, tmp_path, pruning.Options(0.1, step=0.1, progress=False, max_seconds=0.3))
+    import time
+
+    # a deadline, as the command line sets one: its speed table runs 3 rounds per batch size, not 7
+    report = pruning.run(setup, tmp_path, pruning.Options(0.1, step=0.1, progress=False, max_seconds=0.3,
+                                                          deadline=time.monotonic() + 300))
     assert report["final"]["fraction"] > 0.05
     loaded = Bert.from_pretrained(tmp_path / "model")  # the documented call
     assert sum(layer.attn.num_heads for layer in loaded.layers) == 72 - report["curve"][-1]["heads_pruned"]
