@@ -110,7 +110,7 @@ def assert_close_to_reference(run, q, k, v, mask=None, *, grads=True, seed=1, **
     if not grads:
         return
     g = torch.Generator().manual_seed(seed)
-    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(ref.device)
     gs = torch.autograd.grad(out, leaves, dout.to(dtype))
     grs = torch.autograd.grad(ref, ref_leaves, dout)
     g0s = torch.autograd.grad(base, plain_leaves, dout.to(dtype))

@@ -16,8 +16,9 @@ from multihead import attention, attention_weights, backends, masks, reference_a
 BACKENDS = ["sdpa", "math", "reference"]
 
 
-def mask_cases(B, H, Lq, Lk):
-    """One of every mask kind for these sizes, rows with nothing to attend to included."""
+def mask_cases(B, H, Lq, Lk, device="cpu"):
+    """One of every mask kind for these sizes, rows with nothing to attend to included; their tensors on
+    ``device`` (tools/gpu_check.py runs the same cases on CUDA)."""
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(0, Lk + 1, (B,), generator=g)
     lens[0] = Lk
@@ -26,6 +27,8 @@ def mask_cases(B, H, Lq, Lk):
     dense_bool = torch.rand(B, 1, Lq, Lk, generator=g) > 0.4
     bias = torch.randn(1, H, Lq, Lk, generator=g)
     bias_inf = bias.masked_fill(torch.rand(1, H, Lq, Lk, generator=g) > 0.6, float("-inf"))
+    lens, lens2, keep, dense_bool, bias, bias_inf = (t.to(device) for t in (lens, lens2, keep, dense_bool, bias,
+                                                                             bias_inf))
     cases = {
         "none": None,
         "causal-tl": masks.Causal(),
