@@ -20,7 +20,7 @@ import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
 from multihead.hf import encoder as hf_serve  # noqa: E402
 from multihead.hf import probe  # noqa: E402
-from multihead.quantize import fused, linear, quantize  # noqa: E402
+from multihead.quantize import fused, kernel_kind, linear, quantize  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 transformers.logging.set_verbosity_error()
@@ -205,6 +205,39 @@ def test_a_layer_that_computes_otherwise_is_found_by_the_probe(int8):
         mhf.serve(model)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_python", "relu"])
+def test_each_layers_kernels_and_activation_are_resolved_once_and_compute_the_model(act):
+    """The served layer resolves its four products' kernels and whether its activation is exactly F.gelu when
+    it is built, not per call; an activation that is not (tanh GELU, the python erf form, ReLU) still runs as
+    the model's own module, and every one gives the model's hidden states."""
+    model = _bert(hidden_act=act)
+    for m, kinds in ((model, ("float",) * 4), (quantize(model), None)):
+        enc = mhf.serve(m)
+        for layer in enc.layers:
+            if kinds is not None:
+                assert layer.kinds == kinds
+            else:
+                assert all(isinstance(k, bool) for k in layer.kinds)  # int8: the kernel's reduce_range
+            assert layer.exact_gelu == (act == "gelu")
+        if m is model:
+            for seed in range(2):
+                _close(model, enc, _batch(seed=seed))
+
+
+def test_exact_gelu_is_recognised_only_as_the_erf_form():
+    import torch.nn.functional as F
+    from transformers.activations import ACT2FN
+
+    assert hf_serve.exact_gelu(nn.GELU()) and hf_serve.exact_gelu(ACT2FN["gelu"])
+    assert not hf_serve.exact_gelu(nn.GELU(approximate="tanh"))
+    assert not hf_serve.exact_gelu(ACT2FN["gelu_python"]) and not hf_serve.exact_gelu(ACT2FN["gelu_new"])
+    assert not hf_serve.exact_gelu(F.gelu)  # a function, not a module: called as it is
+    hooked = nn.GELU()
+    hooked.register_forward_hook(lambda m, a, out: out * 2)
+    assert not hf_serve.exact_gelu(hooked)
+
+
 def test_bad_inputs_get_one_clear_line():
     enc = mhf.serve(_bert())
     x = _batch()
@@ -242,6 +275,10 @@ def test_fused_layers_are_the_separate_layers_side_by_side():
         fused(parts[0], nn.Linear(24, 3, bias=False))
     with pytest.raises(TypeError, match="neither nn.Linear"):
         linear(nn.Conv1d(2, 2, 1), x)
+    with pytest.raises(TypeError, match="neither nn.Linear"):
+        kernel_kind(nn.Conv1d(2, 2, 1))
+    for m in (*parts, *quantize(parts)):  # the kind resolved once gives the same product
+        assert torch.equal(linear(m, x, kind=kernel_kind(m)), m(x))
     from torch.ao.quantization import float16_dynamic_qconfig, quantize_dynamic
 
     half = quantize_dynamic(nn.Sequential(nn.Linear(24, 8)), {nn.Linear: float16_dynamic_qconfig})[0]  # not int8

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-__all__ = ["DTYPES", "fake_quantized", "fused", "is_quantized", "linear", "quantize"]
+__all__ = ["DTYPES", "fake_quantized", "fused", "is_quantized", "kernel_kind", "linear", "quantize"]
 
 DTYPES = ("int8",)
 KEY = "multihead_quantized"
@@ -107,17 +107,33 @@ def fused(*linears: nn.Module) -> nn.Module:
     return f
 
 
-def linear(m: nn.Module, x: Tensor) -> Tensor:
-    """``m(x)`` for an ``nn.Linear`` or one of :func:`quantize`'s int8 layers (:func:`is_int8_linear`), computed
-    as the module computes it but without the module call: for loops where the call costs as much as the
-    product (a served encoder at batch 1). Raises TypeError for any other module."""
+#: :func:`kernel_kind`'s answer for an ``nn.Linear`` (an int8 layer's is its ``reduce_range``, a bool)
+FLOAT = "float"
+
+
+def kernel_kind(m: nn.Module) -> str | bool:
+    """How :func:`linear` computes ``m``: :data:`FLOAT` for an ``nn.Linear``, else the ``reduce_range`` of one of
+    :func:`quantize`'s int8 layers (:func:`is_int8_linear`). Raises TypeError for any other module. A loop that
+    calls the same layers again resolves them once and passes ``kind=`` to :func:`linear`."""
     kind = type(m)
     if kind is nn.Linear:
-        return torch.nn.functional.linear(x, m.weight, m.bias)
+        return FLOAT
     reduce_range = _int8_kinds().get(kind)
     if reduce_range is None or m._packed_params.dtype != torch.qint8:
         raise TypeError(f"linear: {kind.__name__} is neither nn.Linear nor one of quantize()'s int8 layers.")
-    return _kernel(x, m._packed_params._packed_params, reduce_range=reduce_range).to(x.dtype)
+    return reduce_range
+
+
+def linear(m: nn.Module, x: Tensor, *, kind: str | bool | None = None) -> Tensor:
+    """``m(x)`` for an ``nn.Linear`` or one of :func:`quantize`'s int8 layers (:func:`is_int8_linear`), computed
+    as the module computes it but without the module call: for loops where the call costs as much as the
+    product (a served encoder at batch 1). ``kind``: :func:`kernel_kind` of ``m``, resolved once by the caller
+    (None: resolved here). Raises TypeError for any other module."""
+    kind = kernel_kind(m) if kind is None else kind
+    if kind == FLOAT:
+        return torch.nn.functional.linear(x, m.weight, m.bias)
+    y = _kernel(x, m._packed_params._packed_params, reduce_range=kind)
+    return y if y.dtype is x.dtype else y.to(x.dtype)
 
 
 @functools.cache

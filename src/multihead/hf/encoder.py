@@ -40,7 +40,7 @@ from multihead.core.functional import attention
 from multihead.core.padding import Unpadding
 from multihead.core.varlen import attention_varlen
 from multihead.hf import probe
-from multihead.quantize import fused, is_int8_linear, linear
+from multihead.quantize import fused, is_int8_linear, kernel_kind, linear
 
 __all__ = ["Encoder", "serve"]
 
@@ -59,6 +59,9 @@ class EncoderLayer(nn.Module):
         self.qkv, self.out, self.norm1, self.up, self.down, self.norm2 = qkv, out, norm1, up, down, norm2
         self.act = act
         self.head_dim, self.scale = head_dim, scale
+        # resolved once, not per call (~10 us a projection, ~9 us the activation's module call at batch 1)
+        self.kinds = tuple(None if m is None else kernel_kind(m) for m in (qkv, out, up, down))
+        self.exact_gelu = exact_gelu(act)
 
     @property
     def num_heads(self) -> int:
@@ -71,8 +74,9 @@ class EncoderLayer(nn.Module):
         encoder call share (the attention backend chosen by the first)."""
         H, D = self.num_heads, self.head_dim
         N = x.shape[0]
+        k_qkv, k_out, k_up, k_down = self.kinds
         if H:
-            qkv = linear(self.qkv, x).view(N, 3, H, D)  # (N, 3*H*D) -> (N, 3, H, D)
+            qkv = linear(self.qkv, x, kind=k_qkv).view(N, 3, H, D)  # (N, 3*H*D) -> (N, 3, H, D)
             if rows is None:
                 q, k, v = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
                 a = call.attention(q, k, v, self.scale).transpose(1, 2).reshape(N, H * D)  # (B, H, L, D) -> (N, H*D)
@@ -80,13 +84,27 @@ class EncoderLayer(nn.Module):
                 q, k, v = qkv.unbind(1)  # 3 x (N, H, D)
                 cu = rows.cu_seqlens
                 a = attention_varlen(q, k, v, cu, cu, scale=self.scale).reshape(N, H * D)  # (N, H, D) -> (N, H*D)
-            a = linear(self.out, a)  # (N, E)
+            a = linear(self.out, a, kind=k_out)  # (N, E)
         else:  # every head pruned: the output projection gives its bias
-            a = linear(self.out, x.new_zeros(N, 0))  # (N, E)
+            a = linear(self.out, x.new_zeros(N, 0), kind=k_out)  # (N, E)
         n1, n2 = self.norm1, self.norm2
         x = F.layer_norm(x + a, n1.normalized_shape, n1.weight, n1.bias, n1.eps)  # (N, E)
-        h = linear(self.down, self.act(linear(self.up, x)))  # (N, E)
+        u = linear(self.up, x, kind=k_up)  # (N, the feed-forward size)
+        u = F.gelu(u) if self.exact_gelu else self.act(u)
+        h = linear(self.down, u, kind=k_down)  # (N, E)
         return F.layer_norm(x + h, n2.normalized_shape, n2.weight, n2.bias, n2.eps)  # (N, E)
+
+
+def exact_gelu(act) -> bool:
+    """Whether the activation module computes ``F.gelu`` (erf form) and nothing else: ``nn.GELU()``, or
+    transformers' ``GELUActivation`` holding ``F.gelu`` with no hooks. (:func:`serve` also compares the whole
+    encoder with the model before returning it.)"""
+    if not isinstance(act, nn.Module) or act._forward_hooks or act._forward_pre_hooks:
+        return False
+    if type(act) is nn.GELU:
+        return act.approximate == "none"
+    return type(act).__name__ == "GELUActivation" and act.__dict__.get("act") is F.gelu and \
+        type(act).forward.__qualname__ == "GELUActivation.forward"
 
 
 class Call:
