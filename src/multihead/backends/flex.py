@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 
 from multihead import masks
-from multihead.backends.registry import Request, Unavailable, forget, register
+from multihead.backends.registry import Request, Unavailable, forget, register, request
 
 _COMPILED: dict = {}
 _BLOCK_MASKS: OrderedDict = OrderedDict()
@@ -167,13 +167,12 @@ def run(query, key, value, mask, *, scale, dropout_p):
     B, H, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     bm = block_mask(mask, B, Lq, Lk, query.device)
-    req = Request(query.device.type, query.dtype, B, H, Hkv, Lq, Lk, D, value.shape[-1], mask, dropout_p,
-                  torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    req = request(query, key, value, mask, dropout_p)
     try:
         out = _compiled(query.device.type)(query, key, value, block_mask=bm, scale=scale, enable_gqa=Hkv != H)
     except _compile_errors() as e:  # only a failed compile falls back; it is remembered for explain()
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-        _FAILED[(query.device.type, query.dtype, B, H, Hkv, Lq, Lk, D, value.shape[-1])] = reason
+        _FAILED[_shape_key(req)] = reason
         forget()  # its capability changed: "auto"'s remembered choices are dropped
         raise Unavailable(f"its compile failed: {reason}") from e
     _COMPILED_KEYS.add(_compile_key(req))
