@@ -110,3 +110,47 @@ def test_bench_w5_without_recompute_times_the_cache_against_the_hand_written_loo
     assert pr["min_max"][0] <= pr["ratio"] <= pr["min_max"][1]
     md = (tmp_path / "decode.md").read_text()
     assert "recompute" not in md and f"**{pr['ratio']:.3f}x** ({pr['min_max'][0]:.2f}-{pr['min_max'][1]:.2f} by round)" in md
+
+
+def test_the_int8_kernel_bench_times_the_served_models_own_products(tmp_path):
+    """bench/int8_kernels.py: one entry per int8 product of every served layer, fbgemm's call is the served
+    layer's own and the float call the product of the dequantized weights; ONNX Runtime's graph computes
+    x @ (int8 rows x scales)^T + bias (weights within +-64, where no CPU's kernel saturates a 16-bit pair:
+    within 8-bit activations' rounding), also for a new input of a size already bound; a float served model
+    is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    import multihead.hf as mhf
+    from multihead.quantize import linear, quantize
+
+    spec = importlib.util.spec_from_file_location("int8_kernels", Path(__file__).parent.parent / "bench" / "int8_kernels.py")
+    kern = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kern)
+    torch.manual_seed(0)
+    w = torch.randint(-64, 65, (24, 40), dtype=torch.int8)  # (N, K)
+    scale, bias = torch.rand(24) * 0.01 + 0.001, torch.randn(24)
+    run = kern.ort_product(w, scale, bias)
+    for x in (torch.randn(5, 40), torch.randn(5, 40) * 3, torch.randn(9, 40)):
+        ref = x @ (w.float() * scale[:, None]).T + bias  # (M, N)
+        assert float((run(x) - ref).norm() / ref.norm()) < 0.01
+
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48)
+    model = transformers.BertModel(cfg).eval()
+    served = mhf.serve(quantize(model))
+    prods = kern.products(served)
+    assert [p[0] for p in prods] == [f"layer {i} {part}" for i in range(2) for part in
+                                     ("qkv (32x96)", "out (32x32)", "up (32x48)", "down (48x32)")]
+    with torch.inference_mode():
+        for (name, fb, ort, fl, K), part in zip(prods, ["qkv", "out", "up", "down"] * 2):
+            x = torch.randn(7, K)
+            m = getattr(served.layers[int(name.split()[1])], part)
+            ref = fl(x)
+            assert torch.equal(ref, torch.nn.functional.linear(x, m.weight().dequantize(), m.bias()))
+            assert torch.equal(fb(x), linear(m, x))
+            assert ort(x).shape == ref.shape and bool(ort(x).isfinite().all())
+    with pytest.raises(TypeError, match="layer 0's qkv is Linear, not int8"):
+        kern.products(mhf.serve(model))
