@@ -3,9 +3,11 @@ styles; none of it copied): the Annotated Transformer's four unnamed Linear laye
 ``attention`` function, a vision transformer's fused ``qkv`` reshaped to (3, B, H, N, D), GPT-2's
 ``c_attn`` raw weight (E, 3E) used as ``x @ W + b`` with a causal buffer, BERT's
 ``transpose_for_scores`` with an additive mask, a ``to_q`` / ``to_kv`` pair (keys and values fused),
-torch.nn.MultiheadAttention wrapped, and the course's chapter as a learner types it (LazyLinear,
-``transpose_qkv``, ``masked_softmax`` with -1e6, ``repeat_interleave``). ``WILD``: (id, factory, call,
-mask, self_attention, causal); every one must be graded OK.
+torch.nn.MultiheadAttention wrapped, the course's chapter as a learner types it (LazyLinear,
+``transpose_qkv``, ``masked_softmax`` with -1e6, ``repeat_interleave``), and learners' styles first seen in
+round 4: a hand-written Linear class, heads cut with ``torch.chunk`` and the output weights in a
+ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions. ``WILD``: (id, factory, call,
+mask, self_attention, causal); every one must be graded OK (``UNREAD``: with the reference check a warning).
 """
 
 from __future__ import annotations
@@ -179,6 +181,92 @@ class CourseChapter(nn.Module):
         return self.W_o(self.transpose_output(output))
 
 
+class Affine(nn.Module):
+    """A learner's own Linear: ``weight`` (in, out) used as ``x @ weight + bias``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / math.sqrt(n_in))
+        self.bias = nn.Parameter(torch.randn(n_out) / 10)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class OwnLinearClass(nn.Module):
+    """Every projection a hand-written Linear class (``W_q = Affine(...)``), SDPA for the heads."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.h = num_heads
+        self.W_q, self.W_k, self.W_v, self.W_o = (Affine(d_model, d_model) for _ in range(4))
+
+    def forward(self, q, k, v):
+        B, Lq, E = q.shape
+
+        def heads(t):  # (B, L, E) -> (B, H, L, E/H)
+            return t.view(B, t.shape[1], self.h, E // self.h).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads(self.W_q(q)), heads(self.W_k(k)), heads(self.W_v(v)))
+        return self.W_o(o.transpose(1, 2).reshape(B, Lq, E))
+
+
+class ChunkedHeadsDictOut(nn.Module):
+    """q/k/v in a ModuleDict, heads cut with torch.chunk and run one by one, the output projection's weight and
+    bias in a ParameterDict used through F.linear."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.n_heads = num_heads
+        self.proj = nn.ModuleDict({r: nn.Linear(d_model, d_model, bias=False) for r in ("query", "key", "value")})
+        self.out = nn.ParameterDict({"weight": nn.Parameter(torch.randn(d_model, d_model) / math.sqrt(d_model)),
+                                     "bias": nn.Parameter(torch.randn(d_model) / 10)})
+
+    def forward(self, x):
+        per = [torch.chunk(self.proj[r](x), self.n_heads, dim=-1) for r in ("query", "key", "value")]
+        outs = [torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5, -1), v)
+                for q, k, v in zip(*per)]
+        return F.linear(torch.cat(outs, dim=-1), self.out["weight"], self.out["bias"])
+
+
+class QuarterRootScale(nn.Module):
+    """Queries and keys each scaled by d ** -0.25 after projection, the scores as a broadcast product summed
+    over features, the softmax as exp(s - logsumexp(s))."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.num_heads = num_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, q, k, v):
+        B, Lq, E = q.shape
+        H, D = self.num_heads, E // self.num_heads
+        r = D ** -0.25
+        Q = (self.wq(q) * r).view(B, Lq, H, D).transpose(1, 2)  # (B, H, Lq, D)
+        K = (self.wk(k) * r).view(B, -1, H, D).transpose(1, 2)  # (B, H, Lk, D)
+        V = self.wv(v).view(B, -1, H, D).transpose(1, 2)
+        s = (Q.unsqueeze(-2) * K.unsqueeze(-3)).sum(-1)  # (B, H, Lq, Lk)
+        w = torch.exp(s - s.logsumexp(-1, keepdim=True))
+        return self.wo((w @ V).transpose(1, 2).reshape(B, Lq, E))
+
+
+class PointwiseConv(nn.Module):
+    """Projections as 1x1 convolutions over channels-first (B, E, L) tensors, heads by einsum."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.heads = num_heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Conv1d(d_model, d_model, 1) for _ in range(4))
+
+    def forward(self, x):
+        B, L, E = x.shape
+        xt = x.transpose(1, 2)  # (B, E, L)
+        q, k, v = (f(xt).view(B, self.heads, E // self.heads, L) for f in (self.to_q, self.to_k, self.to_v))
+        w = torch.softmax(torch.einsum("bhdi,bhdj->bhij", q, k) / math.sqrt(E // self.heads), dim=-1)
+        o = torch.einsum("bhij,bhdj->bhdi", w, v).reshape(B, E, L)
+        return self.to_out(o).transpose(1, 2)
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -195,4 +283,11 @@ WILD = [
     ("to_q / to_kv", QKVPair, _pair_call, None, False, False),
     ("torch.nn wrapped", TorchWrapped, lambda m, q, k, v, mk: m(q, k, v, mk[:, 0, 0].bool()), "block", False, False),
     ("the course's chapter", CourseChapter, "qkv_mask", "valid_lens", False, False),
+    ("a hand-written Linear class", OwnLinearClass, "qkv", None, False, False),
+    ("chunked heads, output weights in a ParameterDict", ChunkedHeadsDictOut, "x", None, True, False),
+    ("q and k each scaled by d^-1/4, broadcast product", QuarterRootScale, "qkv", None, False, False),
+    ("1x1 convolutions", PointwiseConv, "x", None, True, False),
 ]
+
+#: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning
+UNREAD = ("to_q / to_kv", "1x1 convolutions")

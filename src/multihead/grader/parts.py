@@ -7,7 +7,9 @@ likeliest first. Nothing here calls the module; :mod:`multihead.grader.verdict` 
   ``query_key_value``), per-head lists of them (``heads.0.q`` ...), or in call order when nothing
   has a role name (``self.linears[0..3]``);
 - raw Parameters used as ``x @ W`` (in, out) or ``F.linear(x, W)`` (out, in) -- both readings when
-  square -- or per head (H, E, D) / (H, D, E), each with the bias of its role (``b_q``, ``q_bias``);
+  square -- or per head (H, E, D) / (H, D, E), each with the bias of its role (``b_q``, ``q_bias``), a
+  bare ``weight`` / ``bias`` by its owner's name (a hand-written Linear class, a ParameterDict:
+  ``W_o.weight``);
 - a fused qkv projection, laid out [Q | K | V] or per head [q k v];
 - the head count from an attribute (``num_heads``, ``h``, ``n_head`` ...), else every divisor.
 """
@@ -168,15 +170,42 @@ def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None) ->
             for x in outs]
 
 
+#: a parameter's last name that says only "the weight" or "the bias": its owner's name says the role
+_BARE = {"weight", "bias", "w", "b", "kernel"}
+
+#: the roles a raw parameter can be read in ("o?": an unnamed projection, the output one when q, k, v have names)
+_PARAM_ROLES = ("q", "k", "v", "o", "o?", "qkv")
+
+
+def _owner_roles(desc: Description, bias: bool) -> dict[str, str]:
+    """Parameter name -> role, for parameters named bare (``weight``, ``bias``) whose owner is not a Linear-like
+    layer but is named for a role: a hand-written Linear class (``self.W_o = MyLinear(...)``: ``W_o.weight``),
+    a ParameterDict (``self.out = nn.ParameterDict({"weight": ...})``). Only a role one such weight (or bias)
+    holds: several (a per-head list of them) stay unread rather than half read."""
+    found: dict[str, list[str]] = {}
+    for name, p in desc.params.items():
+        if "." not in name:
+            continue
+        owner, last = name.rsplit(".", 1)
+        if owner in desc.linear or last.lower() not in _BARE or is_bias(name) != bias or p.dim() != (1 if bias else 2):
+            continue  # a weight of more dimensions (a convolution's) stays unread
+        r = role_of(owner)
+        if r in _PARAM_ROLES:
+            found.setdefault(r, []).append(name)
+    return {names[0]: r for r, names in found.items() if len(names) == 1}
+
+
 def _biases(desc: Description) -> dict[str, Tensor]:
-    """Raw bias parameters by role: 1-D (or (H, D)) parameters whose name says bias and a role."""
+    """Raw bias parameters by role: 1-D (or (H, D)) parameters whose name (or, named bare, whose owner's
+    name) says bias and a role."""
     out = {}
+    by_owner = _owner_roles(desc, bias=True)
     for name, p in desc.params.items():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         if owner in desc.linear or p.dim() not in (1, 2) or not is_bias(name):
             continue
-        r = role_of(name)
-        if r in ("q", "k", "v", "o", "qkv") and (p.dim() == 1 or p.shape[0] < p.shape[1]):
+        r = role_of(name) or by_owner.get(name)
+        if r in _PARAM_ROLES and (p.dim() == 1 or p.shape[0] < p.shape[1]):
             out[r] = p
     return out
 
@@ -192,12 +221,14 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
         if r is not None:
             named[r].append(Proj(w, b, name, [name]))
     biases = _biases(desc)
+    by_owner = _owner_roles(desc, bias=False)
     for name, p in desc.params.items():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if owner in desc.linear or desc.modules.get(owner) == "ParameterDict" or is_bias(name) or p.dim() < 2:
+        if owner in desc.linear or is_bias(name) or p.dim() < 2:
             continue
-        r = role_of(name)
-        if r in ("q", "k", "v", "o", "qkv"):
+        r = by_owner.get(name) if name in by_owner else \
+            (None if desc.modules.get(owner) == "ParameterDict" else role_of(name))
+        if r in _PARAM_ROLES:
             named[r].append(_param_readings(name, p, biases.get(r), E))
     if not named["o"] and named["o?"]:
         named["o"] = named["o?"][-1:]

@@ -105,8 +105,15 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
             x, r = x2, r2
     if r.error is not None or r.out is None:
         hint = hint if (r.error or "").startswith("TypeError") else ""
+        mask = ""
+        if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
+            shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
+            mask = f", mask ({s.conv}) {shape}"
+            if r.error is not None and s.conv != "valid_lens" and not hint:
+                hint = (" (a module that reads another mask shape is called through a function, e.g. call=lambda m, "
+                        "q, k, v, mask: m(q, k, v, mask[:, 0]) for a (B, Lq, Lk) mask, mask[:, 0, 0] for (B, Lk))")
         rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
-                                f"{tuple(x.k.shape)}: {r.error or 'no tensor returned'}{hint}"))
+                                f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
         return None
     rep.checks.append(Check("runs on probe inputs", True))
     out = r.out
@@ -196,6 +203,27 @@ def _localise(s: Session, readings: list) -> tuple[list[Finding], parts_mod.Part
     return candidates[0][1], candidates[0][2]
 
 
+def _unread_weights(desc: Description, parts: parts_mod.Parts) -> list[str]:
+    """The module's parameters of two or more dimensions that no projection of the reading holds: where an
+    output projection the reading did not find could be."""
+    held = [p for p in (parts.q, parts.k, parts.v, parts.o, parts.qkv) if p is not None]
+    layers = tuple(f"{m}." for p in held for m in p.modules)
+    raw = {p.name for p in held}
+    return [n for n, t in desc.params.items() if t.dim() >= 2 and n not in raw and not n.startswith(layers)]
+
+
+def _unestablished_missing_projection(found: list[Finding], parts: parts_mod.Parts | None,
+                                      desc: Description) -> list[Finding]:
+    """``found`` without "output projection missing" where that was not established: the reading has no
+    output projection, yet the module holds weights it did not read (a W_o held in a way no reading knows)
+    and no other stage reproduced the output as the merged heads themselves."""
+    if parts is None or parts.o is not None or not _unread_weights(desc, parts):
+        return found
+    missing = [f for f in found if f.name == "output projection missing"]
+    others = [f for f in found if f not in missing and not f.name.startswith(stages.GENERIC)]
+    return found if others else [f for f in found if f not in missing]
+
+
 def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep: Report, named: list) -> None:
     readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order)
     fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
@@ -212,6 +240,7 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
         rep.diagnosis += named + ([f] if f is not None else [])
         return
     found, parts = _localise(s, readings) if readings else ([], None)
+    found = _unestablished_missing_projection(found, parts, desc)
     specific = [x for x in found if not x.name.startswith(stages.GENERIC)]
     figure = "" if err == float("inf") else f"rel. error {err:.2e}"
     extra = [f] if f is not None else []
@@ -228,9 +257,11 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
                                             "not located", "the output of multi-head attention with the module's "
                                             "own projections", f"a different output ({figure or 'no reading'})")])
     else:
+        unread = _unread_weights(desc, readings[0]) if readings and readings[0].o is None else []
         why = ("its projections were not found by name or call order" if not readings else
-               "no reading of its parameters (orientation, head count, fused layout) reproduces its output, and its "
-               "parts could not be observed at work")
+               f"its output projection was not found (weights no reading holds: {', '.join(unread[:4])})" if unread
+               else "no reading of its parameters (orientation, head count, fused layout) reproduces its output, and "
+               "its parts could not be observed at work")
         rep.checks.append(Check("matches the float64 reference", False, "not verified", f"{why}; every black-box "
                                 "check passed. Pass mapping={'q': ..., 'k': ..., 'v': ..., 'o': ..., 'heads': H} to "
                                 "verify it", severity="warning"))
