@@ -6,8 +6,10 @@ styles; none of it copied): the Annotated Transformer's four unnamed Linear laye
 torch.nn.MultiheadAttention wrapped, the course's chapter as a learner types it (LazyLinear,
 ``transpose_qkv``, ``masked_softmax`` with -1e6, ``repeat_interleave``), and learners' styles first seen in
 round 4: a hand-written Linear class, heads cut with ``torch.chunk`` and the output weights in a
-ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions. ``WILD``: (id, factory, call,
-mask, self_attention, causal); every one must be graded OK (``UNREAD``: with the reference check a warning).
+ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions, q/k/v stacked in one (3, E, E)
+Parameter with the output projected per head and summed, torch's functional
+``multi_head_attention_forward``. ``WILD``: (id, factory, call, mask, self_attention, causal); every one
+must be graded OK (``UNREAD``: with the reference check a warning).
 """
 
 from __future__ import annotations
@@ -267,6 +269,47 @@ class PointwiseConv(nn.Module):
         return self.to_out(o).transpose(1, 2)
 
 
+class PerHeadOutputSum(nn.Module):
+    """q/k/v stacked in one (3, E, E) Parameter used as x @ W[i]; the output projection per head, (H, D, E),
+    each head's output projected and the heads summed (the concatenation's product written out)."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.num_heads, d = num_heads, d_model // num_heads
+        self.W_qkv = nn.Parameter(torch.randn(3, d_model, d_model) / math.sqrt(d_model))
+        self.W_o = nn.Parameter(torch.randn(num_heads, d, d_model) / math.sqrt(d_model))
+        self.b_o = nn.Parameter(torch.randn(d_model) / 10)
+
+    def forward(self, q, k, v):
+        B, Lq, E = q.shape
+        H = self.num_heads
+
+        def heads(t):  # (B, L, E) -> (B, H, L, D)
+            return t.view(B, t.shape[1], H, E // H).transpose(1, 2)
+
+        Q, K, V = heads(q @ self.W_qkv[0]), heads(k @ self.W_qkv[1]), heads(v @ self.W_qkv[2])
+        o = torch.softmax(Q @ K.transpose(-1, -2) / math.sqrt(E // H), dim=-1) @ V  # (B, H, Lq, D)
+        return torch.einsum("bhld,hde->ble", o, self.W_o) + self.b_o
+
+
+class FunctionalTorch(nn.Module):
+    """torch's own functional multi-head attention called with the module's parameters (sequence-first)."""
+
+    def __init__(self, d_model=24, num_heads=3):
+        super().__init__()
+        self.num_heads, self.d_model = num_heads, d_model
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * d_model, d_model) / math.sqrt(d_model))
+        self.in_proj_bias = nn.Parameter(torch.randn(3 * d_model) / 10)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, q, k, v):
+        o, _ = F.multi_head_attention_forward(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.d_model, self.num_heads, self.in_proj_weight,
+            self.in_proj_bias, None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias, training=False,
+            need_weights=False)
+        return o.transpose(0, 1)  # (L, B, E) -> (B, L, E)
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -287,6 +330,8 @@ WILD = [
     ("chunked heads, output weights in a ParameterDict", ChunkedHeadsDictOut, "x", None, True, False),
     ("q and k each scaled by d^-1/4, broadcast product", QuarterRootScale, "qkv", None, False, False),
     ("1x1 convolutions", PointwiseConv, "x", None, True, False),
+    ("q/k/v stacked (3, E, E), output per head summed", PerHeadOutputSum, "qkv", None, False, False),
+    ("torch's functional multi_head_attention_forward", FunctionalTorch, "qkv", None, False, False),
 ]
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning

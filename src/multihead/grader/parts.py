@@ -147,11 +147,18 @@ def _stack(projs: list[Proj], name: str) -> Proj:
     return Proj(w, b, name, [m for p in projs for m in p.modules])
 
 
-def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None) -> list[Proj]:
+def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None, role: str | None = None) -> list[Proj]:
     """A raw Parameter as a projection: (in, out) for ``x @ W`` or (out, in) for ``F.linear``; (H, E, D)
-    or (H, D, E) per head. Every reading the shape allows, likeliest first; ``bias`` joins a reading
-    whose output size it fits."""
+    or (H, D, E) per head -- for the output projection (``role`` "o"), each head's D features to E: (H, D, E)
+    as ``Σ_h o_h @ W[h]`` or (H, E, D) as ``Σ_h F.linear(o_h, W[h])``. Every reading the shape allows,
+    likeliest first; ``bias`` joins a reading whose output size it fits."""
     outs = []
+    if w.dim() == 3 and role in ("o", "o?"):
+        H, a, b = w.shape
+        if E is None or b == E:
+            outs.append(w.permute(2, 0, 1).reshape(b, H * a))  # (H, D, E) -> (E, H, D) -> (E, H*D)
+        if E is None or a == E:
+            outs.append(w.permute(1, 0, 2).reshape(a, H * b))  # (H, E, D) -> (E, H, D) -> (E, H*D)
     if w.dim() == 2:
         a, b = w.shape
         if E is not None and a == E and b != E:
@@ -160,7 +167,7 @@ def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None) ->
             outs = [w]
         else:
             outs = [w.T, w]
-    elif w.dim() == 3:
+    elif w.dim() == 3 and role not in ("o", "o?"):
         H, a, b = w.shape
         if E is None or a == E:
             outs.append(w.transpose(1, 2).reshape(H * b, a))  # (H, E, D) -> (H, D, E) -> (H*D, E)
@@ -229,7 +236,7 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
         r = by_owner.get(name) if name in by_owner else \
             (None if desc.modules.get(owner) == "ParameterDict" else role_of(name))
         if r in _PARAM_ROLES:
-            named[r].append(_param_readings(name, p, biases.get(r), E))
+            named[r].append(_param_readings(name, p, biases.get(r), E, r))
     if not named["o"] and named["o?"]:
         named["o"] = named["o?"][-1:]
     if not (named["q"] or named["qkv"]) and order:  # nothing named: the order of the calls
@@ -251,7 +258,7 @@ def _mapped(desc: Description, mapping: dict, E: int, named: dict) -> None:
         if sub in desc.linear:
             named[r] = [Proj(*desc.linear[sub], sub, [sub])]
         elif sub in desc.params:
-            named[r] = [_param_readings(sub, desc.params[sub], None, E)]
+            named[r] = [_param_readings(sub, desc.params[sub], None, E, r)]
         elif sub in desc.modules:
             raise ValueError(f"mapping[{r!r}] = {sub!r} is a {desc.modules[sub]}, not a Linear layer.")
         else:
