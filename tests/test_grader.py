@@ -108,10 +108,11 @@ def test_an_unreadable_correct_module_is_a_warning_not_a_failure():
     assert mapped.ok and mapped.check("matches the float64 reference").passed, str(mapped)
 
 
-def test_an_output_projection_no_reading_finds_is_a_warning_and_none_at_all_a_failure():
+def test_an_output_projection_no_reading_finds_is_a_warning_not_a_failure():
     """q, k, v found by name but W_o held where no reading looks (a class of its own, an unguessable name): the
     missing output projection is not established, so OK with a warning naming the unread weight (NOT OK
-    before: "output projection missing"); mapping= verifies it. A module holding no W_o at all stays as it was:
+    before: "output projection missing"); mapping= verifies it, and names a mistake such a module makes (without
+    it, a warning that --strict fails: the mistake cannot be established). A module holding no W_o at all stays:
     its output the concatenated heads, it passes (BERT's self-attention leaves W_o to the next module); with a
     second mistake, both are named."""
     from torch import nn
@@ -147,6 +148,14 @@ def test_an_output_projection_no_reading_finds_is_a_warning_and_none_at_all_a_fa
     assert not rep.diagnosis, str(rep)
     mapped = multihead.check(Heads(), call="qkv", mapping={"q": "q", "k": "k", "v": "v", "o": "finish.kernel_matrix"})
     assert mapped.ok and mapped.check("matches the float64 reference").passed, str(mapped)
+
+    hidden_bug = {"scale": 1 / 8}  # W_o unread and a real mistake: not established without W_o, so a warning;
+    rep = multihead.check(Heads(**hidden_bug), call="qkv")  # strict fails it, and mapping= names the mistake
+    assert rep.ok and "output projection was not found" in rep.check("matches the float64 reference").detail
+    assert not multihead.check(Heads(**hidden_bug), call="qkv", strict=True).ok
+    rep = multihead.check(Heads(**hidden_bug), call="qkv", mapping={"q": "q", "k": "k", "v": "v",
+                                                                   "o": "finish.kernel_matrix"})
+    assert not rep.ok and [f.name for f in rep.diagnosis] == ["scores divided by d_k"], str(rep)
 
     rep = multihead.check(Heads(finish=False), call="qkv")  # the output projection left to the next module, as
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)  # BERT's self-attention does
