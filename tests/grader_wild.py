@@ -7,9 +7,9 @@ torch.nn.MultiheadAttention wrapped, the course's chapter as a learner types it 
 ``transpose_qkv``, ``masked_softmax`` with -1e6, ``repeat_interleave``), and learners' styles first seen in
 round 4: a hand-written Linear class, heads cut with ``torch.chunk`` and the output weights in a
 ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions, q/k/v stacked in one (3, E, E)
-Parameter with the output projected per head and summed, torch's functional
-``multi_head_attention_forward``. ``WILD``: (id, factory, call, mask, self_attention, causal); every one
-must be graded OK (``UNREAD``: with the reference check a warning).
+Parameter with the output projected per head and summed, torch's functional ``multi_head_attention_forward``,
+the course's query_size / key_size / value_size. ``WILD``: (id, factory, call, mask, self_attention, causal);
+every one must be graded OK (``UNREAD``: with the reference check a warning).
 """
 
 from __future__ import annotations
@@ -310,6 +310,32 @@ class FunctionalTorch(nn.Module):
         return o.transpose(0, 1)  # (L, B, E) -> (B, L, E)
 
 
+class SizedInputs(nn.Module):
+    """The course's earlier chapter's signature: queries, keys and values of sizes of their own
+    (query_size, key_size, value_size), plain Linear layers, heads folded into the batch, valid lengths."""
+
+    def __init__(self, key_size=28, query_size=20, value_size=36, num_hiddens=24, num_heads=3, scale_by_d=False):
+        super().__init__()
+        self.num_heads, self.scale_by_d = num_heads, scale_by_d
+        self.W_q, self.W_k = nn.Linear(query_size, num_hiddens), nn.Linear(key_size, num_hiddens)
+        self.W_v, self.W_o = nn.Linear(value_size, num_hiddens), nn.Linear(num_hiddens, num_hiddens)
+
+    def fold(self, X):  # (B, L, H*D) -> (B*H, L, D)
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    def forward(self, queries, keys, values, valid_lens):
+        q, k, v = self.fold(self.W_q(queries)), self.fold(self.W_k(keys)), self.fold(self.W_v(values))
+        d = q.shape[-1]
+        scores = torch.bmm(q, k.transpose(1, 2)) / (d if self.scale_by_d else math.sqrt(d))  # (B*H, Lq, Lk)
+        if valid_lens is not None:
+            lens = torch.repeat_interleave(valid_lens, self.num_heads, dim=0)  # (B,) -> (B*H,)
+            scores = scores.masked_fill(torch.arange(scores.shape[-1])[None, None, :] >= lens[:, None, None], -1e6)
+        o = torch.bmm(torch.softmax(scores, dim=-1), v)  # (B*H, Lq, D)
+        o = o.reshape(-1, self.num_heads, o.shape[1], o.shape[2]).permute(0, 2, 1, 3)  # (B, Lq, H, D)
+        return self.W_o(o.reshape(o.shape[0], o.shape[1], -1))  # (B, Lq, H*D)
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -332,6 +358,7 @@ WILD = [
     ("1x1 convolutions", PointwiseConv, "x", None, True, False),
     ("q/k/v stacked (3, E, E), output per head summed", PerHeadOutputSum, "qkv", None, False, False),
     ("torch's functional multi_head_attention_forward", FunctionalTorch, "qkv", None, False, False),
+    ("query, key and value sizes of their own", SizedInputs, "qkv_mask", "valid_lens", False, False),
 ]
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning

@@ -193,6 +193,26 @@ def test_a_module_reading_another_mask_shape_is_told_the_shape_and_the_call_that
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
 
 
+def test_cross_attention_with_its_own_key_and_value_sizes_is_graded_on_them(tmp_path, capsys):
+    """The course's query_size, key_size and value_size: the probes take each projection's input size (they
+    all took the first layer's, so every correct module of this signature raised and was NOT OK), in process
+    and in the sandbox; a mistake in such a module is still named."""
+    import inspect
+
+    torch.manual_seed(0)
+    rep = multihead.check(gw.SizedInputs(), call="qkv_mask", mask="valid_lens")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    rep = multihead.check(gw.SizedInputs(scale_by_d=True), call="qkv_mask", mask="valid_lens")
+    assert not rep.ok and rep.diagnosis[0].name == "scores divided by d_k", str(rep)
+
+    f = tmp_path / "sized.py"
+    f.write_text("import math\nimport torch\nfrom torch import nn\n\n\n" + inspect.getsource(gw.SizedInputs))
+    code = main(["check", f"{f}:SizedInputs", "--init", "key_size=28, query_size=20, value_size=36, num_hiddens=24, "
+                 "num_heads=3", "--call", "qkv_mask", "--mask", "valid_lens"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+
+
 def test_unstable_softmax_is_found_by_large_scores():
     torch.manual_seed(0)
     rep = multihead.check(ub.UnstableSoftmax(), call="qkv_mask", mask="keep")

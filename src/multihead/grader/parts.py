@@ -28,7 +28,7 @@ from torch import Tensor
 from multihead.grader.subject import HEAD_ATTRS, Description
 from multihead.heads.surgery import is_bias, role_of
 
-__all__ = ["Parts", "Proj", "find_parts", "head_counts", "merge", "reference", "split"]
+__all__ = ["Parts", "Proj", "find_parts", "head_counts", "layer_role", "merge", "reference", "split"]
 
 
 @dataclass
@@ -217,14 +217,19 @@ def _biases(desc: Description) -> dict[str, Tensor]:
     return out
 
 
+def layer_role(name: str) -> str | None:
+    """The role a Linear-like layer's name says (``W_q`` -> "q"; an entry of a list, ``to_out.0``, its list's)."""
+    return role_of(name) or (role_of(name.rsplit(".", 1)[0]) if name.split(".")[-1].isdigit() and "." in name
+                             else None)
+
+
 def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]:
     """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings)."""
     named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": []}
     for name, (w, b) in desc.linear.items():
         if not name:
             continue
-        r = role_of(name) or (role_of(name.rsplit(".", 1)[0]) if name.split(".")[-1].isdigit() and "." in name
-                              else None)
+        r = layer_role(name)
         if r is not None:
             named[r].append(Proj(w, b, name, [name]))
     biases = _biases(desc)

@@ -44,12 +44,14 @@ def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
 
 
 def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: bool, g: torch.Generator,
-           Bx: int = B) -> Inputs:
-    """Random inputs; with a mask the sequences keep Lk-1, min(Lk, 3) and Lk keys (a causal module:
-    the lower triangle on top)."""
+           Bx: int = B, kv_sizes: tuple[int, int] | None = None) -> Inputs:
+    """Random inputs, q (B, Lq, E) and k, v (B, Lk, E) -- or (B, Lk, Ek), (B, Lk, Ev) with ``kv_sizes``
+    (cross-attention whose keys and values have sizes of their own, the course's key_size and value_size);
+    with a mask the sequences keep Lk-1, min(Lk, 3) and Lk keys (a causal module: the lower triangle on top)."""
+    Ek, Ev = kv_sizes or (E, E)
     q = torch.randn(Bx, Lq, E, generator=g)
-    k = q if self_attn else torch.randn(Bx, Lk, E, generator=g)
-    v = q if self_attn else torch.randn(Bx, Lk, E, generator=g)
+    k = q if self_attn else torch.randn(Bx, Lk, Ek, generator=g)
+    v = q if self_attn else torch.randn(Bx, Lk, Ev, generator=g)
     lens = torch.tensor([max(1, Lk - 1), min(Lk, 3), Lk][:Bx]) if masked else None
     keep = None
     if lens is not None:
@@ -63,7 +65,7 @@ def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: b
 @dataclass
 class Session:
     """The subject and how it is graded: ``conv`` its mask convention (None: it takes no mask), ``causal``,
-    ``self_attn`` (queries, keys and values are one tensor), ``E`` its input size, ``g`` the run's random
+    ``self_attn`` (queries, keys and values are one tensor), ``E`` its (queries') input size, ``g`` the run's random
     generator (the probes are drawn from it, never known in advance to a sandboxed submission), ``how``
     the call as the learner wrote it (for messages)."""
 
@@ -78,11 +80,13 @@ class Session:
     square: bool = False
     #: the Linear-like layers in the order the first call ran them
     order: tuple = ()
+    #: (Ek, Ev): the keys' and values' sizes where they differ from the queries' E (None: E for all three)
+    kv_sizes: tuple[int, int] | None = None
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
         return probes(self.E, Lq, Lk, self_attn=self.self_attn, masked=self.conv is not None, causal=self.causal,
-                      g=self.g, Bx=Bx)
+                      g=self.g, Bx=Bx, kv_sizes=self.kv_sizes)
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None,
              **kw) -> Reply:

@@ -60,6 +60,23 @@ def _size_from(desc: Description, mapping: dict | None) -> int | None:
     return next((int(w.shape[1]) for w, _ in desc.linear.values()), None)
 
 
+def _role_sizes(desc: Description, mapping: dict | None) -> tuple[int, int, int] | None:
+    """(Eq, Ek, Ev): the input sizes of the query, key and value projections, where each role is held by
+    Linear-like layers of one input size (found by role name, or the mapping's) and the three are not all
+    one size (the course's query_size, key_size and value_size); else None."""
+    sizes: dict[str, set[int]] = {"q": set(), "k": set(), "v": set()}
+    for name, (w, _) in desc.linear.items():
+        r = parts_mod.layer_role(name)
+        if mapping and any(mapping.get(m) == name for m in ("q", "k", "v")):
+            r = next(m for m in ("q", "k", "v") if mapping.get(m) == name)
+        if r in sizes:
+            sizes[r].add(int(w.shape[1]))
+    if any(len(v) != 1 for v in sizes.values()):
+        return None
+    got = tuple(next(iter(sizes[r])) for r in ("q", "k", "v"))
+    return None if len(set(got)) == 1 else got
+
+
 def _size_search(subject, desc: Description, self_attn: bool) -> int | None:
     """The input size found by calling: the parameters' sizes (commonest first), a lazy layer's output
     size, then common model sizes; the first that gives a (1, 2, ·) output. A lazy module is built by it."""
@@ -271,7 +288,8 @@ def grade_subject(subject, opts: Options) -> Report:
     """The :class:`~multihead.grader.report.Report` of the module behind ``subject``."""
     rep = Report(strict=opts.strict)
     desc = subject.describe()
-    E = opts.embed_dim or _size_from(desc, opts.mapping)
+    sizes = None if opts.self_attn or opts.embed_dim else _role_sizes(desc, opts.mapping)
+    E = opts.embed_dim or (sizes[0] if sizes else _size_from(desc, opts.mapping))
     if E is None:  # found by calling (which builds a lazy module)
         E = _size_search(subject, desc, opts.self_attn)
     elif desc.lazy:  # built by a first call at its size
@@ -281,7 +299,8 @@ def grade_subject(subject, opts: Options) -> Report:
                          "parameters have runs the call; pass embed_dim=.")
     if desc.lazy:
         desc = subject.describe()
-    s = Session(subject, opts.conv, opts.causal, opts.self_attn, E, torch.Generator().manual_seed(opts.seed), opts.how)
+    s = Session(subject, opts.conv, opts.causal, opts.self_attn, E, torch.Generator().manual_seed(opts.seed), opts.how,
+                kv_sizes=sizes[1:] if sizes else None)
     lengths: list[Finding] = []
     b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
     if b is None:
