@@ -213,6 +213,58 @@ def test_cross_attention_with_its_own_key_and_value_sizes_is_graded_on_them(tmp_
     assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
 
 
+KERAS_STYLE = """
+import math
+import torch
+from torch import nn
+
+
+class KerasTutorialStyle(nn.Module):
+    # the Keras tutorial's layer in torch: d_k, d_v the whole projections' widths, scores / sqrt(d_k)
+    def __init__(self, h=4, d_k=32, d_v=32, d_model=48):
+        super().__init__()
+        self.heads, self.d_k = h, d_k
+        self.W_q, self.W_k, self.W_v, self.W_o = nn.Linear(48, d_k), nn.Linear(48, d_k), nn.Linear(48, d_v), \\
+            nn.Linear(d_v, d_model)
+
+    def split(self, x):  # (B, L, h*D) -> (B, h, L, D)
+        return x.reshape(x.shape[0], x.shape[1], self.heads, -1).transpose(1, 2)
+
+    def forward(self, queries, keys, values, mask=None):
+        q, k, v = self.split(self.W_q(queries)), self.split(self.W_k(keys)), self.split(self.W_v(values))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores + -1e9 * mask
+        o = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+        return self.W_o(o.reshape(o.shape[0], o.shape[1], -1))
+"""
+
+
+def test_the_keras_tutorials_scale_is_named_and_a_course_that_follows_it_sets_it(tmp_path, capsys):
+    """The Keras tutorial's code scales by 1/sqrt of its total d_k (h heads' width), not one head's: named as that
+    (it was "scaled by 1/(2 sqrt(d_k))", a coincidence of h = 4), with the --scale a course that follows the
+    tutorial grades with; with it, in process (mapping=) and through the command, the module is OK."""
+    f = tmp_path / "keras_style.py"
+    f.write_text(KERAS_STYLE)
+    ns: dict = {}
+    exec(compile(KERAS_STYLE, str(f), "exec"), ns)
+    torch.manual_seed(0)
+    rep = multihead.check(ns["KerasTutorialStyle"](), call="qkv_mask", mask="block")
+    assert not rep.ok and rep.diagnosis[0].name == "scores scaled by 1/sqrt(h·d_k), the whole projection's width", \
+        str(rep)
+    assert "--scale 0.176777" in rep.diagnosis[0].advice and "Keras tutorial" in rep.diagnosis[0].advice
+    rep = multihead.check(ns["KerasTutorialStyle"](), call="qkv_mask", mask="block", mapping={"scale": 32 ** -0.5})
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    code = main(["check", f"{f}:KerasTutorialStyle", "--call", "qkv_mask", "--mask", "block", "--scale", "0.176777"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+    assert main(["check", f"{f}:KerasTutorialStyle", "--call", "qkv_mask", "--mask", "block"]) == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["check", f"{f}:KerasTutorialStyle", "--scale", "0"])
+    assert "--scale" in capsys.readouterr().err
+
+
 def test_unstable_softmax_is_found_by_large_scores():
     torch.manual_seed(0)
     rep = multihead.check(ub.UnstableSoftmax(), call="qkv_mask", mask="keep")

@@ -232,6 +232,9 @@ def _check_options(p: argparse.ArgumentParser) -> None:
                    help="the module's mask convention (with --call qkv_mask)")
     p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
     p.add_argument("--embed-dim", type=_positive(int), default=None, help="the input size, when no layer tells it")
+    p.add_argument("--scale", type=_positive(float), default=None,
+                   help="the score scale the course uses, when it is not 1/sqrt(one head's size): e.g. the Keras "
+                        "tutorial's code divides by the square root of its total d_k (h heads x d_k / h)")
     p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
     p.add_argument("--timeout", type=_positive(float), default=60.0,
                    help="wall-clock seconds each submission may take (its CPU time: twice that)")

@@ -174,7 +174,7 @@ def _check(args) -> int:
     memory = parse_size(args.memory)  # a ValueError is one line and exit 2 (main)
     scheme = classroom.load_points(args.points) if args.points else None
     opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
-                strict=args.strict, seed=args.seed)
+                strict=args.strict, seed=args.seed, scale=args.scale)
     one = args.target[0]
     if len(args.target) == 1 and (one.rpartition(":")[0].endswith(".py") or Path(one).is_file()):
         path, name = files[0]

@@ -83,16 +83,19 @@ def _row(path: Path, status: str, report: Report | None = None, finding: str = "
 
 def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
                causal: bool = False, embed_dim: int | None = None, strict: bool = False, limits: Limits | None = None,
-               seed: int | None = None, scheme: dict | None = None) -> tuple[dict, Report | None]:
+               seed: int | None = None, scheme: dict | None = None,
+               scale: float | None = None) -> tuple[dict, Report | None]:
     """Grade ``NAME(**init)`` from ``path`` in a sandbox: (its row, its report or None when it could not
-    be graded -- status error or timeout, the reason in ``finding``)."""
+    be graded -- status error or timeout, the reason in ``finding``). ``scale``: the score scale the course
+    uses (default 1/sqrt(one head's size))."""
     t0 = time.perf_counter()
     if not Path(path).is_file():
         return _row(path, "error", finding=f"{path} does not exist", scheme=scheme), None
     if not name:
         return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme), None
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
-    opts = Options(mask, causal, call == "x", embed_dim, None, seed, strict, _HOW[call], call)
+    opts = Options(mask, causal, call == "x", embed_dim, None if scale is None else {"scale": float(scale)}, seed,
+                   strict, _HOW[call], call)
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
             report = grade_subject(subject, opts)

@@ -20,9 +20,13 @@ from multihead.grader.report import Finding
 __all__ = ["AXES", "name_scale", "solve_weights", "weights_findings"]
 
 
+#: the score scale the Keras tutorial's code uses: 1/sqrt of its d_k, the whole projection's width (h heads)
+TOTAL = "1/sqrt(h·d_k)"
+
 _SCALES = (("1/sqrt(d_k)", lambda D, E, H: 1 / math.sqrt(D)), ("1/d_k", lambda D, E, H: 1 / D),
            ("1 (not scaled)", lambda D, E, H: 1.0), ("1/sqrt(d_model)", lambda D, E, H: 1 / math.sqrt(E)),
-           ("1/d_model", lambda D, E, H: 1 / E), ("sqrt(d_k)", lambda D, E, H: math.sqrt(D)),
+           ("1/d_model", lambda D, E, H: 1 / E), (TOTAL, lambda D, E, H: 1 / math.sqrt(H * D)),
+           ("sqrt(d_k)", lambda D, E, H: math.sqrt(D)),
            ("d_k", lambda D, E, H: float(D)), ("1/sqrt(num_heads)", lambda D, E, H: 1 / math.sqrt(H)),
            ("1/num_heads", lambda D, E, H: 1 / H), ("1/(2 sqrt(d_k))", lambda D, E, H: 0.5 / math.sqrt(D)),
            ("2/sqrt(d_k)", lambda D, E, H: 2 / math.sqrt(D)), ("-1/sqrt(d_k)", lambda D, E, H: -1 / math.sqrt(D)))
@@ -32,6 +36,8 @@ def name_scale(c: float, D: int, E: int, H: int) -> str:
     """The expression a fitted score multiple ``c`` is: '1/d_k', '1/sqrt(d_model)', ... or its value."""
     for expr, f in _SCALES:
         if D == E and expr in ("1/sqrt(d_model)", "1/d_model"):
+            continue
+        if expr == TOTAL and (H == 1 or H * D == E):  # then it is 1/sqrt(d_k) or 1/sqrt(d_model), named as such
             continue
         val = f(D, E, H)
         if abs(c - val) <= 2e-3 * abs(val):
@@ -46,8 +52,13 @@ def _scale_finding(c: float, expected: float, D: int, E: int, H: int, given: boo
     want = f"{expected:.4g}" if given else f"1/sqrt(d_k) = 1/sqrt({D}) = {expected:.4g}"
     name = {"1/d_k": "scores divided by d_k", "1 (not scaled)": "scores not scaled"}.get(expr, f"scores scaled by {expr}")
     found = f"{expr} = {c:.4g}" if not expr[0].isdigit() or "/" in expr or "sqrt" in expr else f"{c:.4g}"
-    return Finding(name, f"multiply Q Kᵀ by {want} (d_k = d_model / num_heads, the size of one head), once, "
-                         "before the mask and the softmax.", "scores", f"Q Kᵀ × {want}", f"Q Kᵀ × {found}")
+    advice = f"multiply Q Kᵀ by {want} (d_k = d_model / num_heads, the size of one head), once, before the mask " \
+             "and the softmax."
+    if expr == TOTAL:  # what the Keras tutorial's code does: a course that follows it says so
+        name = "scores scaled by 1/sqrt(h·d_k), the whole projection's width"
+        advice += (f" (The Keras tutorial's code divides by the square root of its total d_k, h·d_k here; a course "
+                   f"that follows it grades with --scale {c:.6g}, or check(..., mapping={{'scale': {c:.6g}}}).)")
+    return Finding(name, advice, "scores", f"Q Kᵀ × {want}", f"Q Kᵀ × {found}")
 
 
 def solve_weights(Oh: Tensor, V: Tensor) -> tuple[Tensor, float]:
