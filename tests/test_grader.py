@@ -265,6 +265,18 @@ def test_the_keras_tutorials_scale_is_named_and_a_course_that_follows_it_sets_it
     assert "--scale" in capsys.readouterr().err
 
 
+def test_a_submission_that_imports_the_courses_d2l_package_where_it_is_missing_says_so(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("d2l") is not None:
+        pytest.skip("d2l is installed here")
+    f = tmp_path / "uses_d2l.py"
+    f.write_text("from torch import nn\nfrom d2l import torch as d2l\n\n\nclass MHA(nn.Module):\n    pass\n")
+    assert main(["check", f"{f}:MHA"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No module named 'd2l'" in err and "install it there" in err, err
+
+
 def test_unstable_softmax_is_found_by_large_scores():
     torch.manual_seed(0)
     rep = multihead.check(ub.UnstableSoftmax(), call="qkv_mask", mask="keep")

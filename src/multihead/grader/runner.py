@@ -105,6 +105,9 @@ class SandboxSubject:
             msg = str(h.get("error"))
             if h.get("stage") == "lookup":
                 raise SandboxError("error", msg)
+            if msg.startswith("ModuleNotFoundError: No module named 'd2l'"):  # the course's own helper package
+                msg += (" -- the course's d2l package is not installed where the grader runs: install it there, or "
+                        "grade a file that defines what it takes from d2l (DotProductAttention, masked_softmax)")
             raise SandboxError("error", f"{stage} failed: {msg}{where}")
         return h, t
 
