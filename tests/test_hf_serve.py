@@ -249,6 +249,14 @@ def test_bad_inputs_get_one_clear_line():
         enc(x["input_ids"], x["attention_mask"] * 2)
     with pytest.raises(ValueError, match=r"is for prediction: it has no dropout to train with. Call \.eval\(\)"):
         enc.train()(**x)
+    enc.eval()
+    n = _bert().config.max_position_embeddings  # where transformers' own error is a broadcast's
+    with pytest.raises(ValueError, match=rf"input_ids \(B, L\) = \(1, {n + 1}\): the model takes at most {n} tokens"):
+        enc(torch.ones(1, n + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"token ids 3\.\.{V}; the model's vocabulary has {V} \(ids 0\.\.{V - 1}\)"):
+        enc(torch.tensor([[3, V]]))
+    with pytest.raises(ValueError, match=r"token ids -1\.\.5"):
+        enc(torch.tensor([[-1, 5]]))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -139,7 +139,8 @@ class ModelEmbeddings(nn.Module):
 class BertEmbeddings(nn.Module):
     """BERT's embeddings as functions of its weights: word + position (0..L-1) + token type (0 when not
     given), then LayerNorm (dropout is off in prediction). Used only where it equals the model's own
-    module on the probe inputs (:func:`serve`)."""
+    module on the probe inputs (:func:`serve`). Raises ValueError for more tokens than the model has positions
+    or a token id outside its vocabulary (transformers' own errors there are a broadcast's and an index's)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -160,6 +161,15 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
         L = input_ids.shape[1]
+        if L > self.position.num_embeddings:
+            raise ValueError(f"input_ids (B, L) = {tuple(input_ids.shape)}: the model takes at most "
+                             f"{self.position.num_embeddings} tokens (max_position_embeddings); truncate the text.")
+        if input_ids.numel():
+            lo, hi = torch.aminmax(input_ids)
+            if int(lo) < 0 or int(hi) >= self.word.num_embeddings:
+                raise ValueError(f"input_ids hold token ids {int(lo)}..{int(hi)}; the model's vocabulary has "
+                                 f"{self.word.num_embeddings} (ids 0..{self.word.num_embeddings - 1}): use its own "
+                                 "tokenizer.")
         tt = self.token_type.weight[0] if token_type_ids is None else self.token_type.weight[token_type_ids]
         x = self.word.weight[input_ids] + self.position.weight[:L] + tt  # (B, L, E)
         n = self.norm
