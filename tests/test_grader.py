@@ -277,6 +277,32 @@ def test_a_submission_that_imports_the_courses_d2l_package_where_it_is_missing_s
     assert len(err.splitlines()) == 1 and "No module named 'd2l'" in err and "install it there" in err, err
 
 
+def test_a_module_returning_a_dict_is_told_its_keys_and_the_call_that_picks_the_output():
+    """Which entry of a returned mapping is the output is not guessed: the call fails naming the keys and the
+    call that picks it, and with that call the module is OK."""
+    from torch import nn
+
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 3
+            self.q, self.k, self.v, self.o = (nn.Linear(24, 24) for _ in range(4))
+
+        def forward(self, q, k, v):
+            B, Lq, _ = q.shape
+            Q, K, V = (f(t).view(B, t.shape[1], 3, 8).transpose(1, 2) for f, t in ((self.q, q), (self.k, k),
+                                                                                  (self.v, v)))  # (B, H, L, D)
+            w = torch.softmax(Q @ K.transpose(-1, -2) / 8 ** 0.5, -1)
+            return {"hidden": self.o((w @ V).transpose(1, 2).reshape(B, Lq, 24)), "attn": w}
+
+    rep = multihead.check(DictOut(), call="qkv")
+    ran = rep.check("runs on probe inputs")
+    assert not rep.ok and "returned a dict with keys ['hidden', 'attn']" in ran.detail, ran.detail
+    assert "call=lambda m, q, k, v, mask: m(q, k, v)['hidden']" in ran.detail and "mask (" not in ran.detail
+    rep = multihead.check(DictOut(), call=lambda m, q, k, v, mask: m(q, k, v)["hidden"])
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+
+
 def test_unstable_softmax_is_found_by_large_scores():
     torch.manual_seed(0)
     rep = multihead.check(ub.UnstableSoftmax(), call="qkv_mask", mask="keep")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -148,12 +148,25 @@ def caller(call) -> Callable:
     raise ValueError(f"call must be 'x', 'qkv', 'qkv_mask' or a function f(module, q, k, v, mask); got {call!r}.")
 
 
+#: how a reply's error starts when the module returned something the grader does not read as an output
+RETURNED = "TypeError: the module returned"
+
+
 def _output(r) -> tuple[Tensor | None, Tensor | None]:
-    """(output, weights or None) from whatever the module returns."""
+    """(output, weights or None) from what the module returns: a tensor, or a tuple / list whose first element
+    is the output (and a tensor second element the weights). A mapping is not guessed from: TypeError naming
+    its keys and the call that picks the output."""
     if isinstance(r, tuple | list):
         first = r[0] if r else None
         return (first if isinstance(first, Tensor) else None,
                 r[1] if len(r) > 1 and isinstance(r[1], Tensor) else None)
+    if isinstance(r, Mapping):
+        keys, said = list(r), RETURNED[len("TypeError: "):]
+        if not keys:
+            raise TypeError(f"{said} an empty {type(r).__name__}")
+        raise TypeError(f"{said} a {type(r).__name__} with keys {keys[:6]}: grade it through a call that returns the "
+                        f"output tensor, e.g. call=lambda m, q, k, v, mask: m(q, k, v)[{keys[0]!r}] (for the "
+                        "command: a class whose forward returns it)")
     return (r if isinstance(r, Tensor) else None), None
 
 

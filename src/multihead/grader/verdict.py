@@ -26,7 +26,7 @@ from multihead.grader import properties as props
 from multihead.grader import stages
 from multihead.grader.report import Check, Finding, Report
 from multihead.grader.session import LK, LQ, B, Session
-from multihead.grader.subject import Description, Probe
+from multihead.grader.subject import RETURNED, Description, Probe
 
 __all__ = ["Options", "grade_subject"]
 
@@ -126,7 +126,7 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
         if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
             shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
             mask = f", mask ({s.conv}) {shape}"
-            if r.error is not None and s.conv != "valid_lens" and not hint:
+            if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
                 hint = (" (a module that reads another mask shape is called through a function, e.g. call=lambda m, "
                         "q, k, v, mask: m(q, k, v, mask[:, 0]) for a (B, Lq, Lk) mask, mask[:, 0, 0] for (B, Lk))")
         rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
