@@ -123,7 +123,9 @@ def projections(parts: Parts, obs: dict, x: Inputs, self_attn: bool) -> tuple[li
 
 
 def merged_heads(parts: Parts, obs: dict, out: Tensor, q: Tensor) -> tuple[Tensor | None, list[Finding]]:
-    """The merged heads (B, Lq, ·) the output projection received, and what is wrong after it."""
+    """The merged heads (B, Lq, ·) the output projection received, and what is wrong after it. With no W_o in
+    the reading, "output projection missing" is a claim about the reading only: the verdict keeps it only
+    where the module has no weights left unread (:func:`multihead.grader.verdict` rules)."""
     o = parts.o
     if o is None:
         return out, [Finding("output projection missing", "project the concatenated heads with W_o (a final Linear "

@@ -11,7 +11,12 @@ The rules, so that correct code is never failed:
   computed) is a failure, and so is any difference when every part was observed at work (each
   projection a layer seen called on its input, the output the output projection's);
 - a difference that is neither -- the parts could not be read with certainty -- is a warning that
-  says what could not be verified; the black-box checks stand as the verdict.
+  says what could not be verified; the black-box checks stand as the verdict;
+- "output projection missing" where the reading found no W_o counts only when the module holds no
+  weights the reading left unread, or another stage reproduced the output as the merged heads (a W_o
+  held where no reading looks is not a missing one);
+- the probes give queries, keys and values the input sizes of their own projections where those differ
+  (the course's query_size, key_size, value_size).
 """
 
 from __future__ import annotations
