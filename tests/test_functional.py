@@ -214,9 +214,9 @@ def test_fused_output_equals_reference_path():
 
 
 def test_registry_lists_and_rejects_unknown_names():
-    assert backends.available() == ["blocked", "flex", "sdpa", "math", "reference"]  # the order "auto" tries them
+    assert backends.available() == ["blocked", "flex", "short", "sdpa", "math", "reference"]  # the order "auto" tries them
     q, k, v = qkv(1, 2, 2, 3, 3, 4, 4)
-    valid = r"valid: 'auto', 'blocked', 'flex', 'sdpa', 'math', 'reference'"
+    valid = r"valid: 'auto', 'blocked', 'flex', 'short', 'sdpa', 'math', 'reference'"
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; " + valid):
         attention(q, k, v, backend="nope")
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -254,16 +254,19 @@ def run_schedule(q: Tensor, k: Tensor, v: Tensor, s: Schedule, *, scale: float |
 def _run_groups(q: Tensor, k: Tensor, v: Tensor, p: Groups, *, scale: float | None, dropout_p: float,
                 backend: str) -> Tensor:
     """Short self-attention, one padded call per group. One gather per tensor, no zero fill: a padded slot
-    holds a copy of a real token (finite, never attended to as a key under KeyPadding, its query row dropped)."""
+    holds a copy of a real token (finite, never attended to as a key under KeyPadding, its query row dropped).
+    The gathers lay each group out head after head, (h, B·Lm, d): the ``short`` backend then reads its score
+    matrices without a copy, and the real rows come out of its answer in one gather."""
     H, Dv = q.shape[1], v.shape[-1]
     if not p.groups:
         return q.new_zeros(0, H, Dv)  # (0, H, Dv)
     src, keep, real, back = p.tensors(q.device)  # (Σ B·Lm,), (Σ B·Lm,), (Nq,), (Nq,) or None
+    heads = [t.transpose(0, 1).contiguous() for t in (q, k, v)]  # (N, h, d) -> (h, N, d), once for every group
     rows, at, n = [], 0, 0
     for g in p.groups:
         sl = slice(at, at + g.B * g.Lm)
-        qp, kp, vp = (t.index_select(0, src[sl]).view(g.B, g.Lm, *t.shape[1:]).transpose(1, 2)  # (B, h, Lm, d)
-                      for t in (q, k, v))
+        qp, kp, vp = (t.index_select(1, src[sl]).view(t.shape[0], g.B, g.Lm, t.shape[2]).transpose(0, 1)
+                      for t in heads)  # (h, N, d) -> (h, B·Lm, d) -> (B, h, Lm, d), heads first in memory
         o = run(qp, kp, vp, masks.KeyPadding(keep[sl].view(g.B, g.Lm)), scale=scale, dropout_p=dropout_p,
                  backend=backend)  # (B, H, Lm, Dv)
         o = o.transpose(1, 2).reshape(g.B * g.Lm, H, Dv)  # (B, H, Lm, Dv) -> (B·Lm, H, Dv)
