@@ -8,8 +8,10 @@ torch.nn.MultiheadAttention wrapped, the course's chapter as a learner types it 
 round 4: a hand-written Linear class, heads cut with ``torch.chunk`` and the output weights in a
 ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions, q/k/v stacked in one (3, E, E)
 Parameter with the output projected per head and summed, torch's functional ``multi_head_attention_forward``,
-the course's query_size / key_size / value_size. ``WILD``: (id, factory, call, mask, self_attention, causal);
-every one must be graded OK (``UNREAD``: with the reference check a warning).
+the course's query_size / key_size / value_size; and round 4's last: Keras' EinsumDense kernels (E, H, D)
+translated to einsums, a LLaMA-like layer (scale buffer, float32 softmax), a lecture's list of head modules, the
+scores computed keys by queries, a fused qkv split per head (H, 3, D). ``WILD``: (id, factory, call, mask,
+self_attention, causal); every one must be graded OK (``UNREAD``: with the reference check a warning).
 """
 
 from __future__ import annotations
@@ -336,6 +338,105 @@ class SizedInputs(nn.Module):
         return self.W_o(o.reshape(o.shape[0], o.shape[1], -1))  # (B, Lq, H*D)
 
 
+class EinsumKernels(nn.Module):
+    """Keras' EinsumDense layout translated to torch: (E, H, D) kernels for q, k and v, an (H, D, E) output
+    kernel, every product an einsum."""
+
+    def __init__(self, E=32, H=4, scale_by_d=False):
+        super().__init__()
+        D, self.scale_by_d = E // H, scale_by_d
+        self.query_kernel, self.key_kernel, self.value_kernel = (
+            nn.Parameter(torch.randn(E, H, D) / math.sqrt(E)) for _ in range(3))
+        self.query_bias = nn.Parameter(torch.randn(H, D) / 10)
+        self.output_kernel = nn.Parameter(torch.randn(H, D, E) / math.sqrt(E))
+        self.output_bias = nn.Parameter(torch.zeros(E))
+
+    def forward(self, q, k, v):
+        q = torch.einsum("ble,ehd->blhd", q, self.query_kernel) + self.query_bias
+        k = torch.einsum("ble,ehd->blhd", k, self.key_kernel)
+        v = torch.einsum("ble,ehd->blhd", v, self.value_kernel)
+        d = q.shape[-1]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / (d if self.scale_by_d else math.sqrt(d))
+        o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+        return torch.einsum("bqhd,hde->bqe", o, self.output_kernel) + self.output_bias
+
+
+class LlamaLike(nn.Module):
+    """No biases, the scale a registered buffer, the softmax in float32 cast back."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H, self.D = H, E // H
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E, bias=False) for _ in range(4))
+        self.register_buffer("scale", torch.tensor(self.D ** -0.5))
+
+    def forward(self, q, k, v):
+        B, Lq, _ = q.shape
+        q = self.q_proj(q).view(B, Lq, self.H, self.D).transpose(1, 2)
+        k = self.k_proj(k).view(B, k.shape[1], self.H, self.D).transpose(1, 2)
+        v = self.v_proj(v).view(B, v.shape[1], self.H, self.D).transpose(1, 2)
+        w = F.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scale, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(B, Lq, -1))
+
+
+class OneHead(nn.Module):
+    def __init__(self, E, D):
+        super().__init__()
+        self.key, self.query, self.value = (nn.Linear(E, D, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        k, q, v = self.key(x), self.query(x), self.value(x)
+        return F.softmax(q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5, dim=-1) @ v
+
+
+class HeadModules(nn.Module):
+    """A lecture's style: a ModuleList of head modules, each with its own key/query/value layers, their
+    outputs concatenated and projected."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.heads = nn.ModuleList([OneHead(E, E // H) for _ in range(H)])
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x):
+        return self.proj(torch.cat([h(x) for h in self.heads], dim=-1))
+
+
+class KeysFirstScores(nn.Module):
+    """The scores computed keys by queries (B, H, Lk, Lq), normalised over dim -2."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H = H
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, q, k, v):
+        B, Lq, E = q.shape
+        D = E // self.H
+
+        def sp(t):  # (B, L, E) -> (B, H, L, D)
+            return t.view(B, -1, self.H, D).transpose(1, 2)
+
+        q, k, v = sp(self.wq(q)), sp(self.wk(k)), sp(self.wv(v))
+        w = (torch.einsum("bhkd,bhqd->bhkq", k, q) / math.sqrt(D)).softmax(dim=-2)
+        return self.wo(torch.einsum("bhkq,bhkd->bhqd", w, v).transpose(1, 2).reshape(B, Lq, E))
+
+
+class PerHeadFusedQKV(nn.Module):
+    """A fused query_key_value layer split per head as (H, 3, D) (Megatron's and GPT-NeoX's layout), SDPA."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H, self.D = H, E // H
+        self.query_key_value, self.dense = nn.Linear(E, 3 * E), nn.Linear(E, E)
+
+    def forward(self, x):
+        B, L, E = x.shape
+        q, k, v = self.query_key_value(x).view(B, L, self.H, 3 * self.D).split(self.D, dim=-1)  # 3 x (B, L, H, D)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.dense(o.transpose(1, 2).reshape(B, L, E))
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -359,6 +460,11 @@ WILD = [
     ("q/k/v stacked (3, E, E), output per head summed", PerHeadOutputSum, "qkv", None, False, False),
     ("torch's functional multi_head_attention_forward", FunctionalTorch, "qkv", None, False, False),
     ("query, key and value sizes of their own", SizedInputs, "qkv_mask", "valid_lens", False, False),
+    ("keras einsum kernels (E, H, D)", EinsumKernels, "qkv", None, False, False),
+    ("llama-like: scale buffer, float32 softmax", LlamaLike, "qkv", None, False, False),
+    ("a list of head modules", HeadModules, "x", None, True, False),
+    ("scores keys by queries, softmax over dim -2", KeysFirstScores, "qkv", None, False, False),
+    ("fused qkv split per head (H, 3, D)", PerHeadFusedQKV, "x", None, True, False),
 ]
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning

@@ -484,3 +484,13 @@ def test_a_second_set_written_after_the_rebuild_is_caught(bid, make, call, mask,
     torch.manual_seed(0)
     rep = multihead.check(make(), call=call, mask=mask, self_attention=self_attn, causal=causal)
     assert not rep.ok and rep.diagnosis, str(rep)
+
+
+def test_keras_einsum_kernels_are_read_and_a_mistake_in_them_is_named():
+    """Projections held as Keras' EinsumDense kernels (E, H, D) were not read (reference unverified); they are
+    now, and the scale mistake in that style is named."""
+    torch.manual_seed(0)
+    rep = multihead.check(gw.EinsumKernels(), call="qkv")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    rep = multihead.check(gw.EinsumKernels(scale_by_d=True), call="qkv")
+    assert not rep.ok and rep.diagnosis[0].name == "scores divided by d_k", str(rep)

@@ -148,10 +148,11 @@ def _stack(projs: list[Proj], name: str) -> Proj:
 
 
 def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None, role: str | None = None) -> list[Proj]:
-    """A raw Parameter as a projection: (in, out) for ``x @ W`` or (out, in) for ``F.linear``; (H, E, D)
-    or (H, D, E) per head -- for the output projection (``role`` "o"), each head's D features to E: (H, D, E)
-    as ``Σ_h o_h @ W[h]`` or (H, E, D) as ``Σ_h F.linear(o_h, W[h])``. Every reading the shape allows,
-    likeliest first; ``bias`` joins a reading whose output size it fits."""
+    """A raw Parameter as a projection: (in, out) for ``x @ W`` or (out, in) for ``F.linear``; (H, E, D),
+    (H, D, E) or (E, H, D) (Keras' ``EinsumDense`` kernel, ``einsum("ble,ehd->blhd", x, W)``) per head -- for
+    the output projection (``role`` "o"), each head's D features to E: (H, D, E) as ``Σ_h o_h @ W[h]`` or
+    (H, E, D) as ``Σ_h F.linear(o_h, W[h])``. Every reading the shape allows, likeliest first; ``bias`` joins a
+    reading whose output size it fits."""
     outs = []
     if w.dim() == 3 and role in ("o", "o?"):
         H, a, b = w.shape
@@ -173,6 +174,8 @@ def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None, ro
             outs.append(w.transpose(1, 2).reshape(H * b, a))  # (H, E, D) -> (H, D, E) -> (H*D, E)
         if E is None or b == E:
             outs.append(w.reshape(H * a, b))  # (H, D, E) -> (H*D, E)
+        if E is not None and H == E and a != E and b != E:  # Keras' EinsumDense kernel, "ble,ehd->blhd"
+            outs.append(w.permute(1, 2, 0).reshape(a * b, H))  # (E, H, D) -> (H, D, E) -> (H*D, E)
     return [Proj(x, bias.reshape(-1) if bias is not None and bias.numel() == x.shape[0] else None, name)
             for x in outs]
 
