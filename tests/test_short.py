@@ -132,3 +132,18 @@ def test_packed_sentences_run_on_short_and_equal_the_reference():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     qg = q.detach().clone().requires_grad_()
     torch.testing.assert_close(attention_varlen(qg, k, v, cu, cu), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_short_compiles_whole_graph_and_keeps_the_zero_row_rule():
+    """Under torch.compile(fullgraph=True) "auto" picks short as in eager, with no branch on the mask's values
+    (rows with nothing to attend to are zeroed in place, unconditionally)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(8, 4, 20, 16, generator=g) for _ in range(3))
+    keep = torch.arange(20)[None] < torch.tensor([20, 3, 0, 20, 11, 5, 19, 2])[:, None]  # sequence 2: all padding
+    mask = masks.KeyPadding(keep)
+    with torch.no_grad():
+        assert "runs: short" in str(multihead.explain(q, k, v, mask))
+        out = torch.compile(lambda q, k, v, m: attention(q, k, v, m), fullgraph=True)(q, k, v, mask)
+        ref = attention(q, k, v, mask, backend="reference")
+    assert (out[2] == 0).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

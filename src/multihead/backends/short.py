@@ -74,8 +74,8 @@ def run(query: Tensor, key: Tensor, value: Tensor, mask: masks.Mask | None, *, s
     torch.softmax(s, -1, out=s)  # in place
     out = torch.bmm(s, v)  # (B·H, Lq, Dv) or (H·B, Lq, Dv)
     out = out.view(H, B, Lq, Dv).transpose(0, 1) if heads_first else out.view(B, H, Lq, Dv)  # (B, H, Lq, Dv)
-    if keep is not None and not bool(keep.any(-1).all()):  # rows with nothing to attend to: NaN -> zeros
-        out = masks.zero_empty_rows(out, keep)
+    if keep is not None:  # rows with nothing to attend to: NaN -> zeros, in place, with no branch on the values
+        out.masked_fill_(~keep.any(-1, keepdim=True), 0.0)  # (B|1, H|1, Lq|1, 1) broadcast over (B, H, Lq, Dv)
     return out
 
 
