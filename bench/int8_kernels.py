@@ -119,21 +119,13 @@ def per_call(f, x, target_s: float = 0.02) -> float:
 
 def main(model_dir: str, rounds: int = ROUNDS) -> None:
     import transformers
-    from tokenizers import Tokenizer
 
     import multihead.hf as mhf
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.data import held_out_batch
     from multihead.models import minilm_path
 
     torch.manual_seed(0)
-    tok = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
-    tok.enable_padding()
-    tok.enable_truncation(128)
-    text = package_sentences(200, exclude=set(sentences()))  # text the pruning never saw
-    batches = {}
-    for b in BATCHES:
-        enc = tok.encode_batch(text[:b])
-        batches[b] = (torch.tensor([e.ids for e in enc]), torch.tensor([e.attention_mask for e in enc]))
+    batches = {b: tuple(held_out_batch(b).values()) for b in BATCHES}  # (ids, mask): text the pruning never saw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         served = mhf.serve(mhf.load(model_dir))

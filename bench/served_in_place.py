@@ -30,25 +30,12 @@ BATCHES = (1, 16, 64)
 
 
 def out_of_place(self, x, rows, B, L, call):
-    """``EncoderLayer.forward`` with a fresh buffer for every residual sum and the activation."""
-    from multihead.core.varlen import attention_varlen
+    """``EncoderLayer.forward`` with a fresh buffer for every residual sum and the activation (its attention
+    block is the layer's own)."""
     from multihead.quantize import linear
 
-    H, D = self.num_heads, self.head_dim
-    N = x.shape[0]
-    k_qkv, k_out, k_up, k_down = self.kinds
-    if H:
-        qkv = linear(self.qkv, x, kind=k_qkv).view(N, 3, H, D)  # (N, 3*H*D) -> (N, 3, H, D)
-        if rows is None:
-            q, k, v = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, D)
-            a = call.attention(q, k, v, self.scale).transpose(1, 2).reshape(N, H * D)  # (B, H, L, D) -> (N, H*D)
-        else:
-            q, k, v = qkv.unbind(1)  # 3 x (N, H, D)
-            cu = rows.cu_seqlens
-            a = attention_varlen(q, k, v, cu, cu, scale=self.scale).reshape(N, H * D)  # (N, H, D) -> (N, H*D)
-        a = linear(self.out, a, kind=k_out)  # (N, E)
-    else:
-        a = linear(self.out, x.new_zeros(N, 0), kind=k_out)  # (N, E)
+    a = self.attend(x, rows, B, L, call)  # (N, E)
+    _, _, k_up, k_down = self.kinds
     n1, n2 = self.norm1, self.norm2
     x = F.layer_norm(x + a, n1.normalized_shape, n1.weight, n1.bias, n1.eps)  # (N, E)
     u = linear(self.up, x, kind=k_up)  # (N, the feed-forward size)
@@ -58,17 +45,10 @@ def out_of_place(self, x, rows, B, L, call):
 
 
 def main(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] = BATCHES, out: Path | None = None) -> Path:
-    from tokenizers import Tokenizer
-
     import multihead.hf as mhf
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.data import held_out_batch
     from multihead.hf import encoder
-    from multihead.models import minilm_path
 
-    tok = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
-    tok.enable_padding()
-    tok.enable_truncation(128)
-    text = package_sentences(200, exclude=set(sentences()))  # text the pruning never saw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         served = mhf.serve(mhf.load(model_dir))
@@ -84,9 +64,7 @@ def main(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] = BATCHE
              "|---:|---:|---:|---:|---:|---:|---:|"]
     try:
         for b in batches:
-            enc = tok.encode_batch(text[:b])
-            x = dict(input_ids=torch.tensor([e.ids for e in enc]),
-                     attention_mask=torch.tensor([e.attention_mask for e in enc]))
+            x = held_out_batch(b)  # sentences the pruning never saw
             n = max(2, 200 // b)
             times = {in_place: [], out_of_place: []}
             with torch.inference_mode():

@@ -82,17 +82,12 @@ def served_rows(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] =
     same dispatch path; ``backends.use("sdpa")`` would add its own dispatch cost, ~5% at batch 1), in ABBA order
     by round, and transformers' sdpa in the same rounds, per batch size."""
     import transformers
-    from tokenizers import Tokenizer
 
     import multihead.hf as mhf
     from multihead import backends
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.data import held_out_batch
     from multihead.models import minilm_path
 
-    tok = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
-    tok.enable_padding()
-    tok.enable_truncation(128)
-    text = package_sentences(200, exclude=set(sentences()))  # text the pruning never saw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         served = mhf.serve(mhf.load(model_dir))
@@ -109,9 +104,7 @@ def served_rows(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] =
     rows = []
     try:
         for b in batches:
-            enc = tok.encode_batch(text[:b])
-            x = dict(input_ids=torch.tensor([e.ids for e in enc]),
-                     attention_mask=torch.tensor([e.attention_mask for e in enc]))
+            x = held_out_batch(b)  # sentences the pruning never saw
             times = {"short": [], "sdpa only": [], "transformers": []}
             with torch.inference_mode():
                 for r in range(rounds):

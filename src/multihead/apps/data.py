@@ -100,3 +100,26 @@ def package_sentences(n: int = 300, *, exclude: frozenset[str] | set[str] = froz
                 if len(out) == n:
                     return out
     return out
+
+
+
+def held_out_batch(b: int, *, max_length: int = 128) -> dict:
+    """The first ``b`` of 200 :func:`package_sentences` the pruning never saw (none of :func:`sentences`),
+    tokenized with the MiniLM package's tokenizer, padded to the longest: ``{"input_ids": (B, L),
+    "attention_mask": (B, L)}``, a BERT-family model's keyword inputs (the benches' batches)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from multihead.models import minilm_path
+
+    tok = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
+    tok.enable_padding()
+    tok.enable_truncation(max_length)
+    enc = tok.encode_batch(list(_held_out_text()[:b]))
+    return {"input_ids": torch.tensor([e.ids for e in enc]),  # (B, L)
+            "attention_mask": torch.tensor([e.attention_mask for e in enc])}  # (B, L)
+
+
+@functools.cache
+def _held_out_text() -> tuple[str, ...]:
+    return tuple(package_sentences(200, exclude=set(sentences())))

@@ -72,9 +72,24 @@ class EncoderLayer(nn.Module):
         """x: (N, E), the real tokens of the batch sequence after sequence (``rows``), or all B*L
         positions of a batch without padding (``rows`` None) -> (N, E). ``call``: what the layers of one
         encoder call share (the attention backend chosen by the first)."""
+        a = self.attend(x, rows, B, L, call)  # (N, E)
+        _, _, k_up, k_down = self.kinds
+        # the residual sums and the activation in place, on products this layer just made (the same numbers): a
+        # fresh buffer a step (2.8 MB for the feed-forward's at batch 16) costs page faults, most on a busy machine:
+        # 0.98x at batch 16 and 0.88x at 64 in place (bench/served_in_place.py, bench/results/served_in_place.md)
+        n1, n2 = self.norm1, self.norm2
+        x = F.layer_norm(a.add_(x), n1.normalized_shape, n1.weight, n1.bias, n1.eps)  # (N, E)
+        u = linear(self.up, x, kind=k_up)  # (N, the feed-forward size)
+        u = torch.ops.aten.gelu_(u) if self.exact_gelu else self.act(u)
+        h = linear(self.down, u, kind=k_down)  # (N, E)
+        return F.layer_norm(h.add_(x), n2.normalized_shape, n2.weight, n2.bias, n2.eps)  # (N, E)
+
+    def attend(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: Call) -> Tensor:
+        """The attention block, up to its output projection (before the residual): x (N, E) -> (N, E), a fresh
+        tensor (see :meth:`forward` for the arguments)."""
         H, D = self.num_heads, self.head_dim
         N = x.shape[0]
-        k_qkv, k_out, k_up, k_down = self.kinds
+        k_qkv, k_out, _, _ = self.kinds
         if H:
             qkv = linear(self.qkv, x, kind=k_qkv).view(N, 3, H, D)  # (N, 3*H*D) -> (N, 3, H, D)
             if rows is None:
@@ -87,15 +102,7 @@ class EncoderLayer(nn.Module):
             a = linear(self.out, a, kind=k_out)  # (N, E)
         else:  # every head pruned: the output projection gives its bias
             a = linear(self.out, x.new_zeros(N, 0), kind=k_out)  # (N, E)
-        # the residual sums and the activation in place, on products this layer just made (the same numbers): a
-        # fresh buffer a step (2.8 MB for the feed-forward's at batch 16) costs page faults, most on a busy machine:
-        # 0.98x at batch 16 and 0.88x at 64 in place (bench/served_in_place.py, bench/results/served_in_place.md)
-        n1, n2 = self.norm1, self.norm2
-        x = F.layer_norm(a.add_(x), n1.normalized_shape, n1.weight, n1.bias, n1.eps)  # (N, E)
-        u = linear(self.up, x, kind=k_up)  # (N, the feed-forward size)
-        u = torch.ops.aten.gelu_(u) if self.exact_gelu else self.act(u)
-        h = linear(self.down, u, kind=k_down)  # (N, E)
-        return F.layer_norm(h.add_(x), n2.normalized_shape, n2.weight, n2.bias, n2.eps)  # (N, E)
+        return a
 
 
 def exact_gelu(act) -> bool:
