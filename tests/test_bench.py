@@ -166,12 +166,12 @@ def test_the_short_attention_bench_writes_its_table_with_autos_choice(tmp_path):
                                                   Path(__file__).parent.parent / "bench" / "short_attention.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    grid = dict(B=(1, 4), H=(4,), L=(16,), D=(8,))
+    grid = dict(B=(1, 4), H=(4,), L=(48,), D=(8,))
     out = bench.main(None, rounds=2, grid=grid, out=tmp_path / "short.md")
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ") and
             line.split("|")[1].strip().isdigit()]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 4), (4, 4)]
-    assert [r[6].strip() for r in rows] == ["sdpa", "short"]  # 4 pairs: sdpa; 16 pairs of 16 x 16: short
+    assert [r[6].strip() for r in rows] == ["sdpa", "short"]  # 4 pairs: sdpa; 16 pairs of 48 keys: short
     for r in rows:
         med, lo, hi = (float(x) for x in r[5].replace("(", "").replace(")", "").replace("-", " ").split())
         assert 0 < lo <= med <= hi

@@ -102,6 +102,9 @@ def test_auto_picks_short_only_for_short_key_padded_prediction_on_the_cpu():
     assert name == "sdpa" and "masks other than key padding" in text
     name, text = runs(1, 8, 34, masks.KeyPadding(torch.ones(1, 34, dtype=torch.bool)))
     assert name == "sdpa" and "fewer than 12 (batch, head) pairs" in text
+    name, text = runs(1, 12, 32, masks.KeyPadding(torch.ones(1, 32, dtype=torch.bool)))
+    assert name == "sdpa" and "fewer than 768 keys over the (batch, head) pairs" in text
+    assert runs(1, 12, 64, masks.KeyPadding(torch.ones(1, 64, dtype=torch.bool)))[0] == "short"
     name, text = runs(16, 8, 96, masks.KeyPadding(torch.ones(16, 96, dtype=torch.bool)))
     assert name == "sdpa" and "more than 524288 scores" in text
     name, text = runs(16, 8, 34, pad, Hkv=2)
@@ -138,8 +141,8 @@ def test_short_compiles_whole_graph_and_keeps_the_zero_row_rule():
     """Under torch.compile(fullgraph=True) "auto" picks short as in eager, with no branch on the mask's values
     (rows with nothing to attend to are zeroed in place, unconditionally)."""
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(8, 4, 20, 16, generator=g) for _ in range(3))
-    keep = torch.arange(20)[None] < torch.tensor([20, 3, 0, 20, 11, 5, 19, 2])[:, None]  # sequence 2: all padding
+    q, k, v = (torch.randn(8, 4, 32, 16, generator=g) for _ in range(3))
+    keep = torch.arange(32)[None] < torch.tensor([32, 3, 0, 20, 11, 5, 19, 2])[:, None]  # sequence 2: all padding
     mask = masks.KeyPadding(keep)
     with torch.no_grad():
         assert "runs: short" in str(multihead.explain(q, k, v, mask))

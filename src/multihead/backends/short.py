@@ -14,10 +14,10 @@ It computes any mask, in float32 or float64, without dropout and without gradien
 place: there is nothing for autograd to keep). "auto" prefers it on the CPU for key padding
 (``KeyPadding``, ``ValidLens`` of shape (B,), ``Padding``: the masks a padded batch of sentences has,
 and the groups :func:`multihead.core.varlen.attention_varlen` pads) when there are at least
-:data:`MIN_PAIRS` (batch, head) pairs and at most :data:`MAX_SCORES` scores: measured here (through
-:func:`multihead.attention`) 0.5-0.95x SDPA's time from about 48 pairs, about even from 12 to 48 (slower by
-up to ~50 us a call at the smallest sizes, faster by hundreds of us at the larger ones) and slower outside
-(``bench/short_attention.py``, ``bench/results/short_attention.md``). A call without
+:data:`MIN_PAIRS` (batch, head) pairs holding :data:`MIN_KEYS` keys between them and at most
+:data:`MAX_SCORES` scores: measured here (through :func:`multihead.attention`) 0.5-0.95x SDPA's time from about
+48 pairs, about even from 12 to 48 pairs of 64 keys or more, and slower outside (1.15-1.6x for 12-16 pairs of
+16-32 keys, 1.2-2.5x beyond 2**19 scores; ``bench/short_attention.py``, ``bench/results/short_attention.md``). A call without
 a mask stays with SDPA: "auto"'s choice for such a call may not depend on the lengths (a decoder's
 grows each step), and SDPA's kernel without a mask is its fastest. Positional masks stay with SDPA and
 ``blocked``, which skip the masked blocks this computes.
@@ -33,6 +33,8 @@ from multihead.backends.registry import Request, register
 
 #: "auto" prefers this backend from this many (batch, head) pairs: below it SDPA's fixed cost is smaller
 MIN_PAIRS = 12
+#: ... and from this many keys over all of them (B·H·Lk): 12 or 16 pairs of 16-32 keys ran 1.15-1.6x SDPA's time
+MIN_KEYS = 768
 #: ... up to this many scores (B·H·Lq·Lk, 2 MiB in float32): above it the materialized scores cost more memory
 #: traffic than SDPA's blocks
 MAX_SCORES = 2**19
@@ -100,6 +102,8 @@ def prefer(req: Request) -> str | None:
         return "grouped-query heads run in SDPA without copying the shared keys"
     if req.B * req.H < MIN_PAIRS:
         return f"fewer than {MIN_PAIRS} (batch, head) pairs: SDPA's fixed cost is smaller"
+    if req.B * req.H * req.Lk < MIN_KEYS:
+        return f"fewer than {MIN_KEYS} keys over the (batch, head) pairs (B·H·Lk): SDPA's fixed cost is smaller"
     if req.B * req.H * req.Lq * req.Lk > MAX_SCORES:
         return f"more than {MAX_SCORES} scores: SDPA's blocks move less memory"
     return None
