@@ -494,3 +494,33 @@ def test_keras_einsum_kernels_are_read_and_a_mistake_in_them_is_named():
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
     rep = multihead.check(gw.EinsumKernels(scale_by_d=True), call="qkv")
     assert not rep.ok and rep.diagnosis[0].name == "scores divided by d_k", str(rep)
+
+
+def test_heads_split_interleaved_is_named_not_left_generic():
+    """Heads split as view(B, L, D, H) (head h takes every H-th feature), merged the course's way or interleaved
+    too: named "heads split interleaved" (it was the generic "heads' outputs are not a weighting of the values")."""
+    from torch import nn
+
+    class Interleaved(nn.Module):
+        def __init__(self, E=32, H=4, merge_too=True):
+            super().__init__()
+            self.H, self.D, self.merge_too = H, E // H, merge_too
+            self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(E, E) for _ in range(4))
+
+        def forward(self, q, k, v):
+            B, Lq, _ = q.shape
+
+            def heads(t):  # (B, L, D*H) -> (B, L, D, H) -> (B, H, L, D)
+                return t.view(B, t.shape[1], self.D, self.H).permute(0, 3, 1, 2)
+
+            q, k, v = heads(self.W_q(q)), heads(self.W_k(k)), heads(self.W_v(v))
+            o = torch.softmax(q @ k.transpose(-2, -1) / self.D ** 0.5, dim=-1) @ v  # (B, H, Lq, D)
+            o = o.permute(0, 2, 3, 1) if self.merge_too else o.transpose(1, 2)  # (B, Lq, D, H) or (B, Lq, H, D)
+            return self.W_o(o.reshape(B, Lq, -1))
+
+    torch.manual_seed(0)
+    rep = multihead.check(Interleaved(), call="qkv")
+    assert not rep.ok and [f.name for f in rep.diagnosis] == ["heads interleaved when merged",
+                                                              "heads split interleaved"], str(rep)
+    rep = multihead.check(Interleaved(merge_too=False), call="qkv")
+    assert not rep.ok and [f.name for f in rep.diagnosis] == ["heads split interleaved"], str(rep)

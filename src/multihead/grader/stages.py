@@ -271,7 +271,7 @@ def values(s: Session, parts: Parts, x: Inputs, first: Observed, M: Tensor, used
     if not bool(fin.any()):
         return None, []
     keep = fin if not bool(fin.all()) else None  # NaN rows (a fully blocked row) say nothing about the rest
-    for merge_ok, split_ok in itertools.product((True, False, "interleaved"), (True, False)):
+    for merge_ok, split_ok in itertools.product((True, False, "interleaved"), (True, False, "interleaved")):
         for src, Vsrc in _sources(parts, x, used, Vs, vins, s):
             Oh = torch.cat([split(m, H, merge_ok) for m in Ms], -1)  # (B, H, Lq, n*D)
             Vh = torch.cat([split(t, H, split_ok) for t in Vsrc], -1)  # (B, H, Lk, n*D)

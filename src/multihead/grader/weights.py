@@ -220,6 +220,12 @@ def _mask_findings(W: Tensor, S: Tensor, X: Tensor, c: float, ax: int, causal: b
 _SPLIT = Finding("heads split without the transpose", "split the heads with x.view(B, L, H, D).transpose(1, 2): a "
                  "plain view(B, H, L, D) mixes positions and heads.", "heads split",
                  "(B, L, H*D) -> view(B, L, H, D) -> transpose(1, 2)", "(B, L, H*D) viewed as (B, H, L, D) directly")
+_SPLIT_INTERLEAVED = Finding(
+    "heads split interleaved", "split the heads as the course's transpose_qkv does, x.view(B, L, H, D).transpose(1, "
+    "2), so head h takes features h*D to h*D+D-1 (with view(B, L, D, H) head h takes every H-th feature: the same "
+    "attention with its projections' rows permuted, not the course's module for the same weights).", "heads split",
+    "(B, L, H*D) -> view(B, L, H, D) -> transpose(1, 2)", "(B, L, D*H) -> view(B, L, D, H) -> (B, H, L, D): feature d "
+    "of head h at d*H + h")
 TRANSPOSED = Finding("attention weights transposed", "weigh the values with softmax(Q Kᵀ) as it is (B, H, Lq, Lk): "
                      "transposing it makes each key attend to the queries.", "normalisation",
                      "weights (B, H, Lq, Lk), each query's row summing to 1", "the weights' transpose: keys' rows")
@@ -241,7 +247,7 @@ def weights_findings(W: Tensor, qk: list, X: Tensor, parts: Parts, *, H: int, E:
                                 We, qk, X, parts, H=H, E=E, causal=causal)
     for ok, Q, K, *extra in qk:
         S = split(Q, H, ok) @ split(K, H, ok).transpose(-2, -1)  # (B, H, Lq, Lk), unscaled
-        pre = ([] if ok else [_SPLIT]) + list(extra)
+        pre = ([] if ok is True else [_SPLIT_INTERLEAVED] if ok == "interleaved" else [_SPLIT]) + list(extra)
         found = _normalised(W, S, X, ax, scale, causal) if ax is not None else _unnormalised(W, S, X, scale)
         if found is None:
             continue
