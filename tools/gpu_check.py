@@ -5,9 +5,10 @@ device where "auto" picks differently (FlexAttention for masks on CUDA, SDPA's C
 
 1. every backend that can run there x the suite's awkward sizes (odd head sizes, Lq != Lk, GQA and MQA,
    length 1, non-contiguous) x every mask kind, outputs and gradients against the float64 reference, by the
-   suite's rule (``tests/conftest.py``: at most K times the plain same-dtype computation's error);
+   suite's rule (``tests/conftest.py``: at most K times the plain same-dtype computation's error); outputs
+   alone for a backend that runs only without gradients (short);
 2. the same in bfloat16 and float16 for "auto", sdpa and flex;
-3. rows with nothing to attend to: zeros and finite gradients on every backend;
+3. rows with nothing to attend to: zeros and finite gradients on every backend (zeros alone for short);
 4. what "auto" chooses for each mask kind (``explain``);
 5. the course's module on the device (valid lengths, bf16 autocast, ``torch.compile``) against its float64
    twin on CPU; a tiny transformers BERT attached (padded and padding-free) against its own eager attention.
@@ -93,6 +94,12 @@ def main(argv=None) -> int:
                     assert_close_to_reference(lambda *a, **kw: attention(*a, backend=backend, **kw), q, k, v, mask)
                 if backend in ("auto", "sdpa", "math", "reference") or _can(backend, q, k, v, mask):
                     rep.check(f"float32 {backend} {'x'.join(map(str, sizes))} mask={name}", one)
+                elif _can(backend, q, k, v, mask, grad=False):  # a prediction-only backend (short): outputs
+
+                    def out_only(backend=backend, q=q, k=k, v=v, mask=mask):
+                        assert_close_to_reference(lambda *a, **kw: attention(*a, backend=backend, **kw), q, k, v,
+                                                  mask, grads=False)
+                    rep.check(f"float32 {backend} (no grad) {'x'.join(map(str, sizes))} mask={name}", out_only)
 
     # 2. half precisions
     for dtype in (torch.bfloat16, torch.float16):
@@ -122,15 +129,19 @@ def main(argv=None) -> int:
                   masks.Dense(torch.full((Lq, Lk), float("-inf"), device=dev))]
             n = 0
             for mask in cs:
-                if backend not in ("auto", "sdpa", "math", "reference") and not _can(backend, q, k, v, mask):
+                grad = backend in ("auto", "sdpa", "math", "reference") or _can(backend, q, k, v, mask)
+                if not grad and not _can(backend, q, k, v, mask, grad=False):
                     continue
-                out = attention(q, k, v, mask, backend=backend)
+                with torch.set_grad_enabled(grad):
+                    out = attention(q, k, v, mask, backend=backend)
                 empty = ~mask.keep(B, H, Lq, Lk, dev).expand(B, H, Lq, Lk).any(-1)  # (B, H, Lq)
                 assert torch.isfinite(out).all(), "non-finite output"
                 assert (out[empty] == 0).all(), "a row with nothing to attend to is not zero"
+                n += 1
+                if not grad:  # a prediction-only backend: outputs alone
+                    continue
                 grads = torch.autograd.grad(out.sum(), (q, k, v))
                 assert all(torch.isfinite(g).all() for g in grads), "non-finite gradient"
-                n += 1
             w = attention_weights(q, k, cs[0])
             assert torch.isfinite(w).all() and (w[0] == 0).all()
             return f"{n} masks"
@@ -215,9 +226,9 @@ def main(argv=None) -> int:
     return rep.failures
 
 
-def _can(backend: str, q, k, v, mask) -> bool:
-    """Whether ``backend`` says it can run this call with gradients (its can_run)."""
-    req = registry.request(q.detach().requires_grad_(), k, v, mask, 0.0)
+def _can(backend: str, q, k, v, mask, grad: bool = True) -> bool:
+    """Whether ``backend`` says it can run this call, with gradients or for prediction (its can_run)."""
+    req = registry.request(q.detach().requires_grad_(grad), k.detach(), v.detach(), mask, 0.0)
     return registry.get(backend).can_run(req) is None
 
 
