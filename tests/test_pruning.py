@@ -15,7 +15,7 @@ from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, checkpoint
 def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, capsys):
     out = tmp_path / "p"
     assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--checkpoints",
-                 str(trained["dir"] / "transformer"), "--out", str(out)]) == 0
+                 str(trained["dir"] / "transformer"), "--out", str(out), "--max-seconds", "2"]) == 0
     text = capsys.readouterr().out
     assert f"transformer: loaded {trained['dir'] / 'transformer'}" in text  # the given checkpoint, not retrained
     report = json.loads((out / "report.json").read_text())
