@@ -36,7 +36,7 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     for per in report["speed"].values():
         for t in per.values():
             assert t["min_ms"] <= t["ci95_ms"][0] <= t["median_ms"] <= t["ci95_ms"][1] <= t["max_ms"]
-            assert t["rounds"] >= 7
+            assert t["rounds"] >= 3  # the command runs under its time budget: 3 rounds at least (7 without one)
 
 
 def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
