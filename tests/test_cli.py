@@ -81,6 +81,8 @@ def test_format_weights_grid():
     (["prune", "--model", "toy", "--fraction", "0.2", "--step", "0.3"], "must not exceed --fraction"),
     (["prune", "--hf", "x", "--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt does not exist"),
     (["prune", "--model", "toy", "--recover", "-1"], "--recover: must be >= 0"),
+    (["prune", "--model", "toy", "--passages", "-1"], "--passages: must be >= 0"),
+    (["prune", "--model", "toy", "--passages", "many"], "--passages: must be an integer >= 0; got 'many'"),
     (["prune", "--model", "toy", "--time-budget", "5 minutes"],
      "--time-budget: must be a duration: seconds (300) or 300s, 5m, 1h30m; got '5 minutes'"),
     (["prune", "--model", "toy", "--time-budget", "0m"], "--time-budget: must be longer than 0 s; got '0m'"),

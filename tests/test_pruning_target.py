@@ -229,6 +229,11 @@ def test_the_worst_kind_of_text_is_the_figure_and_every_kind_loads_back():
     assert [o.kind for o in f.others] == ["split"] and f.others[0].mean == pytest.approx(float(scores[:60].double().mean()))
     assert "30 sentences of other" in str(f) and "60 sentences of split" in str(f)
     assert target.Fidelity(**target._from_json(f.to_json())) == f
+    long = torch.cat([scores, 0.90 + 0.01 * torch.rand(12, generator=g)])  # a third kind, counted in passages
+    f = target.Fidelity.worst(long, (("split", 60), ("other", 30), ("long", 12, "passages")))
+    assert f.kind == "long" and f.unit == "passages" and str(f).startswith(f"{f.mean:.4f} (95% interval")
+    assert "12 passages of long" in str(f) and "30 sentences of other" in str(f)
+    assert target.Fidelity(**target._from_json(f.to_json())) == f
     with pytest.raises(ValueError, match="count 80 items; the scores have 90"):
         target.Fidelity.worst(scores, (("split", 60), ("other", 20)))
 
@@ -239,3 +244,49 @@ def test_package_sentences_are_another_kind_of_text_and_exclude_what_they_are_to
     got = package_sentences(50)
     assert len(got) == 50 and len(set(got)) == 50 and all(40 <= len(s) <= 200 and "http" not in s for s in got)
     assert not set(package_sentences(60, exclude=set(got[:10]))) & set(got[:10])
+
+
+def test_passages_of_the_held_out_sentences_are_a_kind_of_text_up_to_the_models_limit(tmp_path):
+    """Fidelity on sentences alone missed how a pruned model does on the paragraphs users embed: the held-out
+    sentences joined into passages (consecutive, in order) up to the model's limit are a third kind, in
+    passages; too little text for a fair interval is said in the notes instead."""
+    from multihead.apps import hf_models
+    from multihead.apps.data import sentences
+    from test_hf_cli import _save, _words
+
+    corpus = sentences(400)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=210, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=160)
+    d = _save(tmp_path, transformers.BertModel(cfg).eval(), _words(corpus))
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    split = corpus[24:224]
+    long = hf_models.passages(tok, split, 12, 160)
+    assert len(long) == 12 and " ".join(split).startswith(" ".join(long))  # consecutive sentences, in order
+    lens = [len(x) for x in tok(long)["input_ids"]]  # untruncated
+    goals = [80 + 80 * (i % 4 + 1) // 4 for i in range(12)]  # 100, 120, 140, 160 in turn
+    assert all(n >= g for n, g in zip(lens, goals)), (lens, goals)
+    cut = [min(n, 160) for n in lens]
+
+    setup = hf_models.hf_setup(d, corpus, 16, 200, n_recover=8, n_passages=12)
+    name, n, unit = setup.held_out_kinds[-1]
+    assert (name, n, unit) == (f"the held-out split's sentences joined ({min(cut)}-{max(cut)} tokens)", 12, "passages")
+    assert "on 12 passages of the held-out split's sentences joined" in setup.notes[0]
+    import copy
+
+    from multihead import heads
+
+    assert target.fidelity(setup, setup.model).mean == pytest.approx(1.0, abs=1e-6)  # every kind: the model itself
+    pruned = copy.deepcopy(setup.model)
+    heads.prune(pruned, {"encoder.layer.0.attention.self": [0, 1], "encoder.layer.1.attention.self": [2]})
+    f = target.fidelity(setup, pruned)
+    kinds = {k.kind: k for k in (f, *f.others)}
+    assert set(kinds) == {"the held-out split", name} and kinds[name].n == 12 and kinds[name].unit == "passages"
+    assert f.lo == min(k.lo for k in kinds.values())
+
+    few = hf_models.hf_setup(d, corpus, 16, 10, n_recover=8)  # 10 held-out sentences: too few passages
+    assert few.held_out_kinds is None
+    assert any(s.startswith("no fidelity on passages: the held-out split makes") and "fewer than 8" in s
+               for s in few.notes)
+    none = hf_models.hf_setup(d, corpus, 16, 200, n_recover=8, n_passages=0)  # --passages 0
+    assert none.held_out_kinds is None and not any("passages" in s for s in none.notes)

@@ -194,6 +194,10 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="--hf encoders: also measure fidelity on N sentences of the installed Python packages' "
                         "descriptions (text of another kind, never trained on); the worse kind's figure is the one "
                         "reported and --target-cosine must meet (default 300; 0: the held-out split only)")
+    p.add_argument("--passages", type=_non_negative_int, default=32, metavar="N",
+                   help="--hf encoders: also measure fidelity on N passages of the held-out sentences joined to "
+                        "129-256 tokens (the model's limit if smaller), the length of the paragraphs users embed; "
+                        "the worst kind counts (default 32; 0: sentences only)")
     p.add_argument("--fraction", type=_in_open_unit, default=None,
                    help="share of all heads to prune, in (0, 1) (default: 0.4); with --target-cosine the furthest "
                         "to try (default: 0.8)")

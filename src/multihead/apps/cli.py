@@ -118,7 +118,8 @@ def _prune(args) -> int:
             corpus = [line.strip() for line in Path(args.corpus).read_text().splitlines() if line.strip()]
         sizes = args.sentences or (128, None)
         setup = hf_models.hf_setup(args.hf, corpus, *sizes, n_recover=args.recover_sentences,
-                                   recover_extra=_wide_text(args), held_out_extra=_unseen_text(args, corpus))
+                                   recover_extra=_wide_text(args), held_out_extra=_unseen_text(args, corpus),
+                                   n_passages=args.passages)
     elif args.model is None:
         print("multihead prune: give --model {toy,minilm} or --hf DIR", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ class Setup:
     quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
     more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
     scores_fn: Callable | None = None  # scores_fn(model) -> (n,) per held-out item, metric = their mean (a cosine)
-    held_out_kinds: tuple[tuple[str, int], ...] | None = None  # the held-out items' consecutive kinds (name, count)
+    held_out_kinds: tuple[tuple, ...] | None = None  # the held-out items' consecutive kinds (name, count[, unit])
 
 
 @dataclass(frozen=True)

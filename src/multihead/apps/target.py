@@ -1,8 +1,9 @@
 """Which pruned model ``multihead prune`` keeps, and what it is worth.
 
 A step of the pruning curve is *finished* (:func:`finish`): copied, recovered by distillation when asked,
-quantized when asked, and its fidelity measured on the held-out sentences as a mean with a 95% interval
-(:class:`Fidelity`). Without a target the last step is finished; with ``--target-cosine T``
+quantized when asked, and its fidelity measured on the held-out text as a mean with a 95% interval
+(:class:`Fidelity`; with several kinds of text -- sentences of the held-out split, of other sources, passages of
+them joined to long inputs -- the worst kind's). Without a target the last step is finished; with ``--target-cosine T``
 (:func:`choose`) the furthest step whose interval's lower end is at least T is searched for (the last step
 first, then bisection below it: fidelity falls as heads go), within the command's time (:class:`Budget`).
 """
@@ -40,20 +41,22 @@ class Fidelity:
     n: int = 0
     kind: str | None = None  # the kind of held-out text it was measured on (None: one kind)
     others: tuple[Fidelity, ...] = ()  # the other kinds' figures, when this is the worst of several
+    unit: str = "sentences"  # what the n items are ("passages" for sentences joined to long inputs)
 
     @classmethod
-    def worst(cls, scores: torch.Tensor, kinds: tuple[tuple[str, int], ...]) -> Fidelity:
-        """From per-item scores (n,) made of consecutive kinds of text ``(name, count)``: the kind whose
-        interval starts lowest, the others kept beside it -- a target is met only where every kind meets it."""
+    def worst(cls, scores: torch.Tensor, kinds: tuple[tuple, ...]) -> Fidelity:
+        """From per-item scores (n,) made of consecutive kinds of text ``(name, count)`` or ``(name, count,
+        unit)``: the kind whose interval starts lowest, the others kept beside it -- a target is met only where
+        every kind meets it."""
         parts, start = [], 0
-        for name, count in kinds:
+        for name, count, *unit in kinds:
             f = cls.of(scores[start:start + count])
-            parts.append(cls(f.mean, f.lo, f.hi, f.n, name))
+            parts.append(cls(f.mean, f.lo, f.hi, f.n, name, unit=unit[0] if unit else "sentences"))
             start += count
         if start != scores.numel():
             raise ValueError(f"the held-out kinds {kinds} count {start} items; the scores have {scores.numel()}.")
         low = min(parts, key=lambda f: f.lo)
-        return cls(low.mean, low.lo, low.hi, low.n, low.kind, tuple(f for f in parts if f is not low))
+        return cls(low.mean, low.lo, low.hi, low.n, low.kind, tuple(f for f in parts if f is not low), low.unit)
 
     @classmethod
     def of(cls, scores: torch.Tensor) -> Fidelity:
@@ -70,6 +73,8 @@ class Fidelity:
             out["kind"] = self.kind
         if self.others:
             out["others"] = [f.to_json() for f in self.others]
+        if self.unit != "sentences":
+            out["unit"] = self.unit
         return out
 
     def __str__(self) -> str:
@@ -77,7 +82,7 @@ class Fidelity:
             return f"{self.mean:.4f}"
         on = f" of {self.kind}" if self.kind else ""
         rest = "".join(f"; {f}" for f in self.others)
-        return f"{self.mean:.4f} (95% interval {self.lo:.4f}-{self.hi:.4f}, {self.n} sentences{on}){rest}"
+        return f"{self.mean:.4f} (95% interval {self.lo:.4f}-{self.hi:.4f}, {self.n} {self.unit}{on}){rest}"
 
 
 def fidelity(setup, model: nn.Module) -> Fidelity:
@@ -168,7 +173,8 @@ def finish(setup, snapshot: nn.Module, index: int, *, recover: int, quantize: st
 def _from_json(j: dict) -> dict:
     lo, hi = j["ci95"] if j["ci95"] is not None else (None, None)
     return {"mean": j["mean"], "lo": lo, "hi": hi, "n": j["n"], "kind": j.get("kind"),
-            "others": tuple(Fidelity(**_from_json(o)) for o in j.get("others", ()))}
+            "others": tuple(Fidelity(**_from_json(o)) for o in j.get("others", ())),
+            "unit": j.get("unit", "sentences")}
 
 
 def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: float | None, recover: int,
