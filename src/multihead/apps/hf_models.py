@@ -211,6 +211,26 @@ def _split(corpus: list[str], n_importance: int, n_recover: int | None,
     return head, recover_set, held_out
 
 
+def _held_out_kinds(tok, model, split: list[str], extra: tuple[str, list[str]] | None, n_passages: int,
+                    causal: bool) -> tuple[tuple, list[str], list[str], int, str | None]:
+    """The held-out text by kind (see :func:`hf_setup`): (kinds ``(name, count[, unit])``, the sentences of every
+    kind in order, the passages, their token limit, a note when passages were asked for but too few fit)."""
+    kinds, held_out = (("the held-out split", len(split)),), split
+    if extra and extra[1] and not causal:  # a decoder's KL is one figure over one kind of text
+        kinds += ((extra[0], len(extra[1])),)
+        held_out = split + list(extra[1])
+    limit = _passage_limit(tok, model)
+    if not n_passages or causal or limit <= SENTENCE_TOKENS:
+        return kinds, held_out, [], limit, None
+    long = passages(tok, split, n_passages, limit)
+    if len(long) < MIN_PASSAGES:
+        return kinds, held_out, [], limit, (f"no fidelity on passages: the held-out split makes {len(long)} passages "
+                                            f"of {limit // 2}-{limit} tokens, fewer than {MIN_PASSAGES}")
+    lens = [len(x) for x in tok(long, truncation=True, max_length=limit)["input_ids"]]
+    kinds += ((f"the held-out split's sentences joined ({min(lens)}-{max(lens)} tokens)", len(long), "passages"),)
+    return kinds, held_out, long, limit, None
+
+
 def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: int = 128,
              n_held_out: int | None = None, n_recover: int | None = None, *,
              recover_extra: list[str] | None = None, held_out_extra: tuple[str, list[str]] | None = None,
@@ -231,21 +251,8 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     model, peer, tok, causal = _load(Path(path))
     corpus = corpus if corpus is not None else sentences()
     head, recover_set, held_out = _split(corpus, n_importance, n_recover, n_held_out)
-    split = held_out
-    kinds = (("the held-out split", len(held_out)),)
-    if held_out_extra and held_out_extra[1] and not causal:  # a decoder's KL is one figure over one kind of text
-        kinds += ((held_out_extra[0], len(held_out_extra[1])),)
-        held_out = held_out + list(held_out_extra[1])
-    limit = _passage_limit(tok, model)
-    long = passages(tok, split, n_passages, limit) if n_passages and not causal and limit > SENTENCE_TOKENS else []
-    passage_note = None
-    if len(long) >= MIN_PASSAGES:
-        lens = [len(x) for x in tok(long, truncation=True, max_length=limit)["input_ids"]]
-        kinds += ((f"the held-out split's sentences joined ({min(lens)}-{max(lens)} tokens)", len(long), "passages"),)
-    elif n_passages and not causal and limit > SENTENCE_TOKENS:
-        passage_note = (f"no fidelity on passages: the held-out split makes {len(long)} passages of {limit // 2}-{limit}"
-                        f" tokens, fewer than {MIN_PASSAGES}")
-        long = []
+    kinds, held_out, long, limit, passage_note = _held_out_kinds(tok, model, held_out, held_out_extra, n_passages,
+                                                                 causal)
     out_fn = _logp if causal else pooled
     with torch.no_grad():
         imp = [(b, out_fn(model, *b)) for b in _batches(tok, head, 16, causal)]
