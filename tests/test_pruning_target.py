@@ -284,6 +284,24 @@ def test_passages_of_the_held_out_sentences_are_a_kind_of_text_up_to_the_models_
     assert set(kinds) == {"the held-out split", name} and kinds[name].n == 12 and kinds[name].unit == "passages"
     assert f.lo == min(k.lo for k in kinds.values())
 
+    assert "(and passages of them every fourth step)" in setup.notes[0]
+    # recovery distils on passages of its own text too: two after every third batch of 16 sentences
+    own, extra = corpus[16:116], corpus[300:400]
+    rec = hf_models._recovery_batches(tok, setup.model, False, own, extra, 160)
+    plain = hf_models._recovery_batches(tok, setup.model, False, own, extra, None)
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip((*a[0], a[1]), (*b[0], b[1])))
+
+    sents = [b for i, b in enumerate(rec) if i % 4 != 3]
+    assert len(sents) == len(plain) and all(same(a, b) for a, b in zip(sents, plain))
+    long = [rec[i] for i in range(3, len(rec), 4)]
+    assert len(long) == len(plain) // 3 and all(ids.shape[0] == 2 and 80 < ids.shape[1] <= 160 for (ids, _), _ in long)
+    (ids, am), ref = long[0]
+    with torch.no_grad():  # the target: the unpruned model's hidden states on those passages
+        assert torch.equal(ref, setup.model(input_ids=ids, attention_mask=am).last_hidden_state)
+    start = tok(own[0] + " " + own[1])["input_ids"][:-1]  # the first passage: the recovery text's first sentences
+    assert ids[0, : len(start)].tolist() == start
+
     few = hf_models.hf_setup(d, corpus, 16, 10, n_recover=8)  # 10 held-out sentences: too few passages
     assert few.held_out_kinds is None
     assert any(s.startswith("no fidelity on passages: the held-out split makes") and "fewer than 8" in s
