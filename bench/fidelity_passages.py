@@ -40,7 +40,7 @@ def main() -> None:
     heads.prune(snapshot, removed, mean_outputs=heads.mean_head_outputs(setup.model, setup.batches, setup.loss_fn))
     _, _, tok, _ = hf_models._load(path, with_peer=False)
     limit = hf_models._passage_limit(tok, setup.model)
-    own = sentences()[128:128 + min(256, len(sentences()) // 4)]  # the recovery split, as hf_setup cuts it
+    own = hf_models._split(sentences(), 128, None, None)[1]  # the recovery split, as hf_setup cuts it
     rows = [("none (zero-shot)", target.fidelity(setup, snapshot), None, 0.0)]
     for label, lim in (("sentences", None), ("sentences + passages (2 after every 3rd batch)", limit)):
         started = time.monotonic()

@@ -188,11 +188,18 @@ def passages(tok, sents: list[str], n: int, limit: int) -> list[str]:
     return out
 
 
-def _passage_limit(tok, model) -> int:
-    """The passages' length: :data:`PASSAGE_TOKENS`, or the model's or its tokenizer's limit when smaller."""
+def _token_limit(tok, model) -> int | None:
+    """The most tokens one input may have: the model config's ``max_position_embeddings`` or the tokenizer's
+    limit, whichever is smaller (None when neither says)."""
     limits = [n for n in (getattr(model.config, "max_position_embeddings", None), tok.model_max_length)
               if isinstance(n, int) and 0 < n < 1_000_000]
-    return min([PASSAGE_TOKENS, *limits])
+    return min(limits) if limits else None
+
+
+def _passage_limit(tok, model) -> int:
+    """The passages' length: :data:`PASSAGE_TOKENS`, or the model's or its tokenizer's limit when smaller."""
+    limit = _token_limit(tok, model)
+    return PASSAGE_TOKENS if limit is None else min(PASSAGE_TOKENS, limit)
 
 
 def _split(corpus: list[str], n_importance: int, n_recover: int | None,
@@ -384,11 +391,9 @@ def _encode_within(tok, model, text: str):
     ``max_position_embeddings``, or the tokenizer's limit when smaller), saying so on stderr."""
     import sys
 
-    limits = [n for n in (getattr(model.config, "max_position_embeddings", None), tok.model_max_length)
-              if isinstance(n, int) and 0 < n < 1_000_000]
-    if not limits:
+    limit = _token_limit(tok, model)
+    if limit is None:
         return tok([text], return_tensors="pt")
-    limit = min(limits)
     n = len(tok.tokenize(text)) + tok.num_special_tokens_to_add()
     if n > limit:
         print(f"multihead viz: the text is {n} tokens and {type(model).__name__} takes at most {limit} positions: "
