@@ -181,7 +181,9 @@ class BertEmbeddings(nn.Module):
                                  f"{self.word.num_embeddings} (ids 0..{self.word.num_embeddings - 1}): use its own "
                                  "tokenizer.")
         tt = self.token_type.weight[0] if token_type_ids is None else self.token_type.weight[token_type_ids]
-        x = self.word.weight[input_ids] + self.position.weight[:L] + tt  # (B, L, E)
+        # summed in transformers' order, (word + token type) + position: the same float numbers as the model's
+        # module, so an int8 model's first activations round alike (one ulp moves every rounding of a call)
+        x = self.word.weight[input_ids] + tt + self.position.weight[:L]  # (B, L, E)
         n = self.norm
         return F.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)  # (B, L, E)
 
