@@ -36,6 +36,10 @@ def x(*shape, dtype=torch.float32):
         ((x(2, 3, 4, 8), x(2, 3, 5, 8, dtype=torch.float64), x(2, 3, 5, 8)), TypeError,
          r"share one dtype; got query torch.float32, key torch.float64"),
         (([1.0], x(2, 3, 5, 8), x(2, 3, 5, 8)), TypeError, r"query must be a torch.Tensor of shape \(B, H, Lq, D\); got list"),
+        ((x(2, 3, 4, 0), x(2, 3, 5, 0), x(2, 3, 5, 8)), ValueError,
+         r"query and key have head size D=0 \(got query \(2, 3, 4, 0\)\).*give each head at least one feature"),
+        ((x(2, 3, 4, 8), x(2, 0, 5, 8), x(2, 0, 5, 8)), ValueError,
+         r"the key/value have Hkv=0 heads; the query's H=3 heads need at least one key/value head"),
     ],
 )
 def test_functional_shape_and_dtype_errors(args, err, match):

@@ -131,6 +131,25 @@ def test_empty_key_length_gives_zeros():
     assert out.shape == (2, 3, 4, 6) and (out == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["auto", *backends.available()])
+@pytest.mark.parametrize("sizes", [(0, 2, 2, 3, 5, 4, 6), (2, 0, 0, 3, 5, 4, 6), (2, 2, 2, 0, 5, 4, 6),
+                                   (2, 2, 1, 3, 0, 4, 6), (2, 2, 2, 3, 5, 4, 0)], ids=["B=0", "H=0", "Lq=0", "Lk=0", "Dv=0"])
+def test_a_call_with_nothing_to_compute_gives_zeros_and_zero_gradients_on_every_backend(backend, sizes):
+    """No keys, or an empty output: (B, H, Lq, Dv) zeros whatever the backend (a kernel given such a call
+    crashed: flex's compiled kernel killed the process at Lq = 0, short raised from a reshape), joined to the
+    graph so that backward gives every input a zero gradient."""
+    B, H, Hkv, Lq, Lk, D, Dv = sizes
+    q = torch.randn(B, H, Lq, D, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, Dv, requires_grad=True)
+    out = attention(q, k, v, backend=backend)
+    assert out.shape == (B, H, Lq, Dv) and (out == 0).all()
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all() for t in (q, k, v))
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        attention(q, k, v, backend="nope")
+
+
 def test_causality_through_gradients():
     """Output row i must not depend on keys/values after position i."""
     q, k, v = qkv(1, 2, 2, 6, 6, 8, 8, requires_grad=True)

@@ -138,6 +138,10 @@ def test_calls_the_packed_path_cannot_serve_run_padded_and_stay_exact():
     assert set(cap) == set(mhf.attention_modules(model)) and all(w.shape == (4, 4, 11, 11) for w in cap.values())
     x1 = {k: v[:1] for k, v in x.items()}  # no padding: nothing to drop, runs as given
     assert _rows_seen(model, x1) == (1, 11)
+    x0 = {**x, "attention_mask": torch.zeros_like(x["attention_mask"])}  # no real token: nothing to pack
+    assert _rows_seen(model, x0) == (4, 11)  # it raised from a reshape of 0 tokens; the model's own answer now
+    with torch.no_grad():
+        assert torch.equal(model(**x0).last_hidden_state, ref(**x0).last_hidden_state)
 
 
 def test_gates_and_pruning_act_on_the_packed_model():

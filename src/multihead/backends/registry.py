@@ -357,15 +357,18 @@ def request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropou
 def call(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float | None, dropout_p: float,
          backend: str = "auto", softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Attention on validated inputs, dispatched: the one door to the backends. query (B, H, Lq, D), key
-    (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv); no keys: zeros, no backend runs. "auto" without
-    score modifiers runs its remembered choice for this kind of call (while torch.compile traces: its choice
-    made once, :func:`traced_choice`); otherwise :func:`select` chooses. A backend that raises
+    (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv); no keys or an empty output: zeros, no backend
+    runs. "auto" without score modifiers runs its remembered choice for this kind of call (while torch.compile
+    traces: its choice made once, :func:`traced_choice`); otherwise :func:`select` chooses. A backend that raises
     :class:`Unavailable` is reported once and the next choice runs."""
-    if key.shape[2] == 0:  # no keys: every row has nothing to attend to
-        return query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
+    B, H, Lq, _ = query.shape
+    if key.shape[2] == 0 or B * H * Lq * value.shape[-1] == 0:  # no keys (nothing to attend to) or no output
+        if backend != "auto":
+            get(backend)  # a name that is not registered is refused all the same
+        return _zeros(query, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if softcap is None and sinks is None and backend == "auto":
-        B, H, Lq, D = query.shape
+        D = query.shape[-1]
         head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
         needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         if torch.compiler.is_compiling():  # chosen once, while tracing
@@ -381,6 +384,16 @@ def call(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
                 failed(b, choice_key(head, dropout_p, needs_grad, mask), e)
     req = request(query, key, value, mask, dropout_p, softcap=softcap, sinks=sinks)
     return run(backend, req, query, key, value, mask, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks)
+
+
+def _zeros(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """(B, H, Lq, Dv) zeros for a call with nothing to compute: no keys, or an empty output (B, H, Lq or Dv
+    is 0; a kernel given one crashed: flex's compiled kernel killed the process at Lq = 0). Joined to the
+    inputs' graph by sums over empty slices (exactly 0, never NaN), so backward gives each a zero gradient."""
+    z = query.new_zeros(*query.shape[:3], value.shape[-1])  # (B, H, Lq, Dv)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        z = z + (query[..., :0].sum() + key[..., :0].sum() + value[..., :0].sum())
+    return z
 
 
 def run(name: str, req: Request, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale: float,

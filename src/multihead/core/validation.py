@@ -50,8 +50,13 @@ def valid_dropout(v, name: str = "dropout") -> float:
 
 
 def heads(H: int, Hkv: int, *, where: str = "") -> None:
-    """H must be a multiple of Hkv (grouped-query attention)."""
-    if Hkv == 0 or H % Hkv:
+    """H must be a multiple of Hkv (grouped-query attention); no heads at all (H = Hkv = 0) is an empty call."""
+    if Hkv == 0 and H == 0:
+        return
+    if Hkv == 0:
+        raise ValueError(f"the key/value have Hkv=0 heads; the query's H={H} heads need at least one key/value head "
+                         f"to attend to{where}.")
+    if H % Hkv:
         raise ValueError(
             f"the query's heads H={H} must be a multiple of the key/value heads Hkv={Hkv} (grouped-query "
             f"attention: every Hkv head serves H/Hkv query heads){where}."
@@ -92,6 +97,10 @@ def attention_inputs(query, key, value=None, mask=None, *, scale=None, dropout_p
             f"query and key must have the same head size D; got query {_shape(query)} (D={D}) and key "
             f"{_shape(key)} (D={key.shape[-1]})."
         )
+    if D == 0:
+        raise ValueError(f"query and key have head size D=0 (got query {_shape(query)}): the scores would be empty "
+                         "dot products, and the default scale 1/sqrt(D) has no value; give each head at least one "
+                         "feature.")
     if value is not None and (value.shape[1] != Hkv or value.shape[2] != Lk):
         raise ValueError(
             f"key (B, Hkv, Lk, D) and value (B, Hkv, Lk, Dv) must agree on Hkv and Lk; got key {_shape(key)} "

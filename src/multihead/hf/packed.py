@@ -15,8 +15,8 @@ attention module; its layers must take transformers' keyword arguments (``**kwar
 :func:`enable` runs the model once padded and once packed on a batch with padding and
 compares every real token, naming the first module whose output differs (a layer that is not
 per-token outside attention) before the model is changed. A call that asks for something the
-packed path cannot give (hidden states or attentions of every layer, a cache, ``capture``)
-runs padded, unchanged.
+packed path cannot give (hidden states or attentions of every layer, a cache, ``capture``),
+or that has no real token to pack, runs padded, unchanged.
 
 The hooks are module-level classes holding no tensors between calls: a packed model pickles,
 deep-copies and ``state_dict``s as before. They run when the model is called as a module; code that calls
@@ -94,8 +94,8 @@ class _Start:
         if mask.dtype.is_floating_point and not ((mask == 0) | (mask == 1)).all():
             return None  # not a 0/1 mask: nothing to drop
         keep = mask.bool()
-        if bool(keep.all()):
-            return None
+        if bool(keep.all()) or not bool(keep.any()):
+            return None  # no padding to drop, or no real token to pack (run padded: the model's own answer)
         cfg = getattr(module, "config", None)
         asks = [bound.get(k, getattr(cfg, k, False)) for k in ("output_hidden_states", "output_attentions")]
         # a decoder's cache is laid out per batch row: pack only a call that makes none
