@@ -102,6 +102,8 @@ def test_a_contradictory_call_is_refused_before_any_check():
         multihead.check(m, call="x", mask="keep")
     with pytest.raises(ValueError, match=r"call='qkv' with mask='block'.*Use call='qkv_mask'"):
         multihead.check(m, call="qkv", mask="block")
+    with pytest.raises(ValueError, match=r"call='x' with mask='keep'.*Use call='x_mask' \(m\(x, mask\)\)"):
+        multihead.check(m, call="x", mask="keep")
     with pytest.raises(ValueError, match="never uses its fifth argument"):
         multihead.check(m, call=lambda mod, q, k, v, mk: mod(q, k, v), mask="block")
     with pytest.raises(TypeError, match=r"f\(module, q, k, v, mask\)"):
@@ -272,6 +274,60 @@ def test_a_call_that_does_not_fit_the_forward_suggests_the_one_that_does(capsys)
     assert main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8"]) == 2
     err = capsys.readouterr().err
     assert "the call raised: m(q, k, v)" in err and "(its forward(x) fits call='x')" in err
+
+
+SELF_MASKED = """
+import math
+import torch
+from torch import nn
+
+
+class SelfMasked(nn.Module):
+    \"\"\"Self-attention taking its mask with its input, forward(x, mask): a fused qkv, heads folded into the batch,
+    the mask expanded per head; ``ignore`` leaves the mask out (the bug).\"\"\"
+
+    def __init__(self, d_model, num_heads, ignore=False):
+        super().__init__()
+        self.H, self.D, self.ignore = num_heads, d_model // num_heads, ignore
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, L, E = x.shape
+        q, k, v = (t.reshape(B, L, self.H, self.D).transpose(1, 2).reshape(B * self.H, L, self.D)
+                   for t in self.qkv(x).split(E, dim=-1))  # 3 x (B*H, L, D)
+        s = q @ k.transpose(1, 2) / math.sqrt(self.D)  # (B*H, L, L)
+        if mask is not None and not self.ignore:
+            s = s.masked_fill(~mask.expand(B, self.H, L, L).reshape(B * self.H, L, L), float("-inf"))
+        o = (s.softmax(-1) @ v).reshape(B, self.H, L, self.D).transpose(1, 2).reshape(B, L, E)  # (B, L, E)
+        return self.proj(o)
+"""
+
+
+def test_self_attention_with_a_mask_is_graded_through_x_mask(tmp_path, capsys):
+    """``forward(x, mask)``: call='x_mask' (m(x, mask)) grades it as self-attention with its mask, in this
+    process and in the sandbox; a module that drops the mask is caught by the masked keys."""
+    from multihead.apps.cli import main
+
+    ns: dict = {}
+    exec(compile(SELF_MASKED, "self_masked.py", "exec"), ns)
+    torch.manual_seed(0)
+    rep = multihead.check(ns["SelfMasked"](32, 4), call="x_mask", mask="keep")
+    assert rep.ok, str(rep)
+    names = [c.name for c in rep.checks]
+    assert "masked keys have no influence" in names and "permutation equivariance" in names  # masked, self-attention
+    bad = multihead.check(ns["SelfMasked"](32, 4, ignore=True), call="x_mask", mask="keep")
+    assert not bad.ok and any(c.name == "masked keys have no influence" and c.passed is False for c in bad.checks)
+    path = tmp_path / "self_masked.py"
+    path.write_text(SELF_MASKED)
+    assert main(["check", f"{path}:SelfMasked", "--init", "d_model=32, num_heads=4", "--call", "x_mask",
+                 "--mask", "keep"]) == 0
+    assert "OK: the module computes multi-head attention." in capsys.readouterr().out
+    assert main(["check", f"{path}:SelfMasked", "--init", "d_model=32, num_heads=4, ignore=True", "--call", "x_mask",
+                 "--mask", "keep"]) == 1
+    assert main(["check", f"{path}:SelfMasked", "--init", "d_model=32, num_heads=4", "--call", "x",
+                 "--mask", "keep"]) == 2
+    assert "use --call x_mask, or --mask none" in capsys.readouterr().err
 
 
 def test_a_nondeterministic_module_is_not_blamed_for_batch_dependence():

@@ -230,10 +230,10 @@ def _check_options(p: argparse.ArgumentParser) -> None:
                                              "with --name (each in its own process, a table)")
     p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
     p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
-    p.add_argument("--call", choices=["x", "qkv", "qkv_mask"], default="qkv",
-                   help="how the module is called: m(x), m(q, k, v) or m(q, k, v, mask)")
+    p.add_argument("--call", choices=["x", "x_mask", "qkv", "qkv_mask"], default="qkv",
+                   help="how the module is called: m(x), m(x, mask) (self-attention), m(q, k, v) or m(q, k, v, mask)")
     p.add_argument("--mask", choices=["none", "keep", "block", "additive", "valid_lens"], default="none",
-                   help="the module's mask convention (with --call qkv_mask)")
+                   help="the module's mask convention (with --call x_mask or qkv_mask)")
     p.add_argument("--causal", action="store_true", help="the module is meant to be causal")
     p.add_argument("--embed-dim", type=_positive(int), default=None, help="the input size, when no layer tells it")
     p.add_argument("--scale", type=_positive(float), default=None,

@@ -165,7 +165,7 @@ def _check(args) -> int:
         return 2
     if args.call in ("x", "qkv") and mask is not None:
         print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
-              "the module; use --call qkv_mask, or --mask none", file=sys.stderr)
+              f"the module; use --call {args.call}_mask, or --mask none", file=sys.stderr)
         return 2
     try:
         classroom.kwargs_of(args.init)

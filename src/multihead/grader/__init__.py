@@ -6,8 +6,9 @@
 
 ``check`` grades a module of yours in this process; ``grade`` grades learners' files, each in a
 sandboxed process of its own that only builds the module and answers calls (the verdict is computed
-here). The module is called only through ``call`` -- ``"x"`` ``m(x)``, ``"qkv"`` ``m(q, k, v)``,
-``"qkv_mask"`` ``m(q, k, v, mask)``, or (``check`` only) a function ``f(module, q, k, v, mask)`` --
+here). The module is called only through ``call`` -- ``"x"`` ``m(x)``, ``"x_mask"`` ``m(x, mask)`` (self-attention),
+``"qkv"`` ``m(q, k, v)``, ``"qkv_mask"`` ``m(q, k, v, mask)``, or (``check`` only) a function
+``f(module, q, k, v, mask)`` --
 and ``mask`` says how it reads masks: ``"keep"`` (bool, True = may attend), ``"block"`` (1/True =
 blocked, the Keras tutorial), ``"additive"`` (added to the scores), ``"valid_lens"`` (the course's
 (B,) lengths), or None. Masks are given as (B, 1, Lq, Lk).
@@ -32,12 +33,10 @@ from torch import nn
 
 from multihead.grader.report import CHECKS, POINTS, Check, Finding, Report
 from multihead.grader.session import CONVENTIONS
-from multihead.grader.subject import CALLS, LocalSubject
+from multihead.grader.subject import CALLS, HOW, SELF_CALLS, LocalSubject
 from multihead.grader.verdict import Options, grade_subject
 
 __all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "check", "grade"]
-
-_HOW = {"x": "m(x)", "qkv": "m(q, k, v)", "qkv_mask": "m(q, k, v, mask)"}
 
 
 def _reads_argument(fn: Callable, index: int) -> bool | None:
@@ -67,11 +66,11 @@ def check_call(call, mask) -> None:
                              "function, or use mask=None.")
         return
     if call not in CALLS:
-        raise ValueError(f"call must be 'x', 'qkv', 'qkv_mask' or a function f(module, q, k, v, mask); got {call!r}.")
+        raise ValueError(f"call must be one of {CALLS} or a function f(module, q, k, v, mask); got {call!r}.")
     if call in ("x", "qkv") and mask is not None:
-        raise ValueError(f"call={call!r} with mask={mask!r} cannot be honoured: {_HOW[call]} passes no mask to the "
-                         "module. Use call='qkv_mask' (m(q, k, v, mask)) or a function f(module, q, k, v, mask), or "
-                         "mask=None.")
+        raise ValueError(f"call={call!r} with mask={mask!r} cannot be honoured: {HOW[call]} passes no mask to the "
+                         f"module. Use call={call + '_mask'!r} ({HOW[call + '_mask']}) or a function f(module, q, k, v, "
+                         "mask), or mask=None.")
 
 
 def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None = None, embed_dim: int | None = None,
@@ -80,7 +79,7 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
     """Grade ``module`` in this process (see :mod:`multihead.grader`). ``embed_dim``: the input size, when
     no layer tells it; ``causal``: the module is meant to be causal (future positions must have no
     influence), on top of any mask it is given; ``self_attention``: queries, keys and values are the same
-    tensor (default: ``call == "x"``); ``mapping``: the names of the q/k/v/o (or qkv) submodules or
+    tensor (default: for ``call`` "x" and "x_mask"); ``mapping``: the names of the q/k/v/o (or qkv) submodules or
     Parameters, the head count (``heads``) and the score scale (``scale``) when they cannot be found;
     ``seed``: the probes' random seed; ``strict``: warnings fail too. A lazy module (``nn.LazyLinear``)
     is built by a first call. The module comes back as it was: training flags, gradients, parameters
@@ -97,8 +96,8 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
                          "projections (W_q, W_k, W_v, W_o).")
     subject = LocalSubject(module, call)
     try:
-        opts = Options(mask, causal, call == "x" if self_attention is None else bool(self_attention), embed_dim,
-                       mapping, seed, strict, _HOW.get(call, "call(module, q, k, v, mask)") if not callable(call)
+        opts = Options(mask, causal, call in SELF_CALLS if self_attention is None else bool(self_attention), embed_dim,
+                       mapping, seed, strict, HOW.get(call, "call(module, q, k, v, mask)") if not callable(call)
                        else "call(module, q, k, v, mask)", call if isinstance(call, str) else None)
         return grade_subject(subject, opts)
     finally:

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from multihead.grader.report import Report, points_scheme
 from multihead.grader.runner import Limits, SandboxError, SandboxSubject
+from multihead.grader.subject import HOW, SELF_CALLS
 from multihead.grader.verdict import Options, grade_subject
 
 __all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "summary", "table", "targets",
            "write_feedback", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds")
-_HOW = {"x": "m(x)", "qkv": "m(q, k, v)", "qkv_mask": "m(q, k, v, mask)"}
 
 
 def kwargs_of(text: str | None) -> dict:
@@ -94,8 +94,8 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     if not name:
         return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme), None
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
-    opts = Options(mask, causal, call == "x", embed_dim, None if scale is None else {"scale": float(scale)}, seed,
-                   strict, _HOW[call], call)
+    opts = Options(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
+                   seed, strict, HOW[call], call)
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
             report = grade_subject(subject, opts)

@@ -20,10 +20,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CALLS", "Description", "LocalSubject", "Probe", "Reply", "caller", "describe", "run"]
+__all__ = ["CALLS", "HOW", "SELF_CALLS", "Description", "LocalSubject", "Probe", "Reply", "caller", "describe", "run"]
 
 #: the calls a module can be graded through (a sandboxed file is called by name; a function only in-process)
-CALLS = ("x", "qkv", "qkv_mask")
+CALLS = ("x", "x_mask", "qkv", "qkv_mask")
+#: each call as the learner wrote it (for messages)
+HOW = {"x": "m(x)", "x_mask": "m(x, mask)", "qkv": "m(q, k, v)", "qkv_mask": "m(q, k, v, mask)"}
+#: the calls of a self-attention module (one input: queries, keys and values are the same tensor)
+SELF_CALLS = ("x", "x_mask")
 #: attribute names that may hold a head count, read off every submodule
 HEAD_ATTRS = ("num_heads", "n_heads", "heads", "h", "num_head", "nhead", "n_head", "num_attention_heads",
               "head_count", "nheads")
@@ -136,16 +140,18 @@ def describe(module: nn.Module) -> Description:
 
 
 def caller(call) -> Callable:
-    """``run(module, q, k, v, mask)`` for a call name ("x", "qkv", "qkv_mask") or a function."""
+    """``run(module, q, k, v, mask)`` for a call name (:data:`CALLS`) or a function."""
     if callable(call):
         return lambda m, q, k, v, mk: call(m, q, k, v, mk)
     if call == "x":
         return lambda m, q, k, v, mk: m(q)
+    if call == "x_mask":
+        return lambda m, q, k, v, mk: m(q, mk)
     if call == "qkv":
         return lambda m, q, k, v, mk: m(q, k, v)
     if call == "qkv_mask":
         return lambda m, q, k, v, mk: m(q, k, v, mk)
-    raise ValueError(f"call must be 'x', 'qkv', 'qkv_mask' or a function f(module, q, k, v, mask); got {call!r}.")
+    raise ValueError(f"call must be one of {CALLS} or a function f(module, q, k, v, mask); got {call!r}.")
 
 
 #: how a reply's error starts when the module returned something the grader does not read as an output

@@ -41,7 +41,7 @@ class Options:
     """How a module is graded: ``conv`` its mask convention (None: no mask), ``causal``, ``self_attn``,
     ``embed_dim`` (its input size, when nothing tells it), ``mapping`` (the names of its q/k/v/o or qkv,
     ``heads``, ``scale``), ``seed`` of the probes, ``strict`` (warnings fail), ``how`` (the call, for messages), ``call`` its name
-    ("x", "qkv", "qkv_mask"; None for a function)."""
+    (:data:`~multihead.grader.subject.CALLS`; None for a function)."""
 
     conv: str | None = None
     causal: bool = False
@@ -102,11 +102,11 @@ def _call_hint(forward: tuple, call: str | None) -> str:
     if call is None or not forward:
         return ""
     required = [n for n, req in forward if req]
-    fits = [c for c, n in (("x", 1), ("qkv", 3), ("qkv_mask", 4)) if len(required) <= n <= len(forward)]
+    fits = [c for c, n in (("x", 1), ("x_mask", 2), ("qkv", 3), ("qkv_mask", 4)) if len(required) <= n <= len(forward)]
     if not fits or call in fits:
         return ""
     names = ", ".join(n for n, _ in forward)
-    return f" (its forward({names}) fits call={fits[0]!r}{'' if fits[0] != 'qkv_mask' else ' with a mask='})"
+    return f" (its forward({names}) fits call={fits[0]!r}{' with a mask=' if fits[0].endswith('_mask') else ''})"
 
 
 def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
