@@ -51,7 +51,7 @@ def test_viz_toy_and_vit(trained, tmp_path, capsys):
     assert main(["viz", "--model", "toy", "--text", "abc", "--out", str(tmp_path), "--checkpoints",
                  str(trained["dir"])]) == 2
     err = capsys.readouterr().err
-    assert "multihead viz: the toy model reverses digit strings: give --text with digits" in err
+    assert "multihead viz: the toy model reverses strings of 3 to 10 digits 0-9" in err and "got 'abc'" in err
     assert "Traceback" not in err
 
 
@@ -89,6 +89,10 @@ def test_format_weights_grid():
     (["viz", "--model", "vit", "--index", "-1"], "--index: must be >= 0"),
     (["viz", "--model", "vit", "--index", "99999"], "--index must be in [0, "),
     (["viz", "--model", "toy", "--index", "3"], "--index picks a test image of --model vit"),
+    # were drawn as '12' and as the first 10 digits, and an empty --text as the default's digits, without a word
+    (["viz", "--model", "toy", "--text", "12a"], "got '12a' (it holds 'a')"),
+    (["viz", "--model", "toy", "--text", "1234567890123"], "got '1234567890123' (it has 13 digits)"),
+    (["viz", "--model", "toy", "--text", ""], "got '' (it has 0 digits)"),
     (["viz", "--hf", "/nonexistent"], "config.json does not exist"),
     (["bench", "--workloads", "W9"], "unknown workload W9; valid: W1, W2, W3, W4, W5, W6, W7"),
     (["bench", "--reps", "0"], "--reps: must be > 0"),

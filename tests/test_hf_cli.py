@@ -73,6 +73,15 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
     assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-6
     text = (out / "report.md").read_text()
     assert "Recovery: 5 distillation steps" in text and "transformers BertModel (sdpa)" in text
+    # viz draws the pruned model itself: its 2 pruned heads are "pruned" in their places, not the uniform attention
+    # of the zero rows the full-size directory holds for them (what transformers' own loading computes)
+    kept = {n: m.attention_hooks.kept for n, m in mhf.attention_modules(loaded).items()}
+    assert main(["viz", "--hf", str(out / "model"), "--text", corpus[0], "--out", str(tmp_path / "v")]) == 0
+    page = (tmp_path / "v" / "model_explorer.html").read_text()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert {m["name"]: [h for h, e in enumerate(m["heads"]) if e is not None] for m in data["modules"]} == \
+        {n: (list(range(4)) if k is None else sorted(k)) for n, k in kept.items()}
+    assert sum(e is None for m in data["modules"] for e in m["heads"]) == 2
 
 
 def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
@@ -102,6 +111,12 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     assert "computes: scaling=0.3536, causal" in text, text
     assert (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000
     assert (tmp_path / "v" / "ckpt_heads.png").stat().st_size > 1000
+    # the pruned directory, which transformers cannot open (grouped key/value heads, stored at the pruned sizes)
+    assert main(["viz", "--hf", str(out / "model"), "--text", "The value of the object", "--out",
+                 str(tmp_path / "vp")]) == 0
+    page = (tmp_path / "vp" / "model_explorer.html").read_text()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert sum(e is None for m in data["modules"] for e in m["heads"]) == 2  # 8 heads, 6 kept
 
 
 def test_hf_bad_directories(tmp_path, capsys):

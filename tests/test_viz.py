@@ -75,6 +75,34 @@ def test_rollout_identity_and_product():
         rollout({"x": torch.rand(1, 2, 3, 4)})
 
 
+def _with_pruned_heads(c: dict) -> dict:
+    """The capture with heads (0, 0) and (1, 2) in place but absent (NaN), as a pruned model's are drawn."""
+    first, second = list(c)
+    a, b = c[first].clone(), c[second].clone()
+    a[:, 0], b[:, 2] = float("nan"), float("nan")
+    return {first: a, second: b}
+
+
+def test_a_pruned_heads_place_says_so_and_every_other_head_keeps_its_number(tmp_path):
+    """A head whose weights are NaN is not there (a pruned model's head, kept in its place): the heatmap's panel
+    says "pruned" (a pruned MiniLM's heads were drawn as uniform attention, the zero rows its full-size copy holds),
+    the explorer leaves its place empty, and rollout, which needs the heads the model computes, refuses it."""
+    c = _with_pruned_heads(captured_stack())
+    fig = heatmaps(c)
+    axes = [a for a in fig.axes if a.get_label() != "<colorbar>"]
+    said = [[t.get_text() for t in a.texts] for a in axes]  # (layers x heads) panels, row by row
+    assert said == [["pruned"], [], [], [], [], ["pruned"]]
+    assert [a.get_title() for a in axes[:3]] == ["head 0", "head 1", "head 2"]
+    assert len(fig.axes) == 7  # the colour bar, from the heads that are there
+    text = explorer(c, path=tmp_path / "p.html").read_text()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', text, re.S).group(1))
+    assert [[h is None for h in m["heads"]] for m in data["modules"]] == [[True, False, False], [False, False, True]]
+    with pytest.raises(ValueError, match="weights hold NaN"):
+        rollout(c)
+    r = rollout({"a": torch.rand(1, 0, 4, 4)})  # a layer with every head pruned passes its input on
+    assert torch.equal(r[0], torch.eye(4))
+
+
 def test_explorer_is_self_contained_and_escapes_tokens(tmp_path):
     c = captured_stack()
     evil = ["<script>alert(1)</script>", "a&b", '"q"', "</script><b>x", "é", "t"]
@@ -100,7 +128,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def _open(page_path, exe, sync_api, fn, width=1200):
+def _open(page_path, exe, sync_api, fn, width=1200, first="0:0"):
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, args=ARGS)
         try:
@@ -109,7 +137,7 @@ def _open(page_path, exe, sync_api, fn, width=1200):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(page_path).as_uri())
-            page.wait_for_selector("body[data-shown='0:0']", state="attached")  # the first head, inflated and drawn
+            page.wait_for_selector(f"body[data-shown='{first}']", state="attached")  # the first head, inflated and drawn
             return fn(page), errors
         finally:
             browser.close()
@@ -128,6 +156,22 @@ def _not_blank(png: bytes) -> bool:
     img = Image.open(io.BytesIO(png)).convert("L")
     lo, hi = img.getextrema()
     return hi - lo > 50 and sum(1 for n in img.histogram() if n) > 10
+
+
+def test_a_pruned_heads_place_in_chromium(tmp_path):
+    exe, sync_api = _chromium()
+    p = explorer(_with_pruned_heads(captured_stack()), path=tmp_path / "p.html")
+
+    def act(page):
+        return (page.text_content("#enlarged-title"),
+                page.eval_on_selector_all("#thumbs .headnum", "els => els.map(e => e.textContent)"),
+                page.eval_on_selector_all("#thumbs canvas", "els => els.map(e => e.dataset.module + ':' + e.dataset.head)"))
+
+    (title, headnums, canvases), errors = _open(p, exe, sync_api, act, first="0:1")  # the first head there
+    assert errors == []
+    assert "— head 1 (" in title
+    assert headnums == ["head 0", "head 1", "head 2", "pruned", "pruned"]
+    assert canvases == ["0:1", "0:2", "1:0", "1:1"]
 
 
 def test_explorer_in_chromium(tmp_path):

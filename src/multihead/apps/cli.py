@@ -29,6 +29,15 @@ def _demo(args) -> int:
     return 0
 
 
+#: what viz draws a sentence model on when no --text is given
+SENTENCE = "Multi-head attention lets the model look in several places."
+
+
+def _text(args, default: str) -> str:
+    """--text as given (an empty one included: it is what the user asked to see), or ``default`` when absent."""
+    return default if args.text is None else args.text
+
+
 def _viz(args) -> int:
     import matplotlib
 
@@ -41,8 +50,7 @@ def _viz(args) -> int:
     if args.hf:
         from multihead.apps import hf_models
 
-        paths = hf_models.draw(args.hf, args.text or "Multi-head attention lets the model look in several places.",
-                               out, explain=args.explain)
+        paths = hf_models.draw(args.hf, _text(args, SENTENCE), out, explain=args.explain)
     elif args.model is None:
         print("multihead viz: give --model {toy,vit,minilm} or --hf DIR", file=sys.stderr)
         return 2
@@ -51,7 +59,9 @@ def _viz(args) -> int:
               file=sys.stderr)
         return 2
     elif args.model == "toy":
-        paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), args.text or "31415926", out)
+        text = _text(args, "31415926")
+        demo.toy_digits(text)  # checked before any training
+        paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), text, out)
     elif args.model == "vit":
         n_test = len(demo.digits()[2])
         if (args.index or 0) >= n_test:  # checked before any training
@@ -61,7 +71,7 @@ def _viz(args) -> int:
         paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index or 0, out)
     else:
         try:
-            paths = demo.draw_minilm(args.text or "Multi-head attention lets the model look in several places.", out)
+            paths = demo.draw_minilm(_text(args, SENTENCE), out)
         except FileNotFoundError as e:
             print(f"multihead viz: {e}", file=sys.stderr)
             return 2

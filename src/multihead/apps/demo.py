@@ -68,12 +68,23 @@ def vit(ckpt: Path, retrain: bool = False) -> ViT:
     return vit_model.load_or_train(ckpt, retrain)
 
 
+def toy_digits(text: str) -> list[int]:
+    """The digits of ``text`` for the toy reverser; ValueError for anything it was not trained on (a character
+    that is not a digit 0-9, fewer or more digits than its training strings), before any model is loaded."""
+    from multihead.models.seq2seq import MAX_DIGITS, MIN_DIGITS
+
+    other = sorted({c for c in text if c not in "0123456789"})
+    if other or not MIN_DIGITS <= len(text) <= MAX_DIGITS:
+        why = f"it holds {''.join(other)!r}" if other else f"it has {len(text)} digits"
+        raise ValueError(f"the toy model reverses strings of {MIN_DIGITS} to {MAX_DIGITS} digits 0-9 (what it was "
+                         f"trained on): give --text like '31415'; got {text!r} ({why}).")
+    return [int(c) for c in text]
+
+
 def draw_reverser(model: Seq2SeqTransformer, text: str, out: Path) -> list[Path]:
     from multihead.viz import ROLLOUT_AXES, explorer, heatmaps, rollout
 
-    digits_ = [int(c) for c in text if c.isdigit()][:10]
-    if len(digits_) < 1:
-        raise ValueError(f"the toy model reverses digit strings: give --text with digits, e.g. '31415'; got {text!r}.")
+    digits_ = toy_digits(text)
     src = torch.tensor([[d + DIGIT0 for d in digits_]])
     lens = torch.tensor([len(digits_)])
     pred = model.greedy(src, lens, len(digits_))[0]

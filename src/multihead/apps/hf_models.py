@@ -11,6 +11,7 @@ unpruned one on unlabelled sentences (the same fidelity as the loss).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Callable
@@ -24,19 +25,23 @@ from multihead.apps.pruning import Setup
 from multihead.quantize import quantize
 
 
-def _load(path: Path, *, with_peer: bool = True):
+def _config_file(path: Path) -> Path:
+    """The checkpoint's config.json (ValueError, saying what --hf takes, when there is none); offline from here on."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"{cfg} does not exist: --hf takes a local transformers checkpoint directory (config.json, "
+                         "weights and a tokenizer).")
+    return cfg
+
+
+def _tokenizer(path: Path):
+    """(the checkpoint's tokenizer, with a pad token; whether the model is a causal LM)."""
+    _config_file(path)
     import transformers
 
-    import multihead.hf as mhf
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path / 'config.json'} does not exist: --hf takes a local transformers checkpoint "
-                         "directory (config.json, weights and a tokenizer).")
     config = transformers.AutoConfig.from_pretrained(path)
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is the same advice
@@ -44,6 +49,18 @@ def _load(path: Path, *, with_peer: bool = True):
                          "tokenizer.json (or the tokenizer files) in the directory.") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
+    return tok, causal
+
+
+def _load(path: Path, *, with_peer: bool = True):
+    path = Path(path)
+    _config_file(path)
+    import transformers
+
+    import multihead.hf as mhf
+
+    tok, causal = _tokenizer(path)
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     model = auto.from_pretrained(path).eval()
     try:  # padding-free where the model's layers allow it (verified on a padded batch), else padded
         model = mhf.attach(model, packed=True)
@@ -401,6 +418,31 @@ def _encode_within(tok, model, text: str):
     return tok([text], truncation=True, max_length=limit, return_tensors="pt")
 
 
+def _kept_heads(path: Path) -> dict[str, list[int]]:
+    """{attention module: the original indices of its kept heads} that ``multihead.hf.save`` recorded for a pruned
+    model (``{}``: not pruned, or not saved by multihead)."""
+    from multihead.hf import KEPT_KEY
+
+    return json.loads(_config_file(path).read_text()).get(KEPT_KEY) or {}
+
+
+def _in_place(cap: dict, kept: dict[str, list[int]], H0: int | None) -> dict:
+    """The captured weights with each pruned module's heads at their original numbers, (B, H0, Lq, Lk), the pruned
+    heads NaN (the pictures say "pruned" there); ``cap`` as it is when nothing was pruned."""
+    if not kept or not isinstance(H0, int):
+        return cap
+    placed = {}
+    for name, w in cap.items():  # (B, H, Lq, Lk): the kept heads, in order
+        heads = kept.get(name)
+        if heads is None or len(heads) != w.shape[1] or max(heads, default=0) >= H0:
+            placed[name] = w
+            continue
+        full = w.new_full((w.shape[0], H0, *w.shape[2:]), float("nan"))  # (B, H0, Lq, Lk)
+        full[:, heads] = w
+        placed[name] = full
+    return placed
+
+
 def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> list[Path]:
     """Every head of the checkpoint in ``path`` on ``text``: heatmaps, rollout and the explorer;
     with ``explain``, :func:`multihead.hf.explain` printed first."""
@@ -409,7 +451,12 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     from multihead.viz import ROLLOUT_AXES, explorer, heatmaps, rollout
     from multihead.viz.rollout import stacks_of
 
-    model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
+    kept = _kept_heads(Path(path))
+    if kept:  # written by prune --hf: the pruned model itself, not its full-size copy (pruned heads zero, uniform)
+        tok, causal = _tokenizer(Path(path))
+        model = mhf.load(path, quantized=False)
+    else:
+        model, _, tok, causal = _load(Path(path), with_peer=False)  # pictures need no sdpa twin
     if explain:
         print(mhf.explain(model))
     enc = _encode_within(tok, model, text)
@@ -419,7 +466,8 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
     out.mkdir(parents=True, exist_ok=True)
     name = Path(path).name
     paths = []
-    fig = heatmaps(cap, queries=tokens, keys=tokens, max_labels=24)
+    placed = _in_place(cap, kept, getattr(model.config, "num_attention_heads", None))  # pruned heads: NaN
+    fig = heatmaps(placed, queries=tokens, keys=tokens, max_labels=24)
     paths.append(out / f"{name}_heads.png")
     fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
     stack = next(iter(stacks_of(cap).values()))  # an encoder-decoder: the encoder's stack (the text's tokens)
@@ -427,7 +475,7 @@ def draw(path: str | Path, text: str, out: Path, *, explain: bool = False) -> li
                    cell=4, **ROLLOUT_AXES)
     paths.append(out / f"{name}_rollout.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    paths.append(explorer(cap, tokens, out / f"{name}_explorer.html", title=f"{name}: {text}"))
+    paths.append(explorer(placed, tokens, out / f"{name}_explorer.html", title=f"{name}: {text}"))
     import matplotlib.pyplot as plt
 
     plt.close("all")

@@ -88,7 +88,12 @@ class Seq2SeqTransformer(nn.Module):
         return ys[:, 1:]
 
 
-def reverse_batch(n: int, *, min_len: int = 3, max_len: int = 10, generator: torch.Generator | None = None):
+#: the digit strings' lengths the reverser is trained on (and the only ones it is asked to reverse)
+MIN_DIGITS, MAX_DIGITS = 3, 10
+
+
+def reverse_batch(n: int, *, min_len: int = MIN_DIGITS, max_len: int = MAX_DIGITS,
+                  generator: torch.Generator | None = None):
     """Digit strings and their reversals -> src (n, S), src_lens (n,), tgt_in (n, T), tgt_out (n, T).
     tgt_out[t] = src[len-1-t] for t < len, then EOS; padding is PAD."""
     lens = torch.randint(min_len, max_len + 1, (n,), generator=generator)

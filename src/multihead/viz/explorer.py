@@ -139,6 +139,8 @@ def explorer(
 ) -> Explorer:
     """Write the explorer for ``captured`` (name -> (B, H, Lq, Lk)) to ``path``.
 
+    captured: a head whose weights are all NaN is not there (a pruned head kept in its place, so that the
+        others keep their numbers): the page says "pruned" where it would be.
     tokens: the query tokens (and the key tokens of self-attention modules).
     key_tokens: key tokens for cross-attention: one list, or name -> list.
     image, patch_grid, prefix_tokens: for a ViT, the input picture ((h, w),
@@ -160,14 +162,15 @@ def explorer(
         kt = key_tokens.get(name) if isinstance(key_tokens, Mapping) else key_tokens
         if kt is None and tokens is not None and len(tokens) == Lk:
             kt = tokens
-        heads = [_head(w[h], max_cells) for h in range(H)]
-        rows, cols = (heads[0][1], heads[0][2]) if heads else (min(Lq, max_cells), min(Lk, max_cells))
+        heads = [None if bool(w[h].isnan().all()) else _head(w[h], max_cells) for h in range(H)]  # NaN: pruned
+        there = [e for e in heads if e is not None]
+        rows, cols = (there[0][1], there[0][2]) if there else (min(Lq, max_cells), min(Lk, max_cells))
         modules.append({
             "name": name,
             "kind": "self" if Lq == Lk and (kt is None or kt is tokens) else "cross",
             "lq": Lq, "lk": Lk, "rows": rows, "cols": cols,
             "queries": _labels(tokens, Lq, "q"), "keys": _labels(kt, Lk, "k"),
-            "heads": [e for e, _, _ in heads],
+            "heads": [None if e is None else e[0] for e in heads],
         })
     data = {"title": title, "modules": modules}
     if image is not None:

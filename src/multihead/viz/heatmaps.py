@@ -66,17 +66,26 @@ class _Style(NamedTuple):
     row_names: list
 
 
+def _title(r: int, c: int, st: _Style) -> str | None:
+    """Panel (r, c)'s title: the caller's (one a column, or one a panel), else the head's number on the first row."""
+    titles = st.titles
+    return titles[c] if titles is not None and len(titles) == st.C else \
+        titles[r * st.C + c] if titles is not None else f"head {c}" if r == 0 or st.per_head else None
+
+
 def _panel(ax, img, r: int, c: int, st: _Style, vmax: float):
-    """Draw panel (r, c): the weights ``img`` (Lq, Lk), its title, labels and ticks; returns the image."""
+    """Draw panel (r, c): the weights ``img`` (Lq, Lk), its title, labels and ticks; returns the image (None for a
+    head that is not there: all NaN, a pruned head, drawn as an empty box saying so)."""
     from matplotlib.ticker import MaxNLocator
 
     Lq, Lk = img.shape
-    top = (float(img.max()) if img.numel() else 0.0) if st.per_head else vmax
+    absent = img.numel() > 0 and bool(img.isnan().all())
+    top = 1.0 if absent else (float(img.max()) if img.numel() else 0.0) if st.per_head else vmax
     im = ax.imshow(img.numpy(), cmap=st.cmap, vmin=0.0, vmax=top or 1.0, aspect="auto", interpolation="nearest")
-    titles = st.titles
-    title = titles[c] if titles is not None and len(titles) == st.C else \
-        titles[r * st.C + c] if titles is not None else f"head {c}" if r == 0 or st.per_head else None
-    if st.per_head:
+    title = _title(r, c, st)
+    if absent:
+        ax.text(0.5, 0.5, "pruned", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="0.45")
+    elif st.per_head:
         title = f"{title or ''} (max {top:.2g})".strip()
     if title is not None:
         ax.set_title(title, fontsize=8 if not st.per_head else 6)
@@ -93,7 +102,7 @@ def _panel(ax, img, r: int, c: int, st: _Style, vmax: float):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if st.queries is None or Lq > st.max_labels:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    return im
+    return None if absent else im
 
 
 def heatmaps(
@@ -123,7 +132,8 @@ def heatmaps(
     ``queries``/``keys``: token labels for the axes (shown when at most
     ``max_labels``; otherwise positions, on integer ticks). ``value_label``: what the colour
     bar measures (rollout values are not attention weights). Save with
-    ``fig.savefig("heads.png")`` (or .svg, .pdf).
+    ``fig.savefig("heads.png")`` (or .svg, .pdf). A head whose weights are all NaN is not there (a pruned head,
+    kept in its place so the others keep their numbers): its panel says "pruned".
     """
     from multihead.extras import require
 
@@ -139,11 +149,11 @@ def heatmaps(
             raise ValueError(f"{name} has {len(labels)} labels but the weights have {n} {name}.")
     fig, axes = plt.subplots(R, C, figsize=(cell * C + 1.2, cell * R + 0.4), squeeze=False, sharex=True, sharey=True)
     style = _Style(queries, keys, xlabel, ylabel, titles, cmap, max_labels, per_head, R, C, row_names)
-    vmax = float(grid.max()) if grid.numel() else 1.0
+    vmax = float(grid.nan_to_num(0.0).max()) if grid.numel() else 1.0
     im = None
     for r in range(R):
         for c in range(C):
-            im = _panel(axes[r, c], grid[r, c], r, c, style, vmax)
-    if not per_head:  # one scale: one colour bar (per head, each title gives its panel's top)
+            im = _panel(axes[r, c], grid[r, c], r, c, style, vmax) or im
+    if not per_head and im is not None:  # one scale: one colour bar (per head, each title gives its panel's top)
         fig.colorbar(im, ax=axes, shrink=0.6, label=value_label)
     return fig

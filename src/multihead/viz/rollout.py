@@ -76,7 +76,11 @@ def rollout(captured: Mapping[str, Tensor], *, names: Sequence[str] | None = Non
         w = captured[n]
         if w.dim() != 4 or w.shape[-1] != w.shape[-2]:
             raise ValueError(f"rollout needs self-attention weights (B, H, L, L); {n} has shape {tuple(w.shape)}.")
-        W = w.detach().double().mean(1)  # (B, L, L): heads averaged
+        if w.isnan().any():
+            raise ValueError(f"rollout: {n}'s weights hold NaN (a pruned head's place?); give the heads the model "
+                             "computes.")
+        W = w.detach().double().mean(1) if w.shape[1] else w.new_zeros(w.shape[0], *w.shape[2:]).double()
+        # (B, L, L): heads averaged (no heads left: nothing but the residual)
         L = W.shape[-1]
         A = (1 - residual) * W + residual * torch.eye(L, dtype=W.dtype, device=W.device)
         if causal:
