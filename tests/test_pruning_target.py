@@ -190,6 +190,21 @@ def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_pa
     assert "recovery: 3 steps took it from" in said and "(3 of the 500 asked: the time budget ended them" in said
 
 
+def test_held_out_sentences_are_never_ones_the_pruning_saw():
+    """A repeated line counts once, where it first comes, and a held-out sentence that the recovery text also holds
+    is left out: a corpus of 300 copies of one line was accepted and measured fidelity on the very sentence it
+    pruned and distilled on."""
+    from multihead.apps.hf_models import _split
+
+    corpus = [f"s{i}" for i in range(10)] + ["s1", "s12"] + [f"s{i}" for i in range(10, 14)]
+    head, rec, held = _split(corpus, 4, 2, None, seen=["s11", "s99"])
+    assert head == ["s0", "s1", "s2", "s3"] and rec == ["s4", "s5"]
+    assert held == ["s6", "s7", "s8", "s9", "s12", "s10", "s13"]  # s1 once, s11 seen in the recovery text
+    assert not set(held) & (set(head) | set(rec) | {"s11"})
+    with pytest.raises(ValueError, match=r"the corpus has 1 different sentences: it needs more than 128"):
+        _split(["x"] * 300, 128, None, None)
+
+
 def test_docstring_sentences_are_wider_text_that_the_pruning_corpus_does_not_hold():
     from multihead.apps.data import docstring_sentences, sentences
 

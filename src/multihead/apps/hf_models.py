@@ -219,19 +219,24 @@ def _passage_limit(tok, model) -> int:
     return PASSAGE_TOKENS if limit is None else min(PASSAGE_TOKENS, limit)
 
 
-def _split(corpus: list[str], n_importance: int, n_recover: int | None,
-           n_held_out: int | None) -> tuple[list[str], list[str], list[str]]:
-    """(importance, recovery, held-out) sentences: the first ``n_importance``, the next ``n_recover`` (default a
-    quarter of the corpus, at most 256), then ``n_held_out`` (default all the rest)."""
+def _split(corpus: list[str], n_importance: int, n_recover: int | None, n_held_out: int | None,
+           seen: list[str] | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(importance, recovery, held-out) sentences of the corpus' different sentences (a repeated line counts once,
+    where it first comes): the first ``n_importance``, the next ``n_recover`` (default a quarter of them, at most
+    256), then ``n_held_out`` (default all the rest) of those not also in ``seen`` (more text the model is trained
+    on): the held-out sentences are never ones it saw (a corpus of repeated lines measured fidelity on the very
+    sentences it pruned and distilled on)."""
+    corpus = list(dict.fromkeys(corpus))
     n_recover = min(256, len(corpus) // 4) if n_recover is None else n_recover
     head = corpus[:n_importance]
     recover_set = corpus[n_importance:n_importance + n_recover]
-    held_out = corpus[n_importance + n_recover:]
+    trained = set(seen or ())
+    held_out = [s for s in corpus[n_importance + n_recover:] if s not in trained]
     if n_held_out is not None:
         held_out = held_out[:n_held_out]
     if not head or not held_out:
-        raise ValueError(f"the corpus has {len(corpus)} sentences: it needs more than {n_importance} (importance on "
-                         "the first ones, fidelity on the rest).")
+        raise ValueError(f"the corpus has {len(corpus)} different sentences: it needs more than {n_importance} "
+                         "(importance on the first ones, fidelity on the rest, none of them in the recovery text).")
     return head, recover_set, held_out
 
 
@@ -304,7 +309,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
 
     model, peer, tok, causal = _load(Path(path))
     corpus = corpus if corpus is not None else sentences()
-    head, recover_set, held_out = _split(corpus, n_importance, n_recover, n_held_out)
+    head, recover_set, held_out = _split(corpus, n_importance, n_recover, n_held_out, recover_extra)
     kinds, held_out, long, limit, passage_note = _held_out_kinds(tok, model, held_out, held_out_extra, n_passages,
                                                                  causal)
     out_fn = _logp if causal else pooled
