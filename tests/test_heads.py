@@ -162,6 +162,22 @@ def test_prune_errors():
         heads.prune(model, {"nope": [0]})
     with pytest.raises(ValueError, match=r"heads \[9\] do not exist: the module has num_heads=6"):
         heads.prune(model, {"layers.0": [9]})
+    # head numbers are whole numbers, never guessed: 1.5 and True were head 1, "12" heads 1 and 2
+    for bad, says in ((1.5, r"whole head numbers; got 1.5 \(float\)"), (True, r"got True \(bool\)"),
+                      (torch.tensor(True), r"got tensor\(True\)")):
+        with pytest.raises(TypeError, match=says):
+            heads.prune(model, {"layers.0": [bad]})
+    for bad in ("12", 1):
+        with pytest.raises(TypeError, match=r"must be a list of head numbers, e.g. \[0, 3\]"):
+            heads.prune(model, {"layers.0": bad})
+    H = [m.num_heads for m in model.layers]
+    with pytest.raises(ValueError, match=r"layers.1: heads \[9\] do not exist"):  # checked before anything is cut
+        heads.prune(model, {"layers.0": [0], "layers.1": [9]})
+    assert [m.num_heads for m in model.layers] == H
+    assert heads.prune(model, {"layers.0": torch.tensor([1, 1, 2])}) == {"layers.0": [0, 3, 4, 5]}  # tensor items
+    lazy = nn.ModuleDict({"a": MultiHeadAttention(16, 4)})  # LazyLinear, not called yet
+    with pytest.raises(ValueError, match=r"a has parameters not built yet \(nn.LazyLinear\): call the model once"):
+        heads.prune(lazy, {"a": [0]})
     wrapper = nn.Sequential(TorchMultiheadAttention(8, 2, batch_first=True).eval())  # the drop-in is cut too
     x = torch.randn(2, 3, 8)
     with torch.no_grad(), heads.gated(wrapper, {"0": torch.tensor([0.0, 1.0])}):

@@ -19,6 +19,7 @@ projection's bias (zeros without bias), exactly what gating all its heads gives.
 from __future__ import annotations
 
 import json
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -162,6 +163,24 @@ def head_counts(model: nn.Module) -> dict[str, list[int]]:
             if isinstance(m, MultiHeadAttention) and (m.num_heads, m.num_kv_heads) != m.built_heads}
 
 
+def _indices(name: str, heads: Iterable[int]) -> set[int]:
+    """The head numbers to remove from module ``name``: whole numbers (int, a NumPy integer, an integer tensor's
+    items), never guessed from a bool, a float or the characters of a string (``"12"`` removed heads 1 and 2)."""
+    if isinstance(heads, str | bytes) or not isinstance(heads, Iterable):
+        raise TypeError(f"heads[{name!r}] must be a list of head numbers, e.g. [0, 3]; got {heads!r}.")
+    out = set()
+    for h in heads:
+        bad = isinstance(h, bool) or isinstance(h, Tensor) and (h.dtype == torch.bool or h.dtype.is_floating_point)
+        try:
+            i = None if bad else operator.index(h)
+        except TypeError:
+            i = None
+        if i is None:
+            raise TypeError(f"heads[{name!r}] must hold whole head numbers; got {h!r} ({type(h).__name__}).")
+        out.add(i)
+    return out
+
+
 def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
           mean_outputs: Mapping[str, Tensor] | None = None) -> dict[str, list[int]]:
     """Remove heads physically: {module name: [heads to remove]}. q/k/v/o weights
@@ -174,15 +193,27 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
     is replaced by its mean output, folded into the output projection's bias.
 
     Checkpoints record the new head counts (:func:`head_counts`) so that the model
-    rebuilds itself from its config. Returns {module: [kept original head indices]}.
+    rebuilds itself from its config. Head numbers are the module's heads as they are when it is called (the original
+    numbers on a first prune). Returns {module: [kept head numbers]}, numbered so. Raises ValueError or TypeError,
+    before anything changes, for a name that is not an attention module, or heads that are not whole numbers
+    (``True``, ``1.5``, ``"12"``) or do not exist.
     """
     mods = attention_modules(model)
     kept = {}
-    for name, remove in heads.items():
+    for name in heads:
         if name not in mods:
             raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
+    heads = {name: _indices(name, remove) for name, remove in heads.items()}
+    for name, remove in heads.items():
+        H = _num_heads(mods[name])
+        bad = sorted(h for h in remove if not 0 <= h < H)
+        if bad:
+            raise ValueError(f"{name}: heads {bad} do not exist: the module has num_heads={H} (heads 0..{H - 1}).")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in mods[name].parameters()):
+            raise ValueError(f"{name} has parameters not built yet (nn.LazyLinear): call the model once on an input, "
+                             "then prune.")
+    for name, remove in heads.items():
         m = mods[name]
-        remove = set(int(h) for h in remove)
         mo = None if mean_outputs is None else mean_outputs.get(name)
         H = _num_heads(m)
         kept[name] = [h for h in range(H) if h not in remove]
