@@ -108,6 +108,8 @@ def test_module_constructor_errors():
         MultiHeadAttention(100, 5, 1.5)
     with pytest.raises(ValueError, match=r"num_heads must be a positive integer; got 0"):
         MultiHeadAttention(100, 0)
+    with pytest.raises(TypeError, match=r"bias must be True or False; got 'no'"):  # truthy: it gave every bias
+        MultiHeadAttention(100, 5, bias="no")
     with pytest.raises(ValueError, match=r"head_dim must be a positive integer or None; got -2"):
         MultiHeadAttention(100, 5, head_dim=-2)
     with pytest.raises(ValueError, match=r"unknown attention backend 'fast'; valid: 'auto'"):

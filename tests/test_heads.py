@@ -59,6 +59,19 @@ def test_gates_scale_head_outputs_and_leave_no_trace():
     with pytest.raises(ValueError, match=r"gates for layers.0 must have shape \(6,\)"):
         with heads.gated(model, {"layers.0": torch.ones(3)}):
             pass
+    # a bad gate in a later module left the earlier modules' gates on for good: all are checked first now
+    with pytest.raises(ValueError, match=r"gates for layers.1 must have shape \(6,\)"):
+        with heads.gated(model, {"layers.0": torch.zeros(6), "layers.1": torch.ones(2)}):
+            pass
+    assert all(not m.attention_hooks for m in model.layers) and torch.equal(model(x), base)
+    with pytest.raises(ValueError, match=r"gates for layers.0 must be finite; got \[nan, 1.0"):
+        with heads.gated(model, {"layers.0": torch.tensor([float("nan")] + [1.0] * 5)}):
+            pass
+    with pytest.raises(TypeError, match=r"gates for layers.0 must be a tensor or a list of 6 numbers; got 'off'"):
+        with heads.gated(model, {"layers.0": "off"}):
+            pass
+    with heads.gated(model, {"layers.0": [1, 1, 0, 1, 1, 1]}) as g:  # a list of numbers is a gate tensor
+        assert torch.equal(g["layers.0"], vals) and torch.allclose(model.layers[0](x), gated, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["gradient", "ablation", "entropy"])

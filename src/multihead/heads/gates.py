@@ -32,28 +32,39 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
     With ``fill`` ({module: (H, Dv)}), a head's output becomes
     ``gate * output + (1 - gate) * fill``: gated off, it is replaced by ``fill``
     (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
-    gates are removed afterwards."""
+    gates are removed afterwards. Gates are a tensor or a list of numbers per module, one finite number a head;
+    every module's are checked before any is set (ValueError / TypeError naming the module)."""
     mods = attention_modules(model)
     for name in list(values or ()) + list(fill or ()):
         if name not in mods:
             raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
-    gates, handles = {}, []
+    gates = {name: _gates_of(name, m, None if values is None else values.get(name)) for name, m in mods.items()}
+    handles = []
     for name, m in mods.items():
-        H = _num_heads(m)
-        g = values[name].detach().clone() if values is not None and name in values else None
-        if g is None:
-            w = next(iter(m.parameters()))
-            g = torch.ones(H, device=w.device, dtype=w.dtype)
-        if g.shape != (H,):
-            raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
-        g.requires_grad_(requires_grad)
-        gates[name] = g
-        handles.append(m.attention_hooks.add_transform(_gate(g, None if fill is None else fill.get(name))))
+        gates[name].requires_grad_(requires_grad)
+        handles.append(m.attention_hooks.add_transform(_gate(gates[name], None if fill is None else fill.get(name))))
     try:
         yield gates
     finally:
         for h in handles:
             h.remove()
+
+
+def _gates_of(name: str, m: nn.Module, given) -> Tensor:
+    """Module ``name``'s gates (H,): a copy of ``given`` (a tensor or a list of numbers), or ones."""
+    H = _num_heads(m)
+    w = next(iter(m.parameters()))
+    if given is None:
+        return torch.ones(H, device=w.device, dtype=w.dtype)
+    try:
+        g = given.detach().clone() if isinstance(given, Tensor) else torch.tensor(given, dtype=w.dtype, device=w.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"gates for {name} must be a tensor or a list of {H} numbers; got {given!r}.") from None
+    if g.shape != (H,):
+        raise ValueError(f"gates for {name} must have shape ({H},) (its heads); got {tuple(g.shape)}.")
+    if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+        raise ValueError(f"gates for {name} must be finite; got {g.tolist()}.")
+    return g
 
 
 def _gate(g: Tensor, fill: Tensor | None):

@@ -232,6 +232,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         super().__init__()
         num_hiddens = validation.positive_int("num_hiddens", num_hiddens)
         H = validation.positive_int("num_heads", num_heads)
+        if not isinstance(bias, bool):  # bias="no" is truthy: it gave every projection a bias
+            raise TypeError(f"bias must be True or False; got {bias!r}.")
         for name, v in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size),
                         ("head_dim", head_dim), ("value_head_dim", value_head_dim), ("out_features", out_features),
                         ("num_kv_heads", num_kv_heads)):
