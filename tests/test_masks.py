@@ -108,6 +108,24 @@ def test_from_keras_and_blocked():
     assert torch.equal(full(m, 1, 1, 3, 3), full(masks.Causal(), 1, 1, 3, 3))
     with pytest.raises(ValueError, match="takes 0/1 values"):
         masks.blocked(np.array([[0.5]]))
+    with pytest.raises(ValueError, match=r"from_keras\(attention_mask\) takes 0/1 values"):  # 0.5 was read as True
+        masks.from_keras(torch.tensor([[[1.0, 0.5]]]))
+
+
+def test_from_hf_takes_the_4d_masks_and_refuses_a_tokenizers_with_its_conversion():
+    """A tokenizer's (B, L) mask given to from_hf was read as (Lq, Lk), and as float 0/1 as a bias of +1 that masks
+    nothing; from_sdpa keeps SDPA's own convention (any broadcastable shape)."""
+    am = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    for bad in (am.bool(), am.float()):
+        with pytest.raises(ValueError, match=r"got shape \(2, 3\). A tokenizer's \(B, L\) attention_mask .* is "
+                                             r"masks.Dense\(attention_mask.bool\(\)\[:, None, None, :\]\)"):
+            masks.from_hf(bad)
+    keep = full(masks.Dense(am.bool()[:, None, None, :]), 2, 1, 3, 3)
+    bias = torch.zeros(2, 1, 1, 3).masked_fill(~am.bool()[:, None, None, :], torch.finfo(torch.float32).min)
+    assert torch.equal(full(masks.from_hf(bias), 2, 1, 3, 3), keep)
+    assert torch.equal(full(masks.from_hf(am.bool()[:, None, None, :]), 2, 1, 3, 3), keep)
+    tri = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(full(masks.from_sdpa(tri), 1, 1, 3, 3), full(masks.Causal(), 1, 1, 3, 3))
 
 
 def test_to_string_header_names_the_mask():

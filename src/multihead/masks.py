@@ -48,6 +48,7 @@ __all__ = [
     "from_torch",
     "from_keras",
     "from_hf",
+    "from_sdpa",
     "blocked",
     "from_blocked",
     "as_mask",
@@ -750,16 +751,33 @@ def from_keras(attention_mask) -> Mask | None:
     m = _as_tensor(attention_mask, "attention_mask")
     if m.dim() != 3:
         raise ValueError(f"attention_mask must be (B, Lq, Lk); got shape {tuple(m.shape)}.")
+    if m.dtype != torch.bool:  # 0.5 was read as True: a value that is neither says nothing sure
+        _value_check(((m == 0) | (m == 1)).all(), "from_keras(attention_mask) takes 0/1 values (1 = may attend); got "
+                     "other values.")
     return Dense(m.bool()[:, None])  # (B, 1, Lq, Lk)
 
 
 def from_hf(attention_mask) -> Mask | None:
     """Hugging Face transformers' 4-D attention masks, as its attention functions receive
     them: bool (B|1, 1|H, Lq, Lk) True = may attend, or float additive (B|1, 1|H, Lq, Lk)
-    with the dtype's minimum (or -inf) where a key may not be attended to."""
+    with the dtype's minimum (or -inf) where a key may not be attended to. A tokenizer's (B, L) mask is refused
+    with its conversion: as 2-D it would be read as (Lq, Lk), and a float 0/1 one as a bias that masks nothing."""
     if attention_mask is None:
         return None
     m = _as_tensor(attention_mask, "attention_mask")
+    if m.dim() != 4:
+        raise ValueError(f"from_hf takes the 4-D masks transformers' attention functions receive, (B|1, 1|H, Lq, Lk); "
+                         f"got shape {tuple(m.shape)}. A tokenizer's (B, L) attention_mask (1 = token, 0 = padding) "
+                         "is masks.Dense(attention_mask.bool()[:, None, None, :]).")
+    return from_sdpa(m)
+
+
+def from_sdpa(attn_mask) -> Mask | None:
+    """``F.scaled_dot_product_attention``'s ``attn_mask``: bool, True = may attend, or float added to the scores (the
+    dtype's minimum or -inf: may not attend), broadcastable to (B, H, Lq, Lk)."""
+    if attn_mask is None:
+        return None
+    m = _as_tensor(attn_mask, "attn_mask")
     if m.dtype == torch.bool:
         return Dense(m)
     if not m.dtype.is_floating_point:

@@ -89,7 +89,7 @@ class _Calls(TorchFunctionMode):
 def _mask(a: dict, Lq: int, Lk: int) -> masks.Mask | None:
     """SDPA's mask as multihead's: ``attn_mask`` bool (True = may attend) or float (added to the
     scores), broadcastable to (B, H, Lq, Lk); ``is_causal``: top-left causal (SDPA's alignment)."""
-    m = masks.from_hf(a.get("attn_mask"))
+    m = masks.from_sdpa(a.get("attn_mask"))
     if a.get("is_causal"):
         m = masks.Causal() if m is None else m & masks.Causal()
     return m

@@ -218,7 +218,7 @@ def _padded(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor
         raise ValueError(f"{type(module).__name__} passes sliding_window={call.sliding_window} with Lk={Lk} keys but "
                          "no attention mask: the window is not in the mask, and its alignment is the model's. Build "
                          "the model's masks with transformers (multihead registers sdpa's mask function).")
-    mask = masks.from_hf(attention_mask)
+    mask = masks.from_sdpa(attention_mask)  # 4-D as transformers builds them; any shape SDPA takes, as sdpa would
     if call.causal:
         if Lk > Lq:  # prefill into an empty static cache: the keys past Lq are not written yet (as sdpa)
             key, value = key[:, :, :Lq], value[:, :, :Lq]
