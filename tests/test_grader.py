@@ -353,12 +353,26 @@ ADVERSARIES = {
 }
 
 
-def _daemon(pidfile: Path) -> str:
+def _daemon(seconds: str) -> str:
+    """A submission that leaves a ``sleep SECONDS`` behind in a session of its own (it cannot write its pid
+    anywhere the test could read it: the sandbox writes only in its scratch folder)."""
     return HONEST + textwrap.dedent(f'''
         import subprocess
-        p = subprocess.Popen(["sleep", "300"], start_new_session=True)
-        open({str(pidfile)!r}, "w").write(str(p.pid))
+        subprocess.Popen(["sleep", {seconds!r}], start_new_session=True)
         ''')
+
+
+def _sleeping(seconds: str) -> list[int]:
+    """The live (not zombie) processes running ``sleep SECONDS``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", seconds.encode()] \
+                    and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_no_submission_can_reach_its_verdict_and_each_gets_its_own_line(tmp_path):
@@ -366,8 +380,8 @@ def test_no_submission_can_reach_its_verdict_and_each_gets_its_own_line(tmp_path
     subs.mkdir()
     for name, body in ADVERSARIES.items():
         (subs / f"{name.replace(' ', '_')}.py").write_text(body)
-    pidfile = tmp_path / "daemon.pid"
-    (subs / "daemon.py").write_text(_daemon(pidfile))
+    seconds = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"  # a command line no other process has
+    (subs / "daemon.py").write_text(_daemon(seconds))
     t0 = time.monotonic()
     rows = {Path(r["file"]).stem: r for r in classroom.grade_many(classroom.targets([str(subs)], "MHA"), call="qkv",
                                                                    timeout=15, memory=3 << 30, jobs=2, seed=5)}
@@ -385,10 +399,46 @@ def test_no_submission_can_reach_its_verdict_and_each_gets_its_own_line(tmp_path
     assert rows["loops"]["status"] == "timeout", st
     assert rows["chatty"]["status"] == "ok", st
     assert took < 120, took
-    pid = int(pidfile.read_text())
     time.sleep(0.5)
-    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
-        "the daemon the submission started outlived its grading"
+    assert _sleeping(seconds) == [], "the daemon the submission started outlived its grading"
+
+
+VANDAL = HONEST + textwrap.dedent('''
+    import pathlib, socket
+    for target in TARGETS:  # a classmate's file, and a file of the teacher's
+        try:
+            pathlib.Path(target).write_text("raise SystemExit('pwned')\\n")
+        except OSError as e:
+            print("refused:", target, e)
+    try:
+        socket.create_connection(("127.0.0.1", 9), timeout=1)
+    except OSError as e:
+        print("refused: tcp", e)
+    ''')
+
+
+def test_a_submission_writes_only_in_its_own_scratch_folder(tmp_path):
+    """A submission ran with the grading user's rights: graded first, it rewrote a classmate's file (whose grade
+    became 'SystemExit: pwned') and could write the teacher's. The sandbox now confines its writes (Landlock)."""
+    from multihead.grader import confine
+
+    subs = tmp_path / "class"
+    subs.mkdir()
+    victim, teachers = subs / "victim.py", tmp_path / "grades.txt"
+    victim.write_text(HONEST)
+    (subs / "a_vandal.py").write_text(f"TARGETS = {[str(victim), str(teachers)]!r}\n" + VANDAL)
+
+    def grade():
+        return {Path(r["file"]).stem: r for r in classroom.grade_many(classroom.targets([str(subs)], "MHA"),
+                                                                       call="qkv", timeout=30, jobs=1, seed=3)}
+
+    if not confine.abi():
+        with pytest.warns(RuntimeWarning, match="this kernel has no Landlock"):
+            grade()
+        pytest.skip("this kernel has no Landlock: the grader says so (above) and cannot confine writes")
+    rows = grade()
+    assert rows["a_vandal"]["status"] == "ok" and rows["victim"]["status"] == "ok", rows
+    assert victim.read_text() == HONEST and not teachers.exists()
 
 
 def test_the_single_file_command_runs_the_submission_in_a_sandbox(tmp_path, capsys):

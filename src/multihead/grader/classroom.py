@@ -116,9 +116,17 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
                seed: int | None = None, **opts) -> list[dict]:
     """Each file graded in its own sandbox, ``jobs`` at a time (default: $MULTIHEAD_GRADER_JOBS, else the cores,
     at most 4); rows in the order of ``files``. ``feedback``:
-    a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`)."""
+    a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`).
+    Warns (RuntimeWarning) where the kernel cannot confine a sandbox's writes (:mod:`multihead.grader.confine`)."""
     import os
+    import warnings
 
+    from multihead.grader import confine
+
+    if not confine.abi():
+        warnings.warn("this kernel has no Landlock: a submission's process can write any file the grading user can "
+                      "(a classmate's file included); grade on Linux 5.13 or later to confine it.", RuntimeWarning,
+                      stacklevel=2)
     scheme = points_scheme(points)
     limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)
 

@@ -72,8 +72,11 @@ class SandboxSubject:
         self.deadline = time.monotonic() + limits.wall
         self._log_dir = tempfile.mkdtemp(prefix="multihead-sandbox-")
         self.log = os.path.join(self._log_dir, "output.txt")
+        scratch = os.path.join(self._log_dir, "scratch")  # where the sandbox may write (not the log beside it)
+        os.mkdir(scratch)
         request = {"path": str(self.path), "name": name, "init": init or {}, "call": call, "seed": seed,
-                   "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes}
+                   "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes,
+                   "scratch": scratch}
         zygote = _zygote()
         if zygote is not None:
             self._warden, self._req, self._rep = zygote.spawn(request, self.log)
@@ -236,7 +239,7 @@ def _exec_warden(request: dict):
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     argv = [sys.executable, "-m", "multihead.grader.sandbox", str(req_r), str(rep_w), request["path"],
-            request["name"], json.dumps(request["init"]), request["call"], str(request["seed"])]
+            request["name"], json.dumps(request["init"]), request["call"], str(request["seed"]), request["scratch"]]
     warden = [sys.executable, "-m", "multihead.grader.warden", request["log"], str(request["memory"]),
               str(request["cpu"]), str(request["processes"]), "--", *argv]
     env = dict(_env(), MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")

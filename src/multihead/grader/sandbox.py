@@ -1,11 +1,13 @@
-"""The submission's own process: ``python -m multihead.grader.sandbox REQ REP FILE NAME INIT CALL SEED``.
+"""The submission's own process: ``python -m multihead.grader.sandbox REQ REP FILE NAME INIT CALL SEED SCRATCH``.
 
 It imports the learner's file, builds ``NAME(**INIT)`` and then only answers the grader's requests
 on two pipes (file descriptors REQ and REP): ``describe`` (the module as data) and ``call`` (one
 :class:`~multihead.grader.subject.Probe`), each reply a frame of JSON and safetensors
 (:mod:`multihead.grader.wire`). Whatever the submission prints goes to this process's stdout and
 stderr, which the warden caps and which never becomes a verdict; the verdict is computed by the
-grader from the tensors that cross. It runs under the warden's limits (memory, CPU time, processes).
+grader from the tensors that cross. It runs under the warden's limits (memory, CPU time, processes), and
+before the learner's file is imported it confines itself to write only in a scratch folder of its own
+(:mod:`multihead.grader.confine`: a submission cannot rewrite a classmate's file, or the teacher's).
 """
 
 from __future__ import annotations
@@ -53,7 +55,24 @@ def _build(path: str, name: str, init: dict, seed: int):
     return module, None
 
 
-def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int) -> None:
+def _confine(scratch: str) -> None:
+    """``scratch`` (the grader's folder for this sandbox, removed by the grader when it ends) becomes the only place
+    this process may write (:mod:`multihead.grader.confine`) and the temporary folder of everything it runs (torch's
+    compile cache included)."""
+    import tempfile
+
+    from multihead.grader import confine
+
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch
+    confine.confine([scratch, "/dev"])  # False where the kernel has no Landlock: the grader says so
+
+
+def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
+    _confine(scratch)
+    _serve(req, rep, path, name, init=init, call=call, seed=seed)
+
+
+def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int) -> None:
     import torch
 
     from multihead.grader import wire
@@ -83,13 +102,13 @@ def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, se
 
 def main(argv: list[str]) -> int:
     req, rep = int(argv[0]), int(argv[1])
-    path, name, init, call, seed = argv[2], argv[3], json.loads(argv[4]), argv[5], int(argv[6])
+    path, name, init, call, seed, scratch = argv[2], argv[3], json.loads(argv[4]), argv[5], int(argv[6]), argv[7]
     # the reply pipe moves to a private descriptor: a submission writing to 1 or 2 reaches the log only
     rep2 = os.dup(rep)
     os.close(rep)
     os.set_inheritable(rep2, False)
     os.set_inheritable(req, False)
-    serve(req, rep2, path, name, init=init, call=call, seed=seed)
+    serve(req, rep2, path, name, init=init, call=call, seed=seed, scratch=scratch)
     return 0
 
 

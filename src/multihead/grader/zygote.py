@@ -31,7 +31,7 @@ def _serve_one(conn: socket.socket, req: dict) -> None:
             os.close(rep_r)
             warden.forked(req["log"], int(req["memory"]), int(req["cpu"]), int(req["processes"]), (req_r, rep_w),
                           lambda: sandbox.serve(req_r, rep_w, req["path"], req["name"], init=req["init"],
-                                                call=req["call"], seed=int(req["seed"])))
+                                                call=req["call"], seed=int(req["seed"]), scratch=req["scratch"]))
         finally:
             os._exit(0)
     os.close(req_r)
