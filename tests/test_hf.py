@@ -276,11 +276,14 @@ def test_scores_work_on_an_attached_model():
     assert set(means) == set(imp.names) and means[imp.names[0]].shape == (4, 8)
 
 
-def test_bad_input():
+def test_bad_input(tmp_path):
     with pytest.raises(TypeError, match="attach takes a transformers PreTrainedModel"):
         mhf.attach(torch.nn.Linear(2, 2))
     model, _ = _build("bert")
     mhf.attach(model)
+    (tmp_path / "a_file").write_text("x")  # transformers only logged it, then the weights failed to write obscurely
+    with pytest.raises(ValueError, match=r"save writes a directory; .*a_file is a file"):
+        mhf.save(model, tmp_path / "a_file")
     with pytest.raises(ValueError, match="no multihead attention module named 'encoder.layer.0'"):
         heads.prune(model, {"encoder.layer.0": [0]})
     with pytest.raises(ValueError, match=r"heads \[7\] do not exist: the module has num_heads=4"):

@@ -172,6 +172,8 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     if quantize is not None:
         check_dtype(quantize)
     path = Path(path)
+    if path.exists() and not path.is_dir():  # transformers only logs it; the weights' write then failed obscurely
+        raise ValueError(f"save writes a directory; {path} is a file. Give a folder (new or existing).")
     model.save_pretrained(path)
     for f in path.glob("model*.safetensors*"):  # transformers' (possibly sharded, renamed) weights
         f.unlink()
