@@ -437,6 +437,24 @@ class PerHeadFusedQKV(nn.Module):
         return self.dense(o.transpose(1, 2).reshape(B, L, E))
 
 
+class BiasesAfter(nn.Module):
+    """Bias-free Linear layers, each bias a Parameter of its own added after the product (``self.q(x) + self.bq``),
+    SDPA with the bool mask. Graded NOT OK until round 4: the layers were read without their biases."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H, self.D = H, E // H
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E, bias=False) for _ in range(4))
+        self.bq, self.bk, self.bv, self.bo = (nn.Parameter(torch.randn(E) * 0.1) for _ in range(4))
+
+    def forward(self, q, k, v, mask=None):
+        B = q.shape[0]
+        split = lambda t: t.view(B, -1, self.H, self.D).transpose(1, 2)  # noqa: E731  (B, L, E) -> (B, H, L, D)
+        o = F.scaled_dot_product_attention(split(self.q(q) + self.bq), split(self.k(k) + self.bk),
+                                           split(self.v(v) + self.bv), attn_mask=mask)  # (B, H, Lq, D)
+        return self.o(o.transpose(1, 2).flatten(2)) + self.bo  # (B, H, Lq, D) -> (B, Lq, E)
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -465,6 +483,7 @@ WILD = [
     ("a list of head modules", HeadModules, "x", None, True, False),
     ("scores keys by queries, softmax over dim -2", KeysFirstScores, "qkv", None, False, False),
     ("fused qkv split per head (H, 3, D)", PerHeadFusedQKV, "x", None, True, False),
+    ("bias-free layers, biases added after (bq)", BiasesAfter, "qkv_mask", "keep", False, False),
 ]
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning

@@ -229,13 +229,16 @@ def layer_role(name: str) -> str | None:
 def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]:
     """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings)."""
     named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": []}
+    biases = _biases(desc)
     for name, (w, b) in desc.linear.items():
         if not name:
             continue
         r = layer_role(name)
         if r is not None:
+            own = biases.get(r)  # a bias-free layer whose bias is a Parameter of its role, added after it (bq)
+            if b is None and own is not None and own.dim() == 1 and own.shape[0] == w.shape[0]:
+                b = own
             named[r].append(Proj(w, b, name, [name]))
-    biases = _biases(desc)
     by_owner = _owner_roles(desc, bias=False)
     for name, p in desc.params.items():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
