@@ -455,6 +455,40 @@ class BiasesAfter(nn.Module):
         return self.o(o.transpose(1, 2).flatten(2)) + self.bo  # (B, H, Lq, D) -> (B, Lq, E)
 
 
+class ContextAttention(nn.Module):
+    """Stable Diffusion's and Perceiver's cross-attention: ``forward(x, context, mask)``, one context for keys and
+    values (to_k and to_v both read it), heads folded into the batch as (b h), einsum, the (B, Lk) key mask repeated
+    per head, filled with -finfo.max. Graded with ``call=lambda m, q, k, v, mask: m(q, context=k, ...)``: a call
+    that never reads v probes keys and values as one tensor (it was NOT OK, 'value projection applied to the key
+    input', before round 4)."""
+
+    def __init__(self, query_dim=32, context_dim=24, heads=4, dim_head=8):
+        super().__init__()
+        inner = dim_head * heads
+        self.scale, self.heads = dim_head ** -0.5, heads
+        self.to_q = nn.Linear(query_dim, inner, bias=False)
+        self.to_k = nn.Linear(context_dim, inner, bias=False)
+        self.to_v = nn.Linear(context_dim, inner, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner, query_dim), nn.Dropout(0.0))
+
+    def forward(self, x, context, mask=None):
+        h, B = self.heads, x.shape[0]
+
+        def fold(t):  # (B, L, h*d) -> (B*h, L, d), batch-major
+            return t.reshape(B, t.shape[1], h, -1).transpose(1, 2).reshape(B * h, t.shape[1], -1)
+
+        q, k, v = fold(self.to_q(x)), fold(self.to_k(context)), fold(self.to_v(context))
+        sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale  # (B*h, Lq, Lk)
+        if mask is not None:
+            sim = sim.masked_fill(~mask.repeat_interleave(h, dim=0)[:, None, :], -torch.finfo(sim.dtype).max)
+        out = torch.einsum("b i j, b j d -> b i d", sim.softmax(-1), v)  # (B*h, Lq, d)
+        return self.to_out(out.reshape(B, h, out.shape[1], -1).transpose(1, 2).flatten(2))  # (B, Lq, h*d)
+
+
+def _context_call(m, q, k, v, mask):
+    return m(q, context=k, mask=mask[:, 0, 0])  # the key mask (B, Lk), True = keep
+
+
 def _annotated_call(m, q, k, v, keep):
     return m(q, k, v, keep[:, :, 0])  # the source mask (B, 1, Lk), 1 = keep
 
@@ -484,6 +518,7 @@ WILD = [
     ("scores keys by queries, softmax over dim -2", KeysFirstScores, "qkv", None, False, False),
     ("fused qkv split per head (H, 3, D)", PerHeadFusedQKV, "x", None, True, False),
     ("bias-free layers, biases added after (bq)", BiasesAfter, "qkv_mask", "keep", False, False),
+    ("one context for keys and values (stable diffusion)", ContextAttention, _context_call, "keep", False, False),
 ]
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning

@@ -98,7 +98,8 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
     try:
         opts = Options(mask, causal, call in SELF_CALLS if self_attention is None else bool(self_attention), embed_dim,
                        mapping, seed, strict, HOW.get(call, "call(module, q, k, v, mask)") if not callable(call)
-                       else "call(module, q, k, v, mask)", call if isinstance(call, str) else None)
+                       else "call(module, q, k, v, mask)", call if isinstance(call, str) else None,
+                       kv_same=callable(call) and _reads_argument(call, 3) is False)
         return grade_subject(subject, opts)
     finally:
         subject.close()

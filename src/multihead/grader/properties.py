@@ -209,10 +209,10 @@ def weights_sum_to_one(s: Session, b: Base) -> tuple[Check, Finding | None]:
 
 def stability(s: Session, b: Base, reference=None) -> tuple[Check, Finding | None]:
     """Scores made large (queries and keys x sqrt(f), so the scores are ~x f, f = 10 ... 10^4: exp overflows
-    float32 past ~88): the output stays finite and, when the parts are known (``reference(q, k, v, keep)``),
-    equals the spec's at x10 and x100 (a softmax that saturates). Every key is kept (a causal module: only the
-    last query row, which sees every key, is judged), so a softmax written as exp(s - max) times the mask is
-    held to what it computes exactly."""
+    float32 past ~88; the queries x f where keys and values are one context): the output stays finite and, when
+    the parts are known (``reference(q, k, v, keep)``), equals the spec's at x10 and x100 (a softmax that
+    saturates). Every key is kept (a causal module: only the last query row, which sees every key, is judged), so
+    a softmax written as exp(s - max) times the mask is held to what it computes exactly."""
     x = b.x
     lens = None if x.lens is None else torch.full_like(x.lens, x.k.shape[1])
     keep = None if x.keep is None else torch.ones_like(x.keep)
@@ -224,8 +224,11 @@ def stability(s: Session, b: Base, reference=None) -> tuple[Check, Finding | Non
     if r.error is not None or r.out is None or not bool(torch.isfinite(r.out[:, rows]).all()):
         return Check("stable on large scores", None, "n/a", "not finite with every key kept, even on small scores"), None
     for factor in (10.0, 100.0, 1e3, 1e4):
-        q, k = x.q * factor ** 0.5, x.k * factor ** 0.5
-        args = (q, q, q) if s.self_attn else (q, k, x.v)
+        if s.kv_same:  # one context for keys and values: the queries take the whole factor, the context stays
+            q, k = x.q * factor, x.k
+        else:
+            q, k = x.q * factor ** 0.5, x.k * factor ** 0.5
+        args = (q, q, q) if s.self_attn else (q, k, k if s.kv_same else x.v)
         r = s.call(*args, keep, lens)
         if r.error is not None or r.out is None:
             return Check("stable on large scores", False, f"raises at x{factor:g}", r.error or ""), _overflow(

@@ -44,14 +44,15 @@ def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
 
 
 def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: bool, g: torch.Generator,
-           Bx: int = B, kv_sizes: tuple[int, int] | None = None) -> Inputs:
+           Bx: int = B, kv_sizes: tuple[int, int] | None = None, kv_same: bool = False) -> Inputs:
     """Random inputs, q (B, Lq, E) and k, v (B, Lk, E) -- or (B, Lk, Ek), (B, Lk, Ev) with ``kv_sizes``
     (cross-attention whose keys and values have sizes of their own, the course's key_size and value_size);
+    ``kv_same``: the values are the keys' tensor (a module called with one context for both);
     with a mask the sequences keep Lk-1, min(Lk, 3) and Lk keys (a causal module: the lower triangle on top)."""
     Ek, Ev = kv_sizes or (E, E)
     q = torch.randn(Bx, Lq, E, generator=g)
     k = q if self_attn else torch.randn(Bx, Lk, Ek, generator=g)
-    v = q if self_attn else torch.randn(Bx, Lk, Ev, generator=g)
+    v = q if self_attn else k if kv_same and Ev == Ek else torch.randn(Bx, Lk, Ev, generator=g)
     lens = torch.tensor([max(1, Lk - 1), min(Lk, 3), Lk][:Bx]) if masked else None
     keep = None
     if lens is not None:
@@ -82,11 +83,13 @@ class Session:
     order: tuple = ()
     #: (Ek, Ev): the keys' and values' sizes where they differ from the queries' E (None: E for all three)
     kv_sizes: tuple[int, int] | None = None
+    #: the call passes the module one context for keys and values (it never reads its values argument)
+    kv_same: bool = False
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
         return probes(self.E, Lq, Lk, self_attn=self.self_attn, masked=self.conv is not None, causal=self.causal,
-                      g=self.g, Bx=Bx, kv_sizes=self.kv_sizes)
+                      g=self.g, Bx=Bx, kv_sizes=self.kv_sizes, kv_same=self.kv_same)
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None,
              **kw) -> Reply:

@@ -98,9 +98,10 @@ def projections(parts: Parts, obs: dict, x: Inputs, self_attn: bool) -> tuple[li
                     None)
 
     calls = {r: [(which(a), b) for a, b in obs[r]] for r in ("q", "k", "v")}
+    context = x.v is x.k  # one tensor for keys and values (the call passes one context): either name is right
     for role in ("q", "k", "v"):
         for got, y in calls[role]:
-            if got is None or got == INPUT[role] or y is None:
+            if got is None or got == INPUT[role] or y is None or context and {got, INPUT[role]} == {"key", "value"}:
                 continue
             other = next(r for r, n in INPUT.items() if n == got)
             if not calls[other] and getattr(parts, other) is not None:  # W_role stands in for W_other
@@ -255,7 +256,7 @@ def _sources(parts: Parts, x: Inputs, used: dict, Vs: list, vins: list, s: Sessi
     if not s.self_attn and len(vins) == len(Vs) and x.v.shape[-1] == used["v"].shape[-1]:
         yield "value input", [t.double() for t in vins]
     for src, other in (("W_v(key)", x.k), ("W_v(query)", x.q)):  # an unobserved value projection fed the wrong input
-        if not s.self_attn and not v_hooked and parts.v is not None and other.shape[1] == Lk:
+        if not s.self_attn and not v_hooked and parts.v is not None and other.shape[1] == Lk and other is not x.v:
             yield src, [parts.v(other)] * len(Vs)
 
 

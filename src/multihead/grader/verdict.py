@@ -52,6 +52,8 @@ class Options:
     strict: bool = False
     how: str = "m(q, k, v)"
     call: str | None = "qkv"
+    #: the call never reads its values argument: keys and values are probed as one tensor (``m(q, context=k)``)
+    kv_same: bool = False
 
 
 def _size_from(desc: Description, mapping: dict | None) -> int | None:
@@ -305,7 +307,7 @@ def grade_subject(subject, opts: Options) -> Report:
     if desc.lazy:
         desc = subject.describe()
     s = Session(subject, opts.conv, opts.causal, opts.self_attn, E, torch.Generator().manual_seed(opts.seed), opts.how,
-                kv_sizes=sizes[1:] if sizes else None)
+                kv_sizes=sizes[1:] if sizes else None, kv_same=opts.kv_same)
     lengths: list[Finding] = []
     b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
     if b is None:
