@@ -330,6 +330,24 @@ def test_self_attention_with_a_mask_is_graded_through_x_mask(tmp_path, capsys):
     assert "use --call x_mask, or --mask none" in capsys.readouterr().err
 
 
+def test_a_module_built_in_float64_is_probed_in_float64(tmp_path, capsys):
+    """A module whose parameters are all float64 (built with .double()) raised on the float32 probes ('mat1 and mat2
+    must have the same dtype'): it could not be graded. It is probed in its dtype now, and its mistakes still named."""
+    from multihead.apps.cli import main
+
+    torch.manual_seed(0)
+    rep = multihead.check(FourLinear(d_model=32, num_heads=4).double(), call="qkv_mask", mask="block")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    torch.manual_seed(0)
+    bad = multihead.check(FourLinear(d_model=32, num_heads=4, bug={"scale d_k"}).double(), call="qkv_mask", mask="block")
+    assert not bad.ok and bad.diagnosis[0].name == "scores divided by d_k", str(bad)
+    f = tmp_path / "f64.py"
+    f.write_text(SELF_MASKED + "\n\nclass Double(SelfMasked):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+                 "        self.double()\n")
+    assert main(["check", f"{f}:Double", "--init", "d_model=32, num_heads=4", "--call", "x_mask", "--mask", "keep"]) == 0
+    assert "OK: the module computes multi-head attention." in capsys.readouterr().out
+
+
 def test_a_nondeterministic_module_is_not_blamed_for_batch_dependence():
     """Dropout left on in eval changes every call: batch independence cannot be measured then, and
     the report says so instead of 'depends on the other sequences' (a finding it could not make)."""

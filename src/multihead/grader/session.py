@@ -85,16 +85,27 @@ class Session:
     kv_sizes: tuple[int, int] | None = None
     #: the call passes the module one context for keys and values (it never reads its values argument)
     kv_same: bool = False
+    #: the dtype of the probes: float64 for a module whose parameters all are (built with .double())
+    dtype: torch.dtype = torch.float32
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
-        return probes(self.E, Lq, Lk, self_attn=self.self_attn, masked=self.conv is not None, causal=self.causal,
-                      g=self.g, Bx=Bx, kv_sizes=self.kv_sizes, kv_same=self.kv_same)
+        x = probes(self.E, Lq, Lk, self_attn=self.self_attn, masked=self.conv is not None, causal=self.causal,
+                   g=self.g, Bx=Bx, kv_sizes=self.kv_sizes, kv_same=self.kv_same)
+        if self.dtype == torch.float32:
+            return x
+        q = x.q.to(self.dtype)  # the same tensor for keys and values where they are one (self-attention, a context)
+        k = q if x.k is x.q else x.k.to(self.dtype)
+        return x._replace(q=q, k=k, v=q if x.v is x.q else k if x.v is x.k else x.v.to(self.dtype))
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None,
              **kw) -> Reply:
         """The module on (q, k, v) with the spec's ``keep`` mask (and ``lens``) in its convention; ``kw``:
         the rest of a :class:`~multihead.grader.subject.Probe` (record, replace, cotangent, order, kept)."""
+        if self.dtype != torch.float32 and q.dtype != self.dtype:  # a check's float32 draw, in the module's dtype
+            q2 = q.to(self.dtype)
+            k2 = q2 if k is q else k.to(self.dtype)
+            q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
         return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens), same, **kw))
 

@@ -75,7 +75,8 @@ class Description:
     ``params``: every parameter by name, float64 (lazy ones absent); ``trainable``: those that
     require grad; ``ints``: module name -> {attribute: int} for head-count-like and size attributes;
     ``scale``: the root's ``scale`` attribute; ``forward``: the forward's positional parameters
-    (name, required); ``lazy``: uninitialised parameters remain."""
+    (name, required); ``lazy``: uninitialised parameters remain; ``float64``: every floating parameter is float64
+    (a module built with ``.double()``: it is probed in float64)."""
 
     modules: dict[str, str] = field(default_factory=dict)
     linear: dict[str, tuple] = field(default_factory=dict)
@@ -85,6 +86,7 @@ class Description:
     scale: float | None = None
     forward: tuple = ()
     lazy: bool = False
+    float64: bool = False
 
     @property
     def root(self) -> str:
@@ -128,6 +130,9 @@ def describe(module: nn.Module) -> Description:
         if p.requires_grad:
             trainable.append(name)
     d.trainable = tuple(trainable)
+    floats = [p.dtype for p in module.parameters() if p.is_floating_point()
+              and not isinstance(p, nn.parameter.UninitializedParameter)]
+    d.float64 = bool(floats) and all(t == torch.float64 for t in floats)
     scale = module.__dict__.get("scale")
     d.scale = float(scale) if isinstance(scale, int | float) and not isinstance(scale, bool) else None
     try:

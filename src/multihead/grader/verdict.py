@@ -307,7 +307,8 @@ def grade_subject(subject, opts: Options) -> Report:
     if desc.lazy:
         desc = subject.describe()
     s = Session(subject, opts.conv, opts.causal, opts.self_attn, E, torch.Generator().manual_seed(opts.seed), opts.how,
-                kv_sizes=sizes[1:] if sizes else None, kv_same=opts.kv_same)
+                kv_sizes=sizes[1:] if sizes else None, kv_same=opts.kv_same,
+                dtype=torch.float64 if desc.float64 else torch.float32)
     lengths: list[Finding] = []
     b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
     if b is None:

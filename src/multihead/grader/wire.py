@@ -131,7 +131,7 @@ def description_out(d: Description) -> tuple[dict, dict]:
         t[f"param.{name}"] = p
     return ({"modules": d.modules, "linear": {n: b is not None for n, (_, b) in d.linear.items()},
              "trainable": list(d.trainable), "ints": d.ints, "scale": d.scale, "forward": [list(f) for f in d.forward],
-             "lazy": d.lazy}, t)
+             "lazy": d.lazy, "float64": d.float64}, t)
 
 
 def description_in(h: dict, t: dict) -> Description:
@@ -143,5 +143,6 @@ def description_in(h: dict, t: dict) -> Description:
     return Description({str(k): str(v) for k, v in h.get("modules", {}).items()}, linear, params,
                        tuple(str(x) for x in h.get("trainable", ())), ints,
                        float(scale) if isinstance(scale, int | float) else None,
-                       tuple((str(n), bool(r)) for n, r in h.get("forward", ())), bool(h.get("lazy")))
+                       tuple((str(n), bool(r)) for n, r in h.get("forward", ())), bool(h.get("lazy")),
+                       bool(h.get("float64")))
 
