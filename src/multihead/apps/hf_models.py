@@ -54,12 +54,11 @@ def _tokenizer(path: Path):
 
 def _load(path: Path, *, with_peer: bool = True):
     path = Path(path)
-    _config_file(path)
+    tok, causal = _tokenizer(path)  # config.json checked there, offline from then on
     import transformers
 
     import multihead.hf as mhf
 
-    tok, causal = _tokenizer(path)
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     model = auto.from_pretrained(path).eval()
     try:  # padding-free where the model's layers allow it (verified on a padded batch), else padded

@@ -94,7 +94,7 @@ class _Start:
         if mask.dtype.is_floating_point and not ((mask == 0) | (mask == 1)).all():
             return None  # not a 0/1 mask: nothing to drop
         keep = mask.bool()
-        if bool(keep.all()) or not bool(keep.any()):
+        if int(keep.sum()) in (0, keep.numel()):  # one reduction a call
             return None  # no padding to drop, or no real token to pack (run padded: the model's own answer)
         cfg = getattr(module, "config", None)
         asks = [bound.get(k, getattr(cfg, k, False)) for k in ("output_hidden_states", "output_attentions")]
