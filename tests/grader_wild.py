@@ -10,7 +10,8 @@ ParameterDict, queries and keys each scaled by d^-1/4, 1x1 convolutions, q/k/v s
 Parameter with the output projected per head and summed, torch's functional ``multi_head_attention_forward``,
 the course's query_size / key_size / value_size; and round 4's last: Keras' EinsumDense kernels (E, H, D)
 translated to einsums, a LLaMA-like layer (scale buffer, float32 softmax), a lecture's list of head modules, the
-scores computed keys by queries, a fused qkv split per head (H, 3, D). ``WILD``: (id, factory, call, mask,
+scores computed keys by queries, a fused qkv split per head (H, 3, D); then one-word names (``tokeys``), unnamed
+layers called keys first, one Linear(D, D) per role shared by the heads. ``WILD``: (id, factory, call, mask,
 self_attention, causal); every one must be graded OK (``UNREAD``: with the reference check a warning).
 """
 
@@ -485,6 +486,81 @@ class ContextAttention(nn.Module):
         return self.to_out(out.reshape(B, h, out.shape[1], -1).transpose(1, 2).flatten(2))  # (B, Lq, h*d)
 
 
+class OneWordNames(nn.Module):
+    """Peter Bloem's names, each one word (``tokeys``, ``toqueries``, ``tovalues``, ``unifyheads``), the keys'
+    layer called first, heads folded into the batch for bmm, queries and keys each divided by D ** (1/4). Graded
+    NOT OK until round 4 ('attention weights transposed'): the names were not read and the call order made the
+    keys' layer W_q."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H = H
+        self.tokeys, self.toqueries, self.tovalues = (nn.Linear(E, E, bias=False) for _ in range(3))
+        self.unifyheads = nn.Linear(E, E)
+
+    def forward(self, x):
+        B, L, E = x.shape
+        D = E // self.H
+
+        def fold(t):  # (B, L, E) -> (B, L, H, D) -> (B*H, L, D)
+            return t.view(B, L, self.H, D).transpose(1, 2).reshape(B * self.H, L, D)
+
+        keys, queries, values = fold(self.tokeys(x)), fold(self.toqueries(x)), fold(self.tovalues(x))
+        w = torch.bmm(queries / D ** 0.25, (keys / D ** 0.25).transpose(1, 2)).softmax(dim=2)  # (B*H, L, L)
+        out = torch.bmm(w, values).view(B, self.H, L, D).transpose(1, 2).reshape(B, L, E)  # (B*H, L, D) -> (B, L, E)
+        return self.unifyheads(out)
+
+
+class KeysCalledFirst(nn.Module):
+    """Four layers with no role names in a ModuleList, the keys' one (index 0) called before the queries'. Graded
+    NOT OK until round 4 ('attention weights transposed'): roles read off the call order alone were taken as
+    certain."""
+
+    def __init__(self, E=32, H=4, scale_by_d=False):
+        super().__init__()
+        self.H, self.scale_by_d = H, scale_by_d
+        self.layers = nn.ModuleList(nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x):
+        B, L, E = x.shape
+        k, q, v = (self.layers[i](x).view(B, L, self.H, -1).transpose(1, 2) for i in range(3))  # (B, H, L, D)
+        D = q.shape[-1]
+        w = torch.softmax(q @ k.transpose(-1, -2) / (D if self.scale_by_d else math.sqrt(D)), -1)  # (B, H, L, L)
+        return self.layers[3]((w @ v).transpose(1, 2).reshape(B, L, E))
+
+
+class SharedHeadLayers(nn.Module):
+    """A tutorial's first version: ``forward(values, keys, query, mask)``, the inputs cut into heads first and one
+    Linear(D, D) per role shared by every head (a block-diagonal projection), einsums, ``fc_out``. It could not be
+    run before round 4 (probed at D, the first layer's input size, not E) and was graded NOT OK; it is attention,
+    with narrower projections than the course's: OK with the reference check a warning that says so.
+    ``scale_by_e``: the tutorial's published mistake, the scores divided by sqrt(E)."""
+
+    def __init__(self, embed_size=32, heads=4, scale_by_e=False):
+        super().__init__()
+        self.embed_size, self.heads, self.scale_by_e = embed_size, heads, scale_by_e
+        self.head_dim = embed_size // heads
+        self.values, self.keys, self.queries = (nn.Linear(self.head_dim, self.head_dim, bias=False) for _ in range(3))
+        self.fc_out = nn.Linear(embed_size, embed_size)
+
+    def forward(self, values, keys, query, mask):
+        N, Lq = query.shape[:2]
+
+        def heads(t, layer):  # (N, L, E) -> (N, L, H, D), then the shared layer
+            return layer(t.reshape(N, t.shape[1], self.heads, self.head_dim))
+
+        v, k, q = heads(values, self.values), heads(keys, self.keys), heads(query, self.queries)
+        energy = torch.einsum("nqhd,nkhd->nhqk", q, k)  # (N, H, Lq, Lk)
+        if mask is not None:
+            energy = energy.masked_fill(mask == 0, -1e20)
+        w = torch.softmax(energy / (self.embed_size if self.scale_by_e else self.head_dim) ** 0.5, dim=3)
+        return self.fc_out(torch.einsum("nhql,nlhd->nqhd", w, v).reshape(N, Lq, self.embed_size))
+
+
+def _values_first_call(m, q, k, v, mask):
+    return m(v, k, q, mask)
+
+
 def _context_call(m, q, k, v, mask):
     return m(q, context=k, mask=mask[:, 0, 0])  # the key mask (B, Lk), True = keep
 
@@ -519,7 +595,13 @@ WILD = [
     ("fused qkv split per head (H, 3, D)", PerHeadFusedQKV, "x", None, True, False),
     ("bias-free layers, biases added after (bq)", BiasesAfter, "qkv_mask", "keep", False, False),
     ("one context for keys and values (stable diffusion)", ContextAttention, _context_call, "keep", False, False),
+    ("one-word names (tokeys), keys' layer called first", OneWordNames, "x", None, True, False),
+    ("unnamed layers, keys' layer called first", KeysCalledFirst, "x", None, True, False),
+    ("one layer per role shared by the heads", SharedHeadLayers, _values_first_call, "keep", False, False),
 ]
+
+#: styles computing attention with narrower projections than the course's: OK, the reference check a warning
+TIED = ("one layer per role shared by the heads",)
 
 #: styles whose parts no reading knows: graded OK on the black-box checks, the reference check a warning
 UNREAD = ("to_q / to_kv", "1x1 convolutions")

@@ -57,6 +57,9 @@ def test_correct_modules_in_well_known_styles_pass(wid, make, call, mask, self_a
     ref = rep.check("matches the float64 reference")
     if wid in gw.UNREAD:  # keys and values fused in one layer fed by one context, convolutions: not verified, not failed
         assert ref.passed is False and ref.severity == "warning" and "not verified" in ref.figure, str(rep)
+    elif wid in gw.TIED:  # verified, with the narrower projections said
+        assert ref.passed is False and ref.severity == "warning" and "shared by the heads" in ref.detail, str(rep)
+        assert float(ref.figure.split()[-1]) < 1e-5, str(rep)
     else:
         assert ref.passed, str(rep)
 
@@ -211,6 +214,40 @@ def test_cross_attention_with_its_own_key_and_value_sizes_is_graded_on_them(tmp_
                  "num_heads=3", "--call", "qkv_mask", "--mask", "valid_lens"])
     out = capsys.readouterr().out
     assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+
+
+def test_names_written_as_one_word_are_read_and_unnamed_layers_are_not_given_roles_by_call_order_alone():
+    """Bloem's ``tokeys``/``unifyheads`` are read as roles; layers known only by call order are tried in every order
+    (the keys' layer called first made W_q the keys' and a correct module 'attention weights transposed'); a real
+    mistake in such a module is named alone; a word that only contains a role is not read as one."""
+    from multihead.heads.surgery import role_of
+
+    got = {n: role_of(n) for n in ("tokeys", "toqueries", "tovalues", "unifyheads", "qproj", "outproj", "tok",
+                                   "tok_proj", "toq", "wink", "keyvalue", "final_linear")}
+    assert got == {"tokeys": "k", "toqueries": "q", "tovalues": "v", "unifyheads": "o", "qproj": "q", "outproj": "o",
+                   "tok": None, "tok_proj": None, "toq": None, "wink": None, "keyvalue": None, "final_linear": None}
+    torch.manual_seed(0)
+    rep = multihead.check(gw.KeysCalledFirst(scale_by_d=True), call="x")
+    assert not rep.ok and [f.name for f in rep.diagnosis] == ["scores divided by d_k"], str(rep)
+
+
+def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
+    """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
+    took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference
+    check says the projections are narrower than the course's; the tutorial's sqrt(E) is named."""
+    import inspect
+
+    torch.manual_seed(0)
+    rep = multihead.check(gw.SharedHeadLayers(scale_by_e=True), call=gw._values_first_call, mask="keep")
+    assert not rep.ok and rep.diagnosis[0].name == "scores scaled by 1/sqrt(d_model)", str(rep)
+    f = tmp_path / "shared.py"
+    f.write_text("import torch\nfrom torch import nn\n\n\n" + inspect.getsource(gw.SharedHeadLayers) + "\n\n"
+                 "class QKV(SharedHeadLayers):\n    def forward(self, q, k, v, mask):\n"
+                 "        return super().forward(v, k, q, mask)\n")
+    code = main(["check", f"{f}:QKV", "--call", "qkv_mask", "--mask", "keep"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"matches the float64 reference\s+warn\s+rel. error", out), out
+    assert "(8, 8) layer shared by the heads" in out, out
 
 
 KERAS_STYLE = """

@@ -63,6 +63,9 @@ class Parts:
     H: int | None = None
     scale: float | None = None
     layout: str = "blocks"
+    #: q, k and v each one (D, D) layer shared by the heads, applied to each head's slice of the input (a
+    #: block-diagonal projection): the number of slices; 0 for the course's projections of the whole input
+    tied: int = 0
 
     def with_heads(self, H: int) -> Parts:
         return dataclasses.replace(self, H=H)
@@ -147,6 +150,28 @@ def _stack(projs: list[Proj], name: str) -> Proj:
     return Proj(w, b, name, [m for p in projs for m in p.modules])
 
 
+def _tiled(proj: Proj, n: int) -> Proj:
+    """A (D, D) layer applied to each of the input's n slices of D features, as one (n*D, n*D) projection: a
+    block-diagonal weight (not hookable: the layer sees (B, L, n, D), not the whole input)."""
+    b = None if proj.bias is None else proj.bias.repeat(n)
+    return Proj(torch.block_diag(*[proj.weight] * n), b, f"{proj.name} (shared by {n} slices)")
+
+
+def _tied(parts: Parts, E: int) -> Parts | None:
+    """The reading with q, k and v read as layers shared by the heads (Persson's per-head Linear(head_dim,
+    head_dim)): each square, of one size D < E dividing E; else None."""
+    if parts.qkv is not None or not all(isinstance(p, Proj) for p in (parts.q, parts.k, parts.v)):
+        return None
+    shapes = {tuple(p.weight.shape) for p in (parts.q, parts.k, parts.v)}
+    if len(shapes) != 1:
+        return None
+    D, D_in = shapes.pop()
+    if D != D_in or D >= E or E % D:
+        return None
+    n = E // D
+    return dataclasses.replace(parts, q=_tiled(parts.q, n), k=_tiled(parts.k, n), v=_tiled(parts.v, n), tied=n)
+
+
 def _param_readings(name: str, w: Tensor, bias: Tensor | None, E: int | None, role: str | None = None) -> list[Proj]:
     """A raw Parameter as a projection: (in, out) for ``x @ W`` or (out, in) for ``F.linear``; (H, E, D),
     (H, D, E) or (E, H, D) (Keras' ``EinsumDense`` kernel, ``einsum("ble,ehd->blhd", x, W)``) per head -- for
@@ -228,7 +253,7 @@ def layer_role(name: str) -> str | None:
 
 def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]:
     """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings)."""
-    named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": []}
+    named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": [], "by order": []}
     biases = _biases(desc)
     for name, (w, b) in desc.linear.items():
         if not name:
@@ -257,6 +282,7 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
             named["qkv"], named["o"] = [fused[0]], [seq[-1]]
         elif len(seq) >= 4:
             named["q"], named["k"], named["v"], named["o"] = [seq[0]], [seq[1]], [seq[2]], [seq[3]]
+            named["by order"] = seq[:3]
     return named
 
 
@@ -323,7 +349,14 @@ def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str
             n_q = len(named["q"]) if isinstance(named["q"][0], Proj) else 1
             readings.append(Parts(q=one("q"), k=one("k"), v=one("v"), o=one("o"),
                                   H=H if H is not None or n_q < 2 else n_q, scale=scale))
-    return readings
+    if named["by order"] and not {"q", "k", "v"} & mapping.keys():
+        # roles read off the call order alone are a guess (Bloem's tokeys is called before toqueries): the
+        # other orders too, the queries' and keys' swap first (the localisation tries the first two readings)
+        first, second, third = named["by order"]
+        for q, k, v in ((second, first, third), (first, third, second), (second, third, first),
+                        (third, first, second), (third, second, first)):
+            readings += [dataclasses.replace(r, q=q, k=k, v=v) for r in readings[:1]]
+    return readings + [t for t in (_tied(r, E) for r in readings) if t is not None]
 
 
 def head_counts(parts: Parts) -> list[int]:

@@ -99,6 +99,17 @@ def _size_search(subject, desc: Description, self_attn: bool) -> int | None:
     return None
 
 
+def _runs_at(subject, desc: Description, self_attn: bool, E: int) -> int:
+    """``E``, the size the first Linear-like layer takes, when the module runs at it; else the size a search by
+    calling finds (a layer shared by the heads takes one head's slice, d_model // H: Persson's per-head
+    Linear(head_dim, head_dim)), or ``E`` when none runs (the first graded call then says why)."""
+    x = torch.zeros(1, 2, E)
+    r = subject.call(Probe(x, x, x, None, self_attn))
+    if r.error is None and r.out is not None:
+        return E
+    return _size_search(subject, desc, self_attn) or E
+
+
 def _call_hint(forward: tuple, call: str | None) -> str:
     """' (its forward(x) fits call='x')' when the module's forward signature fits another call."""
     if call is None or not forward:
@@ -255,8 +266,14 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
     c, f = props.stability(s, b, ref_fn)
     rep.checks.append(c)
     if fitted is not None:
-        rep.checks.append(Check("matches the float64 reference", True, f"rel. error {err:.2e}", f"{fitted.H} heads" + (
-            "" if fitted.qkv is None else f", fused qkv ({fitted.layout})")))
+        detail = f"{fitted.H} heads" + ("" if fitted.qkv is None else f", fused qkv ({fitted.layout})")
+        if fitted.tied:  # attention, with projections narrower than the course's: a warning
+            D = s.E // fitted.tied
+            detail += (f", with q, k and v each one ({D}, {D}) layer shared by the heads and applied to each head's "
+                       f"{D} features of the input: every head of the course projects the whole input "
+                       f"(Linear({s.E}, {s.E}), split into heads after)")
+        rep.checks.append(Check("matches the float64 reference", not fitted.tied, f"rel. error {err:.2e}", detail,
+                                severity="warning" if fitted.tied else "failure"))
         if not own_count:
             named.append(Finding(f"{fitted.H} heads, not the {readings[0].H} it was built with", "split into "
                                  "num_heads heads of d_model // num_heads features each.", "heads split",
@@ -301,6 +318,8 @@ def grade_subject(subject, opts: Options) -> Report:
         E = _size_search(subject, desc, opts.self_attn)
     elif desc.lazy:  # built by a first call at its size
         subject.call(Probe(*(torch.zeros(1, 2, E),) * 3, None, opts.self_attn))
+    elif not opts.embed_dim and not sizes:
+        E = _runs_at(subject, desc, opts.self_attn, E)
     if E is None:
         raise ValueError(f"cannot tell {desc.root}'s input size: no Linear or Dense layer holds it and no size its "
                          "parameters have runs the call; pass embed_dim=.")

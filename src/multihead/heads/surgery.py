@@ -82,8 +82,30 @@ _FILLER = {"w", "proj", "projection", "lin", "linear", "layer", "dense", "weight
 _BIAS = {"b", "bias", "biases"}
 _ROLE = {"q": "q", "query": "q", "queries": "q", "k": "k", "key": "k", "keys": "k", "v": "v", "value": "v",
          "values": "v", "o": "o", "out": "o", "output": "o", "combine": "o", "concat": "o", "merge": "o", "c": "o",
-         "qkv": "qkv"}
+         "unify": "o", "qkv": "qkv"}
 _FUSED = {"inproj", "cattn", "qkv", "inprojweight"}
+
+
+def _compound(token: str) -> list[str] | None:
+    """A name written as one word, split into its filler and role words: 'tokeys' -> ['to', 'keys'],
+    'unifyheads' -> ['unify', 'heads'], 'qproj' -> ['q', 'proj']; None when it is not such a word. A role word
+    of one letter counts only first and before a filler of three letters or more ('qproj', not 'tok')."""
+    words = (_FILLER | _ROLE.keys()) - {"c"}
+
+    def split(rest: str, first: bool) -> list[str] | None:
+        if not rest:
+            return []
+        for n in range(len(rest), 0, -1):
+            head = rest[:n]
+            if head not in words or (len(head) == 1 and head in _ROLE and not (first and len(rest) >= 4)):
+                continue
+            tail = split(rest[n:], False)
+            if tail is not None:
+                return [head, *tail]
+        return None
+
+    pieces = split(token, True)
+    return pieces if pieces is not None and len(pieces) > 1 else None
 
 
 def is_bias(name: str) -> bool:
@@ -95,12 +117,13 @@ def is_bias(name: str) -> bool:
 
 def role_of(name: str) -> str | None:
     """'W_q' -> 'q', 'self.inner.to_out' -> 'o', 'c_attn' -> 'qkv', 'c_attn_bias' -> 'qkv', 'b_q' -> 'q',
-    'proj' -> 'o?', '0' -> None."""
+    'tokeys' -> 'k', 'unifyheads' -> 'o', 'proj' -> 'o?', '0' -> None."""
     last = name.split(".")[-1]
     tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
     flat = "".join(t for t in tokens if t not in _BIAS and t not in ("weight", "weights"))
     if flat in _FUSED or "qkv" in flat:
         return "qkv"
+    tokens = [w for t in tokens for w in (([t] if t in _ROLE or t in _FILLER else _compound(t)) or [t])]
     roles = set()
     for t in tokens:
         if t in _ROLE:
