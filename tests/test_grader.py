@@ -302,7 +302,7 @@ def test_the_keras_tutorials_scale_is_named_and_a_course_that_follows_it_sets_it
     assert "--scale" in capsys.readouterr().err
 
 
-def test_a_submission_that_imports_the_courses_d2l_package_where_it_is_missing_says_so(tmp_path, capsys):
+def test_a_submission_that_imports_a_package_missing_where_the_grader_runs_says_so(tmp_path, capsys):
     import importlib.util
 
     if importlib.util.find_spec("d2l") is not None:
@@ -312,6 +312,11 @@ def test_a_submission_that_imports_the_courses_d2l_package_where_it_is_missing_s
     assert main(["check", f"{f}:MHA"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "No module named 'd2l'" in err and "install it there" in err, err
+    f.write_text("from torch import nn\nimport not_a_package_here.sub\n\n\nclass MHA(nn.Module):\n    pass\n")
+    assert main(["check", f"{f}:MHA"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not installed where the grader runs" in err, err
+    assert "provides 'not_a_package_here'" in err and "-m pip install" in err, err
 
 
 def test_a_module_returning_a_dict_is_told_its_keys_and_the_call_that_picks_the_output():

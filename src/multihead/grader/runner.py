@@ -111,6 +111,11 @@ class SandboxSubject:
             if msg.startswith("ModuleNotFoundError: No module named 'd2l'"):  # the course's own helper package
                 msg += (" -- the course's d2l package is not installed where the grader runs: install it there, or "
                         "grade a file that defines what it takes from d2l (DotProductAttention, masked_softmax)")
+            elif msg.startswith("ModuleNotFoundError: No module named "):  # einops, timm ...: the grader's environment
+                top = msg.split("No module named ", 1)[1].strip("'\"").split(".")[0]
+                msg += (f" -- a package the submission imports is not installed where the grader runs: install the "
+                        f"one that provides {top!r} into the grader's environment ({sys.executable} -m pip install "
+                        f"...), then grade again")
             raise SandboxError("error", f"{stage} failed: {msg}{where}")
         return h, t
 
