@@ -231,6 +231,33 @@ def test_names_written_as_one_word_are_read_and_unnamed_layers_are_not_given_rol
     assert not rep.ok and [f.name for f in rep.diagnosis] == ["scores divided by d_k"], str(rep)
 
 
+class _OutputNamed(torch.nn.Module):
+    """W_q, W_k, W_v and an output layer named as given (``W_O``, the paper's; ``W_0``; ``final_linear``)."""
+
+    def __init__(self, out_name, E=32, H=4, scale_by_d=False):
+        super().__init__()
+        self.H, self.out_name, self.scale_by_d = H, out_name, scale_by_d
+        self.W_q, self.W_k, self.W_v = (torch.nn.Linear(E, E) for _ in range(3))
+        setattr(self, out_name, torch.nn.Linear(E, E))
+
+    def forward(self, q, k, v):
+        B, Lq, E = q.shape
+        Q, K, V = (t.view(B, -1, self.H, E // self.H).transpose(1, 2) for t in (self.W_q(q), self.W_k(k), self.W_v(v)))
+        w = (Q @ K.transpose(-1, -2) / (Q.shape[-1] if self.scale_by_d else Q.shape[-1] ** 0.5)).softmax(-1)
+        return getattr(self, self.out_name)((w @ V).transpose(1, 2).reshape(B, Lq, E))  # (B, H, Lq, D) -> (B, Lq, E)
+
+
+@pytest.mark.parametrize("out_name", ["W_O", "W_0", "final_linear", "mix"])
+def test_an_output_layer_whose_name_says_no_role_is_verified_as_the_last_layer_called(out_name):
+    """The reference check passes (it was a warning, 'output projection not found': upper-case names were not
+    read at all, W_0 and final_linear say no role); a mistake is still named."""
+    torch.manual_seed(0)
+    rep = multihead.check(_OutputNamed(out_name), call="qkv")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    rep = multihead.check(_OutputNamed(out_name, scale_by_d=True), call="qkv")
+    assert not rep.ok and [f.name for f in rep.diagnosis] == ["scores divided by d_k"], str(rep)
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

@@ -66,6 +66,9 @@ class Parts:
     #: q, k and v each one (D, D) layer shared by the heads, applied to each head's slice of the input (a
     #: block-diagonal projection): the number of slices; 0 for the course's projections of the whole input
     tied: int = 0
+    #: the output projection is the last layer called, its name saying no role (``W_0``, ``final_linear``): a
+    #: guess that is verified when the output matches, never taken as observed at work
+    guessed_o: bool = False
 
     def with_heads(self, H: int) -> Parts:
         return dataclasses.replace(self, H=H)
@@ -253,7 +256,8 @@ def layer_role(name: str) -> str | None:
 
 def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]:
     """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings)."""
-    named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": [], "by order": []}
+    named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": [], "by order": [],
+                              "o by order": []}
     biases = _biases(desc)
     for name, (w, b) in desc.linear.items():
         if not name:
@@ -275,6 +279,11 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
             named[r].append(_param_readings(name, p, biases.get(r), E, r))
     if not named["o"] and named["o?"]:
         named["o"] = named["o?"][-1:]
+    if not named["o"] and (named["q"] or named["qkv"]) and order:  # W_0, final_linear: the last layer called
+        taken = {p.name for r in ("q", "k", "v", "qkv") for p in named[r] if isinstance(p, Proj)}
+        rest = [n for n in dict.fromkeys(order) if n in desc.linear and n not in taken]
+        if rest:
+            named["o"], named["o by order"] = [Proj(*desc.linear[rest[-1]], rest[-1], [rest[-1]])], [True]
     if not (named["q"] or named["qkv"]) and order:  # nothing named: the order of the calls
         seq = [Proj(*desc.linear[n], n, [n]) for n in dict.fromkeys(order) if n in desc.linear]
         fused = [p for p in seq if p.weight.shape[0] == 3 * p.weight.shape[1]]
@@ -356,7 +365,8 @@ def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str
         for q, k, v in ((second, first, third), (first, third, second), (second, third, first),
                         (third, first, second), (third, second, first)):
             readings += [dataclasses.replace(r, q=q, k=k, v=v) for r in readings[:1]]
-    return readings + [t for t in (_tied(r, E) for r in readings) if t is not None]
+    readings += [t for t in (_tied(r, E) for r in readings) if t is not None]
+    return [dataclasses.replace(r, guessed_o=True) for r in readings] if named["o by order"] else readings
 
 
 def head_counts(parts: Parts) -> list[int]:

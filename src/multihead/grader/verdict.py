@@ -210,7 +210,9 @@ def _fit(s: Session, b: props.Base, readings: list) -> tuple:
 
 
 def _observed(parts: parts_mod.Parts, s: Session) -> bool:
-    """Every part of the reading is a layer seen at work (its inputs and outputs observable)."""
+    """Every part of the reading is a layer seen at work (its inputs and outputs observable), none of them a guess."""
+    if parts.guessed_o:
+        return False
     roles = [parts.qkv, parts.o] if parts.qkv is not None else [parts.q, parts.k, parts.v, parts.o]
     return all(p is not None and p.hookable and p.modules[0] in s.order for p in roles)
 

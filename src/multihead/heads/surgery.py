@@ -111,7 +111,7 @@ def _compound(token: str) -> list[str] | None:
 def is_bias(name: str) -> bool:
     """'b_q', 'bias', 'self.out.bias' -> True: a parameter named as a bias (of any role)."""
     last = name.split(".")[-1]
-    tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
+    tokens = [t.lower() for t in re.split(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
     return any(t in _BIAS or (len(t) > 1 and t[0] == "b" and t[1:] in _ROLE) for t in tokens)
 
 
@@ -119,7 +119,7 @@ def role_of(name: str) -> str | None:
     """'W_q' -> 'q', 'self.inner.to_out' -> 'o', 'c_attn' -> 'qkv', 'c_attn_bias' -> 'qkv', 'b_q' -> 'q',
     'tokeys' -> 'k', 'unifyheads' -> 'o', 'proj' -> 'o?', '0' -> None."""
     last = name.split(".")[-1]
-    tokens = [t.lower() for t in re.split(r"[^a-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
+    tokens = [t.lower() for t in re.split(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])", last) if t]
     flat = "".join(t for t in tokens if t not in _BIAS and t not in ("weight", "weights"))
     if flat in _FUSED or "qkv" in flat:
         return "qkv"
