@@ -258,6 +258,54 @@ def test_an_output_layer_whose_name_says_no_role_is_verified_as_the_last_layer_c
     assert not rep.ok and [f.name for f in rep.diagnosis] == ["scores divided by d_k"], str(rep)
 
 
+MASK_DTYPES = """
+import math
+import torch
+from torch import nn
+
+
+class MaskedFill(nn.Module):
+    # block mask used as masked_fill(mask, -inf): it needs a bool mask
+    def __init__(self, E=32, H=4, arithmetic=False):
+        super().__init__()
+        self.H, self.arithmetic = H, arithmetic
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, q, k, v, mask):
+        B, Lq, E = q.shape
+        Q, K, V = (t.view(B, -1, self.H, E // self.H).transpose(1, 2) for t in (self.q(q), self.k(k), self.v(v)))
+        s = Q @ K.transpose(-1, -2) / math.sqrt(Q.shape[-1])
+        s = s + (1 - mask) * -1e9 if self.arithmetic else s.masked_fill(mask, float("-inf"))
+        return self.o((s.softmax(-1) @ V).transpose(1, 2).reshape(B, Lq, E))
+
+
+class KeepArithmetic(MaskedFill):
+    # keep mask used as (1 - mask) * -1e9: it needs numbers
+    def __init__(self):
+        super().__init__(arithmetic=True)
+"""
+
+
+def test_a_mask_convention_is_given_in_the_dtype_the_module_takes(tmp_path, capsys):
+    """'block' is 1/0 floats (the Keras tutorial) and 'keep' bool; a module that takes the same mask only as the
+    other dtype (``masked_fill(mask, ...)``, ``(1 - mask) * -1e9``) raised on the first call: NOT OK. It is now
+    given the other dtype, in process and sandboxed; a module that drops its mask is still caught."""
+    ns: dict = {}
+    exec(MASK_DTYPES, ns)
+    torch.manual_seed(0)
+    for cls, conv in ((ns["MaskedFill"], "block"), (ns["KeepArithmetic"], "keep")):
+        rep = multihead.check(cls(), call="qkv_mask", mask=conv)
+        assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+        rep = multihead.check(cls(), call=lambda m, q, k, v, mask: m(q, k, v, mask[:1].expand_as(mask)), mask=conv)
+        assert not rep.ok and rep.check("masked keys have no influence").passed is False, str(rep)
+    f = tmp_path / "masks.py"
+    f.write_text(MASK_DTYPES)
+    for name, conv in (("MaskedFill", "block"), ("KeepArithmetic", "keep")):
+        code = main(["check", f"{f}:{name}", "--call", "qkv_mask", "--mask", conv])
+        out = capsys.readouterr().out
+        assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

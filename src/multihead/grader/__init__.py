@@ -11,7 +11,8 @@ here). The module is called only through ``call`` -- ``"x"`` ``m(x)``, ``"x_mask
 ``f(module, q, k, v, mask)`` --
 and ``mask`` says how it reads masks: ``"keep"`` (bool, True = may attend), ``"block"`` (1/True =
 blocked, the Keras tutorial), ``"additive"`` (added to the scores), ``"valid_lens"`` (the course's
-(B,) lengths), or None. Masks are given as (B, 1, Lq, Lk).
+(B,) lengths), or None. Masks are given as (B, 1, Lq, Lk); "keep" as bool and "block" as floats 1/0, each
+in the other dtype to a module that raises on the first (``masked_fill(mask, ...)``, ``1 - mask``).
 
 The layers, in the order a verdict flows through them: :mod:`~multihead.grader.subject` (the module
 as data and calls), :mod:`~multihead.grader.session` (probes, mask conventions),

@@ -30,16 +30,18 @@ class Inputs(NamedTuple):
     keep: Tensor | None
 
 
-def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None):
-    """The mask in the module's convention (B, 1, Lq, Lk), or the lengths for valid_lens."""
+def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False):
+    """The mask in the module's convention (B, 1, Lq, Lk), or the lengths for valid_lens. ``other_dtype``: "keep"
+    as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the same mask, for a
+    module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a number)."""
     if conv is None or keep is None:
         return None
     if conv == "valid_lens":
         return lens
     if conv == "keep":
-        return keep
+        return keep.float() if other_dtype else keep
     if conv == "block":
-        return (~keep).float()
+        return ~keep if other_dtype else (~keep).float()
     return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))  # additive
 
 
@@ -87,6 +89,8 @@ class Session:
     kv_same: bool = False
     #: the dtype of the probes: float64 for a module whose parameters all are (built with .double())
     dtype: torch.dtype = torch.float32
+    #: the mask given in the convention's other dtype (:func:`mask_value`): the module raised on the first
+    other_mask: bool = False
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
@@ -107,7 +111,7 @@ class Session:
             k2 = q2 if k is q else k.to(self.dtype)
             q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
-        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens), same, **kw))
+        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask), same, **kw))
 
     def out(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None) -> Tensor:
         """The output (float64), or a RuntimeError with what the module raised."""

@@ -127,6 +127,11 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
     runs with equal lengths is graded on equal lengths, with a finding."""
     x = s.inputs()
     r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+    if r.error is not None and s.conv in ("keep", "block"):  # the same mask in the other dtype: bool <-> 1/0
+        s.other_mask = True
+        r2 = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+        s.other_mask = r2.error is None and r2.out is not None
+        r = r2 if s.other_mask else r
     if r.error is not None and not s.self_attn and not s.causal:
         x2 = s.inputs(LQ, LQ)
         r2 = s.call(x2.q, x2.k, x2.v, x2.keep, x2.lens, order=True)
