@@ -167,10 +167,10 @@ def test_an_output_projection_no_reading_finds_is_a_warning_not_a_failure():
         str(rep)
 
 
-def test_a_module_reading_another_mask_shape_is_told_the_shape_and_the_call_that_fits():
-    """The grader passes keep/block/additive masks as (B, 1, Lq, Lk); a correct module written for (B, Lq, Lk)
-    cannot run on them: the failure names the mask's shape and the call function that adapts it, and that
-    call grades it OK."""
+def test_a_module_reading_another_mask_shape_is_given_it_or_told_the_call_that_fits():
+    """The grader passes keep/block/additive masks as (B, 1, Lq, Lk); a correct module written for (B, Lq, Lk) or a
+    (B, Lk) key-padding mask raised on it and was NOT OK: it is given the mask in the shape it runs on, which the
+    report says; one that runs on none is told the shapes tried and the call function that adapts its own."""
     from torch import nn
 
     class ThreeDMask(nn.Module):
@@ -186,12 +186,28 @@ def test_a_module_reading_another_mask_shape_is_told_the_shape_and_the_call_that
             s = (Q @ K.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask[:, None], float("-inf"))  # mask (B, Lq, Lk)
             return self.o((s.softmax(-1) @ V).transpose(1, 2).reshape(B, Lq, 24))
 
+    class KeyColumn(ThreeDMask):  # a (B, Lk, 1) mask: no shape the grader tries
+        def forward(self, q, k, v, mask):
+            return super().forward(q, k, v, mask[..., 0][:, None].expand(-1, q.shape[1], -1))
+
+    class KeyPadding(ThreeDMask):  # a (B, Lk) mask
+        def forward(self, q, k, v, mask):
+            assert mask.dim() == 2
+            return super().forward(q, k, v, mask[:, None].expand(-1, q.shape[1], -1))
+
     torch.manual_seed(0)
-    rep = multihead.check(ThreeDMask(), call="qkv_mask", mask="keep")
+    for cls, shape in ((ThreeDMask, "(B, Lq, Lk)"), (KeyPadding, "(B, Lk)")):
+        rep = multihead.check(cls(), call="qkv_mask", mask="keep")
+        assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+        ran = rep.check("runs on probe inputs")
+        assert ran.detail == f"the mask given as {shape} bool: it raised on (B, 1, Lq, Lk) bool", ran.detail
+    rep = multihead.check(KeyColumn(), call="qkv_mask", mask="keep")
     ran = rep.check("runs on probe inputs")
     assert not rep.ok and ran.passed is False, str(rep)
-    assert "mask (keep) (3, 1, 5, 7)" in ran.detail and "call=lambda m, q, k, v, mask: m(q, k, v, mask[:, 0])" in \
-        ran.detail, ran.detail
+    assert "mask (keep) (3, 1, 5, 7)" in ran.detail and "(B, Lq, Lk), (B, Lk) too, as bool and as 1/0 floats" in \
+        ran.detail and "mask[:, 0, 0, :, None]" in ran.detail, ran.detail
+    rep = multihead.check(KeyColumn(), call=lambda m, q, k, v, mask: m(q, k, v, mask[:, 0, 0, :, None]), mask="keep")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
     rep = multihead.check(ThreeDMask(), call=lambda m, q, k, v, mask: m(q, k, v, mask[:, 0]), mask="keep")
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
 
@@ -283,6 +299,13 @@ class KeepArithmetic(MaskedFill):
     # keep mask used as (1 - mask) * -1e9: it needs numbers
     def __init__(self):
         super().__init__(arithmetic=True)
+
+
+class KeyPaddingBlock(MaskedFill):
+    # a (B, Lk) bool key-padding mask, True = padding (torch's key_padding_mask)
+    def forward(self, q, k, v, mask):
+        assert mask.dim() == 2 and mask.dtype == torch.bool
+        return super().forward(q, k, v, mask[:, None, None, :])
 """
 
 
@@ -300,10 +323,11 @@ def test_a_mask_convention_is_given_in_the_dtype_the_module_takes(tmp_path, caps
         assert not rep.ok and rep.check("masked keys have no influence").passed is False, str(rep)
     f = tmp_path / "masks.py"
     f.write_text(MASK_DTYPES)
-    for name, conv in (("MaskedFill", "block"), ("KeepArithmetic", "keep")):
+    for name, conv in (("MaskedFill", "block"), ("KeepArithmetic", "keep"), ("KeyPaddingBlock", "block")):
         code = main(["check", f"{f}:{name}", "--call", "qkv_mask", "--mask", conv])
         out = capsys.readouterr().out
         assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+    assert "the mask given as (B, Lk) bool: it raised on (B, 1, Lq, Lk) 1/0 floats" in out, out
 
 
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from multihead.grader.subject import Probe, Reply
 
-__all__ = ["CONVENTIONS", "Inputs", "Session", "mask_value", "probes"]
+__all__ = ["CONVENTIONS", "MASK_SHAPES", "Inputs", "Session", "mask_form", "mask_value", "probes"]
 
 #: how a module reads masks: bool keep, 1 = blocked (the Keras tutorial), additive, the course's lengths
 CONVENTIONS = ("keep", "block", "additive", "valid_lens")
@@ -30,14 +30,32 @@ class Inputs(NamedTuple):
     keep: Tensor | None
 
 
-def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False):
-    """The mask in the module's convention (B, 1, Lq, Lk), or the lengths for valid_lens. ``other_dtype``: "keep"
-    as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the same mask, for a
-    module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a number)."""
+#: the shapes a mask is given in: the grader's own first, then those of modules that raise on it
+MASK_SHAPES = ("(B, 1, Lq, Lk)", "(B, Lq, Lk)", "(B, Lk)")
+
+
+def mask_form(conv: str | None, other_dtype: bool = False, shape: str = MASK_SHAPES[0]) -> str:
+    """How :func:`mask_value` gives the mask, in words: '(B, Lk) bool'."""
+    kind = "floats" if conv == "additive" else "bool" if (conv == "keep") != other_dtype else "1/0 floats"
+    return f"{shape} {kind}"
+
+
+def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False,
+               shape: str = MASK_SHAPES[0]):
+    """The mask in the module's convention, (B, 1, Lq, Lk) or ``shape``, or the lengths for valid_lens.
+    ``other_dtype``: "keep" as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the
+    same mask, for a module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a
+    number). (B, Lk) holds a mask only where every query keeps the same keys: any other is refused."""
     if conv is None or keep is None:
         return None
     if conv == "valid_lens":
         return lens
+    if shape == MASK_SHAPES[1]:
+        keep = keep[:, 0]  # (B, 1, Lq, Lk) -> (B, Lq, Lk)
+    elif shape == MASK_SHAPES[2]:
+        if not bool((keep == keep[:, :, :1]).all()):
+            raise ValueError("a mask whose queries keep different keys cannot be given as (B, Lk)")
+        keep = keep[:, 0, 0]  # (B, 1, Lq, Lk) -> (B, Lk): every query's keys are the same
     if conv == "keep":
         return keep.float() if other_dtype else keep
     if conv == "block":
@@ -91,6 +109,8 @@ class Session:
     dtype: torch.dtype = torch.float32
     #: the mask given in the convention's other dtype (:func:`mask_value`): the module raised on the first
     other_mask: bool = False
+    #: the shape the mask is given in (:data:`MASK_SHAPES`): the module raised on (B, 1, Lq, Lk)
+    mask_shape: str = MASK_SHAPES[0]
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
@@ -111,7 +131,8 @@ class Session:
             k2 = q2 if k is q else k.to(self.dtype)
             q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
-        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask), same, **kw))
+        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask, self.mask_shape), same,
+                                       **kw))
 
     def out(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None) -> Tensor:
         """The output (float64), or a RuntimeError with what the module raised."""

@@ -30,7 +30,7 @@ from multihead.grader import parts as parts_mod
 from multihead.grader import properties as props
 from multihead.grader import stages
 from multihead.grader.report import Check, Finding, Report
-from multihead.grader.session import LK, LQ, B, Session
+from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form
 from multihead.grader.subject import RETURNED, Description, Probe
 
 __all__ = ["Options", "grade_subject"]
@@ -122,16 +122,31 @@ def _call_hint(forward: tuple, call: str | None) -> str:
     return f" (its forward({names}) fits call={fits[0]!r}{' with a mask=' if fits[0].endswith('_mask') else ''})"
 
 
+def _mask_as_taken(s: Session, x, first):
+    """The first call again with the same mask in another form, where the module raised on the grader's: the
+    convention's other dtype (bool <-> 1/0), then (B, Lq, Lk), then (B, Lk) (a key-padding mask) -- the first
+    form that runs and gives (B, Lq, ·) is kept for every call after; ``first`` (the reply) where none does."""
+    forms = [(other, shape) for shape in MASK_SHAPES for other in (False, True)][1:]
+    for other, shape in forms:
+        if (other and s.conv not in ("keep", "block")) or (shape != MASK_SHAPES[0] and s.conv in (None, "valid_lens")):
+            continue
+        if shape == MASK_SHAPES[2] and s.causal:
+            continue
+        s.other_mask, s.mask_shape = other, shape
+        r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+        if r.error is None and r.out is not None and tuple(r.out.shape[:2]) == tuple(x.q.shape[:2]):
+            return r
+    s.other_mask, s.mask_shape = False, MASK_SHAPES[0]
+    return first
+
+
 def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
     """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
     runs with equal lengths is graded on equal lengths, with a finding."""
     x = s.inputs()
     r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
-    if r.error is not None and s.conv in ("keep", "block"):  # the same mask in the other dtype: bool <-> 1/0
-        s.other_mask = True
-        r2 = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
-        s.other_mask = r2.error is None and r2.out is not None
-        r = r2 if s.other_mask else r
+    if r.error is not None:
+        r = _mask_as_taken(s, x, r)
     if r.error is not None and not s.self_attn and not s.causal:
         x2 = s.inputs(LQ, LQ)
         r2 = s.call(x2.q, x2.k, x2.v, x2.keep, x2.lens, order=True)
@@ -150,12 +165,18 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
             shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
             mask = f", mask ({s.conv}) {shape}"
             if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
-                hint = (" (a module that reads another mask shape is called through a function, e.g. call=lambda m, "
-                        "q, k, v, mask: m(q, k, v, mask[:, 0]) for a (B, Lq, Lk) mask, mask[:, 0, 0] for (B, Lk))")
+                also = ", ".join(MASK_SHAPES[1:] if not s.causal else MASK_SHAPES[1:2])
+                kinds = ", as bool and as 1/0 floats" if s.conv in ("keep", "block") else ""
+                hint = (f" (it raised on the mask given as {also} too{kinds}; a module that reads masks another way "
+                        "is graded through a function that gives its mask, e.g. call=lambda m, q, k, v, mask: "
+                        "m(q, k, v, mask[:, 0, 0, :, None]) for (B, Lk, 1))")
         rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
                                 f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
         return None
-    rep.checks.append(Check("runs on probe inputs", True))
+    adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0]
+    given = mask_form(s.conv, s.other_mask, s.mask_shape)
+    rep.checks.append(Check("runs on probe inputs", True, "", f"the mask given as {given}: it raised on "
+                                                               f"{mask_form(s.conv)}" if adapted else ""))
     out = r.out
     ok = out.dim() == 3 and tuple(out.shape[:2]) == (B, x.q.shape[1]) and out.dtype == x.q.dtype
     rep.checks.append(Check("output shape and dtype", ok, str(tuple(out.shape)), f"expected ({B}, {x.q.shape[1]}, ·) "
