@@ -310,3 +310,31 @@ def test_a_backend_that_becomes_unavailable_is_evicted_reported_once_and_not_exp
     finally:
         backends.unregister("flaky")
         registry.forget()
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "math", "reference"])
+def test_a_learned_bias_gets_its_gradient_on_every_backend_that_runs_it(backend):
+    """An additive bias being trained (T5's relative positions): its gradient, against the float64 reference's,
+    within a small multiple of the plain float32 computation's error; a backend without gradients ('short',
+    which chose by the inputs' requires_grad alone and then failed in backward, 'derivative for aten::softmax is
+    not implemented') refuses the call up front."""
+    from conftest import K_GRAD, ROUNDINGS, err, plain, rounding
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, L, 5, generator=g) for L in (4, 6, 6))  # (B, H, L, D), Lq != Lk, odd D
+    bias0 = torch.randn(1, 3, 4, 6, generator=g, dtype=torch.float64)  # (1, H, Lq, Lk)
+    bias0[..., 0, 2] = float("-inf")
+
+    def bias_grad(fn, dtype):
+        b = bias0.to(dtype).requires_grad_()
+        out = fn(q.to(dtype), k.to(dtype), v.to(dtype), b)
+        (grad,) = torch.autograd.grad(out, b, torch.ones_like(out))
+        return grad
+
+    ref = bias_grad(reference_attention, torch.float64)
+    got = bias_grad(lambda *a: attention(*a, backend=backend), torch.float32)
+    base = bias_grad(plain, torch.float32)
+    assert torch.isfinite(got).all() and got[..., 0, 2].abs().max() == 0
+    assert err(got, ref) <= K_GRAD * err(base, ref) + ROUNDINGS * rounding(ref, torch.float32)
+    with pytest.raises(ValueError, match=r"backend 'short' cannot run this call: no gradients"):
+        attention(q, k, v, bias0.float().requires_grad_(), backend="short")

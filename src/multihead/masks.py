@@ -185,6 +185,12 @@ class Mask:
     #: whether :meth:`mask_mod` depends on the batch index (FlexAttention's block mask is then per sequence)
     batched: bool = False
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether a tensor of the mask is to be differentiated (a learned bias: T5's relative positions, ALiBi
+        slopes being trained): a backend without gradients must not run it."""
+        return False
+
     def cache_key(self) -> tuple:
         """A hashable description of the mask's values (for caches of compiled masks)."""
         return (repr(self),)
@@ -585,6 +591,10 @@ class Dense(Mask):
     def dispatch_key(self):
         return ("Dense", self.mask.dtype == torch.bool, self.mask.dim())
 
+    @property
+    def requires_grad(self) -> bool:
+        return self.mask.requires_grad
+
     def __repr__(self):
         kind = "bool" if self.mask.dtype == torch.bool else "bias"
         return f"Dense({kind}, shape={tuple(self.mask.shape)})"
@@ -641,6 +651,10 @@ class And(Mask):
     @property
     def batched(self):
         return any(m.batched for m in self.masks)
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(m.requires_grad for m in self.masks)
 
     def mask_mod(self, Lq, Lk, device=None):
         mods = [m.mask_mod(Lq, Lk, device) for m in self.masks]

@@ -349,7 +349,8 @@ def request(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, dropou
             softcap: float | None = None, sinks: Tensor | None = None) -> Request:
     """The :class:`Request` of a call on (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv) tensors."""
     B, H, Lq, D = query.shape
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    needs_grad = torch.is_grad_enabled() and (any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+                                              or (mask is not None and mask.requires_grad))  # a learned bias
     return Request(query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1], mask,
                    float(dropout_p), needs_grad, None if softcap is None else float(softcap), sinks is not None)
 
@@ -370,7 +371,8 @@ def call(query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, *, scale:
     if softcap is None and sinks is None and backend == "auto":
         D = query.shape[-1]
         head = (query.device.type, query.dtype, B, H, key.shape[1], Lq, key.shape[2], D, value.shape[-1])  # Request.head
-        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                                  or (mask is not None and mask.requires_grad))
         if torch.compiler.is_compiling():  # chosen once, while tracing
             name = traced_choice(head, None if mask is None else mask.dispatch_key(), dropout_p, needs_grad,
                                  _FORCED[-1] if _FORCED else None)
