@@ -330,6 +330,36 @@ def test_a_mask_convention_is_given_in_the_dtype_the_module_takes(tmp_path, caps
     assert "the mask given as (B, Lk) bool: it raised on (B, 1, Lq, Lk) 1/0 floats" in out, out
 
 
+def test_the_courses_decoder_self_attention_is_graded_causal_through_lengths_per_query_row(tmp_path, capsys):
+    """The course masks a decoder's future with valid_lens of shape (B, Lq) (1, 2, ..., Lq); graded with causal and
+    valid_lens, its own chapter was given (B,) lengths, was not causal and was NOT OK ('mask applied wrongly'). A
+    causal module graded on valid_lens is given the lengths per query row when (B,) leaves it non-causal, which the
+    report says; a module that ignores its lengths is still not causal; in process and sandboxed. Called with
+    queries, keys and values of their own, the future's keys and values are changed too."""
+    import inspect
+
+    torch.manual_seed(0)
+    rep = multihead.check(gw.CourseChapter(), call="qkv_mask", mask="valid_lens", causal=True, self_attention=True)
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    assert "valid_lens given per query row (B, Lq)" in rep.check("runs on probe inputs").detail, str(rep)
+    rep = multihead.check(gw.CourseChapter(), call=lambda m, q, k, v, lens: m(q, k, v, lens if lens is None else
+                                                                  lens.reshape(len(lens), -1)[:, -1]),
+                          mask="valid_lens",
+                          causal=True, self_attention=True)
+    assert not rep.ok and rep.check("causal: no influence from the future").passed is False, str(rep)
+    # called with queries, keys and values of their own, the future's keys and values count too (only the queries
+    # were changed: a module seeing every key passed both causality checks)
+    rep = multihead.check(gw.CourseChapter(), call=lambda m, q, k, v, mask: m(q, k, v, None), causal=True)
+    assert rep.check("causal: position 0 unchanged when the future changes").passed is False, str(rep)
+    assert rep.check("causal: no influence from the future").passed is False, str(rep)
+    f = tmp_path / "chapter.py"
+    f.write_text("import math\nimport torch\nfrom torch import nn\n\n\n" + inspect.getsource(gw.masked_softmax)
+                 + "\n\n" + inspect.getsource(gw.CourseChapter))
+    code = main(["check", f"{f}:CourseChapter", "--call", "qkv_mask", "--mask", "valid_lens", "--causal"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"causal: no influence from the future\s+pass", out), out
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

@@ -96,19 +96,29 @@ def fully_masked(s: Session, b: Base) -> Check:
 
 
 def causality(s: Session, b: Base) -> list[Check]:
-    """Position 0's output unchanged when every later position changes, and no gradient from them."""
+    """Position 0's output unchanged when every later position changes, and no gradient from them: the later
+    queries, keys and values all (a causal module called with queries, keys and values of its own, Lq = Lk)."""
     x = b.x
-    xf = x.q.clone()
-    xf[:, 1:] += 2.0
-    of = s.out(xf, xf, xf, x.keep, x.lens) if s.self_attn else s.out(xf, x.k, x.v, x.keep, x.lens)
+
+    def later_changed(t):
+        t = t.clone()
+        t[:, 1:] += 2.0
+        return t
+
+    if s.self_attn:
+        xf = later_changed(x.q)
+        of = s.out(xf, xf, xf, x.keep, x.lens)
+    else:
+        kf = later_changed(x.k)
+        of = s.out(later_changed(x.q), kf, kf if x.v is x.k else later_changed(x.v), x.keep, x.lens)
     e = rel(of[:, 0], b.out[:, 0])
     checks = [Check("causal: position 0 unchanged when the future changes", e < TOL, f"rel. change {e:.2e}")]
     cot = torch.zeros(b.out.shape, dtype=b.out.dtype)
     cot[:, 0] = 1.0  # d (sum of position 0's outputs) / d inputs
     r = s.call(x.q, x.k, x.v, x.keep, x.lens, cotangent=cot)
-    gq = r.grads.get("q")
-    leak = float(gq[:, 1:].abs().max()) if gq is not None else float("nan")
-    checks.append(Check("causal: no influence from the future", gq is not None and leak < 1e-6,
+    grads = [g for n, g in r.grads.items() if n in ("q", "k", "v")]
+    leak = max(float(g[:, 1:].abs().max()) for g in grads) if "q" in r.grads else float("nan")
+    checks.append(Check("causal: no influence from the future", "q" in r.grads and leak < 1e-6,
                         f"max |d out_0 / d x_j>0| {leak:.2e}"))
     return checks
 

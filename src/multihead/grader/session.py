@@ -41,13 +41,20 @@ def mask_form(conv: str | None, other_dtype: bool = False, shape: str = MASK_SHA
 
 
 def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False,
-               shape: str = MASK_SHAPES[0]):
+               shape: str = MASK_SHAPES[0], lens_2d: bool = False):
     """The mask in the module's convention, (B, 1, Lq, Lk) or ``shape``, or the lengths for valid_lens.
     ``other_dtype``: "keep" as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the
     same mask, for a module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a
-    number). (B, Lk) holds a mask only where every query keeps the same keys: any other is refused."""
+    number). (B, Lk) holds a mask only where every query keeps the same keys: any other is refused. ``lens_2d``:
+    the lengths per query row (B, Lq), as the course's decoder masks its own future (valid_lens 1, 2, ..., Lq)."""
     if conv is None or keep is None:
         return None
+    if conv == "valid_lens" and lens_2d:
+        rows = keep[:, 0]  # (B, 1, Lq, Lk) -> (B, Lq, Lk)
+        n = rows.sum(-1)  # (B, Lq): each row's kept keys, a prefix
+        if not bool((rows == (torch.arange(rows.shape[-1]) < n[..., None])).all()):
+            raise ValueError("a mask whose rows are not prefixes of the keys cannot be given as lengths")
+        return n
     if conv == "valid_lens":
         return lens
     if shape == MASK_SHAPES[1]:
@@ -111,6 +118,8 @@ class Session:
     other_mask: bool = False
     #: the shape the mask is given in (:data:`MASK_SHAPES`): the module raised on (B, 1, Lq, Lk)
     mask_shape: str = MASK_SHAPES[0]
+    #: valid_lens given per query row (B, Lq): a causal module masking its future through them (the course's decoder)
+    lens_2d: bool = False
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
@@ -131,7 +140,8 @@ class Session:
             k2 = q2 if k is q else k.to(self.dtype)
             q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
-        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask, self.mask_shape), same,
+        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask, self.mask_shape, self.lens_2d),
+                                       same,
                                        **kw))
 
     def out(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None) -> Tensor:

@@ -140,6 +140,23 @@ def _mask_as_taken(s: Session, x, first):
     return first
 
 
+def _causal_lengths(s: Session, x, first):
+    """A causal module graded with valid_lens: the lengths as (B,), its own triangle masking the future, or, when
+    that is not causal, per query row (B, Lq) as the course's decoder masks its future (valid_lens 1, 2, ..., Lq, and
+    the padding's): the first form under which the module is causal is kept; ``first`` (the reply) where neither."""
+    def causal(r) -> bool:
+        return all(c.passed for c in props.causality(s, props.Base(x, r.out.double(), r.weights)))
+
+    if causal(first):
+        return first
+    s.lens_2d = True
+    r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+    if r.error is None and r.out is not None and tuple(r.out.shape[:2]) == tuple(x.q.shape[:2]) and causal(r):
+        return r
+    s.lens_2d = False
+    return first
+
+
 def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
     """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
     runs with equal lengths is graded on equal lengths, with a finding."""
@@ -183,8 +200,13 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
                                                                                  f"{x.q.dtype}"))
     if not ok:
         return None
+    if s.causal and s.conv == "valid_lens":
+        r = _causal_lengths(s, x, r)
+        if s.lens_2d:
+            rep.checks[-2].detail = ("valid_lens given per query row (B, Lq), as the course's decoder masks its future: "
+                                     "with (B,) lengths it was not causal")
     s.order = r.order
-    return props.Base(x, out.double(), r.weights)
+    return props.Base(x, r.out.double(), r.weights)
 
 
 def _properties(s: Session, b: props.Base, desc: Description, rep: Report) -> tuple[bool, list[Finding]]:
