@@ -360,6 +360,30 @@ def test_the_courses_decoder_self_attention_is_graded_causal_through_lengths_per
     assert code == 0 and re.search(r"causal: no influence from the future\s+pass", out), out
 
 
+def test_a_module_that_writes_into_its_mask_is_graded_on_copies():
+    """``mask.logical_not_()`` (keep -> block, in place): in process the module was given the probe's own mask, an
+    expanded view, and raised ('more than one element of the written-to tensor ...': NOT OK), where it would also
+    have changed the mask every later comparison reads; each call now gets copies of the inputs and the mask."""
+    from torch import nn
+
+    class InPlaceMask(nn.Module):
+        def __init__(self, E=32, H=4):
+            super().__init__()
+            self.H = H
+            self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+        def forward(self, q, k, v, mask):
+            B, Lq, E = q.shape
+            Q, K, V = (t.view(B, -1, self.H, E // self.H).transpose(1, 2) for t in (self.q(q), self.k(k), self.v(v)))
+            blocked = mask.logical_not_()
+            s = (Q @ K.transpose(-1, -2) / Q.shape[-1] ** 0.5).masked_fill(blocked, -1e9)  # (B, H, Lq, Lk)
+            return self.o((s.softmax(-1) @ V).transpose(1, 2).reshape(B, Lq, E))
+
+    torch.manual_seed(0)
+    rep = multihead.check(InPlaceMask(), call="qkv_mask", mask="keep")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

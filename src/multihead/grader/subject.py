@@ -222,18 +222,18 @@ def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
             for name, m in module.named_modules():
                 if linear_like(m) is not None or isinstance(m, nn.Linear):
                     handles.append(m.register_forward_pre_hook(lambda m, a, name=name: order.append(name)))
-        q, k, v = probe.q, probe.k, probe.v
         grad = probe.cotangent is not None
+        # copies: a module that writes into its inputs or its mask (mask.unsqueeze_(1), q /= ...) changes no probe
+        q = probe.q.clone().requires_grad_(grad)
+        k = q if probe.same or probe.k is probe.q else probe.k.clone().requires_grad_(grad)
+        v = q if probe.same or probe.v is probe.q else k if probe.v is probe.k else probe.v.clone().requires_grad_(grad)
+        mask = probe.mask.clone() if isinstance(probe.mask, Tensor) else probe.mask
         if grad:
             for p in module.parameters():
                 p.grad = None
-            q = q.clone().requires_grad_(True)
-            k, v = (q, q) if probe.same else (k.clone().requires_grad_(True), v.clone().requires_grad_(True))
-        elif probe.same:
-            k = v = q
         try:
             with torch.set_grad_enabled(grad):
-                out, weights = _output(call(module, q, k, v, probe.mask))
+                out, weights = _output(call(module, q, k, v, mask))
                 grads = {}
                 if grad and out is not None and out.shape == probe.cotangent.shape:
                     (out * probe.cotangent.to(out.dtype)).sum().backward()
