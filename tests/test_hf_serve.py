@@ -273,6 +273,10 @@ def test_bad_inputs_get_one_clear_line():
         enc(torch.tensor([[3, V]]))
     with pytest.raises(ValueError, match=r"token ids -1\.\.5"):
         enc(torch.tensor([[-1, 5]]))
+    with pytest.raises(TypeError, match=r"input_ids must be integer ids \(torch.long\); got torch.float32"):
+        enc(torch.tensor([[1.0, 5.0]]))  # an IndexError from indexing before
+    with pytest.raises(ValueError, match=r"token_type_ids hold ids 0\.\.2; the model has 2 token types \(ids 0\.\.1\)"):
+        enc(torch.tensor([[1, 5]]), token_type_ids=torch.tensor([[0, 2]]))  # an IndexError before
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

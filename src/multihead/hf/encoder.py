@@ -174,18 +174,27 @@ class BertEmbeddings(nn.Module):
         if L > self.position.num_embeddings:
             raise ValueError(f"input_ids (B, L) = {tuple(input_ids.shape)}: the model takes at most "
                              f"{self.position.num_embeddings} tokens (max_position_embeddings); truncate the text.")
-        if input_ids.numel():
-            lo, hi = torch.aminmax(input_ids)
-            if int(lo) < 0 or int(hi) >= self.word.num_embeddings:
-                raise ValueError(f"input_ids hold token ids {int(lo)}..{int(hi)}; the model's vocabulary has "
-                                 f"{self.word.num_embeddings} (ids 0..{self.word.num_embeddings - 1}): use its own "
-                                 "tokenizer.")
+        _ids("input_ids", input_ids, self.word.num_embeddings, "the model's vocabulary has {n}", "use its own tokenizer")
+        if token_type_ids is not None:
+            _ids("token_type_ids", token_type_ids, self.token_type.num_embeddings, "the model has {n} token types",
+                 "they come from its tokenizer (0 for a single text)")
         tt = self.token_type.weight[0] if token_type_ids is None else self.token_type.weight[token_type_ids]
         # summed in transformers' order, (word + token type) + position: the same float numbers as the model's
         # module, so an int8 model's first activations round alike (one ulp moves every rounding of a call)
         x = self.word.weight[input_ids] + tt + self.position.weight[:L]  # (B, L, E)
         n = self.norm
         return F.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)  # (B, L, E)
+
+
+def _ids(name: str, t: Tensor, n: int, has: str, fix: str) -> None:
+    """Refuse ids that are not integers in 0..n-1, naming ``name``, what they hold, and ``fix``."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer ids (torch.long); got {t.dtype}.")
+    if t.numel():
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) >= n:
+            ids = "token ids" if name == "input_ids" else "ids"
+            raise ValueError(f"{name} hold {ids} {int(lo)}..{int(hi)}; {has.format(n=n)} (ids 0..{n - 1}): {fix}.")
 
 
 class Encoder(nn.Module):
