@@ -3,6 +3,7 @@ located and named; the module comes back as it was; contradictory calls and bad 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -201,6 +202,50 @@ def test_keras_layers():
         rep = multihead.check(m, call="qkv")
         names = [f.name for f in rep.diagnosis]
         assert names == (["scores divided by d_k"] if by_dk else []), str(rep)
+        assert rep.ok != by_dk and not (rep.failures and not by_dk), str(rep)  # 'gradients reach every parameter'
+    rep = multihead.check(KerasMHA(32, 4), call="qkv")  # not built: built by a first call ('has no parameters')
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+
+
+KERAS_FILE = """
+import keras
+from keras import ops
+
+
+class KerasMHA(keras.layers.Layer):
+    def __init__(self, d_model=32, num_heads=4, scale_by_d_k=False):
+        super().__init__()
+        self.num_heads, self.d, self.by_dk = num_heads, d_model // num_heads, scale_by_d_k
+        self.W_q, self.W_k = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
+        self.W_v, self.W_o = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
+
+    def call(self, q, k, v):
+        def heads(x):
+            return ops.transpose(ops.reshape(x, (x.shape[0], x.shape[1], self.num_heads, self.d)), (0, 2, 1, 3))
+
+        Q, K, V = heads(self.W_q(q)), heads(self.W_k(k)), heads(self.W_v(v))
+        s = ops.matmul(Q, ops.transpose(K, (0, 1, 3, 2))) / (self.d if self.by_dk else self.d ** 0.5)
+        o = ops.transpose(ops.matmul(ops.softmax(s, -1), V), (0, 2, 1, 3))
+        return self.W_o(ops.reshape(o, (o.shape[0], o.shape[1], -1)))
+"""
+
+
+def test_a_learners_keras_file_is_graded_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """A Keras 3 layer in a learner's file: the sandbox runs Keras on torch (it imported TensorFlow, absent:
+    exit 2), builds the layer by a first call (its Dense layers were not read: a warning), and every name of its
+    weights gets its gradient (Keras lists each twice: 'gradients reach every parameter' failed, NOT OK)."""
+    pytest.importorskip("keras")
+    from multihead.apps.cli import main
+
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)  # the grader's user need not know about it
+    f = tmp_path / "keras_mha.py"
+    f.write_text(KERAS_FILE)
+    code = main(["check", f"{f}:KerasMHA", "--call", "qkv"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+    code = main(["check", f"{f}:KerasMHA", "--init", "scale_by_d_k=True", "--call", "qkv"])
+    out = capsys.readouterr().out
+    assert code == 1 and "- scores divided by d_k" in out, out
 
 
 def test_command_line_grades_a_file_with_exit_codes(tmp_path, capsys):

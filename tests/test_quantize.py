@@ -63,6 +63,23 @@ def test_activations_get_all_8_bits_only_where_the_kernel_is_exact(monkeypatch):
         assert (full(x) - want).abs().mean() < 0.75 * (seven(x) - want).abs().mean()  # the 8th bit halves the error
 
 
+def test_every_int8_layer_quantize_makes_is_int8_in_a_fresh_process(monkeypatch):
+    """On a machine whose kernel is exact (VNNI), quantize makes FullRangeLinear layers: each use made a new class,
+    so a model quantized before the first is_int8_linear was not int8 to it, and serve refused it ('... is
+    FullRangeLinear; serve computes nn.Linear layers and multihead.quantize's int8 ones'). Forced exact here, so
+    the machine need not be one."""
+    import subprocess
+    import sys
+
+    code = ("import torch, multihead.quantize as q\n"
+            "q._EXACT[torch.backends.quantized.engine] = True\n"
+            "a = q.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)))\n"
+            "b = q.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)))\n"
+            "print([q.is_int8_linear(m[0]) and type(m[0]).__name__ for m in (a, b)])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['FullRangeLinear', 'FullRangeLinear']", out
+
+
 def test_the_exactness_probe_catches_a_saturating_kernel(monkeypatch):
     """A kernel that saturates 16-bit pairs (as CPUs without VNNI do) is detected by the probe."""
     import multihead.quantize as q

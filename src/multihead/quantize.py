@@ -155,7 +155,11 @@ def _bias(m: nn.Module) -> Tensor | None:
     return b() if callable(b) else b  # torch's int8 Linear keeps its bias behind a method
 
 
+@functools.cache
 def _full_range_linear_class():
+    """The one FullRangeLinear class of the process (a second class would not be one of :func:`_int8_kinds`: every
+    call of :func:`__getattr__` made a new one, so a model quantized before the first :func:`is_int8_linear` was
+    not int8 to it)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     class FullRangeLinear(DynamicLinear):

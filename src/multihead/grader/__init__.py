@@ -82,8 +82,8 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
     influence), on top of any mask it is given; ``self_attention``: queries, keys and values are the same
     tensor (default: for ``call`` "x" and "x_mask"); ``mapping``: the names of the q/k/v/o (or qkv) submodules or
     Parameters, the head count (``heads``) and the score scale (``scale``) when they cannot be found;
-    ``seed``: the probes' random seed; ``strict``: warnings fail too. A lazy module (``nn.LazyLinear``)
-    is built by a first call. The module comes back as it was: training flags, gradients, parameters
+    ``seed``: the probes' random seed; ``strict``: warnings fail too. A lazy module (``nn.LazyLinear``, a
+    Keras layer not built yet) is built by a first call. The module comes back as it was: training flags, gradients, parameters
     and buffers, and the random number generators' states.
 
     Raises before calling the module: TypeError for a module that is not a torch Module or a call that
@@ -92,7 +92,9 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
     if not isinstance(module, nn.Module):
         raise TypeError(f"check takes a torch.nn.Module; got {type(module).__name__}.")
     check_call(call, mask)
-    if not list(module.parameters()):
+    unbuilt = any(type(m).__module__.split(".")[0] == "keras" and getattr(m, "built", True) is False
+                  for m in module.modules())  # a Keras layer's weights are made by its first call
+    if not list(module.parameters()) and not unbuilt:
         raise ValueError(f"{type(module).__name__} has no parameters: a multi-head attention module learns its "
                          "projections (W_q, W_k, W_v, W_o).")
     subject = LocalSubject(module, call)

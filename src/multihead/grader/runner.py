@@ -186,6 +186,7 @@ class SandboxSubject:
 
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("KERAS_BACKEND", "torch")  # a learner's Keras 3 layer is graded as the torch module it then is
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

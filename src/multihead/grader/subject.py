@@ -113,6 +113,8 @@ def describe(module: nn.Module) -> Description:
     d = Description()
     for name, m in module.named_modules():
         d.modules[name] = type(m).__name__
+        if type(m).__module__.split(".")[0] == "keras" and getattr(m, "built", True) is False:
+            d.lazy = True  # a Keras layer not built yet (its weights made by a first call), as a torch Lazy* layer
         wb = linear_like(m)
         if wb is not None:
             d.linear[name] = wb
@@ -238,7 +240,8 @@ def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
                 if grad and out is not None and out.shape == probe.cotangent.shape:
                     (out * probe.cotangent.to(out.dtype)).sum().backward()
                     grads = {"q": q.grad} if probe.same else {"q": q.grad, "k": k.grad, "v": v.grad}
-                    grads |= {f"param.{n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
+                    grads |= {f"param.{n}": p.grad for n, p in module.named_parameters(remove_duplicate=False)
+                              if p.grad is not None}  # every name of a shared Parameter (Keras lists its weights twice)
         except Exception as e:  # noqa: BLE001 - the learner's module: reported, never raised here
             return Reply(None, error=f"{type(e).__name__}: {e}")
         kept = _kept(module, (q.shape[1], k.shape[1])) if probe.kept else ()
