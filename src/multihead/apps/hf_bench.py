@@ -10,7 +10,8 @@ directory written by ``multihead prune --hf ...`` — that pruned (recovered, in
 ``multihead.hf.load``, that model served, and that model's float weights exported (``multihead.hf.export_onnx``) and quantized by
 ONNX Runtime (the pruned model served by another runtime); with the ``onnx`` extra, ONNX Runtime's int8 model of
 the unpruned checkpoint, and with
-the ``openvino`` extra, OpenVINO's fp32 model of it (both from ``multihead.hf.export_onnx``; see
+the ``openvino`` extra, OpenVINO's fp32 model of it, and with ``nncf`` too its int8 model (static quantization
+calibrated on the corpus' importance split; all from ``multihead.hf.export_onnx``; see
 :mod:`multihead.apps.runtimes`). Fidelity: mean cosine of mean-pooled last hidden states to the sdpa model's
 on every timed sentence.
 
@@ -39,8 +40,9 @@ def _pooled(model, batch) -> torch.Tensor:
     return hf_models.pooled(model, batch["input_ids"], batch["attention_mask"])
 
 
-def _models(path, pruned, example: dict, log) -> dict:
-    """{name: model called as model(input_ids=, attention_mask=)}: the peers this machine has."""
+def _models(path, pruned, example: dict, log, calibration: list[dict] | None = None) -> dict:
+    """{name: model called as model(input_ids=, attention_mask=)}: the peers this machine has (``calibration``:
+    batches of text the timing never uses, for OpenVINO's static int8 model)."""
     import transformers
 
     import multihead.hf as mhf
@@ -59,7 +61,7 @@ def _models(path, pruned, example: dict, log) -> dict:
         heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
         models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
         models[f"multihead served, {heads}/72 heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
-    models |= runtimes.peers(models["multihead, padded"], example, log)  # what a practitioner reaches for
+    models |= runtimes.peers(models["multihead, padded"], example, log, calibration)  # what a practitioner reaches for
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
         models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = runtimes.ort_int8(
             runtimes.export(mhf.load(pruned, quantized=False), example))
@@ -104,8 +106,11 @@ def run(pruned: str | Path | None = None, *, sizes: tuple[int, ...] = (1, 16, 64
         batches = [dict(tok(sents[i:i + B], padding=True, truncation=True, max_length=128, return_tensors="pt"))
                    for i in range(0, len(sents), B)]
         batches = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in batches]  # (B, L)
-        if models is None:
-            models = _models(path, pruned, batches[0], log)
+        if models is None:  # OpenVINO's int8 calibrated on the importance split (never timed here)
+            calib = [{k: v for k, v in tok(corpus[i:i + 16], padding=True, truncation=True, max_length=128,
+                                           return_tensors="pt").items() if k in ("input_ids", "attention_mask")}
+                     for i in range(0, 128, 16)]
+            models = _models(path, pruned, batches[0], log, calib)
         with torch.inference_mode():
             ref = torch.cat([_pooled(models["transformers (sdpa)"], b) for b in batches])
             rows, busy = _time_batch_size(models, batches, ref, max_seconds)

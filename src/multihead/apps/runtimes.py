@@ -97,9 +97,30 @@ def openvino_fp32(f: Path) -> RuntimeModel:
     return RuntimeModel(lambda feed: compiled(feed)[out])
 
 
-def peers(model, example: dict, log=None) -> dict[str, RuntimeModel]:
+def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
+    """The ONNX file ``f`` quantized by NNCF's static post-training quantization (the transformer preset,
+    activations' ranges calibrated on ``calibration``: a list of {"input_ids", "attention_mask"} (B, L) batches,
+    text the timing never uses), compiled by OpenVINO as :func:`openvino_fp32` is: sentence-transformers' own
+    recommendation for CPUs (``export_static_quantized_openvino_model``)."""
+    from multihead.extras import quiet_logs, require
+
+    ov = require("openvino", "the OpenVINO peer")
+    nncf = require("nncf", "the OpenVINO int8 peer")
+    feeds = [{k: b[k].numpy() for k in ("input_ids", "attention_mask")} for b in calibration]
+    with quiet_logs("nncf"):
+        model = nncf.quantize(ov.Core().read_model(str(f)), nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
+                              subset_size=len(feeds))
+    compiled = ov.Core().compile_model(model, "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+        "PERFORMANCE_HINT": "LATENCY"})
+    out = compiled.output(0)
+    return RuntimeModel(lambda feed: compiled(feed)[out])
+
+
+def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:
     """{name: runtime model} of the unpruned encoder ``model`` in every runtime whose extra is installed
-    (exported once); a missing extra is told to ``log`` when given."""
+    (exported once); a missing extra is told to ``log`` when given. ``calibration``: batches for OpenVINO's int8
+    model (static quantization; without them it is not made)."""
     from multihead.extras import require
 
     try:
@@ -110,7 +131,10 @@ def peers(model, example: dict, log=None) -> dict[str, RuntimeModel]:
         return {}
     f = export(model, example)
     out = {}
-    for name, make in (("ONNX Runtime int8 (unpruned)", ort_int8), ("OpenVINO fp32 (unpruned)", openvino_fp32)):
+    makers = [("ONNX Runtime int8 (unpruned)", ort_int8), ("OpenVINO fp32 (unpruned)", openvino_fp32)]
+    if calibration:
+        makers.append(("OpenVINO int8, NNCF static (unpruned)", lambda f: openvino_int8(f, calibration)))
+    for name, make in makers:
         try:
             out[name] = make(f)
         except ImportError as e:
