@@ -384,6 +384,36 @@ def test_a_module_that_writes_into_its_mask_is_graded_on_copies():
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
 
 
+def test_torch_multihead_attention_with_kdim_and_vdim_is_probed_at_its_sizes_and_verified(tmp_path, capsys):
+    """nn.MultiheadAttention(E, H, kdim=, vdim=) inside a module, given torch's (B, Lk) key_padding_mask: the keys and
+    values were probed at E and every call raised (NOT OK); they now take kdim and vdim (the layer's own attributes),
+    its raw q/k/v weights are read at those sizes with their [b_q | b_k | b_v] bias, and it is verified, in process
+    and sandboxed."""
+    src = textwrap.dedent("""
+        import torch
+        from torch import nn
+
+
+        class WithSizes(nn.Module):
+            def __init__(self, e=32, h=4, kdim=20, vdim=12):
+                super().__init__()
+                self.mha = nn.MultiheadAttention(e, h, kdim=kdim, vdim=vdim, batch_first=True)
+
+            def forward(self, q, k, v, keep):  # keep (B, Lk), True = a real key
+                return self.mha(q, k, v, key_padding_mask=~keep)[0]
+    """)
+    ns: dict = {}
+    exec(src, ns)
+    torch.manual_seed(0)
+    rep = multihead.check(ns["WithSizes"](), call="qkv_mask", mask="keep")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    f = tmp_path / "sizes.py"
+    f.write_text(src)
+    code = main(["check", f"{f}:WithSizes", "--call", "qkv_mask", "--mask", "keep"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

@@ -245,6 +245,11 @@ def _biases(desc: Description) -> dict[str, Tensor]:
         r = role_of(name) or by_owner.get(name)
         if r in _PARAM_ROLES and (p.dim() == 1 or p.shape[0] < p.shape[1]):
             out[r] = p
+    fused = out.get("qkv")
+    if fused is not None and fused.dim() == 1 and fused.shape[0] % 3 == 0 and not {"q", "k", "v"} & out.keys():
+        # one [b_q | b_k | b_v] for separate weights (torch.nn.MultiheadAttention with kdim / vdim: q_proj_weight,
+        # k_proj_weight, v_proj_weight and in_proj_bias)
+        out["q"], out["k"], out["v"] = fused.chunk(3)
     return out
 
 
@@ -254,8 +259,11 @@ def layer_role(name: str) -> str | None:
                              else None)
 
 
-def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]:
-    """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings)."""
+def _named(desc: Description, E: int, order: tuple[str, ...], kv_sizes: tuple[int, int] | None = None
+           ) -> dict[str, list]:
+    """Role -> candidates: Proj (a layer) or list[Proj] (a raw Parameter's readings). ``kv_sizes``: the keys' and
+    values' input sizes where they are not E (a raw key weight (H*D, Ek) is read with Ek)."""
+    size = {"k": kv_sizes[0], "v": kv_sizes[1]} if kv_sizes else {}
     named: dict[str, list] = {"q": [], "k": [], "v": [], "o": [], "o?": [], "qkv": [], "by order": [],
                               "o by order": []}
     biases = _biases(desc)
@@ -276,7 +284,7 @@ def _named(desc: Description, E: int, order: tuple[str, ...]) -> dict[str, list]
         r = by_owner.get(name) if name in by_owner else \
             (None if desc.modules.get(owner) == "ParameterDict" else role_of(name))
         if r in _PARAM_ROLES:
-            named[r].append(_param_readings(name, p, biases.get(r), E, r))
+            named[r].append(_param_readings(name, p, biases.get(r), size.get(r, E), r))
     if not named["o"] and named["o?"]:
         named["o"] = named["o?"][-1:]
     if not named["o"] and (named["q"] or named["qkv"]) and order:  # W_0, final_linear: the last layer called
@@ -323,12 +331,14 @@ def _heads(desc: Description, mapping: dict) -> int | None:
     return None
 
 
-def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str, ...] = ()) -> list[Parts]:
+def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str, ...] = (),
+               kv_sizes: tuple[int, int] | None = None) -> list[Parts]:
     """The readings of the module's projections, head count and scale, likeliest first (several where a
     raw square Parameter's orientation or a fused layout cannot be told from names). ``order``: the
-    Linear-like layers in the order one call ran them."""
+    Linear-like layers in the order one call ran them; ``kv_sizes``: the keys' and values' input sizes where they
+    differ from E."""
     mapping = dict(mapping or {})
-    named = _named(desc, E, order)
+    named = _named(desc, E, order, kv_sizes)
     _mapped(desc, mapping, E, named)
     H = _heads(desc, mapping)
     scale = mapping.get("scale", desc.scale)

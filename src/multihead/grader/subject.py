@@ -118,7 +118,8 @@ def describe(module: nn.Module) -> Description:
         wb = linear_like(m)
         if wb is not None:
             d.linear[name] = wb
-        ints = {a: getattr(m, a) for a in (*HEAD_ATTRS, "out_features", "in_features", "d_k", "d_model", "head_dim")
+        ints = {a: getattr(m, a) for a in (*HEAD_ATTRS, "out_features", "in_features", "d_k", "d_model", "head_dim",
+                                          "embed_dim", "kdim", "vdim")
                 if isinstance(m.__dict__.get(a, getattr(type(m), a, None)), int)
                 and not isinstance(getattr(m, a), bool)}
         if ints:

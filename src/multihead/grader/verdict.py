@@ -78,6 +78,12 @@ def _role_sizes(desc: Description, mapping: dict | None) -> tuple[int, int, int]
             r = next(m for m in ("q", "k", "v") if mapping.get(m) == name)
         if r in sizes:
             sizes[r].add(int(w.shape[1]))
+    for name, kind in desc.modules.items():  # torch.nn.MultiheadAttention(embed_dim, kdim=, vdim=) inside
+        ints = desc.ints.get(name, {})
+        if kind == "MultiheadAttention" and all(a in ints for a in ("embed_dim", "kdim", "vdim")):
+            got = (ints["embed_dim"], ints["kdim"], ints["vdim"])
+            if len(set(got)) > 1 and not any(sizes.values()):
+                return got
     if any(len(v) != 1 for v in sizes.values()):
         return None
     got = tuple(next(iter(sizes[r])) for r in ("q", "k", "v"))
@@ -310,7 +316,7 @@ def _unestablished_missing_projection(found: list[Finding], parts: parts_mod.Par
 
 
 def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep: Report, named: list) -> None:
-    readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order)
+    readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order, s.kv_sizes)
     fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
     ref_fn = None if fitted is None else (lambda q, k, v, keep: parts_mod.reference(fitted, q, k, v, keep))
     c, f = props.stability(s, b, ref_fn)
