@@ -414,6 +414,31 @@ def test_torch_multihead_attention_with_kdim_and_vdim_is_probed_at_its_sizes_and
     assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
 
 
+def test_a_lazy_module_that_reads_its_mask_unconditionally_is_built_with_one():
+    """LazyLinear layers and ``masked_fill(mask == 0, ...)`` with no None check: the first call, which builds the layers
+    and finds the input size, passed no mask, raised, and the module could not be graded ('cannot tell its input
+    size'); it now passes every key kept in the module's convention."""
+    from torch import nn
+
+    class LazyNeedsMask(nn.Module):
+        def __init__(self, E=32, H=4):
+            super().__init__()
+            self.H = H
+            self.q, self.k, self.v, self.o = (nn.LazyLinear(E) for _ in range(4))
+
+        def forward(self, q, k, v, mask):
+            B, Lq, _ = q.shape
+            Q, K, V = (t.view(B, t.shape[1], self.H, -1).transpose(1, 2) for t in (self.q(q), self.k(k), self.v(v)))
+            s = (Q @ K.transpose(-1, -2) / Q.shape[-1] ** 0.5).masked_fill(mask == 0, -1e9)  # (B, H, Lq, Lk)
+            return self.o((s.softmax(-1) @ V).transpose(1, 2).reshape(B, Lq, -1))
+
+    torch.manual_seed(0)
+    rep = multihead.check(LazyNeedsMask(), call="qkv_mask", mask="keep")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    rep = multihead.check(LazyNeedsMask(), call="qkv_mask", mask="block")  # the wrong convention declared: named
+    assert not rep.ok and rep.diagnosis[0].name == "mask polarity inverted", str(rep)
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

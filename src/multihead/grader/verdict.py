@@ -30,7 +30,7 @@ from multihead.grader import parts as parts_mod
 from multihead.grader import properties as props
 from multihead.grader import stages
 from multihead.grader.report import Check, Finding, Report
-from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form
+from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
 from multihead.grader.subject import RETURNED, Description, Probe
 
 __all__ = ["Options", "grade_subject"]
@@ -90,7 +90,18 @@ def _role_sizes(desc: Description, mapping: dict | None) -> tuple[int, int, int]
     return None if len(set(got)) == 1 else got
 
 
-def _size_search(subject, desc: Description, self_attn: bool) -> int | None:
+def _call_at(subject, E: int, self_attn: bool, conv: str | None):
+    """A first call at input size ``E`` on zeros (1, 2, E): with every key kept in the module's mask convention (a
+    module that reads its mask unconditionally raises on None), then, where that raises, without a mask."""
+    x = torch.zeros(1, 2, E)
+    mask = mask_value(conv, torch.ones(1, 1, 2, 2, dtype=torch.bool), torch.tensor([2]))
+    r = subject.call(Probe(x, x, x, mask, self_attn))
+    if mask is not None and (r.error is not None or r.out is None):
+        r = subject.call(Probe(x, x, x, None, self_attn))
+    return r
+
+
+def _size_search(subject, desc: Description, self_attn: bool, conv: str | None = None) -> int | None:
     """The input size found by calling: the parameters' sizes (commonest first), a lazy layer's output
     size, then common model sizes; the first that gives a (1, 2, ·) output. A lazy module is built by it."""
     sizes = Counter(d for p in desc.params.values() if p.dim() >= 2 for d in p.shape)
@@ -98,22 +109,20 @@ def _size_search(subject, desc: Description, self_attn: bool) -> int | None:
     cands += [v for ints in desc.ints.values() for a, v in ints.items() if a in ("out_features", "d_model")]
     cands += [32, 64, 16, 24, 100, 128, 8, 256, 512]
     for E in dict.fromkeys(c for c in cands if c > 0):
-        x = torch.zeros(1, 2, E)
-        r = subject.call(Probe(x, x, x, None, self_attn))
+        r = _call_at(subject, E, self_attn, conv)
         if r.error is None and r.out is not None and r.out.dim() == 3 and tuple(r.out.shape[:2]) == (1, 2):
             return E
     return None
 
 
-def _runs_at(subject, desc: Description, self_attn: bool, E: int) -> int:
+def _runs_at(subject, desc: Description, self_attn: bool, E: int, conv: str | None = None) -> int:
     """``E``, the size the first Linear-like layer takes, when the module runs at it; else the size a search by
     calling finds (a layer shared by the heads takes one head's slice, d_model // H: Persson's per-head
     Linear(head_dim, head_dim)), or ``E`` when none runs (the first graded call then says why)."""
-    x = torch.zeros(1, 2, E)
-    r = subject.call(Probe(x, x, x, None, self_attn))
+    r = _call_at(subject, E, self_attn, conv)
     if r.error is None and r.out is not None:
         return E
-    return _size_search(subject, desc, self_attn) or E
+    return _size_search(subject, desc, self_attn, conv) or E
 
 
 def _call_hint(forward: tuple, call: str | None) -> str:
@@ -371,11 +380,11 @@ def grade_subject(subject, opts: Options) -> Report:
     sizes = None if opts.self_attn or opts.embed_dim else _role_sizes(desc, opts.mapping)
     E = opts.embed_dim or (sizes[0] if sizes else _size_from(desc, opts.mapping))
     if E is None:  # found by calling (which builds a lazy module)
-        E = _size_search(subject, desc, opts.self_attn)
+        E = _size_search(subject, desc, opts.self_attn, opts.conv)
     elif desc.lazy:  # built by a first call at its size
-        subject.call(Probe(*(torch.zeros(1, 2, E),) * 3, None, opts.self_attn))
+        _call_at(subject, E, opts.self_attn, opts.conv)
     elif not opts.embed_dim and not sizes:
-        E = _runs_at(subject, desc, opts.self_attn, E)
+        E = _runs_at(subject, desc, opts.self_attn, E, opts.conv)
     if E is None:
         raise ValueError(f"cannot tell {desc.root}'s input size: no Linear or Dense layer holds it and no size its "
                          "parameters have runs the call; pass embed_dim=.")
