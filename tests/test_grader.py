@@ -439,6 +439,47 @@ def test_a_lazy_module_that_reads_its_mask_unconditionally_is_built_with_one():
     assert not rep.ok and rep.diagnosis[0].name == "mask polarity inverted", str(rep)
 
 
+def _notebook(path: Path, cells: list[tuple[str, str]]) -> Path:
+    """A Jupyter notebook (nbformat 4) of (cell type, source) cells."""
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": t, "metadata": {}, "source": src.splitlines(keepends=True),
+         **({"outputs": [], "execution_count": None} if t == "code" else {})} for t, src in cells]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def test_a_learners_notebook_is_graded_on_its_definitions(tmp_path, capsys):
+    """The course is taught in notebooks and a submission is often one: a .ipynb is graded on its imports, functions,
+    classes and plain assignments, never its shell lines, training loops or its own calls of the class (here a
+    loop that never ends, which would time out); a folder's notebooks are graded, their checkpoint copies not; a
+    notebook whose cell does not parse names the cell."""
+    import inspect
+
+    code = [("markdown", "# Multi-head attention"), ("code", "!pip install d2l==1.0.3\n%matplotlib inline"),
+            ("code", "import math\nimport torch\nfrom torch import nn"),
+            ("code", inspect.getsource(gw.masked_softmax)), ("code", inspect.getsource(gw.CourseChapter)),
+            ("code", "num_hiddens, num_heads = 32, 4\nattention = CourseChapter(num_hiddens, num_heads, 0.5)\n"
+                     "X = torch.ones((2, 4, num_hiddens))\nattention(X, X, X, torch.tensor([3, 2])).shape"),
+            ("code", "while True:\n    pass"), ("code", "%%time\nfor epoch in range(10**9):\n    pass")]
+    nb = _notebook(tmp_path / "class" / "ada.ipynb", code)
+    _notebook(tmp_path / "class" / ".ipynb_checkpoints" / "ada-checkpoint.ipynb", code)
+    bad = code[:4] + [("code", inspect.getsource(gw.CourseChapter).replace("/ math.sqrt(d)", "/ d"))]
+    _notebook(tmp_path / "class" / "bob.ipynb", bad)
+    assert main(["check", f"{nb}:CourseChapter", "--call", "qkv_mask", "--mask", "valid_lens", "--timeout", "20"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"matches the float64 reference\s+pass", out), out
+    assert main(["check", str(tmp_path / "class"), "--name", "CourseChapter", "--call", "qkv_mask", "--mask",
+                 "valid_lens", "--timeout", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "ada.ipynb" in out and "bob.ipynb" in out and "checkpoint" not in out, out
+    assert re.search(r"bob\.ipynb\s+not ok .*scores divided by d_k", out), out
+    broken = _notebook(tmp_path / "broken.ipynb", code[:3] + [("code", "class CourseChapter(:\n    pass")])
+    assert main(["check", f"{broken}:CourseChapter"]) == 2
+    err = capsys.readouterr().err
+    assert "SyntaxError" in err and "broken.ipynb cell 4" in err, err  # cells counted as the notebook shows them
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

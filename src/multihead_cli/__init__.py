@@ -226,8 +226,9 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
 
 def _check_options(p: argparse.ArgumentParser) -> None:
     """The options of ``multihead check``."""
-    p.add_argument("target", nargs="+", help="FILE.py:NAME (one module, whole report), or folders / globs / files "
-                                             "with --name (each in its own process, a table)")
+    p.add_argument("target", nargs="+", help="FILE.py:NAME or FILE.ipynb:NAME (one module, whole report; a notebook "
+                                             "on its definitions), or folders / globs / files with --name (each in its "
+                                             "own process, a table)")
     p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
     p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
     p.add_argument("--call", choices=["x", "x_mask", "qkv", "qkv_mask"], default="qkv",

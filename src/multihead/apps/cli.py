@@ -161,7 +161,7 @@ def _prune(args) -> int:
 
 
 def _check(args) -> int:
-    """multihead check FILE.py:NAME | DIR | GLOB ...: grade one module (its whole report) or a class's
+    """multihead check FILE.py:NAME | FILE.ipynb:NAME | DIR | GLOB ...: grade one module (its whole report) or a class's
     submissions (a table; --report CSV/JSON), each in its own sandboxed process. Exit 0 OK, 1 not OK,
     2 cannot be graded."""
     from multihead.grader import classroom
@@ -171,7 +171,7 @@ def _check(args) -> int:
     files = classroom.targets(args.target, args.name)
     if not files:
         print(f"multihead check: nothing matches {' '.join(args.target)} (give FILE.py:NAME, a folder holding .py "
-              "files, or a glob of .py files)", file=sys.stderr)
+              "or .ipynb files, or a glob of them)", file=sys.stderr)
         return 2
     if args.call in ("x", "qkv") and mask is not None:
         print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
@@ -187,7 +187,7 @@ def _check(args) -> int:
     opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
                 strict=args.strict, seed=args.seed, scale=args.scale)
     one = args.target[0]
-    if len(args.target) == 1 and (one.rpartition(":")[0].endswith(".py") or Path(one).is_file()):
+    if len(args.target) == 1 and (one.rpartition(":")[0].endswith(classroom.SOURCES) or Path(one).is_file()):
         path, name = files[0]
         limits = Limits(wall=args.timeout, cpu=int(max(args.timeout * 2, 10)), memory=memory)
         row, report = classroom.grade_file(path, name, limits=limits, scheme=scheme, **opts)

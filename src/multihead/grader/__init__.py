@@ -109,15 +109,15 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
 
 
 def grade(targets, *, name: str | None = None, **options) -> list[dict]:
-    """Grade learners' files (a folder, a glob, files, or FILE.py:NAME), each in its own sandboxed process:
-    the class table as rows (file, ok, status, points, failed checks, finding, seconds). The options are
-    :func:`multihead.grader.classroom.grade_many`'s (init, call, mask, causal, embed_dim, strict, timeout,
-    memory, points, feedback, jobs, seed)."""
+    """Grade learners' files (a folder, a glob, files, or FILE.py:NAME; notebooks, .ipynb, on their definitions),
+    each in its own sandboxed process: the class table as rows (file, ok, status, points, failed checks, finding,
+    seconds). The options are :func:`multihead.grader.classroom.grade_many`'s (init, call, mask, causal, embed_dim,
+    strict, timeout, memory, points, feedback, jobs, seed)."""
     from multihead.grader import classroom
 
     items = [targets] if isinstance(targets, str | os.PathLike) else list(targets)
     files = classroom.targets([str(t) for t in items], name)
     if not files:
-        raise ValueError(f"nothing matches {' '.join(map(str, items))} (give FILE.py:NAME, a folder holding .py files, "
-                         "or a glob of .py files)")
+        raise ValueError(f"nothing matches {' '.join(map(str, items))} (give FILE.py:NAME, a folder holding .py or "
+                         ".ipynb files, or a glob of them)")
     return classroom.grade_many(files, **options)

@@ -39,18 +39,24 @@ def kwargs_of(text: str | None) -> dict:
 
 
 def targets(items: list[str], name: str | None) -> list[tuple[Path, str | None]]:
-    """(file, class name) for FILE.py:NAME, FILE.py, a folder (its .py files, recursively) or a glob."""
+    """(file, class name) for FILE.py:NAME (or a notebook, FILE.ipynb:NAME), FILE.py, a folder (its .py and .ipynb
+    files, recursively; notebooks' checkpoint copies left out) or a glob."""
     out = []
     for item in items:
         path, _, nm = item.rpartition(":")
-        if path.endswith(".py") and nm.isidentifier():  # FILE.py:NAME (a missing file is reported when graded)
+        if path.endswith(SOURCES) and nm.isidentifier():  # FILE.py:NAME (a missing file is reported when graded)
             out.append((Path(path), nm))
             continue
         p = Path(item)
-        files = [p] if p.is_file() else sorted(p.rglob("*.py")) if p.is_dir() else sorted(
-            Path(f) for f in glob.glob(item, recursive=True))
-        out += [(f, name) for f in files if f.is_file() and f.suffix == ".py"]
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in SOURCES) if p.is_dir() else \
+            sorted(Path(f) for f in glob.glob(item, recursive=True))
+        out += [(f, name) for f in files if f.is_file() and f.suffix in SOURCES
+                and ".ipynb_checkpoints" not in f.parts]
     return out
+
+
+#: what a submission may be: a Python file, or a notebook (its definitions: :mod:`multihead.grader.notebook`)
+SOURCES = (".py", ".ipynb")
 
 
 def load_points(path: str | Path) -> dict[str, float]:

@@ -28,16 +28,26 @@ def _error(rep: int, stage: str, e: BaseException) -> None:
 
 
 def _build(path: str, name: str, init: dict, seed: int):
-    """The learner's module, built as their notebook would: the file imported, then NAME(**init) with torch's
-    seed set. Its folder is not on the import path: a classmate's file named torch.py cannot shadow a library."""
+    """The learner's module, built as their notebook would: the file imported (a notebook's definitions run), then
+    NAME(**init) with torch's seed set. Its folder is not on the import path: a classmate's file named torch.py
+    cannot shadow a library."""
     import importlib.util
 
     import torch
 
-    spec = importlib.util.spec_from_file_location(f"submission_{os.getpid()}", path)
-    mod = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(mod)
+        if path.endswith(".ipynb"):  # a notebook: its definitions only (multihead.grader.notebook)
+            import types
+
+            from multihead.grader import notebook
+
+            mod = types.ModuleType(f"submission_{os.getpid()}")
+            mod.__file__ = path
+            notebook.run(path, vars(mod))
+        else:
+            spec = importlib.util.spec_from_file_location(f"submission_{os.getpid()}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
     except BaseException as e:  # noqa: BLE001 - the learner's file (SystemExit included)
         return None, ("import", e)
     if not hasattr(mod, name):
