@@ -167,46 +167,6 @@ def test_transformers_bert_self_attention_passes():
     assert any(c.name == "matches the float64 reference" and c.passed for c in rep.checks), str(rep)
 
 
-def test_keras_layers():
-    keras = pytest.importorskip("keras")
-    if keras.backend.backend() != "torch":
-        pytest.skip("Keras runs on another backend here")
-    layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
-    x = torch.zeros(1, 2, 32)
-    layer(x, x)  # build
-    rep = multihead.check(layer, call=lambda m, q, k, v, keep: m(q, v, key=k, attention_mask=keep[:, 0]),
-                          mask="keep", embed_dim=32)
-    assert not rep.failures and not rep.diagnosis, str(rep)
-
-    class KerasMHA(keras.layers.Layer):  # a learner's Keras 3 layer: Dense projections
-        def __init__(self, d_model, num_heads, scale_by_d_k=False):
-            super().__init__()
-            self.num_heads, self.d, self.by_dk = num_heads, d_model // num_heads, scale_by_d_k
-            self.W_q, self.W_k = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
-            self.W_v, self.W_o = keras.layers.Dense(d_model), keras.layers.Dense(d_model)
-
-        def call(self, q, k, v):
-            ops = keras.ops
-
-            def heads(x):
-                return ops.transpose(ops.reshape(x, (x.shape[0], x.shape[1], self.num_heads, self.d)), (0, 2, 1, 3))
-
-            Q, K, V = heads(self.W_q(q)), heads(self.W_k(k)), heads(self.W_v(v))
-            s = ops.matmul(Q, ops.transpose(K, (0, 1, 3, 2))) / (self.d if self.by_dk else self.d ** 0.5)
-            o = ops.transpose(ops.matmul(ops.softmax(s, -1), V), (0, 2, 1, 3))
-            return self.W_o(ops.reshape(o, (o.shape[0], o.shape[1], -1)))
-
-    for by_dk in (False, True):
-        m = KerasMHA(32, 4, by_dk)
-        m(x, x, x)
-        rep = multihead.check(m, call="qkv")
-        names = [f.name for f in rep.diagnosis]
-        assert names == (["scores divided by d_k"] if by_dk else []), str(rep)
-        assert rep.ok != by_dk and not (rep.failures and not by_dk), str(rep)  # 'gradients reach every parameter'
-    rep = multihead.check(KerasMHA(32, 4), call="qkv")  # not built: built by a first call ('has no parameters')
-    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
-
-
 KERAS_FILE = """
 import keras
 from keras import ops
@@ -228,6 +188,34 @@ class KerasMHA(keras.layers.Layer):
         o = ops.transpose(ops.matmul(ops.softmax(s, -1), V), (0, 2, 1, 3))
         return self.W_o(ops.reshape(o, (o.shape[0], o.shape[1], -1)))
 """
+
+
+def test_keras_layers():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "torch":
+        pytest.skip("Keras runs on another backend here")
+    layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
+    x = torch.zeros(1, 2, 32)
+    layer(x, x)  # build
+    rep = multihead.check(layer, call=lambda m, q, k, v, keep: m(q, v, key=k, attention_mask=keep[:, 0]),
+                          mask="keep", embed_dim=32)
+    assert not rep.failures and not rep.diagnosis, str(rep)
+
+    ns: dict = {}
+    exec(KERAS_FILE, ns)  # a learner's Keras 3 layer: Dense projections
+    KerasMHA = ns["KerasMHA"]  # noqa: N806
+
+    for by_dk in (False, True):
+        m = KerasMHA(32, 4, by_dk)
+        m(x, x, x)
+        rep = multihead.check(m, call="qkv")
+        names = [f.name for f in rep.diagnosis]
+        assert names == (["scores divided by d_k"] if by_dk else []), str(rep)
+        assert rep.ok != by_dk and not (rep.failures and not by_dk), str(rep)  # 'gradients reach every parameter'
+    rep = multihead.check(KerasMHA(32, 4), call="qkv")  # not built: built by a first call ('has no parameters')
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+
+
 
 
 def test_a_learners_keras_file_is_graded_from_the_command_line(tmp_path, capsys, monkeypatch):
