@@ -776,6 +776,24 @@ def test_points_feedback_summary_and_a_safe_csv(tmp_path, capsys):
                                          next(csv.DictReader((tmp_path / "bad.csv").open())).values())
 
 
+def test_each_learner_gets_their_own_feedback_when_the_files_share_a_name(tmp_path, capsys):
+    """One folder a learner, each holding mha.py (a class's usual layout): every file wrote <stem>.md into one
+    folder, so the last graded overwrote the others' feedback. Each is now written under its own folder, and two
+    files that would still be one (hw.py and hw.ipynb beside it) keep their whole names."""
+    subs = tmp_path / "class"
+    for learner, kind in (("alice", "honest"), ("bob", "wrong")):
+        (subs / learner).mkdir(parents=True)
+        (subs / learner / "mha.py").write_text(ADVERSARIES[kind])
+    fb = tmp_path / "feedback"
+    assert main(["check", str(subs), "--name", "MHA", "--feedback", str(fb), "--timeout", "30"]) == 1
+    capsys.readouterr()
+    assert sorted(p.relative_to(fb).as_posix() for p in fb.rglob("*.md")) == ["alice/mha.md", "bob/mha.md"]
+    assert "scores divided by d_k" in (fb / "bob" / "mha.md").read_text()
+    assert "scores divided by d_k" not in (fb / "alice" / "mha.md").read_text()
+    names = classroom.feedback_names([subs / "hw.py", subs / "hw.ipynb", subs / "alice" / "mha.py"])
+    assert [n.as_posix() for n in names.values()] == ["hw.py.md", "hw.ipynb.md", "alice/mha.md"]
+
+
 def test_the_default_points_cover_every_check_and_a_scheme_refuses_unknown_checks():
     assert set(POINTS) == set(CHECKS)
     with pytest.raises(ValueError, match="'elegance' is not a check"):

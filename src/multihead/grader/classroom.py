@@ -23,7 +23,7 @@ from multihead.grader.subject import HOW, SELF_CALLS
 from multihead.grader.verdict import Options, grade_subject
 
 __all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "summary", "table", "targets",
-           "write_feedback", "write_report", "write_summary"]
+           "feedback_names", "write_feedback", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds")
 
@@ -136,11 +136,13 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     scheme = points_scheme(points)
     limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)
 
+    names = feedback_names([p for p, _ in files])
+
     def one(item):
         path, name = item
         row, report = grade_file(path, name, limits=limits, seed=seed, scheme=scheme, **opts)
         if feedback is not None:
-            write_feedback(row, report, Path(feedback))
+            write_feedback(row, report, Path(feedback), names[path])
         return row
 
     jobs = jobs or int(os.environ.get("MULTIHEAD_GRADER_JOBS", 0)) or max(1, min(4, os.cpu_count() or 1))
@@ -183,11 +185,29 @@ def write_report(rows: list[dict], path: Path) -> None:
         wr.writerows({k: _safe(v) for k, v in r.items()} for r in rows)
 
 
-def write_feedback(row: dict, report: Report | None, folder: Path) -> Path:
-    """FOLDER/<file stem>.md: the learner's feedback (findings with stage, expected, found, fix; nothing of
-    the reference solution), or why the file could not be graded."""
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{Path(row['file']).stem}.md"
+def feedback_names(paths: list[Path]) -> dict[Path, Path]:
+    """Each submission's feedback file, relative to the feedback folder: its path under the submissions' common
+    folder, .md for its suffix (``alice/mha.py`` -> ``alice/mha.md``: one folder a learner, each holding ``mha.py``,
+    is a class's usual layout), or its whole name + .md where two would be one (``hw.py`` and ``hw.ipynb``). Every
+    file wrote ``<stem>.md`` into one folder, so same-named submissions overwrote each other's feedback."""
+    import os
+
+    if not paths:
+        return {}
+    full = [Path(p).resolve() for p in paths]
+    root = Path(os.path.commonpath([f.parent for f in full]))
+    rel = [f.relative_to(root) for f in full]
+    stems = Counter(r.with_suffix("") for r in rel)
+    return {p: r.with_suffix(".md") if stems[r.with_suffix("")] == 1 else r.with_name(r.name + ".md")
+            for p, r in zip(paths, rel, strict=True)}
+
+
+def write_feedback(row: dict, report: Report | None, folder: Path, name: Path | None = None) -> Path:
+    """FOLDER/``name`` (default ``<file stem>.md``; :func:`feedback_names` for a class): the learner's feedback
+    (findings with stage, expected, found, fix; nothing of the reference solution), or why the file could not be
+    graded."""
+    out = folder / (name or f"{Path(row['file']).stem}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
     title = f"{Path(row['file']).name}: {row['points']:g} of {row['possible']:g} points"
     if report is None:
         out.write_text(f"# {title}\n\n**Could not be graded** ({row['status']}): {row['finding']}\n")
