@@ -779,14 +779,16 @@ def test_points_feedback_summary_and_a_safe_csv(tmp_path, capsys):
 def test_each_learner_gets_their_own_feedback_when_the_files_share_a_name(tmp_path, capsys):
     """One folder a learner, each holding mha.py (a class's usual layout): every file wrote <stem>.md into one
     folder, so the last graded overwrote the others' feedback. Each is now written under its own folder, and two
-    files that would still be one (hw.py and hw.ipynb beside it) keep their whole names."""
+    files that would still be one (hw.py and hw.ipynb beside it) keep their whole names. The class table names
+    each file by its path under the class folder (both were 'mha.py')."""
     subs = tmp_path / "class"
     for learner, kind in (("alice", "honest"), ("bob", "wrong")):
         (subs / learner).mkdir(parents=True)
         (subs / learner / "mha.py").write_text(ADVERSARIES[kind])
     fb = tmp_path / "feedback"
     assert main(["check", str(subs), "--name", "MHA", "--feedback", str(fb), "--timeout", "30"]) == 1
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    assert re.search(r"alice/mha\.py\s+ok", out) and re.search(r"bob/mha\.py\s+not ok", out), out  # the table too
     assert sorted(p.relative_to(fb).as_posix() for p in fb.rglob("*.md")) == ["alice/mha.md", "bob/mha.md"]
     assert "scores divided by d_k" in (fb / "bob" / "mha.md").read_text()
     assert "scores divided by d_k" not in (fb / "alice" / "mha.md").read_text()

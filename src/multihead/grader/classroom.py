@@ -151,11 +151,14 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
 
 
 def table(rows: list[dict]) -> str:
-    w = max([len(Path(r["file"]).name) for r in rows] + [4])
+    """The class table, each file named by its path under the submissions' common folder (``alice/mha.py``: the
+    bare name told two learners' ``mha.py`` apart by nothing)."""
+    shown = _under_common_folder([Path(r["file"]) for r in rows])
+    w = max([len(n) for n in shown] + [4])
     lines = [f"{'file':<{w}}  {'status':<7}  {'points':>9}  finding", "-" * (w + 50)]
-    for r in rows:
+    for r, name in zip(rows, shown, strict=True):
         pts = f"{r['points']:g}/{r['possible']:g}"
-        lines.append(f"{Path(r['file']).name:<{w}}  {r['status']:<7}  {pts:>9}  {r['finding'] or r['failed']}")
+        lines.append(f"{name:<{w}}  {r['status']:<7}  {pts:>9}  {r['finding'] or r['failed']}")
     n_ok = sum(r["ok"] for r in rows)
     lines.append(f"\n{n_ok} of {len(rows)} OK")
     return "\n".join(lines)
@@ -185,18 +188,23 @@ def write_report(rows: list[dict], path: Path) -> None:
         wr.writerows({k: _safe(v) for k, v in r.items()} for r in rows)
 
 
+def _under_common_folder(paths: list[Path]) -> list[str]:
+    """Each path relative to the paths' common folder ("alice/mha.py"), as text."""
+    import os
+
+    if not paths:
+        return []
+    full = [Path(p).resolve() for p in paths]
+    root = Path(os.path.commonpath([f.parent for f in full]))
+    return [f.relative_to(root).as_posix() for f in full]
+
+
 def feedback_names(paths: list[Path]) -> dict[Path, Path]:
     """Each submission's feedback file, relative to the feedback folder: its path under the submissions' common
     folder, .md for its suffix (``alice/mha.py`` -> ``alice/mha.md``: one folder a learner, each holding ``mha.py``,
     is a class's usual layout), or its whole name + .md where two would be one (``hw.py`` and ``hw.ipynb``). Every
     file wrote ``<stem>.md`` into one folder, so same-named submissions overwrote each other's feedback."""
-    import os
-
-    if not paths:
-        return {}
-    full = [Path(p).resolve() for p in paths]
-    root = Path(os.path.commonpath([f.parent for f in full]))
-    rel = [f.relative_to(root) for f in full]
+    rel = [Path(r) for r in _under_common_folder(paths)]
     stems = Counter(r.with_suffix("") for r in rel)
     return {p: r.with_suffix(".md") if stems[r.with_suffix("")] == 1 else r.with_name(r.name + ".md")
             for p, r in zip(paths, rel, strict=True)}
