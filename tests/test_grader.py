@@ -566,6 +566,11 @@ def test_a_submission_that_imports_a_package_missing_where_the_grader_runs_says_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not installed where the grader runs" in err, err
     assert "provides 'not_a_package_here'" in err and "-m pip install" in err, err
+    (tmp_path / "helpers.py").write_text("X = 1\n")  # the learner's own module beside the file: not a package
+    f.write_text("from torch import nn\nfrom helpers import X\n\n\nclass MHA(nn.Module):\n    pass\n")
+    assert main(["check", f"{f}:MHA"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "it is the submission's own helpers.py beside it" in err and "pip install" not in err, err
 
 
 def test_a_module_returning_a_dict_is_told_its_keys_and_the_call_that_picks_the_output():

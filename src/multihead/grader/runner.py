@@ -111,11 +111,8 @@ class SandboxSubject:
             if msg.startswith("ModuleNotFoundError: No module named 'd2l'"):  # the course's own helper package
                 msg += (" -- the course's d2l package is not installed where the grader runs: install it there, or "
                         "grade a file that defines what it takes from d2l (DotProductAttention, masked_softmax)")
-            elif msg.startswith("ModuleNotFoundError: No module named "):  # einops, timm ...: the grader's environment
-                top = msg.split("No module named ", 1)[1].strip("'\"").split(".")[0]
-                msg += (f" -- a package the submission imports is not installed where the grader runs: install the "
-                        f"one that provides {top!r} into the grader's environment ({sys.executable} -m pip install "
-                        f"...), then grade again")
+            elif msg.startswith("ModuleNotFoundError: No module named "):
+                msg += _missing_module_hint(msg, Path(self.path))
             raise SandboxError("error", f"{stage} failed: {msg}{where}")
         return h, t
 
@@ -182,6 +179,19 @@ class SandboxSubject:
 
 
 # --- starting a warden ---------------------------------------------------------------------------------
+
+
+def _missing_module_hint(msg: str, path: Path) -> str:
+    """What to do about a module the submission imports that its process could not find: its own file beside it
+    (the submission's folder is not on the import path, so that a classmate's torch.py cannot shadow a library), or
+    a package missing from the grader's environment (einops, timm)."""
+    top = msg.split("No module named ", 1)[1].strip("'\"").split(".")[0]
+    if (path.parent / f"{top}.py").is_file() or (path.parent / top / "__init__.py").is_file():
+        return (f" -- it is the submission's own {top}.py beside it: a submission is graded as one file (its folder "
+                f"is not on the import path, so that no file there can stand in for a library): put what it takes "
+                f"from {top} into the file graded")
+    return (f" -- a package the submission imports is not installed where the grader runs: install the one that "
+            f"provides {top!r} into the grader's environment ({sys.executable} -m pip install ...), then grade again")
 
 
 def _env() -> dict:
