@@ -480,6 +480,46 @@ def test_a_learners_notebook_is_graded_on_its_definitions(tmp_path, capsys):
     assert "SyntaxError" in err and "broken.ipynb cell 4" in err, err  # cells counted as the notebook shows them
 
 
+KEYWORD_MASK = """
+import torch
+from torch import nn
+
+
+class KwMask(nn.Module):
+    # forward(x, *, attn_mask=None): the mask can only be given by keyword
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H = H
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x, *, attn_mask=None):
+        B, L, E = x.shape
+        Q, K, V = (t.view(B, L, self.H, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        s = Q @ K.transpose(-1, -2) / Q.shape[-1] ** 0.5
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        return self.o((s.softmax(-1) @ V).transpose(1, 2).reshape(B, L, E))
+"""
+
+
+def test_a_mask_taken_by_keyword_only_is_given_by_its_name(tmp_path, capsys):
+    """``forward(x, *, attn_mask=None)``: call 'x_mask' passed the mask by position and the module raised ('takes 2
+    positional arguments'): NOT OK, and from the command line it could not be graded with its mask at all. A
+    keyword-only parameter named as a mask now gets it, in process and sandboxed; a module ignoring it is caught."""
+    ns: dict = {}
+    exec(KEYWORD_MASK, ns)
+    torch.manual_seed(0)
+    rep = multihead.check(ns["KwMask"](), call="x_mask", mask="keep")
+    assert rep.ok and rep.check("masked keys have no influence").passed, str(rep)
+    f = tmp_path / "kw.py"
+    f.write_text(KEYWORD_MASK)
+    assert main(["check", f"{f}:KwMask", "--call", "x_mask", "--mask", "keep"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    f.write_text(KEYWORD_MASK.replace("if attn_mask is not None:", "if False:"))
+    assert main(["check", f"{f}:KwMask", "--call", "x_mask", "--mask", "keep"]) == 1
+    assert re.search(r"masked keys have no influence\s+FAIL", capsys.readouterr().out)
+
+
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
     """A Linear(D, D) per role applied to each head's slice: the probes take the size the module runs at (they
     took D, the first layer's input, and the module raised: NOT OK), in process and sandboxed; the reference

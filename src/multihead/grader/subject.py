@@ -147,6 +147,25 @@ def describe(module: nn.Module) -> Description:
     return d
 
 
+#: the names a forward's keyword-only mask parameter goes by
+MASK_NAMES = ("mask", "attn_mask", "attention_mask", "key_padding_mask", "padding_mask", "src_mask", "valid_lens",
+              "valid_len")
+
+
+def mask_keyword(module, n_inputs: int) -> str | None:
+    """The keyword the module's forward takes its mask by, where it cannot take it after its ``n_inputs`` tensors
+    positionally (``forward(self, x, *, attn_mask=None)``): a keyword-only (or further) parameter named as a mask
+    (:data:`MASK_NAMES`); None where the mask goes by position."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) > n_inputs or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return next((p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name in MASK_NAMES), None)
+
+
 def caller(call) -> Callable:
     """``run(module, q, k, v, mask)`` for a call name (:data:`CALLS`) or a function."""
     if callable(call):
@@ -154,11 +173,11 @@ def caller(call) -> Callable:
     if call == "x":
         return lambda m, q, k, v, mk: m(q)
     if call == "x_mask":
-        return lambda m, q, k, v, mk: m(q, mk)
+        return lambda m, q, k, v, mk: m(q, **{kw: mk}) if (kw := mask_keyword(m, 1)) else m(q, mk)
     if call == "qkv":
         return lambda m, q, k, v, mk: m(q, k, v)
     if call == "qkv_mask":
-        return lambda m, q, k, v, mk: m(q, k, v, mk)
+        return lambda m, q, k, v, mk: m(q, k, v, **{kw: mk}) if (kw := mask_keyword(m, 3)) else m(q, k, v, mk)
     raise ValueError(f"call must be one of {CALLS} or a function f(module, q, k, v, mask); got {call!r}.")
 
 
