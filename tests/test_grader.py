@@ -384,6 +384,19 @@ def test_a_module_that_writes_into_its_mask_is_graded_on_copies():
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
 
 
+def _in_process_and_sandboxed(src: str, name: str, tmp_path: Path, capsys, *, call: str, mask: str):
+    """``name`` from the source ``src`` graded both ways: (its in-process report, the command line's exit code and
+    output on that source as a file)."""
+    ns: dict = {}
+    exec(src, ns)
+    torch.manual_seed(0)
+    rep = multihead.check(ns[name](), call=call, mask=mask)
+    f = tmp_path / f"{name.lower()}.py"
+    f.write_text(src)
+    code = main(["check", f"{f}:{name}", "--call", call, "--mask", mask])
+    return rep, code, capsys.readouterr().out
+
+
 def test_torch_multihead_attention_with_kdim_and_vdim_is_probed_at_its_sizes_and_verified(tmp_path, capsys):
     """nn.MultiheadAttention(E, H, kdim=, vdim=) inside a module, given torch's (B, Lk) key_padding_mask: the keys and
     values were probed at E and every call raised (NOT OK); they now take kdim and vdim (the layer's own attributes),
@@ -402,15 +415,8 @@ def test_torch_multihead_attention_with_kdim_and_vdim_is_probed_at_its_sizes_and
             def forward(self, q, k, v, keep):  # keep (B, Lk), True = a real key
                 return self.mha(q, k, v, key_padding_mask=~keep)[0]
     """)
-    ns: dict = {}
-    exec(src, ns)
-    torch.manual_seed(0)
-    rep = multihead.check(ns["WithSizes"](), call="qkv_mask", mask="keep")
+    rep, code, out = _in_process_and_sandboxed(src, "WithSizes", tmp_path, capsys, call="qkv_mask", mask="keep")
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
-    f = tmp_path / "sizes.py"
-    f.write_text(src)
-    code = main(["check", f"{f}:WithSizes", "--call", "qkv_mask", "--mask", "keep"])
-    out = capsys.readouterr().out
     assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
 
 
@@ -506,18 +512,12 @@ def test_a_mask_taken_by_keyword_only_is_given_by_its_name(tmp_path, capsys):
     """``forward(x, *, attn_mask=None)``: call 'x_mask' passed the mask by position and the module raised ('takes 2
     positional arguments'): NOT OK, and from the command line it could not be graded with its mask at all. A
     keyword-only parameter named as a mask now gets it, in process and sandboxed; a module ignoring it is caught."""
-    ns: dict = {}
-    exec(KEYWORD_MASK, ns)
-    torch.manual_seed(0)
-    rep = multihead.check(ns["KwMask"](), call="x_mask", mask="keep")
+    rep, code, out = _in_process_and_sandboxed(KEYWORD_MASK, "KwMask", tmp_path, capsys, call="x_mask", mask="keep")
     assert rep.ok and rep.check("masked keys have no influence").passed, str(rep)
-    f = tmp_path / "kw.py"
-    f.write_text(KEYWORD_MASK)
-    assert main(["check", f"{f}:KwMask", "--call", "x_mask", "--mask", "keep"]) == 0, capsys.readouterr().out
-    capsys.readouterr()
-    f.write_text(KEYWORD_MASK.replace("if attn_mask is not None:", "if False:"))
-    assert main(["check", f"{f}:KwMask", "--call", "x_mask", "--mask", "keep"]) == 1
-    assert re.search(r"masked keys have no influence\s+FAIL", capsys.readouterr().out)
+    assert code == 0, out
+    ignored = KEYWORD_MASK.replace("if attn_mask is not None:", "if False:")
+    rep, code, out = _in_process_and_sandboxed(ignored, "KwMask", tmp_path, capsys, call="x_mask", mask="keep")
+    assert not rep.ok and code == 1 and re.search(r"masked keys have no influence\s+FAIL", out), out
 
 
 def test_one_layer_shared_by_the_heads_is_probed_at_the_input_size_and_its_mistake_named(tmp_path, capsys):
