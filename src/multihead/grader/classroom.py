@@ -123,15 +123,17 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     """Each file graded in its own sandbox, ``jobs`` at a time (default: $MULTIHEAD_GRADER_JOBS, else the cores,
     at most 4); rows in the order of ``files``. ``feedback``:
     a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`).
-    Warns (RuntimeWarning) where the kernel cannot confine a sandbox's writes (:mod:`multihead.grader.confine`)."""
+    Warns (RuntimeWarning), in one line, where this machine cannot confine a sandbox (:mod:`multihead.grader.confine`:
+    files, network, sockets, other processes) and says what is not confined."""
     import os
     import warnings
 
     from multihead.grader import confine
 
-    if not confine.abi():
-        warnings.warn("this kernel has no Landlock: a submission's process can write any file the grading user can "
-                      "(a classmate's file included); grade on Linux 5.13 or later to confine it.", RuntimeWarning,
+    gaps = confine.unconfined()
+    if gaps:
+        warnings.warn(f"this machine cannot confine a submission's process from: {'; '.join(gaps)}. Grade on Linux "
+                      f"5.13 or later (Landlock; network namespaces; seccomp) to confine it.", RuntimeWarning,
                       stacklevel=2)
     scheme = points_scheme(points)
     limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)

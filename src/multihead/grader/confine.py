@@ -1,36 +1,55 @@
-"""What a submission's process may write: nothing outside its own scratch folder (and ``/dev``), through
-Linux's Landlock (kernel 5.13 and later), applied by the sandbox to itself before it imports the learner's
-file. Reading stays open (the file, Python, torch); writing, creating, removing or renaming files
-anywhere else is refused by the kernel (``PermissionError``), and so are TCP connections and
-listening sockets where the kernel's Landlock knows them (ABI 4). Without it a submission could
-rewrite a classmate's file before that one is graded (its grade became ``SystemExit: pwned``), or
-the teacher's files.
+"""What a submission's process may touch, as an allow-list: applied by the sandbox to itself (and so to
+everything it starts) after it has imported what it needs and before it imports the learner's file.
 
-Landlock's calls are made with ``ctypes`` (``syscall`` numbers of x86-64 and arm64); a kernel without
-it (or another machine) gives :func:`abi` 0, and the grader says so once instead of claiming a
-confinement it cannot give.
+- **Files** (Linux's Landlock, kernel 5.13+): it may read only the Python installation and its packages
+  (:func:`readable`: the interpreter's prefixes, the import path's folders but the working directory, the
+  system's libraries) and its own folder under ``/proc``; it may read and write only its scratch folder (where
+  the grader put its source: the file is handed to it, never found by path) and ``/dev/null``. A classmate's
+  file -- by absolute path, by a glob of the working directory, through ``/proc/<parent>/cwd`` -- and any other
+  process's ``/proc`` entries (the grader's command line) are refused by the kernel (``PermissionError``).
+- **Network**: a network namespace of its own (``unshare``; a new user namespace too where the grader is not
+  root), so no address of any protocol leads anywhere, and no socket of any family can be made (a seccomp
+  filter refuses ``socket`` and ``io_uring_setup``): no UDP, no TCP, no Unix socket, abstract or by path.
+- **Other processes**: Landlock's scopes (ABI 6) refuse signals to, and abstract sockets of, processes outside
+  the sandbox; Landlock already refuses ptrace (and so ``/proc/<pid>/mem``) of them; SysV IPC gets a namespace
+  of its own.
+
+Each layer is a kernel mechanism made for this, called through ``ctypes`` (``syscall`` numbers of x86-64 and
+arm64). :func:`unconfined` says, in words, what this machine cannot confine (the grader prints it once);
+:func:`confine` applies what it can and returns the same list.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
+import site
+import struct
+import sys
 
-__all__ = ["abi", "confine"]
+__all__ = ["abi", "confine", "readable", "unconfined"]
 
 #: (create_ruleset, add_rule, restrict_self) by machine: the same numbers on every 64-bit Linux ABI but alpha
 _CALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "arm64": (444, 445, 446)}
-_PR_SET_NO_NEW_PRIVS = 38
+#: (AUDIT_ARCH, socket, io_uring_setup) for the seccomp filter
+_SECCOMP = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425), "arm64": (0xC00000B7, 198, 425)}
+_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+_CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x40000000
 _RULE_PATH_BENEATH = 1
-# filesystem rights that change something (reading and executing are not handled, so they stay allowed)
-_WRITE = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11) | (1 << 12)
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_CHANGE = sum(1 << b for b in range(4, 13))  # remove, make (char, dir, reg, sock, fifo, block, sym)
 _REFER, _TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE  # the rights a rule on a file (not a folder) may hold
 _BIND_TCP, _CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4 (network)
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+_READ = _EXECUTE | _READ_FILE | _READ_DIR
 
 
 class _Ruleset(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64)]
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
 
 
 class _PathBeneath(ctypes.Structure):
@@ -38,8 +57,17 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _fail(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def abi() -> int:
@@ -51,33 +79,151 @@ def abi() -> int:
     return max(int(version), 0)
 
 
-def confine(writable: list[str]) -> bool:
-    """Restrict this process (and every process it starts) to write beneath ``writable`` only, and to no TCP
-    connection where the kernel can refuse one. Irreversible. Returns False, changing nothing, where Landlock is
-    missing; raises OSError when the kernel refuses a step it advertised."""
-    version = abi()
-    if not version:
-        return False
+def readable(exclude: tuple[str, ...] = ()) -> list[str]:
+    """The folders a submission's process may read: the interpreter's prefixes (the virtual environment and the
+    Python it was made from), the import path's folders (multihead's own source where it is installed editable),
+    the system's libraries (``/usr``, ``/lib``: what a C extension loads). Never the working directory, nor a
+    folder holding anything in ``exclude`` (the submissions): a class kept beside the code stays unread."""
+    cwd = os.path.realpath(os.getcwd())
+    places = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages(),
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # multihead's package folder
+              *(p for p in sys.path if p and p != "."), "/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache"}
+    out = []
+    for p in sorted(places):
+        real = os.path.realpath(p)
+        if not os.path.exists(real) or real in out:
+            continue
+        if any(e == real or e.startswith(real + os.sep) for e in (cwd, *map(os.path.realpath, exclude))):
+            continue  # the working directory or a folder above it, or a folder holding a submission
+        out.append(real)
+    return out
+
+
+def _landlock(version: int, scratch: str, read: list[str]) -> None:
     create, add_rule, restrict = _CALLS[platform.machine()]
     libc = _libc()
-    fs = _WRITE | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
+    fs = _READ | _WRITE_FILE | _CHANGE | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
     net = (_BIND_TCP | _CONNECT_TCP) if version >= 4 else 0
-    attr = _Ruleset(fs, net)
-    size = ctypes.sizeof(_Ruleset) if net else ctypes.sizeof(ctypes.c_uint64)  # ABI < 4: the first field only
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if version >= 6 else 0
+    attr = _Ruleset(fs, net, scoped)
+    size = 24 if version >= 6 else 16 if version >= 4 else 8  # the fields this ABI knows
     ruleset = libc.syscall(create, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if ruleset < 0:
-        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+        raise _fail("landlock_create_ruleset")
+    rules = [(p, _READ) for p in read] + [(f"/proc/{os.getpid()}", _READ), (scratch, fs), ("/dev/null", fs),
+                                          ("/dev/urandom", _READ), ("/dev/zero", _READ)]
     try:
-        for path in writable:
-            fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+        for path, rights in rules:
             try:
-                rule = _PathBeneath(fs, fd)
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                if not os.path.isdir(path):
+                    rights &= _FILE_RIGHTS
+                rule = _PathBeneath(rights & fs, fd)
                 if libc.syscall(add_rule, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)) < 0:
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): {os.strerror(ctypes.get_errno())}")
+                    raise _fail(f"landlock_add_rule({path})")
             finally:
                 os.close(fd)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 or libc.syscall(restrict, ruleset, ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+            raise _fail("landlock_restrict_self")
     finally:
         os.close(ruleset)
-    return True
+
+
+def _no_network() -> None:
+    """A network namespace (and a SysV IPC one) of this process's own: only a loopback device, down."""
+    flags = _CLONE_NEWNET | _CLONE_NEWIPC | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
+    if _libc().unshare(flags) < 0:
+        raise _fail("unshare")
+
+
+def _no_sockets() -> None:
+    """A seccomp filter: ``socket`` and ``io_uring_setup`` fail with EACCES (no socket of any family, IP, Unix,
+    netlink); another system-call ABI (x32, i386) ends the process."""
+    arch, nr_socket, nr_uring = _SECCOMP[platform.machine()]
+
+    def op(code, k, jt=0, jf=0):
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, refuse, kill = 0x7FFF0000, 0x00050000 | 13, 0x80000000  # SECCOMP_RET_ALLOW, ERRNO(EACCES), KILL_PROCESS
+    prog = b"".join([
+        op(ld, 4), op(jeq, arch, 1, 0), op(ret, kill),  # seccomp_data.arch
+        op(ld, 0),  # seccomp_data.nr
+        op(jge, 0x40000000, 3, 0), op(jeq, nr_socket, 2, 0), op(jeq, nr_uring, 1, 0),
+        op(ret, allow), op(ret, refuse),
+    ])
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = _SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = _libc()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 or \
+            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) < 0:
+        raise _fail("seccomp")
+
+
+def confine(scratch: str, read: list[str] | None = None) -> list[str]:
+    """Confine this process (and every process it starts), irreversibly: read only ``read`` (default
+    :func:`readable`) and the scratch folder, write only the scratch folder, no network, no socket, no signal or
+    trace of a process outside. What could not be confined on this machine is returned, in words (empty: all)."""
+    read = readable() if read is None else read
+    missing = []
+    if platform.machine() not in _CALLS or os.name != "posix":
+        return [_GAPS["files"], _GAPS["network"], _GAPS["processes"]]
+    try:
+        _no_network()
+    except OSError:
+        missing.append(_GAPS["network"])
+    version = abi()
+    if version:
+        _landlock(version, scratch, read)
+        if version < 6:
+            missing.append(_GAPS["signals"])
+    else:
+        missing += [_GAPS["files"], _GAPS["processes"]]
+    try:
+        _no_sockets()
+    except OSError:
+        missing.append(_GAPS["sockets"])
+    return missing
+
+
+_GAPS = {
+    "files": "files (no Landlock: it can read and write whatever the grading user can, a classmate's file included)",
+    "network": "the network (no network namespace: it can reach this machine's and others' addresses)",
+    "sockets": "sockets (no seccomp filter: it can open UDP and Unix sockets)",
+    "signals": "signals (Landlock older than ABI 6: it can signal the grader's other processes)",
+    "processes": "other processes (it can read their /proc entries)",
+}
+
+
+@functools.cache
+def unconfined() -> tuple[str, ...]:
+    """What a submission's process would *not* be confined from on this machine, in words (empty: nothing): the
+    sandbox's confinement tried once in a throw-away child process."""
+    if os.name != "posix" or not hasattr(os, "fork"):
+        return (_GAPS["files"], _GAPS["network"], _GAPS["processes"])
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="multihead-confine-")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: confine, say what was missing, end
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, "\n".join(confine(scratch, read=[])).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 4096):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    os.rmdir(scratch)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return tuple(_GAPS.values())
+    return tuple(line for line in b"".join(chunks).decode().split("\n") if line)

@@ -5,10 +5,10 @@ deadline; :meth:`SandboxSubject.close` ends the whole process tree.
 What is isolated: the verdict (computed here, from tensors), the grader's memory (the sandbox has
 its own address-space limit), the CPU (a CPU-time limit, one thread), the process table (the warden
 kills every descendant at the end, and a tree larger than its limit at once), the output (capped; it
-never becomes a row). What is not: a submission runs as the grader's user, so it can read (and write)
-the files that user can. For a class, run the grader as a user that owns nothing else, or inside a
-container (``docker run --network none --read-only -v submissions:/subs:ro ...``), as Otter-Grader and
-Gradescope do.
+never becomes a row), and the machine (:mod:`multihead.grader.confine`, an allow-list): the submission's
+process reads the Python installation and a copy of its own file that this side puts in its scratch folder,
+writes only there, and has no network, no socket and no view of another process -- what a machine cannot
+confine, :func:`~multihead.grader.confine.unconfined` says and the grader prints once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from multihead.grader import wire
+from multihead.grader import sandbox, wire
 from multihead.grader.subject import Description, Probe, Reply
 
 __all__ = ["Limits", "SandboxError", "SandboxSubject", "parse_size"]
@@ -74,6 +74,7 @@ class SandboxSubject:
         self.log = os.path.join(self._log_dir, "output.txt")
         scratch = os.path.join(self._log_dir, "scratch")  # where the sandbox may write (not the log beside it)
         os.mkdir(scratch)
+        shutil.copyfile(self.path, sandbox.handed(scratch, str(self.path)))  # handed over: never read by path there
         request = {"path": str(self.path), "name": name, "init": init or {}, "call": call, "seed": seed,
                    "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes,
                    "scratch": scratch}

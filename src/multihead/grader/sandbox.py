@@ -6,8 +6,10 @@ on two pipes (file descriptors REQ and REP): ``describe`` (the module as data) a
 (:mod:`multihead.grader.wire`). Whatever the submission prints goes to this process's stdout and
 stderr, which the warden caps and which never becomes a verdict; the verdict is computed by the
 grader from the tensors that cross. It runs under the warden's limits (memory, CPU time, processes), and
-before the learner's file is imported it confines itself to write only in a scratch folder of its own
-(:mod:`multihead.grader.confine`: a submission cannot rewrite a classmate's file, or the teacher's).
+before the learner's file is imported it confines itself (:mod:`multihead.grader.confine`, an allow-list): it
+reads the Python installation and the copy of the file the grader put in its scratch folder (FILE is the
+original's path, a label for messages; the file is handed over, never found by path), writes only there, and has
+no network, no socket and no view of another process.
 """
 
 from __future__ import annotations
@@ -27,10 +29,16 @@ def _error(rep: int, stage: str, e: BaseException) -> None:
     wire.send(rep, {"ready": False, "stage": stage, "error": f"{type(e).__name__}: {e}", "where": where})
 
 
+def handed(scratch: str, path: str) -> str:
+    """Where the grader puts the copy of the learner's file ``path`` in the sandbox's ``scratch`` folder (same name:
+    messages and a notebook's cell labels read as the learner's)."""
+    return os.path.join(scratch, os.path.basename(path))
+
+
 def _build(path: str, name: str, init: dict, seed: int):
-    """The learner's module, built as their notebook would: the file imported (a notebook's definitions run), then
-    NAME(**init) with torch's seed set. Its folder is not on the import path: a classmate's file named torch.py
-    cannot shadow a library."""
+    """The learner's module, built as their notebook would: the file (the copy handed over) imported (a notebook's
+    definitions run), then NAME(**init) with torch's seed set. Its folder is not on the import path: a classmate's
+    file named torch.py cannot shadow a library."""
     import importlib.util
 
     import torch
@@ -65,31 +73,37 @@ def _build(path: str, name: str, init: dict, seed: int):
     return module, None
 
 
-def _confine(scratch: str) -> None:
-    """``scratch`` (the grader's folder for this sandbox, removed by the grader when it ends) becomes the only place
-    this process may write (:mod:`multihead.grader.confine`) and the temporary folder of everything it runs (torch's
-    compile cache included)."""
+def _confine(scratch: str, path: str) -> None:
+    """``scratch`` (the grader's folder for this sandbox, removed by the grader when it ends) becomes the working
+    directory, home and temporary folder of everything this process runs (torch's compile cache, Keras' config
+    included) and the only place it may write; then the allow-list of :mod:`multihead.grader.confine` applies
+    (what this machine cannot confine, the grader has said once: :func:`~multihead.grader.confine.unconfined`).
+    What the learner's file will need of the grader's code is imported first."""
     import tempfile
 
-    from multihead.grader import confine
+    import torch  # noqa: F401 - read from the installation before the doors close (the fork server has it)
 
-    os.environ["TMPDIR"] = tempfile.tempdir = scratch
-    confine.confine([scratch, "/dev"])  # False where the kernel has no Landlock: the grader says so
+    from multihead.grader import confine, notebook, subject, wire  # noqa: F401
+
+    os.environ["TMPDIR"] = os.environ["HOME"] = tempfile.tempdir = scratch
+    os.chdir(scratch)
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.path.dirname(path))]
+    confine.confine(scratch, confine.readable(exclude=(path,)))
 
 
 def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
-    _confine(scratch)
-    _serve(req, rep, path, name, init=init, call=call, seed=seed)
+    _confine(scratch, path)
+    _serve(req, rep, path, name, init=init, call=call, seed=seed, scratch=scratch)
 
 
-def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int) -> None:
+def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
     import torch
 
     from multihead.grader import wire
     from multihead.grader.subject import caller, describe, run
 
     torch.set_num_threads(1)
-    module, failed = _build(path, name, init, seed)
+    module, failed = _build(handed(scratch, path), name, init, seed)
     if failed is not None:
         _error(rep, *failed)
         return
