@@ -353,10 +353,13 @@ def test_readme_command_lines_run(tmp_path, monkeypatch):
     by = {}
     for cmd, code_, out in ran:
         by.setdefault(cmd, []).append((code_, out))
-    # the single-file check: exit 1 (NOT OK, as shown); the folder: one OK and one not OK -> 1
-    assert [c for c, _ in by["check"]] == [1, 1]
+    # the single-file check: exit 1 (NOT OK, as shown); the folder: one OK and one not OK -> 1; its two slices
+    # (alice OK: 0, bob not: 1) and their merge (1)
+    assert [c for c, _ in by["check"]] == [1, 1, 0, 1, 1]
     assert "NOT OK." in by["check"][0][1] and "alice.py" in by["check"][1][1] and "bob.py" in by["check"][1][1]
     assert "bob.py" in (tmp_path / "grades.csv").read_text()
+    merged = (tmp_path / "all.csv").read_text()
+    assert "alice.py" in merged and "bob.py" in merged and (tmp_path / "class" / "summary.md").is_file()
     for cmd in ("viz", "prune"):
         for code_, out in by.get(cmd, []):
             assert code_ == 0, out

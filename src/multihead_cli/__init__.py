@@ -107,6 +107,8 @@ EXAMPLES = {
         "  multihead check my_attention.py:MultiHeadAttention --init 'd_model=32, num_heads=4' --call qkv_mask --mask block\n"
         '  multihead check submissions/ --name MultiHeadAttention --call x --report grades.csv\n'
         '  multihead check submissions/ --name MHA --call x --points points.json --feedback fb/ --summary class/\n'
+        '  multihead check submissions/ --name MHA --seed 7 --shard 2/3 --report shard2.csv   # slice 2 of 3\n'
+        '  multihead check --merge shard1.csv shard2.csv shard3.csv --report all.csv --summary class/\n'
         'exit 0 OK, 1 not OK, 2 cannot be graded'
     ),
     "bench": (
@@ -226,9 +228,16 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
 
 def _check_options(p: argparse.ArgumentParser) -> None:
     """The options of ``multihead check``."""
-    p.add_argument("target", nargs="+", help="FILE.py:NAME or FILE.ipynb:NAME (one module, whole report; a notebook "
+    p.add_argument("target", nargs="*", help="FILE.py:NAME or FILE.ipynb:NAME (one module, whole report; a notebook "
                                              "on its definitions), or folders / globs / files with --name (each in its "
                                              "own process, a table)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="grade only slice K of N (1 <= K <= N; needs --seed): the files in order of their path under "
+                        "the class folder, every N-th from the K-th, so N machines (a CI matrix, a Slurm array, "
+                        "Kubernetes indexed jobs) grade a class; join the reports with --merge")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                   help="join the --report files of a class's shards (one seed, one points table) into one table, "
+                        "--report and --summary; no grading")
     p.add_argument("--name", default=None, help="the class (or function) each file defines that builds the module")
     p.add_argument("--init", default=None, help="keyword arguments for NAME, e.g. 'd_model=32, num_heads=4'")
     p.add_argument("--call", choices=["x", "x_mask", "qkv", "qkv_mask"], default="qkv",

@@ -167,12 +167,20 @@ def _check(args) -> int:
     from multihead.grader import classroom
     from multihead.grader.runner import Limits, parse_size
 
+    if args.merge:
+        return _merge(args)
     mask = None if args.mask == "none" else args.mask
+    part = classroom.parse_shard(args.shard) if args.shard else None
+    if part is not None and args.seed is None:
+        raise ValueError("--shard needs --seed S: every slice of the class must be graded on the same probes")
     files = classroom.targets(args.target, args.name)
     if not files:
-        print(f"multihead check: nothing matches {' '.join(args.target)} (give FILE.py:NAME, a folder holding .py "
-              "or .ipynb files, or a glob of them)", file=sys.stderr)
+        print(f"multihead check: nothing matches {' '.join(args.target) or '(no target)'} (give FILE.py:NAME, a "
+              "folder holding .py or .ipynb files, or a glob of them; or --merge REPORT...)", file=sys.stderr)
         return 2
+    names = classroom.feedback_names([f for f, _ in files])  # the whole class's, a slice's feedback among them
+    if part is not None:
+        files = classroom.shard(files, *part)
     if args.call in ("x", "qkv") and mask is not None:
         print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
               f"the module; use --call {args.call}_mask, or --mask none", file=sys.stderr)
@@ -186,8 +194,9 @@ def _check(args) -> int:
     scheme = classroom.load_points(args.points) if args.points else None
     opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
                 strict=args.strict, seed=args.seed, scale=args.scale)
-    one = args.target[0]
-    if len(args.target) == 1 and (one.rpartition(":")[0].endswith(classroom.SOURCES) or Path(one).is_file()):
+    one = args.target[0] if args.target else ""
+    if part is None and len(args.target) == 1 and (one.rpartition(":")[0].endswith(classroom.SOURCES)
+                                                   or Path(one).is_file()):
         path, name = files[0]
         limits = Limits(wall=args.timeout, cpu=int(max(args.timeout * 2, 10)), memory=memory)
         row, report = classroom.grade_file(path, name, limits=limits, scheme=scheme, **opts)
@@ -205,11 +214,37 @@ def _check(args) -> int:
                   file=sys.stderr)
             return 2
         rows = classroom.grade_many(files, timeout=args.timeout, memory=memory, jobs=args.jobs, points=scheme,
-                                    feedback=args.feedback, **opts)
-        print(classroom.table(rows))
-        counts = classroom.summary(rows)
-        if counts:
-            print("\nmistakes (submissions):\n" + "\n".join(f"  {k:>3}  {name}" for name, k in counts))
+                                    feedback=args.feedback, names=names, **opts) if files else []
+        for r in rows:
+            r["shard"] = args.shard.replace(" ", "") if part is not None else ""
+        _class_table(rows)
+    return _written(args, rows)
+
+
+def _class_table(rows: list[dict]) -> None:
+    from multihead.grader import classroom
+
+    print(classroom.table(rows))
+    counts = classroom.summary(rows)
+    if counts:
+        print("\nmistakes (submissions):\n" + "\n".join(f"  {k:>3}  {name}" for name, k in counts))
+
+
+def _merge(args) -> int:
+    """multihead check --merge REPORT...: the shards' reports joined into the class's table, report and summary."""
+    from multihead.grader import classroom
+
+    if args.target or args.shard or args.feedback:
+        raise ValueError("--merge joins reports: give no files to grade, no --shard and no --feedback with it")
+    rows = classroom.merge(args.merge)
+    _class_table(rows)
+    return _written(args, rows)
+
+
+def _written(args, rows: list[dict]) -> int:
+    """The report and summary the options ask for; the exit code (0 every row OK, 1 not)."""
+    from multihead.grader import classroom
+
     if args.report:
         classroom.write_report(rows, Path(args.report))
         print(f"report: {args.report}")

@@ -2,7 +2,8 @@
 the verdict computed here; a row per file (``ok``, ``not ok``, ``error``, ``timeout``), points under a
 scheme, a markdown feedback file per submission, a class summary (each mistake, how many made it,
 most common first, as a table and a bar chart), and the table as CSV (safe to open in a spreadsheet)
-or JSON.
+or JSON. A class the size of a course online is graded in slices (:func:`shard`, one per machine) whose reports
+:func:`merge` joins; each row says the seed its probes were drawn from and the points table it was scored on.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ast
 import csv
 import glob
+import hashlib
 import json
 import secrets
 import time
@@ -22,10 +24,11 @@ from multihead.grader.runner import Limits, SandboxError, SandboxSubject
 from multihead.grader.subject import HOW, SELF_CALLS
 from multihead.grader.verdict import Options, grade_subject
 
-__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "summary", "table", "targets",
-           "feedback_names", "write_feedback", "write_report", "write_summary"]
+__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "merge", "parse_shard", "read_report",
+           "shard", "summary", "table", "targets", "feedback_names", "write_feedback", "write_report", "write_summary"]
 
-FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds")
+FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
+          "shard")
 
 
 def kwargs_of(text: str | None) -> dict:
@@ -73,8 +76,13 @@ def load_points(path: str | Path) -> dict[str, float]:
     return points_scheme(given)
 
 
+def scheme_id(scheme: dict | None) -> str:
+    """A points table's fingerprint (the default's when None): two reports scored alike share it."""
+    return hashlib.sha256(json.dumps(points_scheme(scheme), sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _row(path: Path, status: str, report: Report | None = None, finding: str = "", seconds: float = 0.0,
-         scheme: dict | None = None) -> dict:
+         scheme: dict | None = None, seed: int | None = None) -> dict:
     if report is None:
         earned, possible, failed, mistakes = 0.0, Report().points(scheme)[1], "", ""
     else:
@@ -84,7 +92,7 @@ def _row(path: Path, status: str, report: Report | None = None, finding: str = "
         finding = finding or report.summary()
     return {"file": str(path), "ok": status == "ok", "status": status, "points": round(earned, 2),
             "possible": round(possible, 2), "failed": failed, "mistakes": mistakes, "finding": finding,
-            "seconds": round(seconds, 2)}
+            "seconds": round(seconds, 2), "seed": seed, "scheme": scheme_id(scheme), "shard": ""}
 
 
 def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
@@ -95,31 +103,33 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     be graded -- status error or timeout, the reason in ``finding``). ``scale``: the score scale the course
     uses (default 1/sqrt(one head's size))."""
     t0 = time.perf_counter()
-    if not Path(path).is_file():
-        return _row(path, "error", finding=f"{path} does not exist", scheme=scheme), None
-    if not name:
-        return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme), None
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
+    if not Path(path).is_file():
+        return _row(path, "error", finding=f"{path} does not exist", scheme=scheme, seed=seed), None
+    if not name:
+        return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme,
+                    seed=seed), None
     opts = Options(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
                    seed, strict, HOW[call], call)
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
             report = grade_subject(subject, opts)
     except SandboxError as e:
-        return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, scheme=scheme), None
+        return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, scheme=scheme,
+                    seed=seed), None
     except (TypeError, ValueError) as e:
-        return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, scheme=scheme), None
+        return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, scheme=scheme, seed=seed), None
     first = report.checks[0] if report.checks else None
     if first is not None and first.name == "runs on probe inputs" and first.passed is False:
         return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0,
-                    scheme), report
+                    scheme, seed), report
     return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0,
-                scheme=scheme), report
+                scheme=scheme, seed=seed), report
 
 
 def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
                jobs: int | None = None, points: dict | None = None, feedback: str | Path | None = None,
-               seed: int | None = None, **opts) -> list[dict]:
+               seed: int | None = None, names: dict[Path, Path] | None = None, **opts) -> list[dict]:
     """Each file graded in its own sandbox, ``jobs`` at a time (default: $MULTIHEAD_GRADER_JOBS, else the cores,
     at most 4); rows in the order of ``files``. ``feedback``:
     a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`).
@@ -138,7 +148,7 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     scheme = points_scheme(points)
     limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)
 
-    names = feedback_names([p for p, _ in files])
+    names = names or feedback_names([p for p, _ in files])  # given: the whole class's, for a slice of it
 
     def one(item):
         path, name = item
@@ -188,6 +198,89 @@ def write_report(rows: list[dict], path: Path) -> None:
         wr = csv.DictWriter(f, FIELDS)
         wr.writeheader()
         wr.writerows({k: _safe(v) for k, v in r.items()} for r in rows)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'2/3' -> (2, 3): slice K of N, 1 <= K <= N; a ValueError naming the text otherwise."""
+    k, sep, n = str(text).partition("/")
+    if not (sep and k.strip().isdigit() and n.strip().isdigit()):
+        raise ValueError(f"--shard takes K/N, slice K of N (e.g. 2/3); got {text!r}.")
+    k, n = int(k), int(n)
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {text}: K must be between 1 and N ({n}); the slices of {n} are 1/{n} .. {n}/{n}.")
+    return k, n
+
+
+def shard(files: list[tuple[Path, str | None]], k: int, n: int) -> list[tuple[Path, str | None]]:
+    """Slice ``k`` of ``n`` (1-based) of a class: the files in the order of their path under the class's common
+    folder (the same on every machine that holds the class, wherever it is mounted), every n-th from the k-th. The
+    n slices are disjoint and together the class."""
+    names = _under_common_folder([f for f, _ in files])
+    order = sorted(range(len(files)), key=names.__getitem__)
+    return [files[i] for j, i in enumerate(order) if j % n == k - 1]
+
+
+_NUMBERS = {"points": float, "possible": float, "seconds": float}
+
+
+def read_report(path: str | Path) -> list[dict]:
+    """The rows of a report written by :func:`write_report` (CSV or JSON), typed as written; a ValueError naming
+    the file where it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--merge {p}: no such report.")
+    try:
+        if p.suffix.lower() == ".json":
+            rows = json.loads(p.read_text())
+        else:
+            with p.open(newline="") as f:
+                rows = list(csv.DictReader(f))
+        missing = [k for k in FIELDS if not rows or any(k not in r for r in rows)]
+        if not isinstance(rows, list) or (rows and missing):
+            raise ValueError(f"it lacks the columns {', '.join(missing)}")
+        for r in rows:
+            for k, cast in _NUMBERS.items():
+                r[k] = cast(r[k])
+            r["ok"] = r["ok"] in (True, "True", "true", "1")
+            r["seed"] = None if r["seed"] in (None, "") else int(r["seed"])
+            for k in ("failed", "mistakes", "finding"):  # a spreadsheet-safe cell back to its text
+                if isinstance(r[k], str) and r[k][:2] in ("'=", "'+", "'-", "'@", "'\t", "'\r"):
+                    r[k] = r[k][1:]
+    except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--merge {p} is not a report written by multihead check --report ({e}).") from None
+    return rows
+
+
+def merge(paths: list[str | Path]) -> list[dict]:
+    """The rows of a class's shard reports, joined into the one run's table (in the order of the files' paths).
+    Refused (ValueError, naming the reports) where they were graded on different seeds or points tables, where a
+    file is in two of them, or where a slice of the shards is missing."""
+    reports = [(Path(p), read_report(p)) for p in paths]
+    rows = [r for _, rep in reports for r in rep]
+    for key, what in (("seed", "seeds (the probes differ: grade every shard with one --seed)"),
+                      ("scheme", "points tables (grade every shard with one --points file)")):
+        seen: dict = {}
+        for p, rep in reports:
+            for r in rep:
+                seen.setdefault(r[key], p)
+        if len(seen) > 1:
+            named = ", ".join(f"{v} ({k})" for k, v in seen.items())
+            raise ValueError(f"--merge: the reports were graded on different {what}: {named}.")
+    files = [r["file"] for r in rows]
+    twice = sorted({f for f in files if files.count(f) > 1})
+    if twice:
+        raise ValueError(f"--merge: {twice[0]} is in more than one report (give each shard's report once).")
+    slices = {r["shard"] for r in rows if r["shard"]}
+    if slices:
+        n = {int(x.split("/")[1]) for x in slices}
+        if len(n) > 1:
+            raise ValueError(f"--merge: the reports are slices of different counts: {', '.join(sorted(slices))}.")
+        n = n.pop()
+        if len(reports) != n:
+            raise ValueError(f"--merge: the reports are slices of {n} and {len(reports)} were given: give every "
+                             f"shard's report once.")
+    order = _under_common_folder([Path(f) for f in files])
+    return [r for _, r in sorted(zip(order, rows, strict=True), key=lambda t: t[0])]
 
 
 def _under_common_folder(paths: list[Path]) -> list[str]:

@@ -118,6 +118,8 @@ class Session:
     other_mask: bool = False
     #: the shape the mask is given in (:data:`MASK_SHAPES`): the module raised on (B, 1, Lq, Lk)
     mask_shape: str = MASK_SHAPES[0]
+    #: the mask forms tried before ``mask_shape`` / ``other_mask`` were chosen, each with what it gave (for the report)
+    mask_tried: tuple = ()
     #: valid_lens given per query row (B, Lq): a causal module masking its future through them (the course's decoder)
     lens_2d: bool = False
 

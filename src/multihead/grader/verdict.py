@@ -137,21 +137,55 @@ def _call_hint(forward: tuple, call: str | None) -> str:
     return f" (its forward({names}) fits call={fits[0]!r}{' with a mask=' if fits[0].endswith('_mask') else ''})"
 
 
+def _gave(s: Session, x, r, leaks: bool = True) -> str:
+    """What a call under the session's current mask form gave, in words: '' where it behaves as a masked call
+    should (runs, output (B, Lq, ·), finite where the reference is, and with ``leaks`` masked keys without
+    influence)."""
+    if r.error is not None or r.out is None:
+        return f"raised {(r.error or 'no tensor returned').splitlines()[0][:160]}" if r.error else "returned no tensor"
+    if tuple(r.out.shape[:2]) != tuple(x.q.shape[:2]) or r.out.dim() != 3:
+        return f"gave an output of shape {tuple(r.out.shape)} (the mask broadcast against the scores)"
+    if not bool(torch.isfinite(r.out).all()):
+        return "gave NaN or inf where the reference is finite"
+    if leaks and x.lens is not None:
+        try:
+            leak = props.masked_keys(s, props.Base(x, r.out.double(), r.weights))
+        except RuntimeError as e:
+            return f"raised {str(e).splitlines()[0][:160]} on other keys"
+        if not leak.passed:
+            return f"let masked keys change the output ({leak.figure})"
+    return ""
+
+
 def _mask_as_taken(s: Session, x, first):
-    """The first call again with the same mask in another form, where the module raised on the grader's: the
-    convention's other dtype (bool <-> 1/0), then (B, Lq, Lk), then (B, Lk) (a key-padding mask) -- the first
-    form that runs and gives (B, Lq, ·) is kept for every call after; ``first`` (the reply) where none does."""
-    forms = [(other, shape) for shape in MASK_SHAPES for other in (False, True)][1:]
-    for other, shape in forms:
-        if (other and s.conv not in ("keep", "block")) or (shape != MASK_SHAPES[0] and s.conv in (None, "valid_lens")):
-            continue
-        if shape == MASK_SHAPES[2] and s.causal:
+    """The first call again with the same mask in another form, where the grader's form failed in a way a mask form
+    can cause (it raised; an output of another shape, a broadcast; NaN or inf where the reference is finite): the
+    convention's other dtype (bool <-> 1/0), then (B, Lq, Lk), then (B, Lk) (a key-padding mask). The first form that
+    behaves as a mask should (masked keys without influence too) is kept for every call after; failing that, the
+    first that runs and gives a finite (B, Lq, ·) output (a module that ignores its mask is then caught by the
+    checks); else the grader's own form and ``first``. A module that runs right-shaped and finite on the grader's
+    form is graded on it, its mistakes included. ``s.mask_tried``: each form tried before the one kept, with what
+    it gave."""
+    what = _gave(s, x, first, leaks=False)
+    if not what or s.conv in (None, "valid_lens"):
+        return first
+    tried, fallback = [(mask_form(s.conv), what)], None
+    for other, shape in [(other, shape) for shape in MASK_SHAPES for other in (False, True)][1:]:
+        if (other and s.conv not in ("keep", "block")) or (shape == MASK_SHAPES[2] and s.causal):
             continue
         s.other_mask, s.mask_shape = other, shape
         r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
-        if r.error is None and r.out is not None and tuple(r.out.shape[:2]) == tuple(x.q.shape[:2]):
+        gave = _gave(s, x, r)
+        if not gave:
+            s.mask_tried = tuple(tried)
             return r
-    s.other_mask, s.mask_shape = False, MASK_SHAPES[0]
+        if fallback is None and (gave.startswith("let masked keys") or gave.endswith("on other keys")):
+            fallback = (other, shape, r, tuple(tried))
+        tried.append((mask_form(s.conv, other, shape), gave))
+    if fallback is not None:
+        s.other_mask, s.mask_shape, r, s.mask_tried = fallback
+        return r
+    s.other_mask, s.mask_shape, s.mask_tried = False, MASK_SHAPES[0], ()
     return first
 
 
@@ -179,9 +213,7 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
     """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
     runs with equal lengths is graded on equal lengths, with a finding."""
     x = s.inputs()
-    r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
-    if r.error is not None:
-        r = _mask_as_taken(s, x, r)
+    r = _mask_as_taken(s, x, s.call(x.q, x.k, x.v, x.keep, x.lens, order=True))
     if r.error is not None and not s.self_attn and not s.causal:
         x2 = s.inputs(LQ, LQ)
         r2 = s.call(x2.q, x2.k, x2.v, x2.keep, x2.lens, order=True)
@@ -210,8 +242,9 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
         return None
     adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0]
     given = mask_form(s.conv, s.other_mask, s.mask_shape)
-    rep.checks.append(Check("runs on probe inputs", True, "", f"the mask given as {given}: it raised on "
-                                                               f"{mask_form(s.conv)}" if adapted else ""))
+    others = "; ".join(f"under {form} it {gave}" for form, gave in s.mask_tried)
+    rep.checks.append(Check("runs on probe inputs", True, "", f"the mask given as {given}: {others}" if adapted
+                            else ""))
     out = r.out
     ok = out.dim() == 3 and tuple(out.shape[:2]) == (B, x.q.shape[1]) and out.dtype == x.q.dtype
     rep.checks.append(Check("output shape and dtype", ok, str(tuple(out.shape)), f"expected ({B}, {x.q.shape[1]}, ·) "
