@@ -82,7 +82,7 @@ def scheme_id(scheme: dict | None) -> str:
 
 
 def _row(path: Path, status: str, report: Report | None = None, finding: str = "", seconds: float = 0.0,
-         scheme: dict | None = None, seed: int | None = None) -> dict:
+         scheme: dict | None = None, *, seed: int | None = None) -> dict:
     if report is None:
         earned, possible, failed, mistakes = 0.0, Report().points(scheme)[1], "", ""
     else:
@@ -122,7 +122,7 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     first = report.checks[0] if report.checks else None
     if first is not None and first.name == "runs on probe inputs" and first.passed is False:
         return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0,
-                    scheme, seed), report
+                    scheme, seed=seed), report
     return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0,
                 scheme=scheme, seed=seed), report
 

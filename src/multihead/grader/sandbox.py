@@ -87,8 +87,7 @@ def _confine(scratch: str, path: str) -> None:
 
     os.environ["TMPDIR"] = os.environ["HOME"] = tempfile.tempdir = scratch
     os.chdir(scratch)
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.path.dirname(path))]
-    confine.confine(scratch, confine.readable(exclude=(path,)))
+    confine.confine(scratch, confine.readable(exclude=(path,)))  # its folder and the grader's unreadable: no import
 
 
 def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:

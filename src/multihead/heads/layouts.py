@@ -7,15 +7,16 @@ probe call) and for any module seen through its SDPA call (:mod:`multihead.heads
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, out_in, select
+from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, kept_heads, out_in, select
 from multihead.layer.hooks import Seen
 
-__all__ = ["HeadLayout", "candidates", "in_features", "out_features", "verify"]
+__all__ = ["HeadLayout", "candidates", "differs", "in_features", "out_features", "run_call", "verify", "zero_gate"]
 
 
 @dataclass
@@ -44,6 +45,8 @@ class HeadLayout:
     size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size")
     per_head: tuple[str, ...] = ()  # parameters of shape (H,), one entry per query head
     head_size: int | None = None  # D, for a module with no head-size attribute
+    #: lists of one module per head (StableLM's per-head q/k layer norms): (path, True where one per key/value head)
+    per_head_lists: tuple[tuple[str, bool], ...] = ()
 
     def head_dim(self, m: nn.Module) -> int:
         for a in ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size"):
@@ -115,26 +118,29 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, see
         return f"no output projection taking the {H} heads' {H * Dv} features among {sorted(lin) or 'no layers'}"
     per_head = tuple(n for n, p in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
                      if p is not None and p.dim() == 1 and p.shape[0] == H)  # gpt-oss' sinks, Bloom's ALiBi heads
+    lists = tuple((n, len(c) != H) for n, c in m.named_modules() if isinstance(c, nn.ModuleList) and n
+                  and len(c) in (H, Hkv) and all(any(True for _ in e.parameters()) for e in c))  # StableLM's norms
     q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
     if q and k and v:
         sizes = (out_features(lin[q]), out_features(lin[k]), out_features(lin[v]))
         if sizes != (H * D, Hkv * D, Hkv * Dv):
             return f"{q}/{k}/{v} give {sizes} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
-        return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D)]
+        return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D,
+                           per_head_lists=lists)]
     if qkv:
         out = out_features(lin[qkv])
         lays = []
         if D == Dv and out == (H + 2 * Hkv) * D:
             lays.append(HeadLayout("fused [Q | K | V]", qkv, qkv, qkv, o_name, from_parent, fused="blocks",
-                                   per_head=per_head, head_size=D))
+                                   per_head=per_head, head_size=D, per_head_lists=lists))
         if D == Dv and H == Hkv and out == 3 * H * D:
             lays.append(HeadLayout("fused per head [q k v]", qkv, qkv, qkv, o_name, from_parent, fused="interleaved",
-                                   per_head=per_head, head_size=D))
+                                   per_head=per_head, head_size=D, per_head_lists=lists))
         groups = next((m.__dict__[a] for a in HeadLayout.kv_count_attrs if isinstance(m.__dict__.get(a), int)), None)
         if D == Dv and groups and H % groups == 0 and groups < H and out == (H + 2 * groups) * D:
             # Falcon's new decoder architecture: keys/values broadcast to every query head before the call
             lays.append(HeadLayout("fused per group [q .. q k v]", qkv, qkv, qkv, o_name, from_parent,
-                                   fused="grouped", per_head=per_head, head_size=D))
+                                   fused="grouped", per_head=per_head, head_size=D, per_head_lists=lists))
         return lays or f"{qkv} gives {out} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
     return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
 
@@ -147,48 +153,63 @@ def _first(out):
     return out[0] if isinstance(out, tuple | list) else out
 
 
+def run_call(mod: nn.Module, call: tuple[tuple, dict], transform=None):
+    """``mod`` on a copy of the recorded ``call`` = (args, kwargs), its main output, without gradients; ``transform``:
+    a per-head transform (:class:`~multihead.layer.hooks.AttentionHooks`) for this run only. The module's parent
+    (shared by the layers) is never copied with the call."""
+    args, kwargs = call
+    hooks = mod.attention_hooks
+    memo = {id(hooks.parent): hooks.parent}
+    h = hooks.add_transform(transform) if transform is not None else None
+    try:
+        with torch.no_grad():
+            a, kw = copy.deepcopy((args, kwargs), memo=memo)
+            return _first(mod(*a, **kw))
+    finally:
+        if h is not None:
+            h.remove()
+
+
+def zero_gate(H: int, remove: list[int]):
+    """A transform gating off heads ``remove`` of ``H`` (their outputs zero)."""
+    gate = torch.ones(H).index_fill(0, torch.tensor(sorted(remove), dtype=torch.long), 0.0)
+    return lambda _m, out, _l: out * gate.to(out)[None, None, :, None]
+
+
+def differs(got: Tensor, ref: Tensor) -> str | None:
+    """Why ``got`` is not ``ref`` within the cut's rounding (the same products over fewer terms), or None."""
+    if got.shape != ref.shape:
+        return f"output shape {tuple(got.shape)} against the gated module's {tuple(ref.shape)}"
+    tol = max(1e-4, 16 * torch.finfo(ref.dtype).eps) * (float(ref.abs().max()) + 1e-6)
+    err = float((got.double() - ref.double()).abs().max())
+    return None if err <= tol else f"max |cut - gated| = {err:.3g} (tolerance {tol:.3g})"
+
+
 def verify(lay: HeadLayout, m: nn.Module, call: tuple[tuple, dict], seen: Seen) -> str | None:
     """None if pruning by ``lay`` equals gating on the recorded call ``call`` = (args, kwargs) of sizes ``seen``
-    (the first group of heads removed, and every head); else why not. The module itself is left unchanged
-    (copies are cut)."""
-    args, kwargs = call
+    (the first group of heads removed, one head of a group where groups are larger than one, and every head); else
+    why not. The module itself is left unchanged (copies are cut)."""
     H, Dv = seen.H, seen.Dv
-    import copy
-
-    from multihead.heads.pruning import kept_heads
-
     hooks = m.attention_hooks
     memo = {id(hooks.parent): hooks.parent}  # the parent is shared, never copied
     H_lay, Hkv = lay.counts(m, hooks.parent)  # the call may show keys/values broadcast to every head (Falcon)
     if H_lay != H:
         return f"its projections hold {H_lay} query heads; the call has {H}"
-
-    def run(mod, gate):
-        h = None
-        if gate is not None:
-            h = mod.attention_hooks.add_transform(lambda _m, out, _l: out * gate.to(out)[None, None, :, None])
-        try:
-            with torch.no_grad():
-                a, kw = copy.deepcopy((args, kwargs), memo=dict(memo))
-                return _first(mod(*a, **kw))
-        finally:
-            if h is not None:
-                h.remove()
-
     tries = [list(range(H // Hkv)) if Hkv > 1 else [0]] if H > 1 else []
+    if H > Hkv > 0 and H // Hkv > 1 and [H - 1] not in tries:
+        tries.append([H - 1])  # one head of a group: the group's key/value head copied for the others (uneven)
     for remove in tries:
         keep, kv = kept_heads(H, Hkv, set(remove))
-        gate = torch.ones(H).index_fill(0, torch.tensor(remove), 0.0)
-        ref = run(m, gate)
+        ref = run_call(m, call, zero_gate(H, remove))
         cp = copy.deepcopy(m, memo=dict(memo))
         try:
             _prune(lay, cp, keep, kv, None, None, with_o=not lay.o_from_parent)
-            got = run(cp, None)
+            got = run_call(cp, call)
         except Exception as e:  # noqa: BLE001 - the family's forward on a cut module
             return f"its forward fails once heads {remove} are cut ({type(e).__name__}: {str(e)[:120]})"
         if lay.o_from_parent:
             ref = ref[..., head_rows(keep, Dv)]
-        if got.shape != ref.shape or float((got - ref).abs().max()) > 1e-4 * (float(ref.abs().max()) + 1e-6):
+        if differs(got, ref) is not None:
             return (f"cutting heads {remove} does not equal gating them (the rows it assigns to a head are not "
                     "that head's)")
     cp = copy.deepcopy(m, memo=dict(memo))
@@ -196,7 +217,7 @@ def verify(lay: HeadLayout, m: nn.Module, call: tuple[tuple, dict], seen: Seen) 
     try:
         lay.zero_heads_ok = True
         _prune(lay, cp, [], [], None, None, with_o=not lay.o_from_parent)
-        got = run(cp, None)
+        got = run_call(cp, call)
         lay.zero_heads_ok = bool(torch.isfinite(got).all())
     except Exception:  # noqa: BLE001 - the family cannot run without heads: keep one null head
         lay.zero_heads_ok = False
@@ -218,6 +239,25 @@ def _group_rows(keep: list[int], kv: list[int], g: int, D: int) -> list[int]:
 def _set(owner: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(owner.get_submodule(parent) if parent else owner, leaf, new)
+
+
+def _cut_per_head(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int]) -> None:
+    """The per-head parts beside the projections: lists of one module per head, parameters of shape (H,)."""
+    for name, by_kv in layout.per_head_lists:  # one module per head: each kept head's own (a copy where repeated)
+        holder = m.get_submodule(name)
+        owner, _, leaf = name.rpartition(".")
+        _set(m, name, nn.ModuleList([copy.deepcopy(holder[i]) for i in (kv if by_kv else keep)]))
+        count = m.get_submodule(owner) if owner else m
+        if isinstance(count.__dict__.get("num_heads"), int):  # StableLmLayerNormPerHead's own count
+            count.__dict__["num_heads"] = len(kv if by_kv else keep)
+    for name in layout.per_head:  # (H,) -> (len(keep),)
+        owner, _, leaf = name.rpartition(".")
+        holder = m.get_submodule(owner) if owner else m
+        p = getattr(holder, leaf)
+        if leaf in holder._buffers:  # a buffer stays one (saved or not, as it was)
+            holder._buffers[leaf] = p[keep].clone()
+        else:
+            setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
 
 
 def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None,
@@ -242,14 +282,7 @@ def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mea
             _set(m, layout.q, select(q, out_rows=head_rows(keep, D)))
             _set(m, layout.k, select(k, out_rows=head_rows(kv, D)))
             _set(m, layout.v, select(v, out_rows=head_rows(kv, D)))
-        for name in layout.per_head:  # (H,) -> (len(keep),)
-            owner, _, leaf = name.rpartition(".")
-            holder = m.get_submodule(owner) if owner else m
-            p = getattr(holder, leaf)
-            if leaf in holder._buffers:  # a buffer stays one (saved or not, as it was)
-                holder._buffers[leaf] = p[keep].clone()
-            else:
-                setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
+        _cut_per_head(layout, m, keep, kv)
         if with_o:
             new_o = select(o, in_cols=head_rows(keep, D))
             if null:

@@ -299,6 +299,7 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
     if hooks.parent is None:
         hooks.layout_reason = "the model itself calls SDPA (no parent to hold it)"
         return
+    hooks.probe = f.call  # heads.prune verifies each cut on it
     if isinstance(m, nn.MultiheadAttention):  # torch.nn's layout is documented: cut by heads.prune's replacement
         if type(m).forward is not nn.MultiheadAttention.forward:
             hooks.layout_reason = (f"{type(m).__name__} overrides torch.nn.MultiheadAttention.forward (the pruned "

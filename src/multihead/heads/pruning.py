@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import operator
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -32,7 +31,8 @@ from multihead.heads.importance import (
     Importance,
     importance,
 )
-from multihead.heads.surgery import fold_into_bias, head_rows, select
+from multihead.heads.layouts import differs, run_call
+from multihead.heads.surgery import fold_into_bias, head_rows, kept_heads, select
 from multihead.layer.dropin import PrunedMultiheadAttention
 from multihead.layer.hooks import num_heads as _num_heads
 from multihead.layer.module import MultiHeadAttention
@@ -90,20 +90,6 @@ def _rebuild(m: MultiHeadAttention, keep: list[int], kv: list[int], *, o_bias: b
     for n, lin in zip(m._proj_names, new):
         setattr(m, n, lin)
     m.num_heads, m.num_kv_heads = len(keep), len(kv)
-
-
-def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
-    """The query heads kept and the key/value heads they need: with GQA a key/value head goes
-    only when all its query heads go; uneven groups give each kept query head its own copy."""
-    bad = [h for h in remove if not 0 <= h < H]
-    if bad:
-        raise ValueError(f"heads {sorted(bad)} do not exist: the module has num_heads={H}.")
-    keep = [h for h in range(H) if h not in remove]
-    group = H // Hkv
-    per_kv = Counter(h // group for h in keep)
-    if len(set(per_kv.values())) <= 1:  # every kept key/value head still serves the same number of heads
-        return keep, sorted(per_kv)
-    return keep, [h // group for h in keep]
 
 
 def _prune_module(m: MultiHeadAttention, remove: set[int], mean_out: Tensor | None) -> None:
@@ -197,6 +183,11 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
     numbers on a first prune). Returns {module: [kept head numbers]}, numbered so. Raises ValueError or TypeError,
     before anything changes, for a name that is not an attention module, or heads that are not whole numbers
     (``True``, ``1.5``, ``"12"``) or do not exist.
+
+    Every cut is verified before this returns: each module runs its recorded call (the probe its layout was
+    derived on; random inputs for multihead's own modules) gated and then cut, and a cut whose outputs differ (or
+    whose forward raises) is refused with a ValueError naming the module and what differed; all or nothing, every
+    module cut by this call is then restored as it was.
     """
     mods = attention_modules(model)
     kept = {}
@@ -212,30 +203,151 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in mods[name].parameters()):
             raise ValueError(f"{name} has parameters not built yet (nn.LazyLinear): call the model once on an input, "
                              "then prune.")
-    for name, remove in heads.items():
-        m = mods[name]
-        mo = None if mean_outputs is None else mean_outputs.get(name)
-        H = _num_heads(m)
-        kept[name] = [h for h in range(H) if h not in remove]
-        if isinstance(m, MultiHeadAttention):
-            _prune_module(m, remove, mo)
-        elif not isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention) and \
-                m.attention_hooks.layout is not None:
-            layout = m.attention_hooks.layout
-            keep, kv = kept_heads(H, layout.counts(m, m.attention_hooks.parent)[1], remove)
-            layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
-        elif isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
-            why = m.attention_hooks.layout_reason
-            if why is not None:
-                raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but not pruned: {why}. Gate "
-                                 "its heads with heads.gated instead.")
-            _prune_torch_style(model, name, m, remove, mo)
-        else:
-            why = m.attention_hooks.layout_reason or "call multihead.hf.attach(model) to derive it"
-            raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but multihead has no head layout for "
-                             f"it (which rows of its projections hold head h): {why}. It cannot be pruned physically; "
-                             "gate its heads with heads.gated instead.")
+    undo: list[_Undo] = []
+    try:
+        for name, remove in heads.items():
+            m = mods[name]
+            kept[name] = [h for h in range(_num_heads(m)) if h not in remove]
+            mo = None if mean_outputs is None else mean_outputs.get(name)
+            _cut_verified(model, name, m, remove, mo, undo)
+    except BaseException:
+        for u in reversed(undo):  # all or nothing: every module cut before the one refused is restored
+            u.restore()
+        raise
     return kept
+
+
+def _refuse_uncuttable(name: str, m: nn.Module) -> None:
+    """A ValueError where ``m`` has no way to be cut (no head layout, or torch.nn's with a forward of its own)."""
+    if isinstance(m, MultiHeadAttention):
+        return
+    why = m.attention_hooks.layout_reason
+    if isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
+        if why is not None:
+            raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but not pruned: {why}. Gate "
+                             "its heads with heads.gated instead.")
+    elif m.attention_hooks.layout is None:
+        why = why or "call multihead.hf.attach(model) to derive it"
+        raise ValueError(f"{name} ({type(m).__name__}) can be seen and gated, but multihead has no head layout for "
+                         f"it (which rows of its projections hold head h): {why}. It cannot be pruned physically; "
+                         "gate its heads with heads.gated instead.")
+
+
+def _cut_one(model: nn.Module, name: str, m: nn.Module, remove: set[int], mo: Tensor | None) -> list[int] | None:
+    """One module's cut, by its kind; the query heads kept where its output projection is outside it (BERT's
+    ``output.dense``: the module's own output holds only their rows), else None."""
+    if isinstance(m, MultiHeadAttention):
+        _prune_module(m, remove, mo)
+    elif isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
+        _prune_torch_style(model, name, m, remove, mo)
+    else:
+        layout = m.attention_hooks.layout
+        keep, kv = kept_heads(_num_heads(m), layout.counts(m, m.attention_hooks.parent)[1], remove)
+        layout.prune(m, keep, kv, mo if remove else None, sorted(remove))
+        return keep if layout.o_from_parent else None
+    return None
+
+
+def _probe_of(m: nn.Module) -> tuple | None:
+    """The call a cut of ``m`` is verified on: the one its layout was derived on (recorded by
+    :func:`multihead.hf.attach` / :func:`multihead.heads.observe`), or for multihead's own modules (the drop-in
+    included) random queries, keys and values of its input sizes (B=2, L=5)."""
+    if isinstance(m, MultiHeadAttention):
+        q, k, v, _ = m.projections()
+        w = q.weight
+        x = [torch.randn(2, 5, p.in_features, dtype=w.dtype, device=w.device) for p in (q, k, v)]
+        return tuple(x), {}
+    if m.attention_hooks.probe is None and isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
+        w = m.out_proj.weight  # multihead's drop-in (or its pruned form), never observed: torch.nn's call
+        x = [torch.randn(*((2, 5, e) if m.batch_first else (5, 2, e)), dtype=w.dtype, device=w.device)
+             for e in (m.embed_dim, m.kdim, m.vdim)]  # (B, L, E) or (L, B, E)
+        return tuple(x), {}
+    return m.attention_hooks.probe
+
+
+def _cut_verified(model: nn.Module, name: str, m: nn.Module, remove: set[int], mo: Tensor | None,
+                  undo: list[_Undo]) -> None:
+    """Cut ``m`` and check, on its recorded call, that the cut module gives the gated module's outputs (gates 0 on
+    ``remove``, or their mean outputs ``mo``); a cut that does not is undone and refused, naming what differed."""
+    from multihead.heads.gates import _gate
+
+    _refuse_uncuttable(name, m)
+    call = _probe_of(m)
+    if call is None:
+        raise ValueError(f"{name} ({type(m).__name__}): no recorded call to verify a cut on (its layout was not "
+                         "derived on a probe): call multihead.hf.attach(model) or heads.observe(model, example) "
+                         "again, then prune.")
+    H = _num_heads(m)
+    gate = torch.ones(H).index_fill(0, torch.tensor(sorted(remove), dtype=torch.long), 0.0)
+    hooks = m.attention_hooks
+    parent = hooks.parent
+    slot = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    u = _Undo([*m.modules(), *(parent.modules() if parent is not None else ()), slot])
+    with _quiet(m):
+        ref = run_call(m, call, _gate(gate, mo))
+    undo.append(u)
+    why = None
+    try:
+        keep = _cut_one(model, name, m, remove, mo)
+        new = model.get_submodule(name) if name else model
+        with _quiet(new):
+            got = run_call(new, call)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the family's forward on its cut module
+        why = f"its forward raised {type(e).__name__}: {str(e)[:200]}"
+    else:
+        if keep is not None:  # the output projection is the parent's: the module's output holds the kept heads' rows
+            ref = ref[..., head_rows(keep, ref.shape[-1] // H)] if keep else None
+        why = None if ref is None else differs(got, ref)
+    if why is not None:
+        raise ValueError(f"{name} ({type(m).__name__}): cutting heads {sorted(remove)} does not give the gated "
+                         f"module's outputs on its recorded call ({why}); nothing was cut. Gate its heads with "
+                         "heads.gated instead.")
+
+
+class _quiet:
+    """For a check's run: the module in eval mode (no dropout), its observers and transforms set aside (a capture
+    or gates of the user's see nothing of it); all restored after."""
+
+    def __init__(self, m: nn.Module):
+        self.m = m
+
+    def __enter__(self):
+        hooks = self.m.attention_hooks
+        self.modes = [(mod, mod.training) for mod in self.m.modules()]
+        self.lists = (hooks.observers, hooks.transforms)
+        hooks.observers, hooks.transforms = [], []
+        self.m.eval()
+
+    def __exit__(self, *exc):
+        hooks = self.m.attention_hooks
+        hooks.observers, hooks.transforms = self.lists
+        for mod, mode in self.modes:
+            mod.training = mode
+
+
+class _Undo:
+    """What a cut may replace, recorded before it: each module's own dictionaries (children, parameters, buffers)
+    and attributes (head counts, sizes), and its hook list's. A cut replaces objects and never changes a tensor in
+    place, so putting the records back restores the module exactly."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.saved, seen = [], set()
+        for mod in modules:
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            d = {k: dict(v) if k in ("_modules", "_parameters", "_buffers") else v for k, v in mod.__dict__.items()}
+            hooks = mod.__dict__.get("attention_hooks")
+            self.saved.append((mod, d, hooks, dict(vars(hooks)) if hooks is not None else None))
+
+    def restore(self) -> None:
+        for mod, d, hooks, h in reversed(self.saved):
+            mod.__dict__.clear()
+            mod.__dict__.update(d)
+            if hooks is not None:
+                vars(hooks).update(h)
 
 
 def resize(model: nn.Module, counts: Mapping[str, list[int]], *, o_bias: Mapping[str, bool] | None = None) -> None:

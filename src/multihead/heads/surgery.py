@@ -11,13 +11,14 @@ Dependency order: modules -> surgery -> heads, hf_heads.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import torch
 from torch import Tensor, nn
 
 from multihead.layer.module import linear
 
-__all__ = ["fold_into_bias", "head_rows", "is_conv1d", "out_in", "select"]
+__all__ = ["fold_into_bias", "head_rows", "is_conv1d", "kept_heads", "out_in", "select"]
 
 
 def head_rows(heads: list[int], size: int) -> list[int]:
@@ -141,3 +142,15 @@ def role_of(name: str) -> str | None:
     return None
 
 
+def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
+    """The query heads kept and the key/value heads they need: with GQA a key/value head goes
+    only when all its query heads go; uneven groups give each kept query head its own copy."""
+    bad = [h for h in remove if not 0 <= h < H]
+    if bad:
+        raise ValueError(f"heads {sorted(bad)} do not exist: the module has num_heads={H}.")
+    keep = [h for h in range(H) if h not in remove]
+    group = H // Hkv
+    per_kv = Counter(h // group for h in keep)
+    if len(set(per_kv.values())) <= 1:  # every kept key/value head still serves the same number of heads
+        return keep, sorted(per_kv)
+    return keep, [h // group for h in keep]

@@ -205,7 +205,7 @@ def _full_size(model: nn.Module) -> nn.Module | None:
         return None  # nothing cut, no full count, or grouped key/value heads (which the kept list does not name)
     for m in pruned.values():
         lay, (H, Hkv) = m.attention_hooks.layout, m.attention_hooks.layout.counts(m, m.attention_hooks.parent)
-        if lay.fused or lay.per_head or H != Hkv or max(m.attention_hooks.kept, default=0) >= H0:
+        if lay.fused or lay.per_head or lay.per_head_lists or H != Hkv or max(m.attention_hooks.kept, default=0) >= H0:
             return None
     full = copy.deepcopy(model)
     names = dict(full.named_modules())

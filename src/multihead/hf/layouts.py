@@ -98,6 +98,7 @@ def derive(model: nn.Module, example: dict | None = None) -> dict[str, str]:
                 r = verify(lay, m, calls[name], hooks.seen)
                 if r is None:
                     hooks.layout, hooks.num_heads, hooks.layout_reason = lay, hooks.seen.H, None
+                    hooks.probe = calls[name]
                     break
                 reasons.append(f"{lay.family}: {r}")
             if hooks.layout is None:

@@ -67,6 +67,9 @@ class AttentionHooks:
         self.layout_reason: str | None = None
         #: what the last call computed (a multihead.hf.attention.Computed; see multihead.hf.explain)
         self.args = None
+        #: a recorded call (args, kwargs) of the module, from the probe that derived its layout: heads.prune runs it
+        #: before and after each cut and refuses a cut that does not give the gated module's outputs
+        self.probe: tuple | None = None
 
     def add_observer(self, fn: Observer) -> _Handle:
         """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale)`` before each attention call."""
