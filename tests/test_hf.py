@@ -198,7 +198,7 @@ def test_the_mask_function_is_registered_too():
     mask. multihead registers transformers' sdpa mask function with its attention function."""
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    assert AttentionMaskInterface._global_mapping["multihead"] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping["multihead"].__wrapped__ is sdpa_mask  # checked first (below)
     model, x = _build("bert")
     model.set_attn_implementation("sdpa")
     sdpa = _out(model, x)

@@ -11,6 +11,7 @@ refused with a reason."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import inspect
 import io
@@ -421,43 +422,28 @@ def test_packed_refuses_at_attach_what_cannot_run_on_the_real_tokens():
         mhf.attach(make().eval(), packed=True)
 
 
-def test_the_mask_choice_is_scoped_to_loading_and_never_silently_wrong_outside_it():
-    """No process-wide patch of transformers: ``multihead.hf.loading()`` wraps
-    ``get_correct_attn_implementation`` for its block only (attach and load open it themselves).
-    Built with attn_implementation="multihead" outside it, a class written for eager's masks gets
-    sdpa's masks, and its first attention call refuses instead of computing something else. (GIT
-    builds its text attention from a table keyed by implementation name, so it is attached, not built.)"""
-    original = T.PreTrainedModel.get_correct_attn_implementation
-    assert original.__module__ == "transformers.modeling_utils"  # importing multihead.hf changed nothing
+def test_the_name_is_checked_where_transformers_resolves_it_inside_loading_or_not():
+    """Built with attn_implementation="multihead" outside ``multihead.hf.loading()``, a class written for eager's
+    masks got sdpa's and refused at its first call; now the name is checked where transformers resolves it (for
+    the whole process, as the name is registered): the class gets the masks it was written for, everywhere; every
+    other implementation's name passes through unchanged. (GIT builds its text attention from a table keyed by
+    implementation name, so it is attached, not built.)"""
     make, inputs = EAGER_MASK_FAMILIES["nllb_moe"]
     torch.manual_seed(0)
     model, x = make().eval(), inputs()
     want = _out(model, x)
     mhf.attach(model)
-    assert T.PreTrainedModel.get_correct_attn_implementation is original  # attach's block is closed
-    with mhf.loading(), mhf.loading():  # blocks nest
-        assert T.PreTrainedModel.get_correct_attn_implementation is not original
-    assert T.PreTrainedModel.get_correct_attn_implementation is original
-    with pytest.raises(RuntimeError, match="inside"), mhf.loading():
-        raise RuntimeError("inside")
-    assert T.PreTrainedModel.get_correct_attn_implementation is original  # closed on an exception too
-
     state = model.state_dict()
     cfg = model.config
-    cfg._attn_implementation = "multihead"
-    with mhf.loading():
-        inside = type(model)(cfg).eval()
-    inside.load_state_dict(state)
-    assert inside.config._attn_implementation == "multihead_eager_masks"
-    assert _on_real(_out(inside, x) - want, _real(x)).abs().max() < 1e-5
-    cfg._attn_implementation = "multihead"
-    outside = type(model)(cfg).eval()
-    outside.load_state_dict(state)
-    assert outside.config._attn_implementation == "multihead"  # transformers takes the name as it is
-    with pytest.raises(ValueError, match=r"its model class does not support sdpa, so its modules expect eager's float "
-                                         r"masks.*multihead.hf.attach\(model\), or build it inside `with "
-                                         r"multihead.hf.loading\(\):`"):
-        _out(outside, x)
+    for block in (mhf.loading, contextlib.nullcontext):
+        cfg._attn_implementation = "multihead"
+        with block():
+            built = type(model)(cfg).eval()
+        built.load_state_dict(state)
+        assert built.config._attn_implementation == "multihead_eager_masks"
+        assert _on_real(_out(built, x) - want, _real(x)).abs().max() < 1e-5
+    cfg._attn_implementation = "eager"
+    assert type(model)(cfg).config._attn_implementation == "eager"  # another name: transformers' own resolution
 
 
 def test_families_that_compute_attention_themselves_are_seen_through_sdpa_or_refused():

@@ -18,7 +18,9 @@ that import transformers. Dependency order: hf_attention -> hf_heads -> hf.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import re
 from typing import NamedTuple
 
 import torch
@@ -132,9 +134,9 @@ def _check_masks(module: nn.Module, attention_mask) -> None:
     sdpa_masks = impl == NAME or impl is None and attention_mask is not None and attention_mask.dtype == torch.bool
     if sdpa_masks and _written_for_eager_masks(module):
         raise ValueError(f"{type(module).__name__}: its model class does not support sdpa, so its modules expect "
-                         "eager's float masks, and attn_implementation='multihead' gave it sdpa's. Load it with "
-                         "multihead.hf.attach(model), or build it inside `with multihead.hf.loading():`, which give "
-                         "each class the masks it was written for.")
+                         "eager's float masks, and attn_implementation='multihead' gave it sdpa's (set by hand, past "
+                         "the name's resolution). Load it with multihead.hf.attach(model), or build it with "
+                         "attn_implementation='multihead', which give each class the masks it was written for.")
 
 
 def _live(mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
@@ -301,10 +303,41 @@ def _packed(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor
     return out.contiguous()
 
 
+def _checked(make_mask):
+    """A mask function that first checks, once per configuration class, that the family it builds masks for calls
+    the attention interface (its modeling file, read as transformers itself decides): a model switched to multihead
+    by hand (``config._attn_implementation = "multihead"``, past the name's resolution) is refused at its first
+    call instead of computing by hand with masks it was not written for."""
+    @functools.wraps(make_mask)
+    def mask(*args, config=None, **kwargs):
+        if config is not None and not _family_calls_interface(type(config)):
+            raise ValueError(_never_reaches(f"a {getattr(config, 'model_type', type(config).__name__)!r} model"))
+        return make_mask(*args, config=config, **kwargs)
+    return mask
+
+
+def _family_calls_interface(cfg: type) -> bool:
+    """Whether the modeling file beside configuration class ``cfg``'s file calls the attention interface (True where
+    there is none to read: a configuration of the user's own, whose model class was checked when it was built)."""
+    known = _FAMILIES.get(cfg)
+    if known is None:
+        import importlib
+
+        try:
+            src = inspect.getsource(importlib.import_module(cfg.__module__.replace(".configuration_", ".modeling_")))
+            known = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src
+        except (ImportError, OSError, TypeError):
+            known = True
+        _FAMILIES[cfg] = known
+    return known
+
+
+_FAMILIES: dict[type, bool] = {}
+
 AttentionInterface.register(NAME, attention_forward)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # the boolean masks sdpa gets: padding is never dropped
+AttentionMaskInterface.register(NAME, _checked(sdpa_mask))  # the boolean masks sdpa gets: padding is never dropped
 AttentionInterface.register(EAGER_MASKS, attention_forward)
-AttentionMaskInterface.register(EAGER_MASKS, eager_mask)  # always built, float: what eager-only families expect
+AttentionMaskInterface.register(EAGER_MASKS, _checked(eager_mask))  # always built, float: what eager-only families expect
 
 
 def _model_file_calls_interface(cls: type) -> bool:
@@ -330,52 +363,77 @@ def _model_file_calls_interface(cls: type) -> bool:
 _FILES: dict[type, bool] = {}
 
 
-def _choose(self, requested_attention, is_init_check=False):
-    """``PreTrainedModel.get_correct_attn_implementation`` within :func:`loading`: a request for
-    multihead gets the masks the class was written for, or a refusal when its attention never goes
-    through the interface; any other request goes to transformers unchanged."""
+def _choose(self, requested_attention, *args, **kwargs):
+    """``PreTrainedModel.get_correct_attn_implementation`` -- where transformers resolves an implementation's name,
+    for every model it builds or switches: a request for multihead gets the masks the class was written for, or a
+    refusal when its attention never goes through the interface (Bloom and MPT computed with masks they were not
+    written for, silently off; Falcon raised KeyError: 'multihead' from its own table of classes); any other request
+    goes to transformers unchanged."""
     if requested_attention not in NAMES:
-        return _ORIGINAL(self, requested_attention, is_init_check)
+        return _ORIGINAL(self, requested_attention, *args, **kwargs)
     requested_attention = NAME if getattr(self, "_supports_sdpa", False) else EAGER_MASKS
     if not _model_file_calls_interface(type(self)) and \
             not getattr(self.config, "sub_configs", None):  # a composite model: its parts decide
-        raise ValueError(f"{type(self).__name__}: its attention does not go through transformers' attention "
-                         "interface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='multihead' cannot reach "
-                         "it; multihead can neither see nor replace its attention. Load it with "
-                         "attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
-    return _ORIGINAL(self, requested_attention, is_init_check)
+        raise ValueError(_never_reaches(type(self).__name__))
+    if (args[0] if args else kwargs.get("is_init_check", False)) and _picks_by_name(type(self)):
+        raise ValueError(f"{type(self).__name__}: its modeling file builds attention classes from a table keyed by "
+                         f"implementation name ({_picks_by_name(type(self))}), which has no entry for multihead. "
+                         "Build it with attn_implementation='sdpa' (or 'eager'), then multihead.hf.attach(model).")
+    return _ORIGINAL(self, requested_attention, *args, **kwargs)
+
+
+_TABLE = re.compile(r"\b(\w+)\[(?:self\.)?config\._attn_implementation\]")
+
+
+def _picks_by_name(cls: type) -> str:
+    """The first table of classes keyed by implementation name (``GIT_SELF_ATTENTION_CLASSES[config.
+    _attn_implementation]``) in the modeling files of ``cls``, read once per class; '' where there is none."""
+    known = _TABLES.get(cls)
+    if known is None:
+        known = ""
+        for c in cls.__mro__:
+            if c is PreTrainedModel or not issubclass(c, PreTrainedModel):
+                continue
+            try:
+                found = _TABLE.search(inspect.getsource(inspect.getmodule(c)))
+            except (OSError, TypeError):
+                continue
+            if found:
+                known = found.group(1)
+                break
+        _TABLES[cls] = known
+    return known
+
+
+_TABLES: dict[type, str] = {}
+
+
+def _never_reaches(name: str) -> str:
+    return (f"{name}: its attention does not go through transformers' attention interface (ALL_ATTENTION_FUNCTIONS), "
+            "so attn_implementation='multihead' cannot reach it; multihead can neither see nor replace its attention. "
+            "Load it with attn_implementation='sdpa' (or 'eager'), or use multihead's own modules.")
 
 
 _ORIGINAL = PreTrainedModel.get_correct_attn_implementation
-_LOADING = [0]  # how many loading() blocks are open (they nest)
+# The name "multihead" is registered for the whole process (AttentionInterface.register, above), so it is resolved
+# for the whole process too: wherever transformers resolves an implementation's name, a request for multihead is
+# checked (everything else passes through untouched). Installed once, at import, next to the registration.
+if getattr(_ORIGINAL, "__name__", "") != "_choose":
+    PreTrainedModel.get_correct_attn_implementation = _choose
 
 
 @contextlib.contextmanager
 def loading():
-    """Within the block, a transformers model built or switched with
-    ``attn_implementation="multihead"`` (``from_pretrained``, a config, ``set_attn_implementation``)
-    is checked before its layers are built: a class whose attention never goes through the interface
-    gets one clear ValueError (not a KeyError from inside its layers), and every model (each
-    sub-model of a composite one) gets the masks its modules were written for -- sdpa's boolean
-    masks (:data:`NAME`) when the class supports sdpa, eager's float masks (:data:`EAGER_MASKS`)
-    otherwise. It wraps ``PreTrainedModel.get_correct_attn_implementation`` for the block only
-    (nothing outlives it); :func:`multihead.hf.attach` and :func:`multihead.hf.load` open it
-    themselves::
+    """A block for code written before round 5, when the check below applied only inside it; it now holds
+    everywhere. A transformers model built or switched with ``attn_implementation="multihead"``
+    (``from_pretrained``, a config, ``set_attn_implementation``) is checked where transformers resolves the name,
+    before its layers are built: a class whose attention never goes through the interface gets one clear
+    ValueError (not a KeyError from inside its layers, nor outputs computed with masks it was not written for), and
+    every model (each sub-model of a composite one) gets the masks its modules were written for -- sdpa's boolean
+    masks (:data:`NAME`) when the class supports sdpa, eager's float masks (:data:`EAGER_MASKS`) otherwise::
 
-        with multihead.hf.loading():
-            model = AutoModel.from_pretrained(path, attn_implementation="multihead")
-
-    Outside it, ``attn_implementation="multihead"`` still works for the classes that support sdpa;
-    a class written for eager's masks is refused at its first attention call (:func:`attention_forward`)."""
-    if _LOADING[0] == 0:
-        PreTrainedModel.get_correct_attn_implementation = _choose
-    _LOADING[0] += 1
-    try:
-        yield
-    finally:
-        _LOADING[0] -= 1
-        if _LOADING[0] == 0:
-            PreTrainedModel.get_correct_attn_implementation = _ORIGINAL
+        model = AutoModel.from_pretrained(path, attn_implementation="multihead")"""
+    yield
 
 
 def _written_for_eager_masks(module: nn.Module) -> bool:
