@@ -3,7 +3,8 @@ to multihead). :mod:`~multihead.heads.capture` records per-head weights; :mod:`~
 puts a gate on every head's output; :mod:`~multihead.heads.importance` scores heads (gradient,
 ablation, entropy); :mod:`~multihead.heads.surgery` is the one head-row selector and mean-into-bias
 fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve;
-:mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA.
+:mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA; :mod:`~multihead.heads.patching`
+runs activation patching per head (a causal experiment on a chosen behaviour).
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
 
@@ -18,6 +19,7 @@ from multihead.heads.importance import (
     importance,
 )
 from multihead.heads.observe import observe, observed, unobserve
+from multihead.heads.patching import Patching, patch
 from multihead.heads.pruning import (
     Curve,
     head_counts,
@@ -29,6 +31,7 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["METHODS", "Captured", "Curve", "Importance", "ablation_importance", "attention_modules", "capture",
-           "entropy_importance", "gated", "gradient_importance", "head_counts", "importance", "mean_head_outputs",
-           "observe", "observed", "plot_curve", "prune", "pruning_curve", "resize", "save_curve", "unobserve"]
+__all__ = ["METHODS", "Captured", "Curve", "Importance", "Patching", "ablation_importance", "attention_modules",
+           "capture", "entropy_importance", "gated", "gradient_importance", "head_counts", "importance",
+           "mean_head_outputs", "observe", "observed", "patch", "plot_curve", "prune", "pruning_curve", "resize",
+           "save_curve", "unobserve"]

@@ -1,0 +1,212 @@
+"""Activation patching per head: how much of a behaviour one head carries, by a causal experiment.
+
+:func:`patch` runs the model on a *clean* and a *corrupted* input and records every head's output (before the heads
+are merged, where the gates act: each module's hook list). Then, for every seen module and head -- over all
+positions, or one position at a time -- it runs the *base* input with that one head's output taken from the other
+run, and reads the metric: ``direction="denoise"`` (the corrupted run, one head clean: how much of the behaviour
+comes back) or ``"noise"`` (the clean run, one head corrupted: how much of it goes). Patches are batched along the
+batch dimension, ``chunk`` of them a forward (the base input repeated, each copy with its own head patched), never
+one forward per head; memory grows with ``chunk``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from multihead.heads.gates import attention_modules
+from multihead.layer.hooks import num_heads as _num_heads
+
+__all__ = ["Patching", "patch"]
+
+
+@dataclass
+class Patching:
+    """The result of :func:`patch`: ``values`` {module: (H,) or, per position, (H, L)} the metric with that head
+    (at that position) patched; ``base`` the metric of the unpatched base run, ``source`` of the run the patches come
+    from; ``direction`` "denoise" (base = corrupted) or "noise" (base = clean)."""
+
+    values: dict[str, Tensor]
+    base: float
+    source: float
+    direction: str
+
+    def effect(self) -> dict[str, Tensor]:
+        """Each patch's share of the way from ``base`` to ``source`` ((value - base) / (source - base)): 1 = that head
+        alone moves the metric all the way."""
+        span = self.source - self.base
+        if span == 0:
+            raise ValueError("the clean and corrupted runs give the same metric: no effect to share out.")
+        return {n: (v - self.base) / span for n, v in self.values.items()}
+
+    def grid(self) -> Tensor:
+        """(modules, H) -- per position (modules, H, L) -- in the modules' order; NaN where a module has fewer heads."""
+        H = max(v.shape[0] for v in self.values.values())
+        rows = [torch.cat([v, v.new_full((H - v.shape[0], *v.shape[1:]), float("nan"))]) for v in self.values.values()]
+        return torch.stack(rows)
+
+    def to_markdown(self) -> str:
+        """The (module x head) table of values (all-position patching)."""
+        H = max(v.shape[0] for v in self.values.values())
+        lines = ["| module |" + "".join(f" h{h} |" for h in range(H)), "|---|" + "---:|" * H]
+        for n, v in self.values.items():
+            flat = v if v.dim() == 1 else v.mean(-1)
+            lines.append(f"| {n} |" + "".join(f" {float(x):.4f} |" for x in flat) + " |" * (H - len(flat)))
+        return "\n".join(lines)
+
+
+def _call(model: nn.Module, inputs):
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _repeat(inputs, n: int, B: int):
+    """The inputs ``n`` times along the batch dimension (every tensor whose first size is ``B``), block by block."""
+    def rep(x):
+        return torch.cat([x] * n) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B else x
+
+    if isinstance(inputs, Mapping):
+        return {k: rep(v) for k, v in inputs.items()}
+    return tuple(rep(x) for x in inputs) if isinstance(inputs, tuple) else rep(inputs)
+
+
+def _rows(output, a: int, b: int, B: int):
+    """Rows ``a:b`` of every tensor of ``output`` whose first size is the batch ``B`` (a ModelOutput, dict, tuple)."""
+    if isinstance(output, Tensor):
+        return output[a:b] if output.dim() > 0 and output.shape[0] == B else output
+    if isinstance(output, Mapping):
+        return type(output)(**{k: _rows(v, a, b, B) for k, v in output.items()})
+    if isinstance(output, tuple | list):
+        return type(output)(_rows(v, a, b, B) for v in output)
+    return output
+
+
+def _value(metric: Callable, output, B: int) -> float:
+    """The metric of one block of ``B`` rows: a scalar, or a (B,) tensor averaged; anything else is refused."""
+    m = metric(output)
+    t = torch.as_tensor(m, dtype=torch.float64) if not isinstance(m, Tensor) else m.detach().double()
+    if t.numel() != 1 and tuple(t.shape) != (B,):
+        raise ValueError(f"metric must return a scalar or a ({B},) tensor (one value per row of the batch); got "
+                         f"{type(m).__name__} of shape {tuple(t.shape)}.")
+    return float(t.mean())
+
+
+@contextlib.contextmanager
+def _recording(mods: dict[str, nn.Module], into: dict[str, Tensor]):
+    """Every module's per-head output (B, Lq, H, Dv) of the run inside the block, into ``into``."""
+    def keep(name):
+        def transform(module, out: Tensor, live) -> Tensor:
+            if out.dim() != 4:
+                raise ValueError(f"{name}: its heads' output is packed ({tuple(out.shape)}, padding-free); patching "
+                                 "takes a padded batch: turn packing off (multihead.hf.attach(..., packed=False)).")
+            into[name] = out.detach().clone()
+            return out
+        return transform
+
+    handles = [m.attention_hooks.add_transform(keep(n)) for n, m in mods.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _patching(name: str, src: Tensor, items: list[tuple[int, int, int | None]], B: int):
+    """A transform putting ``src``'s head h (at position ``pos``, or everywhere) into rows of block p."""
+    def transform(module, out: Tensor, live) -> Tensor:
+        out = out.clone()
+        s = src.to(out)
+        for p, h, pos in items:
+            rows = slice(p * B, (p + 1) * B)
+            if pos is None:
+                out[rows, :, h] = s[:, :, h]  # (B, Lq, Dv)
+            else:
+                out[rows, pos, h] = s[:, pos, h]  # (B, Dv)
+        return out
+    return transform
+
+
+def patch(model: nn.Module, clean, corrupted, metric: Callable, *, direction: str = "denoise",
+          positions: bool = False, modules: list[str] | None = None, chunk: int = 32,
+          run: Callable | None = None) -> Patching:
+    """Activation patching of every head of every seen attention module (``modules``: some of them).
+
+    ``clean``, ``corrupted``: the model's inputs (a dict of keyword arguments, a tuple, or one tensor), batch B,
+    the same length; ``metric(output)`` -> a scalar or a (B,) tensor (averaged over the batch); ``run(model,
+    inputs)``: how the model is called (default ``model(**inputs)`` / ``model(*inputs)`` / ``model(inputs)``).
+    ``positions``: one patch per (head, query position), values (H, L). ``chunk``: patches per forward. Runs without
+    gradients, in eval mode. Refused before any patched forward: an unknown module, ``chunk`` < 1, a metric that
+    does not give a scalar or (B,) values, inputs whose runs give heads' outputs of different shapes."""
+    if direction not in ("denoise", "noise"):
+        raise ValueError(f"direction must be 'denoise' (the corrupted run, one head clean) or 'noise' (the clean run, "
+                         f"one head corrupted); got {direction!r}.")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number >= 1 (patches per forward); got {chunk!r}.")
+    mods = attention_modules(model)
+    if modules is not None:
+        unknown = [n for n in modules if n not in mods]
+        if unknown:
+            raise ValueError(f"no multihead attention module named {unknown[0]!r}; modules: {list(mods)}.")
+        mods = {n: mods[n] for n in modules}
+    if not mods:
+        raise ValueError("the model has no attention module multihead sees: attach it (multihead.hf.attach) or "
+                         "observe it (heads.observe) first.")
+    call = run or _call
+    base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            base_out, src_out = {}, {}
+            with _recording(mods, base_out):
+                base_output = call(model, base_in)
+            with _recording(mods, src_out):
+                src_output = call(model, src_in)
+            return _patched(model, mods, (base_in, base_output, base_out), (src_output, src_out), metric, call,
+                            positions=positions, chunk=chunk, direction=direction)
+    finally:
+        model.train(was)
+
+
+def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk: int, direction: str) -> Patching:
+    base_in, base_output, base_out = base
+    src_output, src_out = source
+    for n in mods:
+        if n not in base_out or n not in src_out:
+            raise ValueError(f"{n} was not called by the model on these inputs: nothing to patch.")
+        if base_out[n].shape != src_out[n].shape:
+            raise ValueError(f"{n}: the clean and corrupted runs give its heads' outputs of shapes "
+                             f"{tuple(src_out[n].shape)} and {tuple(base_out[n].shape)} (B, Lq, H, Dv): patching "
+                             "takes a head's output position by position, so both inputs need the same length; pad "
+                             "the shorter one (and mask it) to align their positions.")
+    B = next(iter(base_out.values())).shape[0]
+    base_v, src_v = _value(metric, base_output, B), _value(metric, src_output, B)
+    todo = [(n, h, pos) for n, m in mods.items() for h in range(_num_heads(m))
+            for pos in (range(base_out[n].shape[1]) if positions else [None])]
+    got: list[float] = []
+    for i in range(0, len(todo), chunk):
+        part = todo[i:i + chunk]
+        by_module: dict[str, list] = {}
+        for p, (n, h, pos) in enumerate(part):
+            by_module.setdefault(n, []).append((p, h, pos))
+        handles = [mods[n].attention_hooks.add_transform(_patching(n, src_out[n], items, B))
+                   for n, items in by_module.items()]
+        try:
+            output = call(model, _repeat(base_in, len(part), B))
+        finally:
+            for h in handles:
+                h.remove()
+        got += [_value(metric, _rows(output, p * B, (p + 1) * B, len(part) * B), B) for p in range(len(part))]
+    values, k = {}, 0
+    for n, m in mods.items():
+        H, L = _num_heads(m), base_out[n].shape[1]
+        size = H * (L if positions else 1)
+        v = torch.tensor(got[k:k + size], dtype=torch.float64)
+        values[n] = v.view(H, L) if positions else v  # (H,) or (H, L)
+        k += size
+    return Patching(values, base_v, src_v, direction)

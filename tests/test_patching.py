@@ -1,0 +1,113 @@
+"""Activation patching per head (heads.patch): batched patches equal one patched forward per head, written here
+independently through each module's hook list; per position, both directions, any chunk size; bad input refused
+before any patched forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multihead import MultiHeadAttention, heads
+
+
+class TwoLayers(nn.Module):
+    """Tokens -> embedding + positions -> two attention layers (residual) -> logits."""
+
+    def __init__(self, V=11, E=16, H=4, L=6):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(L, E) * 0.5)
+        self.layers = nn.ModuleList(MultiHeadAttention(E, H) for _ in range(2))
+        self.out = nn.Linear(E, V)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos[: ids.shape[1]]  # (B, L, E)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)  # (B, L, V)
+
+
+def _model():
+    torch.manual_seed(0)
+    m = TwoLayers().eval()
+    m(torch.zeros(1, 6, dtype=torch.long))  # builds the lazy layers
+    return m
+
+
+def _logit_diff(out):  # (B,): the last position's logit of token 3 minus token 5
+    return out[:, -1, 3] - out[:, -1, 5]
+
+
+def _one_at_a_time(model, base, source, name, h, pos=None):
+    """One forward: the base run with head h of module ``name`` (at ``pos``, or everywhere) from the source run."""
+    mod = dict(model.named_modules())[name]
+    kept = {}
+
+    def keep(m, out, live):
+        kept["out"] = out.detach().clone()
+        return out
+
+    handle = mod.attention_hooks.add_transform(keep)
+    with torch.no_grad():
+        model(source)
+    handle.remove()
+
+    def put(m, out, live):
+        out = out.clone()
+        if pos is None:
+            out[:, :, h] = kept["out"][:, :, h]
+        else:
+            out[:, pos, h] = kept["out"][:, pos, h]
+        return out
+
+    handle = mod.attention_hooks.add_transform(put)
+    with torch.no_grad():
+        v = _logit_diff(model(base)).mean()
+    handle.remove()
+    return float(v)
+
+
+def test_batched_patches_equal_one_forward_per_head_in_both_directions_and_per_position():
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 11, (2, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 4) % 11
+    for direction, base, source in (("denoise", corrupted, clean), ("noise", clean, corrupted)):
+        r = heads.patch(model, clean, corrupted, _logit_diff, direction=direction, chunk=3)
+        assert list(r.values) == ["layers.0", "layers.1"] and r.values["layers.0"].shape == (4,)
+        with torch.no_grad():
+            assert r.base == pytest.approx(float(_logit_diff(model(base)).mean()), abs=1e-6)
+            assert r.source == pytest.approx(float(_logit_diff(model(source)).mean()), abs=1e-6)
+        for name, v in r.values.items():
+            want = torch.tensor([_one_at_a_time(model, base, source, name, h) for h in range(4)], dtype=torch.float64)
+            assert torch.allclose(v, want, atol=1e-5), (direction, name, v, want)
+        assert not torch.allclose(r.values["layers.0"], torch.full((4,), r.base, dtype=torch.float64))
+    per = heads.patch(model, clean, corrupted, _logit_diff, positions=True, modules=["layers.1"], chunk=5)
+    assert per.values["layers.1"].shape == (4, 6) and list(per.values) == ["layers.1"]
+    for h, pos in ((0, 5), (3, 2), (2, 0)):
+        assert per.values["layers.1"][h, pos] == pytest.approx(
+            _one_at_a_time(model, corrupted, clean, "layers.1", h, pos), abs=1e-5)
+    whole = heads.patch(model, clean, corrupted, _logit_diff, chunk=100)  # every patch in one forward
+    assert torch.allclose(heads.patch(model, clean, corrupted, _logit_diff, chunk=1).values["layers.1"],
+                          whole.values["layers.1"], atol=1e-6)
+    same = heads.patch(model, clean, clean, _logit_diff)  # nothing differs: every patch gives the base
+    assert all(torch.allclose(v, torch.full_like(v, same.base), atol=1e-6) for v in same.values.values())
+    assert "| layers.0 |" in whole.to_markdown() and whole.grid().shape == (2, 4)
+
+
+def test_bad_input_is_refused_before_any_patched_forward():
+    model = _model()
+    a, b = torch.randint(0, 11, (1, 6)), torch.randint(0, 11, (1, 5))
+    with pytest.raises(ValueError, match=r"layers.0: the clean and corrupted runs give its heads' outputs of shapes "
+                                         r"\(1, 6, 4, 4\) and \(1, 5, 4, 4\).*same length; pad the shorter"):
+        heads.patch(model, a, b, _logit_diff)
+    with pytest.raises(ValueError, match=r"metric must return a scalar or a \(1,\) tensor .*got Tensor of shape "
+                                         r"\(1, 6, 11\)"):
+        heads.patch(model, a, a, lambda out: out)
+    with pytest.raises(ValueError, match=r"no multihead attention module named 'layers.7'; modules: \['layers.0', "):
+        heads.patch(model, a, a, _logit_diff, modules=["layers.7"])
+    with pytest.raises(ValueError, match=r"chunk must be a whole number >= 1"):
+        heads.patch(model, a, a, _logit_diff, chunk=0)
+    with pytest.raises(ValueError, match=r"direction must be 'denoise'"):
+        heads.patch(model, a, a, _logit_diff, direction="both")
