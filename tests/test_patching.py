@@ -174,3 +174,42 @@ def test_patching_finds_the_induction_head_of_a_model_trained_here():
     assert top // 4 == 1 and top % 4 == int(induction.argmax()), (rise, induction)
     assert rise.flatten().sort().values[-1] > 2 * rise.flatten().sort().values[-2], rise
     assert induction.max() > 0.5, induction
+
+
+class Continuous(nn.Module):
+    """Two attention layers (residual) on continuous inputs (B, L, E): a small change of the input is a small patch."""
+
+    def __init__(self, E=16, H=4):
+        super().__init__()
+        self.layers = nn.ModuleList(MultiHeadAttention(E, H) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_attribution_patching_is_the_first_order_of_real_patching():
+    """For a small corruption, attribution patching (one forward, one backward) agrees with real patching to first
+    order, in both directions and per position; it reaches no parameter's .grad. A metric not computed from the
+    output is refused."""
+    torch.manual_seed(0)
+    model = Continuous().eval()
+    clean = torch.randn(2, 5, 16)
+    model(clean)
+    corrupted = clean + 1e-3 * torch.randn(2, 5, 16)
+
+    def metric(out):
+        return out[:, -1, 0]
+
+    for direction in ("denoise", "noise"):
+        for positions in (False, True):
+            real = heads.patch(model, clean, corrupted, metric, direction=direction, positions=positions)
+            est = heads.attribution(model, clean, corrupted, metric, direction=direction, positions=positions)
+            assert est.base == pytest.approx(real.base, abs=1e-6) and est.source == pytest.approx(real.source, abs=1e-6)
+            effect = max(float((v - real.base).abs().max()) for v in real.values.values())
+            agree = est.agreement(real)
+            assert effect > 1e-5 and agree["max_abs_diff"] < 0.02 * effect and agree["pearson"] > 0.999, agree
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="metric must return a tensor computed from the model's output"):
+        heads.attribution(model, clean, corrupted, lambda out: 1.0)

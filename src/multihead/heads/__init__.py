@@ -19,7 +19,7 @@ from multihead.heads.importance import (
     importance,
 )
 from multihead.heads.observe import observe, observed, unobserve
-from multihead.heads.patching import Patching, patch
+from multihead.heads.patching import Patching, attribution, patch
 from multihead.heads.pruning import (
     Curve,
     head_counts,
@@ -31,7 +31,7 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["METHODS", "Captured", "Curve", "Importance", "Patching", "ablation_importance", "attention_modules",
+__all__ = ["METHODS", "Captured", "Curve", "Importance", "Patching", "ablation_importance", "attention_modules", "attribution",
            "capture", "entropy_importance", "gated", "gradient_importance", "head_counts", "importance",
            "mean_head_outputs", "observe", "observed", "patch", "plot_curve", "prune", "pruning_curve", "resize",
            "save_curve", "unobserve"]

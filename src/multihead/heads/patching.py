@@ -7,6 +7,11 @@ run, and reads the metric: ``direction="denoise"`` (the corrupted run, one head 
 comes back) or ``"noise"`` (the clean run, one head corrupted: how much of it goes). Patches are batched along the
 batch dimension, ``chunk`` of them a forward (the base input repeated, each copy with its own head patched), never
 one forward per head; memory grows with ``chunk``.
+
+:func:`attribution` estimates every patch at once to first order (attribution patching): one forward and one
+backward of the base run, one forward of the other; head h's estimate is the metric's gradient with respect to its
+output times the change patching would make, (a_source - a_base) . dmetric/da_base. :meth:`Patching.agreement`
+compares it with the real patches.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import Tensor, nn
 from multihead.heads.gates import attention_modules
 from multihead.layer.hooks import num_heads as _num_heads
 
-__all__ = ["Patching", "patch"]
+__all__ = ["Patching", "attribution", "patch"]
 
 
 @dataclass
@@ -48,6 +53,16 @@ class Patching:
         H = max(v.shape[0] for v in self.values.values())
         rows = [torch.cat([v, v.new_full((H - v.shape[0], *v.shape[1:]), float("nan"))]) for v in self.values.values()]
         return torch.stack(rows)
+
+    def agreement(self, other: Patching) -> dict[str, float]:
+        """How well two results of the same experiment agree (attribution against real patching): the Pearson
+        correlation of their values over every head (and position), and the largest difference."""
+        a = torch.cat([v.flatten() for v in self.values.values()])
+        b = torch.cat([other.values[n].flatten() for n in self.values])
+        a0, b0 = a - a.mean(), b - b.mean()
+        denom = float(a0.norm() * b0.norm())
+        return {"pearson": float(a0 @ b0) / denom if denom > 0 else float("nan"),
+                "max_abs_diff": float((a - b).abs().max())}
 
     def to_markdown(self) -> str:
         """The (module x head) table of values (all-position patching)."""
@@ -147,15 +162,7 @@ def patch(model: nn.Module, clean, corrupted, metric: Callable, *, direction: st
                          f"one head corrupted); got {direction!r}.")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number >= 1 (patches per forward); got {chunk!r}.")
-    mods = attention_modules(model)
-    if modules is not None:
-        unknown = [n for n in modules if n not in mods]
-        if unknown:
-            raise ValueError(f"no multihead attention module named {unknown[0]!r}; modules: {list(mods)}.")
-        mods = {n: mods[n] for n in modules}
-    if not mods:
-        raise ValueError("the model has no attention module multihead sees: attach it (multihead.hf.attach) or "
-                         "observe it (heads.observe) first.")
+    mods = _modules(model, modules)
     call = run or _call
     base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
     was = model.training
@@ -210,3 +217,70 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
         values[n] = v.view(H, L) if positions else v  # (H,) or (H, L)
         k += size
     return Patching(values, base_v, src_v, direction)
+
+
+def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, direction: str = "denoise",
+                positions: bool = False, modules: list[str] | None = None, run: Callable | None = None) -> Patching:
+    """Attribution patching: every patch of :func:`patch` estimated to first order from one forward and one backward
+    of the base run (and one forward of the other), ``base + (a_source - a_base) . dmetric/da_base`` per head (per
+    position with ``positions``); the same arguments and record as :func:`patch` (compare them with
+    :meth:`Patching.agreement`). Gradients reach no parameter's ``.grad``."""
+    if direction not in ("denoise", "noise"):
+        raise ValueError(f"direction must be 'denoise' or 'noise'; got {direction!r}.")
+    mods = _modules(model, modules)
+    call = run or _call
+    base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    was = model.training
+    model.eval()
+    try:
+        src_out: dict[str, Tensor] = {}
+        with torch.no_grad(), _recording(mods, src_out):
+            src_output = call(model, src_in)
+        live: dict[str, Tensor] = {}
+
+        def keep(name):
+            def transform(module, out: Tensor, _live) -> Tensor:
+                live[name] = out  # in the graph: the metric's gradient with respect to it is taken below
+                return out
+            return transform
+
+        handles = [m.attention_hooks.add_transform(keep(n)) for n, m in mods.items()]
+        try:
+            with torch.enable_grad():
+                base_output = call(model, base_in)
+        finally:
+            for h in handles:
+                h.remove()
+        B = next(iter(src_out.values())).shape[0]
+        for n in mods:
+            if n not in live or live[n].shape != src_out[n].shape:
+                raise ValueError(f"{n}: the clean and corrupted runs give its heads' outputs of different shapes (or it "
+                                 "was not called): both inputs need the same length.")
+        value = metric(base_output)
+        total = value.double().mean() if isinstance(value, Tensor) else None
+        if total is None or not total.requires_grad:
+            raise ValueError("metric must return a tensor computed from the model's output (a scalar or (B,)), so "
+                             "that its gradient reaches the heads.")
+        base_v = _value(lambda _o: value, base_output, B)
+        grads = torch.autograd.grad(total, [live[n] for n in mods], allow_unused=True)
+        values = {}
+        for (n, a), gr in zip(((n, live[n]) for n in mods), grads, strict=True):
+            gr = torch.zeros_like(a) if gr is None else gr
+            d = ((src_out[n] - a.detach()) * gr).double()  # (B, Lq, H, Dv): first-order change, summed below
+            values[n] = base_v + (d.sum((0, 3)).transpose(0, 1) if positions else d.sum((0, 1, 3)))  # (H, L) or (H,)
+        return Patching(values, base_v, _value(metric, src_output, B), direction)
+    finally:
+        model.train(was)
+
+
+def _modules(model: nn.Module, modules: list[str] | None) -> dict[str, nn.Module]:
+    mods = attention_modules(model)
+    if modules is not None:
+        unknown = [n for n in modules if n not in mods]
+        if unknown:
+            raise ValueError(f"no multihead attention module named {unknown[0]!r}; modules: {list(mods)}.")
+        mods = {n: mods[n] for n in modules}
+    if not mods:
+        raise ValueError("the model has no attention module multihead sees: attach it (multihead.hf.attach) or "
+                         "observe it (heads.observe) first.")
+    return mods
