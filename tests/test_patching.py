@@ -213,3 +213,51 @@ def test_attribution_patching_is_the_first_order_of_real_patching():
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="metric must return a tensor computed from the model's output"):
         heads.attribution(model, clean, corrupted, lambda out: 1.0)
+
+
+def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
+    """multihead patch --hf DIR on a tiny GPT-2 saved here (word-level tokenizer): its patching.json loads back equal
+    to heads.patch on the same model in memory, and the picture is written; texts of different token counts and a
+    malformed metric are refused in one line, exit 2."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import multihead.hf as mhf
+    from multihead.apps.cli import main
+
+    words = "when mary and john went out gave a drink to".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                           bos_token_id=0, eos_token_id=0)).eval()
+    d = tmp_path / "ckpt"
+    model.save_pretrained(d)
+    T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(d)
+    clean, corrupted = "when mary and john went out john gave a drink to", "when mary and john went out mary gave a " \
+        "drink to"
+    out = tmp_path / "patch"
+    assert main(["patch", "--hf", str(d), "--clean", clean, "--corrupted", corrupted, "--metric", "logit-diff:mary,john",
+                 "--out", str(out), "--chunk", "3"]) == 0
+    got = json.loads((out / "patching.json").read_text())
+    assert (out / "patching.png").stat().st_size > 1000 and "| transformer.h.1.attn |" in (out / "patching.md").read_text()
+    mhf.attach(model)
+    ids = {t: {"input_ids": torch.tensor([[vocab[w] for w in t.split()]]),
+               "attention_mask": torch.ones(1, len(t.split()), dtype=torch.long)} for t in (clean, corrupted)}
+    r = heads.patch(model, ids[clean], ids[corrupted], lambda o: o.logits[:, -1, vocab["mary"]] - o.logits[:, -1,
+                                                                                                        vocab["john"]])
+    assert got["base"] == pytest.approx(r.base, abs=1e-6) and got["source"] == pytest.approx(r.source, abs=1e-6)
+    for n, v in r.values.items():
+        assert torch.allclose(torch.tensor(got["values"][n], dtype=torch.float64), v, atol=1e-6), n
+    capsys.readouterr()
+    for argv, said in (([clean, "when mary went out"], "is 11 tokens and --corrupted 4"),
+                       ([clean, corrupted, "logit-diff:mary"], "--metric takes logit-diff:TOKEN_A,TOKEN_B or loss")):
+        metric = argv[2] if len(argv) > 2 else "loss"
+        assert main(["patch", "--hf", str(d), "--clean", argv[0], "--corrupted", argv[1], "--metric", metric,
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err

@@ -111,6 +111,12 @@ EXAMPLES = {
         '  multihead check --merge shard1.csv shard2.csv shard3.csv --report all.csv --summary class/\n'
         'exit 0 OK, 1 not OK, 2 cannot be graded'
     ),
+    "patch": (
+        'examples:\n'
+        '  multihead patch --hf DIR --clean "When Mary and John went out, John gave a drink to" \\\n'
+        '      --corrupted "When Mary and John went out, Mary gave a drink to" --metric logit-diff:Mary,John\n'
+        'patching.md, patching.json and patching.png go to --out (default out/patch)'
+    ),
     "bench": (
         'examples:\n'
         '  multihead bench --workloads W1 --reps 5\n'
@@ -138,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("prune", "head importance, the pruning curve with measured speed, the pruned model", _prune_options),
             ("check", "grade your own multi-head attention module, or a class's submissions, and locate each bug "
                       "(exit 0 OK, 1 not OK, 2 cannot be graded)", _check_options),
-            ("bench", "multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention", _bench_options)):
+            ("bench", "multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention", _bench_options),
+            ("patch", "activation patching: which heads carry a behaviour (a causal LM, two texts)", _patch_options)):
         p = sub.add_parser(name, epilog=EXAMPLES[name], formatter_class=_Fmt, help=help_)
         options(p)
         p.set_defaults(func=name)
@@ -262,6 +269,21 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary", default=None, metavar="DIR",
                    help="write the class summary: each mistake and how many made it (summary.md, summary.png)")
     p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
+
+
+def _patch_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead patch``."""
+    p.add_argument("--hf", required=True, metavar="DIR", help="a local transformers causal language model (config, "
+                                                              "weights, tokenizer)")
+    p.add_argument("--clean", required=True, help="the text showing the behaviour")
+    p.add_argument("--corrupted", required=True, help="the same number of tokens, the behaviour broken")
+    p.add_argument("--metric", required=True, help="logit-diff:TOKEN_A,TOKEN_B (last position) or loss (of the clean "
+                                                   "text)")
+    p.add_argument("--direction", choices=["denoise", "noise"], default="denoise",
+                   help="denoise: the corrupted run, one head clean; noise: the clean run, one head corrupted")
+    p.add_argument("--positions", action="store_true", help="one patch per head and query position")
+    p.add_argument("--chunk", type=_positive(int), default=32, help="patches per forward")
+    p.add_argument("--out", default="out/patch")
 
 
 def _bench_options(p: argparse.ArgumentParser) -> None:

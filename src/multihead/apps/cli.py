@@ -256,6 +256,15 @@ def _written(args, rows: list[dict]) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
+def _patch(args) -> int:
+    """multihead patch --hf DIR --clean TEXT --corrupted TEXT --metric SPEC: activation patching of every head."""
+    from multihead.apps import patching
+
+    patching.run(args.hf, args.clean, args.corrupted, args.metric, args.out, positions=args.positions,
+                 direction=args.direction, chunk=args.chunk)
+    return 0
+
+
 def _bench(args) -> int:
     from multihead.apps import bench
 

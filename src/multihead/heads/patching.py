@@ -64,6 +64,12 @@ class Patching:
         return {"pearson": float(a0 @ b0) / denom if denom > 0 else float("nan"),
                 "max_abs_diff": float((a - b).abs().max())}
 
+    def figure(self, metric_name: str = "metric"):
+        """The effects as a picture (:func:`multihead.viz.curves.patching_figure`)."""
+        from multihead.viz.curves import patching_figure
+
+        return patching_figure(self, metric_name=metric_name)
+
     def to_markdown(self) -> str:
         """The (module x head) table of values (all-position patching)."""
         H = max(v.shape[0] for v in self.values.values())
