@@ -98,21 +98,25 @@ def test_families_whose_cut_cannot_be_exact_are_refused_and_left_unchanged(famil
 
 
 def test_a_cut_that_does_not_verify_is_refused_and_every_module_restored():
-    """A layout that assigns the wrong rows (the failure verification exists for): prune refuses naming the
-    module and what differed, and the module cut before it in the same call is restored as it was."""
-    model, x = _build(DECODERS, "qwen3")
+    """A layout that cuts the wrong heads (the failure verification exists for: shapes right, rows wrong): prune
+    refuses naming the module and how far the cut is from the gated module, and the module cut before it in the same
+    call is restored as it was."""
+    model, x = _build(ENCODERS, "roberta")
     mhf.attach(model)
     mods = mhf.attention_modules(model)
     first, last = list(mods)[0], list(mods)[-1]
     before = _out(model, x)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     lay = mods[last].attention_hooks.layout
-    wrong = type(lay)(**{**vars(lay), "q": lay.k, "k": lay.q})  # keys' rows taken for the queries'
 
-    mods[last].attention_hooks.layout = wrong
-    with pytest.raises(ValueError, match=rf"{last} \(Qwen3Attention\): cutting heads \[1\] does not give the gated "
-                                         r"module's outputs on its recorded call \((its forward raised|max \|cut - "
-                                         r"gated\|).*nothing was cut"):
+    class Shifted(type(lay)):  # keeps the head after each one asked for
+        def prune(self, m, keep, kv, mean_out=None, gone=None):
+            super().prune(m, [(h + 1) % 4 for h in keep], [(h + 1) % 4 for h in kv], mean_out, gone)
+
+    mods[last].attention_hooks.layout = Shifted(**vars(lay))
+    with pytest.raises(ValueError, match=rf"{last} \(RobertaSelfAttention\): cutting heads \[1\] does not give the "
+                                         r"gated module's outputs on its recorded call \(max \|cut - gated\| = .*"
+                                         r"nothing was cut"):
         heads.prune(model, {first: [0], last: [1]})
     mods[last].attention_hooks.layout = lay
     assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes

@@ -178,17 +178,11 @@ def _check(args) -> int:
         print(f"multihead check: nothing matches {' '.join(args.target) or '(no target)'} (give FILE.py:NAME, a "
               "folder holding .py or .ipynb files, or a glob of them; or --merge REPORT...)", file=sys.stderr)
         return 2
-    names = classroom.feedback_names([f for f, _ in files])  # the whole class's, a slice's feedback among them
+    # the whole class's feedback names (a slice's among them), and each file's name in the class
+    names, (in_class, class_id) = classroom.feedback_names([f for f, _ in files]), classroom.names_in_class(files)
     if part is not None:
         files = classroom.shard(files, *part)
-    if args.call in ("x", "qkv") and mask is not None:
-        print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
-              f"the module; use --call {args.call}_mask, or --mask none", file=sys.stderr)
-        return 2
-    try:
-        classroom.kwargs_of(args.init)
-    except (SyntaxError, ValueError) as e:
-        print(f"multihead check: --init {args.init!r}: {e}", file=sys.stderr)
+    if _not_honoured(args, mask):
         return 2
     memory = parse_size(args.memory)  # a ValueError is one line and exit 2 (main)
     scheme = classroom.load_points(args.points) if args.points else None
@@ -217,8 +211,26 @@ def _check(args) -> int:
                                     feedback=args.feedback, names=names, **opts) if files else []
         for r in rows:
             r["shard"] = args.shard.replace(" ", "") if part is not None else ""
+            r["name"], r["class"] = in_class[r["file"]], class_id  # which file of which class, wherever it is mounted
         _class_table(rows)
     return _written(args, rows)
+
+
+def _not_honoured(args, mask: str | None) -> bool:
+    """Whether the options ask what cannot be done (said in one line on stderr): a mask the call cannot pass, an
+    --init that is not keyword literals."""
+    from multihead.grader import classroom
+
+    if args.call in ("x", "qkv") and mask is not None:
+        print(f"multihead check: --call {args.call} with --mask {mask} cannot be honoured: the call passes no mask to "
+              f"the module; use --call {args.call}_mask, or --mask none", file=sys.stderr)
+        return True
+    try:
+        classroom.kwargs_of(args.init)
+    except (SyntaxError, ValueError) as e:
+        print(f"multihead check: --init {args.init!r}: {e}", file=sys.stderr)
+        return True
+    return False
 
 
 def _class_table(rows: list[dict]) -> None:

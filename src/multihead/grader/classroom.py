@@ -17,18 +17,19 @@ import secrets
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from multihead.grader.report import Report, points_scheme
 from multihead.grader.runner import Limits, SandboxError, SandboxSubject
 from multihead.grader.subject import HOW, SELF_CALLS
 from multihead.grader.verdict import Options, grade_subject
 
-__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "merge", "parse_shard", "read_report",
-           "shard", "summary", "table", "targets", "feedback_names", "write_feedback", "write_report", "write_summary"]
+__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "merge", "names_in_class", "parse_shard",
+           "read_report", "shard", "summary", "table", "targets", "feedback_names", "write_feedback", "write_report",
+           "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
-          "shard")
+          "shard", "name", "class")
 
 
 def kwargs_of(text: str | None) -> dict:
@@ -92,7 +93,8 @@ def _row(path: Path, status: str, report: Report | None = None, finding: str = "
         finding = finding or report.summary()
     return {"file": str(path), "ok": status == "ok", "status": status, "points": round(earned, 2),
             "possible": round(possible, 2), "failed": failed, "mistakes": mistakes, "finding": finding,
-            "seconds": round(seconds, 2), "seed": seed, "scheme": scheme_id(scheme), "shard": ""}
+            "seconds": round(seconds, 2), "seed": seed, "scheme": scheme_id(scheme), "shard": "", "name": Path(path).name,
+            "class": ""}
 
 
 def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
@@ -211,12 +213,24 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+def names_in_class(files: list[tuple[Path, str | None]]) -> tuple[dict[str, str], str]:
+    """({file: its path under the class's common folder}, the class's identity: how many files and a fingerprint of
+    their names) -- the same on every machine that holds the class, wherever it is mounted."""
+    names = dict(zip((str(f) for f, _ in files), _under_common_folder([f for f, _ in files]), strict=True))
+    digest = hashlib.sha256("\n".join(sorted(names.values(), key=_parts)).encode()).hexdigest()[:12]
+    return names, f"{len(names)}:{digest}"
+
+
+def _parts(name: str) -> tuple[str, ...]:
+    return PurePosixPath(name).parts  # the order targets() gives a folder's files (path by path, not text)
+
+
 def shard(files: list[tuple[Path, str | None]], k: int, n: int) -> list[tuple[Path, str | None]]:
     """Slice ``k`` of ``n`` (1-based) of a class: the files in the order of their path under the class's common
     folder (the same on every machine that holds the class, wherever it is mounted), every n-th from the k-th. The
     n slices are disjoint and together the class."""
-    names = _under_common_folder([f for f, _ in files])
-    order = sorted(range(len(files)), key=names.__getitem__)
+    names, _ = names_in_class(files)
+    order = sorted(range(len(files)), key=lambda i: _parts(names[str(files[i][0])]))
     return [files[i] for j, i in enumerate(order) if j % n == k - 1]
 
 
@@ -252,9 +266,9 @@ def read_report(path: str | Path) -> list[dict]:
 
 
 def merge(paths: list[str | Path]) -> list[dict]:
-    """The rows of a class's shard reports, joined into the one run's table (in the order of the files' paths).
-    Refused (ValueError, naming the reports) where they were graded on different seeds or points tables, where a
-    file is in two of them, or where a slice of the shards is missing."""
+    """The rows of a class's shard reports, joined into the one run's table (in the order of the files' paths under
+    the class folder). Refused (ValueError, naming what differs) where they were graded on different seeds, points
+    tables or classes, where a file is in two of them, or where rows of the class are missing (a slice not given)."""
     reports = [(Path(p), read_report(p)) for p in paths]
     rows = [r for _, rep in reports for r in rep]
     for key, what in (("seed", "seeds (the probes differ: grade every shard with one --seed)"),
@@ -266,21 +280,22 @@ def merge(paths: list[str | Path]) -> list[dict]:
         if len(seen) > 1:
             named = ", ".join(f"{v} ({k})" for k, v in seen.items())
             raise ValueError(f"--merge: the reports were graded on different {what}: {named}.")
-    files = [r["file"] for r in rows]
-    twice = sorted({f for f in files if files.count(f) > 1})
+    classes = {r["class"] for r in rows}
+    if len(classes) > 1:
+        raise ValueError(f"--merge: the reports are of different classes (files, fingerprint of their names): "
+                         f"{', '.join(sorted(classes))}; grade every shard on the same folder.")
+    names = [r["name"] for r in rows]
+    twice = sorted({f for f in names if names.count(f) > 1})
     if twice:
         raise ValueError(f"--merge: {twice[0]} is in more than one report (give each shard's report once).")
     slices = {r["shard"] for r in rows if r["shard"]}
-    if slices:
-        n = {int(x.split("/")[1]) for x in slices}
-        if len(n) > 1:
-            raise ValueError(f"--merge: the reports are slices of different counts: {', '.join(sorted(slices))}.")
-        n = n.pop()
-        if len(reports) != n:
-            raise ValueError(f"--merge: the reports are slices of {n} and {len(reports)} were given: give every "
-                             f"shard's report once.")
-    order = _under_common_folder([Path(f) for f in files])
-    return [r for _, r in sorted(zip(order, rows, strict=True), key=lambda t: t[0])]
+    if len({x.split("/")[1] for x in slices}) > 1:
+        raise ValueError(f"--merge: the reports are slices of different counts: {', '.join(sorted(slices))}.")
+    total = int(classes.pop().split(":")[0]) if classes and rows[0]["class"] else len(rows)
+    if len(rows) != total:
+        raise ValueError(f"--merge: the reports hold {len(rows)} of the class's {total} files: a slice is missing "
+                         f"(give every shard's report).")
+    return sorted(rows, key=lambda r: _parts(r["name"]))
 
 
 def _under_common_folder(paths: list[Path]) -> list[str]:

@@ -7,9 +7,11 @@ everything it starts) after it has imported what it needs and before it imports 
   the grader put its source: the file is handed to it, never found by path) and ``/dev/null``. A classmate's
   file -- by absolute path, by a glob of the working directory, through ``/proc/<parent>/cwd`` -- and any other
   process's ``/proc`` entries (the grader's command line) are refused by the kernel (``PermissionError``).
-- **Network**: a network namespace of its own (``unshare``; a new user namespace too where the grader is not
-  root), so no address of any protocol leads anywhere, and no socket of any family can be made (a seccomp
-  filter refuses ``socket`` and ``io_uring_setup``): no UDP, no TCP, no Unix socket, abstract or by path.
+- **Network**: a network namespace of its own (``unshare``, in a user namespace of its own: even a grader running
+  as root leaves it no capability over the machine), so no address of any protocol leads anywhere, and no socket
+  of any family can be made (a seccomp filter refuses ``socket`` and ``io_uring_setup``): no UDP, no TCP, no Unix
+  socket, abstract or by path. The same filter refuses what changes a file's mode, owner, times or extended
+  attributes (which Landlock does not cover).
 - **Other processes**: Landlock's scopes (ABI 6) refuse signals to, and abstract sockets of, processes outside
   the sandbox; Landlock already refuses ptrace (and so ``/proc/<pid>/mem``) of them; SysV IPC gets a namespace
   of its own.
@@ -33,8 +35,16 @@ __all__ = ["abi", "confine", "readable", "unconfined"]
 
 #: (create_ruleset, add_rule, restrict_self) by machine: the same numbers on every 64-bit Linux ABI but alpha
 _CALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "arm64": (444, 445, 446)}
-#: (AUDIT_ARCH, socket, io_uring_setup) for the seccomp filter
-_SECCOMP = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425), "arm64": (0xC00000B7, 198, 425)}
+#: the seccomp filter's system calls by machine: (AUDIT_ARCH, refused with EACCES: socket, io_uring_setup; refused
+#: with EPERM: what changes a file's metadata, which Landlock does not cover -- chmod, chown, utime, xattrs)
+_SECCOMP = {
+    "x86_64": (0xC000003E, (41, 425), (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280, 188, 189, 190, 197, 198,
+                                       199, 463, 466)),
+    "aarch64": (0xC00000B7, (198, 425), (52, 53, 452, 54, 55, 88, 5, 6, 7, 14, 15, 16, 463, 466)),
+}
+_SECCOMP["arm64"] = _SECCOMP["aarch64"]
+#: truncate(2) by path, refused by the filter where Landlock is older than ABI 3 (which handles it)
+_TRUNCATE_NR = {"x86_64": 76, "aarch64": 45, "arm64": 45}
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x40000000
 _RULE_PATH_BENEATH = 1
@@ -81,22 +91,29 @@ def abi() -> int:
 
 def readable(exclude: tuple[str, ...] = ()) -> list[str]:
     """The folders a submission's process may read: the interpreter's prefixes (the virtual environment and the
-    Python it was made from), the import path's folders (multihead's own source where it is installed editable),
-    the system's libraries (``/usr``, ``/lib``: what a C extension loads). Never the working directory, nor a
-    folder holding anything in ``exclude`` (the submissions): a class kept beside the code stays unread."""
+    Python it was made from), the import path's folders that lie inside them, multihead's own package folder (an
+    editable install's source), the system's libraries (``/usr``, ``/lib``: what a C extension loads). Never ``/``,
+    the working directory or a folder above it, nor a folder holding anything in ``exclude`` (the submissions): a
+    class kept beside the code stays unread. Call it before changing the working directory."""
     cwd = os.path.realpath(os.getcwd())
-    places = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages(),
-              os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # multihead's package folder
-              *(p for p in sys.path if p and p != "."), "/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache"}
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    inside = [p for p in sys.path if p and any(_under(os.path.realpath(p), pre) for pre in prefixes)]
+    places = {*prefixes, *site.getsitepackages(), *inside, "/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache",
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # multihead's package folder
     out = []
     for p in sorted(places):
         real = os.path.realpath(p)
-        if not os.path.exists(real) or real in out:
+        if real == "/" or not os.path.exists(real) or real in out:
             continue
-        if any(e == real or e.startswith(real + os.sep) for e in (cwd, *map(os.path.realpath, exclude))):
+        if any(_under(e, real) for e in (cwd, *(os.path.realpath(os.path.abspath(x)) for x in exclude))):
             continue  # the working directory or a folder above it, or a folder holding a submission
         out.append(real)
     return out
+
+
+def _under(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (both real, absolute)."""
+    return os.path.commonpath([path, folder]) == folder
 
 
 def _landlock(version: int, scratch: str, read: list[str]) -> None:
@@ -111,7 +128,8 @@ def _landlock(version: int, scratch: str, read: list[str]) -> None:
     if ruleset < 0:
         raise _fail("landlock_create_ruleset")
     rules = [(p, _READ) for p in read] + [(f"/proc/{os.getpid()}", _READ), (scratch, fs), ("/dev/null", fs),
-                                          ("/dev/urandom", _READ), ("/dev/zero", _READ)]
+                                          ("/dev/urandom", _READ), ("/dev/zero", _READ),
+                                          ("/proc/cpuinfo", _READ), ("/sys/devices/system/cpu", _READ)]  # the CPU
     try:
         for path, rights in rules:
             try:
@@ -134,27 +152,32 @@ def _landlock(version: int, scratch: str, read: list[str]) -> None:
 
 def _no_network() -> None:
     """A network namespace (and a SysV IPC one) of this process's own: only a loopback device, down."""
-    flags = _CLONE_NEWNET | _CLONE_NEWIPC | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
+    flags = _CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC  # a user namespace even for root: no capability outside
     if _libc().unshare(flags) < 0:
         raise _fail("unshare")
 
 
-def _no_sockets() -> None:
+def _no_sockets(version: int) -> None:
     """A seccomp filter: ``socket`` and ``io_uring_setup`` fail with EACCES (no socket of any family, IP, Unix,
-    netlink); another system-call ABI (x32, i386) ends the process."""
-    arch, nr_socket, nr_uring = _SECCOMP[platform.machine()]
+    netlink); changing a file's mode, owner, times or extended attributes fails with EPERM (Landlock does not cover
+    them), and so does ``truncate`` where Landlock (``version``) does not; another system-call ABI (x32) is refused,
+    another architecture (i386) ends the process."""
+    arch, sockets, metadata = _SECCOMP[platform.machine()]
+    if version < 3:
+        metadata = (*metadata, _TRUNCATE_NR[platform.machine()])
 
     def op(code, k, jt=0, jf=0):
         return struct.pack("=HBBI", code, jt, jf, k)
 
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    allow, refuse, kill = 0x7FFF0000, 0x00050000 | 13, 0x80000000  # SECCOMP_RET_ALLOW, ERRNO(EACCES), KILL_PROCESS
-    prog = b"".join([
-        op(ld, 4), op(jeq, arch, 1, 0), op(ret, kill),  # seccomp_data.arch
-        op(ld, 0),  # seccomp_data.nr
-        op(jge, 0x40000000, 3, 0), op(jeq, nr_socket, 2, 0), op(jeq, nr_uring, 1, 0),
-        op(ret, allow), op(ret, refuse),
-    ])
+    allow, acces, perm, kill = 0x7FFF0000, 0x00050000 | 13, 0x00050000 | 1, 0x80000000  # SECCOMP_RET_*
+    checks = [(jge, 0x40000000, "acces")] + [(jeq, nr, "acces") for nr in sockets] + \
+        [(jeq, nr, "perm") for nr in metadata]
+    head = [op(ld, 4), op(jeq, arch, 1, 0), op(ret, kill), op(ld, 0)]  # seccomp_data.arch, then .nr
+    n = len(head) + len(checks)  # the index of "allow"; "acces" and "perm" follow it
+    target = {"acces": n + 1, "perm": n + 2}
+    body = [op(code, k, target[to] - (len(head) + i) - 1, 0) for i, (code, k, to) in enumerate(checks)]
+    prog = b"".join([*head, *body, op(ret, allow), op(ret, acces), op(ret, perm)])
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = _SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
     libc = _libc()
@@ -183,7 +206,7 @@ def confine(scratch: str, read: list[str] | None = None) -> list[str]:
     else:
         missing += [_GAPS["files"], _GAPS["processes"]]
     try:
-        _no_sockets()
+        _no_sockets(version)
     except OSError:
         missing.append(_GAPS["sockets"])
     return missing
@@ -192,7 +215,8 @@ def confine(scratch: str, read: list[str] | None = None) -> list[str]:
 _GAPS = {
     "files": "files (no Landlock: it can read and write whatever the grading user can, a classmate's file included)",
     "network": "the network (no network namespace: it can reach this machine's and others' addresses)",
-    "sockets": "sockets (no seccomp filter: it can open UDP and Unix sockets)",
+    "sockets": "sockets and file metadata (no seccomp filter: it can open UDP and Unix sockets, and chmod a "
+               "classmate's file)",
     "signals": "signals (Landlock older than ABI 6: it can signal the grader's other processes)",
     "processes": "other processes (it can read their /proc entries)",
 }

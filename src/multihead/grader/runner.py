@@ -75,7 +75,8 @@ class SandboxSubject:
         scratch = os.path.join(self._log_dir, "scratch")  # where the sandbox may write (not the log beside it)
         os.mkdir(scratch)
         shutil.copyfile(self.path, sandbox.handed(scratch, str(self.path)))  # handed over: never read by path there
-        request = {"path": str(self.path), "name": name, "init": init or {}, "call": call, "seed": seed,
+        # the path absolute: the sandbox excludes its folder from what it may read, wherever the grader runs
+        request = {"path": str(self.path.resolve()), "name": name, "init": init or {}, "call": call, "seed": seed,
                    "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes,
                    "scratch": scratch}
         zygote = _zygote()
@@ -85,6 +86,12 @@ class SandboxSubject:
             self._warden, self._req, self._rep = _exec_warden(request)
         self._closed, self._output, self._status = False, "", {}
         self.ready = self._recv("starting")
+        from multihead.grader import confine
+
+        missed = [g for g in self.ready[0].get("unconfined") or [] if g not in confine.unconfined()]
+        if missed:  # the sandbox could not confine what this machine can (and the grader said it would)
+            self.close(kill=True)
+            raise SandboxError("error", f"the submission's process could not be confined from: {'; '.join(missed)}")
 
     # --- messages ---------------------------------------------------------------------------
     def _recv(self, what: str) -> tuple[dict, dict]:

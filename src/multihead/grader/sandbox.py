@@ -73,7 +73,7 @@ def _build(path: str, name: str, init: dict, seed: int):
     return module, None
 
 
-def _confine(scratch: str, path: str) -> None:
+def _confine(scratch: str, path: str) -> list[str]:
     """``scratch`` (the grader's folder for this sandbox, removed by the grader when it ends) becomes the working
     directory, home and temporary folder of everything this process runs (torch's compile cache, Keras' config
     included) and the only place it may write; then the allow-list of :mod:`multihead.grader.confine` applies
@@ -85,17 +85,19 @@ def _confine(scratch: str, path: str) -> None:
 
     from multihead.grader import confine, notebook, subject, wire  # noqa: F401
 
+    read = confine.readable(exclude=(path,))  # here, in the grader's working directory: never that folder
     os.environ["TMPDIR"] = os.environ["HOME"] = tempfile.tempdir = scratch
     os.chdir(scratch)
-    confine.confine(scratch, confine.readable(exclude=(path,)))  # its folder and the grader's unreadable: no import
+    return confine.confine(scratch, read)  # what it could not confine: the grader compares it with what it said
 
 
 def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
-    _confine(scratch, path)
-    _serve(req, rep, path, name, init=init, call=call, seed=seed, scratch=scratch)
+    gaps = _confine(scratch, path)
+    _serve(req, rep, path, name, init=init, call=call, seed=seed, scratch=scratch, gaps=gaps)
 
 
-def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
+def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str,
+           gaps: list[str]) -> None:
     import torch
 
     from multihead.grader import wire
@@ -109,7 +111,7 @@ def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, s
     module.eval()
     fn = caller(call)
     n_params = sum(1 for _ in module.parameters())
-    wire.send(rep, {"ready": True, "params": n_params})
+    wire.send(rep, {"ready": True, "params": n_params, "unconfined": gaps})
     while True:
         try:
             header, tensors = wire.recv(req)

@@ -176,13 +176,21 @@ def zero_gate(H: int, remove: list[int]):
     return lambda _m, out, _l: out * gate.to(out)[None, None, :, None]
 
 
-def differs(got: Tensor, ref: Tensor) -> str | None:
-    """Why ``got`` is not ``ref`` within the cut's rounding (the same products over fewer terms), or None."""
+def differs(got: Tensor, ref: Tensor, ungated: Tensor | None = None) -> str | None:
+    """Why ``got`` is not ``ref`` within the cut's rounding (the same products over fewer terms), or None.
+    ``ungated``: the module's output with every head, so that in half precision (where rounding allows a loose
+    tolerance) a cut must also be much closer to the gated output than the removed heads' contribution."""
     if got.shape != ref.shape:
         return f"output shape {tuple(got.shape)} against the gated module's {tuple(ref.shape)}"
     tol = max(1e-4, 16 * torch.finfo(ref.dtype).eps) * (float(ref.abs().max()) + 1e-6)
     err = float((got.double() - ref.double()).abs().max())
-    return None if err <= tol else f"max |cut - gated| = {err:.3g} (tolerance {tol:.3g})"
+    if err > tol:
+        return f"max |cut - gated| = {err:.3g} (tolerance {tol:.3g})"
+    gap = float((ungated.double() - ref.double()).abs().max()) if ungated is not None and \
+        ungated.shape == ref.shape else 0.0  # what the removed heads contribute
+    if gap > tol and err > 0.25 * gap:
+        return f"max |cut - gated| = {err:.3g}, a quarter or more of what the removed heads contribute ({gap:.3g})"
+    return None
 
 
 def verify(lay: HeadLayout, m: nn.Module, call: tuple[tuple, dict], seen: Seen) -> str | None:

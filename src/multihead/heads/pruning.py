@@ -252,14 +252,15 @@ def _probe_of(m: nn.Module) -> tuple | None:
     """The call a cut of ``m`` is verified on: the one its layout was derived on (recorded by
     :func:`multihead.hf.attach` / :func:`multihead.heads.observe`), or for multihead's own modules (the drop-in
     included) random queries, keys and values of its input sizes (B=2, L=5)."""
+    g = torch.Generator().manual_seed(0)  # its own: the user's random stream is left as it was
     if isinstance(m, MultiHeadAttention):
         q, k, v, _ = m.projections()
         w = q.weight
-        x = [torch.randn(2, 5, p.in_features, dtype=w.dtype, device=w.device) for p in (q, k, v)]
+        x = [torch.randn(2, 5, p.in_features, generator=g).to(w) for p in (q, k, v)]  # (B, L, E)
         return tuple(x), {}
     if m.attention_hooks.probe is None and isinstance(m, nn.MultiheadAttention | PrunedMultiheadAttention):
         w = m.out_proj.weight  # multihead's drop-in (or its pruned form), never observed: torch.nn's call
-        x = [torch.randn(*((2, 5, e) if m.batch_first else (5, 2, e)), dtype=w.dtype, device=w.device)
+        x = [torch.randn(*((2, 5, e) if m.batch_first else (5, 2, e)), generator=g).to(w)
              for e in (m.embed_dim, m.kdim, m.vdim)]  # (B, L, E) or (L, B, E)
         return tuple(x), {}
     return m.attention_hooks.probe
@@ -285,6 +286,7 @@ def _cut_verified(model: nn.Module, name: str, m: nn.Module, remove: set[int], m
     u = _Undo([*m.modules(), *(parent.modules() if parent is not None else ()), slot])
     with _quiet(m):
         ref = run_call(m, call, _gate(gate, mo))
+        ungated = run_call(m, call)
     undo.append(u)
     why = None
     try:
@@ -298,8 +300,9 @@ def _cut_verified(model: nn.Module, name: str, m: nn.Module, remove: set[int], m
         why = f"its forward raised {type(e).__name__}: {str(e)[:200]}"
     else:
         if keep is not None:  # the output projection is the parent's: the module's output holds the kept heads' rows
-            ref = ref[..., head_rows(keep, ref.shape[-1] // H)] if keep else None
-        why = None if ref is None else differs(got, ref)
+            rows = head_rows(keep, ref.shape[-1] // H)
+            ref, ungated = (ref[..., rows], ungated[..., rows]) if keep else (None, None)
+        why = None if ref is None else differs(got, ref, ungated)
     if why is not None:
         raise ValueError(f"{name} ({type(m).__name__}): cutting heads {sorted(remove)} does not give the gated "
                          f"module's outputs on its recorded call ({why}); nothing was cut. Gate its heads with "

@@ -324,6 +324,8 @@ def _family_calls_interface(cfg: type) -> bool:
         import importlib
 
         try:
+            if ".configuration_" not in cfg.__module__:
+                raise ImportError(cfg.__module__)  # a configuration of the user's own: no modeling file beside it
             src = inspect.getsource(importlib.import_module(cfg.__module__.replace(".configuration_", ".modeling_")))
             known = "ALL_ATTENTION_FUNCTIONS" in src and "get_interface" in src
         except (ImportError, OSError, TypeError):
@@ -382,7 +384,7 @@ def _choose(self, requested_attention, *args, **kwargs):
     return _ORIGINAL(self, requested_attention, *args, **kwargs)
 
 
-_TABLE = re.compile(r"\b(\w+)\[(?:self\.)?config\._attn_implementation\]")
+_TABLE = re.compile(r"\b(?!ALL_)(\w+)\[(?:self\.)?config\._attn_implementation\]")  # not transformers' own
 
 
 def _picks_by_name(cls: type) -> str:
