@@ -17,7 +17,7 @@ import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
 from test_hf import FAMILIES as ENCODERS  # noqa: E402
 from test_hf_families import FAMILIES as DECODERS  # noqa: E402
-from test_hf_families import SMALL, _lm  # noqa: E402
+from test_hf_families import SMALL, _lm, _out, _real  # noqa: E402
 
 MORE = {
     # per-head layer norms on queries (4) and keys (2): a list of one LayerNorm per head
@@ -46,18 +46,6 @@ def _build(table, family):
             if "norm" in name and p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     return model, inputs()
-
-
-def _out(model, x):
-    with torch.no_grad():
-        o = model(**x)
-    return o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state
-
-
-def _real(x):
-    if "attention_mask" in x and "decoder_input_ids" not in x:
-        return x["attention_mask"].bool()
-    return None
 
 
 @pytest.mark.parametrize("family", [f for f in ALL if f not in REFUSED])

@@ -163,14 +163,9 @@ def patch(model: nn.Module, clean, corrupted, metric: Callable, *, direction: st
     ``positions``: one patch per (head, query position), values (H, L). ``chunk``: patches per forward. Runs without
     gradients, in eval mode. Refused before any patched forward: an unknown module, ``chunk`` < 1, a metric that
     does not give a scalar or (B,) values, inputs whose runs give heads' outputs of different shapes."""
-    if direction not in ("denoise", "noise"):
-        raise ValueError(f"direction must be 'denoise' (the corrupted run, one head clean) or 'noise' (the clean run, "
-                         f"one head corrupted); got {direction!r}.")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number >= 1 (patches per forward); got {chunk!r}.")
-    mods = _modules(model, modules)
-    call = run or _call
-    base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    mods, call, base_in, src_in = _experiment(model, clean, corrupted, direction, modules, run)
     was = model.training
     model.eval()
     try:
@@ -231,11 +226,7 @@ def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, directi
     of the base run (and one forward of the other), ``base + (a_source - a_base) . dmetric/da_base`` per head (per
     position with ``positions``); the same arguments and record as :func:`patch` (compare them with
     :meth:`Patching.agreement`). Gradients reach no parameter's ``.grad``."""
-    if direction not in ("denoise", "noise"):
-        raise ValueError(f"direction must be 'denoise' or 'noise'; got {direction!r}.")
-    mods = _modules(model, modules)
-    call = run or _call
-    base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    mods, call, base_in, src_in = _experiment(model, clean, corrupted, direction, modules, run)
     was = model.training
     model.eval()
     try:
@@ -277,6 +268,15 @@ def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, directi
         return Patching(values, base_v, _value(metric, src_output, B), direction)
     finally:
         model.train(was)
+
+
+def _experiment(model, clean, corrupted, direction: str, modules, run):
+    """(the modules, how the model is called, the base run's inputs, the source run's) of an experiment, checked."""
+    if direction not in ("denoise", "noise"):
+        raise ValueError(f"direction must be 'denoise' (the corrupted run, one head clean) or 'noise' (the clean run, "
+                         f"one head corrupted); got {direction!r}.")
+    base_in, src_in = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    return _modules(model, modules), run or _call, base_in, src_in
 
 
 def _modules(model: nn.Module, modules: list[str] | None) -> dict[str, nn.Module]:
