@@ -243,6 +243,17 @@ class KeyPaddingBroadcasts(Broadcasts):
 class IgnoresItsMask(Broadcasts):
     def __init__(self):
         super().__init__(ignore=True)
+
+
+class NanOnFourDims(Broadcasts):
+    # right on a (B, Lq, Lk) mask; a 4-D one goes through (mask - 1) * inf, which is NaN where the mask keeps (0 * inf)
+    def forward(self, q, k, v, mask):
+        if mask.dim() == 3:
+            return super().forward(q, k, v, mask)
+        B, Lq, _ = q.shape
+        Q, K, V = (f(t).unflatten(-1, (3, 8)).transpose(-3, -2) for f, t in ((self.q, q), (self.k, k), (self.v, v)))
+        s = Q @ K.transpose(-1, -2) / 8 ** 0.5 + (mask.float() - 1) * float("inf")  # (B, H, Lq, Lk)
+        return self.o((s.softmax(-1) @ V).transpose(-3, -2).flatten(-2))
 """
 
 
@@ -262,6 +273,11 @@ def test_a_mask_form_that_broadcasts_without_raising_is_retried(tmp_path, capsys
                         rf"shape \(3, (1, )?3, 5, 24\)", ran), ran
     rep = multihead.check(ns["IgnoresItsMask"](), call="qkv_mask", mask="keep")
     assert not rep.ok and rep.check("masked keys have no influence").passed is False, str(rep)
+    rep = multihead.check(ns["NanOnFourDims"](), call="qkv_mask", mask="keep")  # NaN, not an exception: retried too
+    assert rep.ok, str(rep)
+    assert rep.check("runs on probe inputs").detail.startswith("the mask given as (B, Lq, Lk) bool: under (B, 1, Lq, "
+                                                               "Lk) bool it gave NaN or inf where the reference is "
+                                                               "finite"), rep.check("runs on probe inputs").detail
     f = tmp_path / "broadcasts.py"
     f.write_text(BROADCASTS)
     code = main(["check", f"{f}:Broadcasts", "--call", "qkv_mask", "--mask", "keep"])  # sandboxed
