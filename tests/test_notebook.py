@@ -29,7 +29,7 @@ def _outputs(nb, kind):
 
 def test_the_notebook_runs_and_shows_figures_tables_and_the_explorer(executed):
     assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert len(_outputs(executed, "image/png")) >= 4  # the heads, cross-attention, rollout, pruning curve inline
+    assert len(_outputs(executed, "image/png")) >= 5  # heads, cross-attention, rollout, pruning curve, patching
     roll = next(c for c in executed.cells if c.cell_type == "code" and "rollout(cap" in c.source)
     assert any("image/png" in o.get("data", {}) for o in roll.outputs)
     plot = next(c for c in executed.cells if c.cell_type == "code" and c.source.startswith("curve.plot("))
@@ -53,6 +53,12 @@ def test_the_notebook_runs_and_shows_figures_tables_and_the_explorer(executed):
 
     aligned = int(re.search(r"cross-attention on the aligned digit: (\d+)%", text).group(1))
     assert aligned >= 80  # the anti-diagonal the text promises is there
+    # the experiment: patching ranks the induction head first, the head with the highest induction score
+    found = re.search(r"patching ranks first: layers\.(\d) head (\d); highest induction score: layers\.1 head (\d)",
+                      text)
+    assert found and found.group(1) == "1" and found.group(2) == found.group(3), text[-400:]
+    patch = next(c for c in executed.cells if c.cell_type == "code" and "heads.patch(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in patch.outputs)  # the grid, inline
 
 
 def test_the_inline_explorer_works_in_the_notebooks_html(executed, tmp_path):
