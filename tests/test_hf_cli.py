@@ -160,6 +160,45 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     setup = hf_models.hf_setup(bert_dir, corpus[:64], 16, 32)  # the same held-out sentences as the command's
     assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
     assert "Quantized to int8 last" in (out / "report.md").read_text()
+    _runtime_files_match_the_model(out, report, said)
+
+
+def _runtime_files_match_the_model(out, report, said):
+    """The kept model's runtime files (onnx/, openvino/ in OUT/model) run by a plain ONNX Runtime session and by
+    OpenVINO on the tokenizer's own outputs equal the pruned float model (fp32 within float rounding, int8 within
+    the rounding torch's own int8 model of it shows), at its pruned size; the report times them against the unpruned
+    files beside the bound and says so in report.md and on the command line."""
+    ort = pytest.importorskip("onnxruntime")
+    import numpy as np
+
+    from multihead.quantize import quantize
+
+    model = mhf.load(out / "model", quantized=False)
+    tok = T.AutoTokenizer.from_pretrained(out / "model")
+    enc = tok(sentences(80)[40:43], padding=True, return_token_type_ids=True, return_tensors="np")
+    feed = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    keep = torch.from_numpy(enc["attention_mask"]).bool()  # (B, L): the real tokens
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state  # (B, L, E)
+        torch_int8 = quantize(model, "int8")(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state
+    int8_err = float((torch_int8 - want)[keep].abs().max())
+    for f, tol in (("onnx/model.onnx", 1e-4), ("onnx/model_int8.onnx", 3 * int8_err)):
+        session = ort.InferenceSession(str(out / "model" / f))
+        assert [o.name for o in session.get_outputs()] == ["last_hidden_state"]
+        got = torch.from_numpy(session.run(None, feed)[0])
+        assert (got - want)[keep].abs().max() <= tol, f
+    kept_rows = model.encoder.layer[0].attention.self.query.weight.shape[0]  # the kept heads' rows
+    import onnx
+
+    sizes = {i.name: list(i.dims) for i in onnx.load(str(out / "model/onnx/model.onnx")).graph.initializer}
+    assert sizes["model.encoder.layer.0.attention.self.query.bias"] == [kept_rows] and kept_rows < 32
+    r = report["runtimes"]
+    assert set(r["files"]) >= {"onnx", "onnx_int8"}
+    ov = "openvino" in r["files"]
+    assert {(row["runtime"], row["batch"]) for row in r["rows"]} >= {
+        (n, b) for n in ("ONNX Runtime fp32", "ONNX Runtime int8") + (("OpenVINO fp32",) if ov else ()) for b in (1, 16)}
+    assert all(row["bound"] > 1.0 and row["speedup"] > 0 for row in r["rows"])
+    assert "## Where prediction happens" in (out / "report.md").read_text() and "bound (work removed)" in said
 
 
 def test_quantize_refuses_what_it_cannot_do(bert_dir, tmp_path, capsys):
@@ -237,3 +276,19 @@ def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(be
     before = torch.as_tensor(unpruned.encode(corpus[:5]))
     mhf.attach(unpruned[0].auto_model, packed=True)  # attached inside it, padding-free
     assert (torch.as_tensor(unpruned.encode(corpus[:5])) - before).abs().max() < 1e-5
+
+
+def test_prune_refuses_an_out_folder_holding_other_files(tmp_path, capsys):
+    """--out must be new, empty or a folder a prune wrote: one line, exit 2, before any work; --force writes
+    beside the files (here refused next for another reason, after the folder check)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    (out / "report.md").write_text("an earlier prune's report")
+    assert main(["prune", "--model", "toy", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"multihead prune: --out {out} holds files prune did not write (notes.txt): give a new or "
+                           "empty folder, or --force to write beside them")
+    assert main(["prune", "--model", "toy", "--quantize", "int8", "--force", "--out", str(out)]) == 2
+    assert "--quantize applies to transformers checkpoints" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"

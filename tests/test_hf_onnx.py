@@ -53,9 +53,11 @@ def test_a_pruned_model_exported_to_onnx_gives_the_same_outputs_in_onnx_runtime_
             ids = torch.randint(3, 100, (B, L), generator=g)
             am = torch.ones(B, L, dtype=torch.long)
             am[B - 1, max(1, L // 3):] = 0
-            got = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy()}))
+            tt = (torch.arange(L) >= L // 2).long().expand(B, L)  # (B, L): two segments, as BERT's tokenizer gives
+            got = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy(),
+                                        "token_type_ids": tt.numpy()}))
             with torch.no_grad():
-                want = model(input_ids=ids, attention_mask=am).last_hidden_state
+                want = model(input_ids=ids, attention_mask=am, token_type_ids=tt).last_hidden_state
             keep = am.bool()
             assert got.shape == want.shape, runtime
             assert (got[keep] - want[keep]).abs().max() <= 1e-4, runtime
@@ -118,3 +120,54 @@ def test_the_same_model_is_exported_once_per_process_and_a_changed_one_again():
     assert runtimes._fingerprint(pruned) != runtimes._fingerprint(model)
     with heads.gated(model, {"encoder.layer.0.attention.self": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
         assert runtimes._fingerprint(model) is None  # a gate is not in the weights: never cached
+
+
+def test_export_refuses_heads_cut_by_gates_or_stored_as_zeros(tmp_path):
+    """Never the full-size model with zeros: a model whose heads a gate cuts, or a pruned directory read at full
+    size by transformers (its pruned heads zero), is refused naming the module and the way to its pruned size."""
+    model = _bert(False)
+    with heads.gated(model, {"encoder.layer.1.attention.self": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
+        with pytest.raises(ValueError, match=r"export: encoder.layer.\d.attention.self \(BertSelfAttention\) has hooks "
+                                             r"that change its heads .* cut the heads with heads.prune"):
+            mhf.export_onnx(model, tmp_path / "g.onnx")
+    heads.prune(model, {"encoder.layer.0.attention.self": [1, 3]})
+    mhf.save(model, tmp_path / "m")  # one key/value head per query head: stored at full size, pruned heads zero
+    full = mhf.attach(T.BertModel.from_pretrained(tmp_path / "m").eval())
+    with pytest.raises(ValueError, match=r"export: encoder.layer.0.attention.self \(BertSelfAttention\) holds heads "
+                                         r"\[1, 3\] of 4 whose output weights are all zero .* multihead.hf.load\(DIR\)"):
+        mhf.export(full, tmp_path / "full")
+    assert not (tmp_path / "full" / "onnx" / "model.onnx").exists()
+    written = mhf.export(mhf.load(tmp_path / "m"), tmp_path / "cut")  # loaded by multihead: at its pruned size
+    assert written["onnx"] == tmp_path / "cut" / "onnx" / "model.onnx" and written["onnx_int8"].is_file()
+
+
+def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
+    """fastembed (ONNX Runtime inside) reads a pruned model's folder, onnx/model.onnx beside the tokenizer, as a
+    custom model: its embeddings equal the pruned torch model's mean-pooled, normalised output."""
+    fastembed = pytest.importorskip("fastembed")  # the fastembed extra, which `make test` installs
+    from fastembed.common.model_description import ModelSource, PoolingType
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from multihead.apps.hf_models import pooled
+
+    model = _bert(False)
+    heads.prune(model, {"encoder.layer.0.attention.self": [1, 3], "encoder.layer.1.attention.self": [0, 2]})
+    words = [f"w{i}" for i in range(97)]
+    tok = Tokenizer(models.WordLevel(vocab={"[PAD]": 0, "[UNK]": 1, **{w: i + 3 for i, w in enumerate(words)}},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = tmp_path / "pruned"
+    mhf.save(model, d)
+    T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                              model_max_length=64).save_pretrained(d)
+    mhf.export(model, d)
+    fastembed.TextEmbedding.add_custom_model(model="local/multihead-pruned-bert", pooling=PoolingType.MEAN,
+                                            normalization=True, sources=ModelSource(hf="local/multihead-pruned-bert"),
+                                            dim=32, model_file="onnx/model.onnx")
+    embed = fastembed.TextEmbedding(model_name="local/multihead-pruned-bert", specific_model_path=str(d), threads=1)
+    texts = ["w1 w5 w9 w33", "w2 w8", "w90 w91 w92 w93 w94 w95 w96"]
+    got = torch.from_numpy(__import__("numpy").stack(list(embed.embed(texts))))  # (3, E)
+    enc = T.AutoTokenizer.from_pretrained(d)(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = pooled(model, enc["input_ids"], enc["attention_mask"])  # (3, E)
+    assert (got - want).abs().max() < 1e-4

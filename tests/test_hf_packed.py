@@ -9,6 +9,7 @@ decoders' own packed-sequence inputs (restarting position_ids + cu_seq_lens) run
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 import pickle
 import warnings
@@ -256,6 +257,8 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     model = mhf.attach(T.AutoModel.from_pretrained(minilm_path()).eval(), packed=True)
     heads.prune(model, {"encoder.layer.0.attention.self": [0, 1]})
     mhf.save(model, tmp_path / "m", quantize="int8")
+    if importlib.util.find_spec("onnxscript"):  # its runtime files, as prune --hf writes them (no OpenVINO int8)
+        mhf.export(model, tmp_path / "m")
     r = hf_bench.run(tmp_path / "m", sizes=(1, 3), n_batches=1, st_sentences=6, max_seconds=1.0,
                      log=lambda s: None)
     assert set(r["sizes"]) == {"1", "3"}
@@ -285,6 +288,14 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     assert rows["multihead, padding-free"]["cosine"] > 1 - 1e-6 and rows["transformers (sdpa)"]["speedup"] == 1.0
     assert 0.9 < rows["multihead, 70/72 heads, int8, padding-free"]["cosine"] < 1
     assert rows["multihead served, fp32"]["cosine"] > 1 - 1e-6  # the same function, lean
+    if importlib.util.find_spec("onnxscript"):  # the pruned files against the unpruned checkpoint's, runtime by runtime
+        table = r["runtimes"]
+        assert {(row["runtime"], row["batch"]) for row in table["rows"]} >= {("ONNX Runtime fp32", 1),
+                                                                            ("ONNX Runtime int8", 3)}
+        assert all(1.0 < row["bound"] < 1.03 for row in table["rows"])  # 2 of 72 heads: a small share of the work
+        fp32 = table["fidelity"]["ONNX Runtime fp32"]
+        assert len(fp32) == 3 and all(0.9 < c <= 1 + 1e-6 for c in fp32.values())  # three kinds of text
+        assert "Where prediction happens" in hf_bench.markdown(r)
     int8 = rows["multihead, 70/72 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
     assert abs(rows["multihead served, 70/72 heads, int8"]["cosine"] - int8) < 1e-4
     st = r["sentence_transformers"]

@@ -13,7 +13,7 @@ __all__ = ["quiet_logs", "require"]
 #: the extra of pyproject.toml that installs each optional top-level package
 EXTRA = {"matplotlib": "viz", "sklearn": "train", "tqdm": "train", "keras": "keras", "transformers": "hf",
          "tokenizers": "hf", "playwright": "browser", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx",
-         "openvino": "openvino"}
+         "openvino": "openvino", "nncf": "openvino", "fastembed": "fastembed"}
 
 
 def require(module: str, what: str) -> ModuleType:

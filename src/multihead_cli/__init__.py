@@ -224,13 +224,16 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seconds", type=_positive(float), default=60.0,
                    help="at most this long per batch size for the interleaved speed table")
     p.add_argument("--no-runtime-peers", action="store_true",
-                   help="--hf encoders: leave ONNX Runtime int8 and OpenVINO fp32 (the unpruned model exported, ~15 s) "
-                        "out of the speed table")
+                   help="--hf encoders: leave ONNX Runtime int8 and OpenVINO fp32 of the unpruned model (exported, "
+                        "~15 s) out of the speed table, and the runtime table (the kept model's OUT/model/onnx and "
+                        "OUT/model/openvino files timed against the unpruned model's) out of the report; the files are "
+                        "written either way")
     p.add_argument("--time-budget", type=_duration, default=_duration("4m30s"), metavar="DURATION",
                    help="the whole command's time (300, 300s, 5m, 1h30m; default 4m30s): the heads are re-ranked "
                         "after every step only if that leaves the speed table 30 s, and the table gets what is left "
                         "after importance, the curve and recovery, saying which medians did not settle")
-    p.add_argument("--out", default="out/prune")
+    p.add_argument("--out", default="out/prune", help="output folder: new, empty, or one a prune wrote before")
+    p.add_argument("--force", action="store_true", help="write into --out even though it holds other files")
 
 
 def _check_options(p: argparse.ArgumentParser) -> None:

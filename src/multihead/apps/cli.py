@@ -99,6 +99,29 @@ def _unseen_text(args, corpus: list[str] | None) -> tuple[str, list[str]] | None
     return "the installed packages' descriptions", package_sentences(args.unseen_sentences, exclude=known)
 
 
+#: what ``prune`` writes in --out (and the toy model's checkpoints); anything else there is the user's
+PRUNE_WRITES = frozenset({"importance.json", "importance.png", "curve.json", "curve.png", "report.json", "report.md",
+                          "model", "checkpoints"})
+
+
+def _foreign_files(out: Path) -> str | None:
+    """None when ``out`` is new, empty or holds only what ``prune`` writes; else the one line refusing it."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file: give a folder"
+    other = sorted(p.name for p in out.iterdir() if p.name not in PRUNE_WRITES) if out.is_dir() else []
+    if not other:
+        return None
+    return (f"--out {out} holds files prune did not write ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''}): "
+            "give a new or empty folder, or --force to write beside them")
+
+
+def _said(refusal: str | None) -> bool:
+    """Print ``refusal`` (a line of ``multihead prune``) on stderr when there is one; whether there was."""
+    if refusal:
+        print(f"multihead prune: {refusal}", file=sys.stderr)
+    return bool(refusal)
+
+
 def _prune(args) -> int:
     deadline = time.monotonic() + args.time_budget  # the speed table gets what is left of it
     import matplotlib
@@ -107,6 +130,8 @@ def _prune(args) -> int:
     from multihead.apps import pruning
 
     out = Path(args.out)
+    if not args.force and _said(_foreign_files(out)):
+        return 2
     fraction = args.fraction if args.fraction is not None else 0.8 if args.target_cosine is not None else 0.4
     if args.step > fraction:
         print(f"multihead prune: --step ({args.step}) must not exceed --fraction ({fraction})", file=sys.stderr)
@@ -150,14 +175,19 @@ def _prune(args) -> int:
     except ValueError as e:  # what this model cannot do, refused before any work
         print(f"multihead prune: {e}", file=sys.stderr)
         return 2
-    report = pruning.run(setup, out, options)
-    for line in pruning.summary(report):
-        print(line)
-    print(pruning.speed_table(report["speed"]))
-    for note in report["timing_notes"]:
-        print(f"note: {note}")
-    print(f"report: {out / 'report.md'}; pruned model: {out / 'model'}")
+    _print_report(pruning.run(setup, out, options), out)
     return 0
+
+
+def _print_report(report: dict, out: Path) -> None:
+    """What ``multihead prune`` prints at the end: the kept model, the speed table, the runtime files and table."""
+    from multihead.apps import pruning
+
+    lines = [*pruning.summary(report), pruning.speed_table(report["speed"]),
+             *pruning.runtime_section(report.get("runtimes"))[2:],  # the files and the runtime table
+             *[f"note: {note}" for note in report["timing_notes"]],
+             f"report: {out / 'report.md'}; pruned model: {out / 'model'}"]
+    print("\n".join(lines))
 
 
 def _check(args) -> int:

@@ -123,7 +123,54 @@ def run(pruned: str | Path | None = None, *, sizes: tuple[int, ...] = (1, 16, 64
                 f"({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})")
         per_size[str(B)] = {"batches": len(batches), "tokens": [min(lens), max(lens)], "rows": rows, "busy": busy}
     st = _sentence_transformers(path, pruned, held_out[:st_sentences], max_seconds, log)
-    return {"workload": "W7", "threads": torch.get_num_threads(), "sizes": per_size, "sentence_transformers": st}
+    deployed = None if pruned is None else _runtime_table(
+        path, pruned, tok, held_out, calibration=calib, max_seconds=max_seconds, log=log,
+        sizes={B: n_batches or hf_models.RUNTIME_BATCHES.get(B, 1) for B in sizes})
+    return {"workload": "W7", "threads": torch.get_num_threads(), "sizes": per_size, "sentence_transformers": st,
+            "runtimes": deployed}
+
+
+def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[dict], max_seconds: float,
+                   log, sizes: dict[int, int]) -> dict | None:
+    """The pruned model's own runtime files (``pruned``/onnx, ``pruned``/openvino as ``prune --hf`` wrote them;
+    exported here from its float weights when the folder has none) against the unpruned checkpoint's, exported the
+    same way, in each runtime: :func:`multihead.apps.deploy.compare` on three kinds of unseen text (the held-out
+    sentences, the installed packages' descriptions, passages of the held-out sentences), with the fidelity of each
+    pruned file per kind. None without the onnx extra."""
+    import tempfile
+
+    import transformers
+
+    import multihead.hf as mhf
+    from multihead.apps import deploy
+    from multihead.apps.data import package_sentences
+    from multihead.extras import require
+
+    try:
+        require("onnxscript", "the runtime table")
+    except ImportError as e:
+        log(f"  no runtime table: {e}")
+        return None
+    full = mhf.attach(transformers.AutoModel.from_pretrained(path).eval())
+    kept = mhf.load(pruned, quantized=False)
+    files = {key: Path(pruned) / rel for key, rel in (("onnx", "onnx/model.onnx"), ("onnx_int8", "onnx/model_int8.onnx"),
+                                                      ("openvino", "openvino/openvino_model.xml"),
+                                                      ("openvino_int8", "openvino/openvino_model_int8.xml"))
+             if (Path(pruned) / rel).is_file()}
+    if "onnx" not in files:
+        files = mhf.export(kept, tempfile.mkdtemp(), calibration=calibration)
+    base = mhf.export(full, tempfile.mkdtemp(), calibration=calibration if "openvino_int8" in files else None)
+    n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
+    others = package_sentences(n, exclude=set(held_out))
+    long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)
+    kinds = (("the held-out sentences", n), ("the installed packages' descriptions", len(others)),
+             ("passages of held-out sentences", len(long), "passages"))
+    inputs, by_kind = hf_models.runtime_texts(tok, kinds, held_out[:n] + others, long, hf_models.PASSAGE_TOKENS,
+                                              sizes)
+    rows = deploy.compare(full, kept, base, files, inputs, max_seconds=max_seconds, log=log)
+    fid = deploy.fidelity(full, files, by_kind)
+    log(deploy.markdown(rows, fid))
+    return {"rows": rows, "fidelity": fid}
 
 
 def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, log) -> dict | None:
@@ -191,4 +238,11 @@ def markdown(r: dict) -> str:
                   "(tokenization and its length sorting included)", ""]
         lines += _table("encoder", "encode", st["rows"], "ms_per_encode")
         lines += (["", f"note: {st['busy']}"] if st.get("busy") else [])
+    if r.get("runtimes"):
+        from multihead.apps import deploy
+
+        lines += ["", "**Where prediction happens**: the pruned model's own files against the unpruned checkpoint's "
+                  "files exported the same way, runtime by runtime, on unseen text of three kinds (ms per batch); the "
+                  "bound is the ratio of the padded call's floating-point work", "",
+                  deploy.markdown(r["runtimes"]["rows"], r["runtimes"]["fidelity"])]
     return "\n".join(lines) + "\n"

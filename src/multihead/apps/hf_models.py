@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multihead.apps.deploy import pooled  # noqa: F401 - the fidelity's pooling, used here and by its callers
 from multihead.apps.pruning import Setup
 from multihead.quantize import quantize
 
@@ -88,12 +89,6 @@ def _batches(tok, sents: list[str], size: int, causal: bool, max_length: int = S
         enc = tok(sents[i:i + size], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         out.append((enc["input_ids"], enc["attention_mask"]))
     return out
-
-
-def pooled(model, ids, am):
-    h = model(input_ids=ids, attention_mask=am).last_hidden_state  # (B, L, E)
-    m = am.to(h.dtype)[..., None]  # (B, L, 1)
-    return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
 
 
 def _hidden(model, ids, am):
@@ -341,7 +336,47 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
     setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
+    if not causal:  # the kept encoder written where users run it, calibrated on the importance text
+        calibration = [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
+        setup.export_fn = lambda m, folder: _export(m, folder, calibration)
+        setup.runtime_texts = runtime_texts(tok, kinds, held_out, long, limit)
     return setup
+
+
+def _export(model: nn.Module, folder: Path, calibration: list[dict]) -> dict[str, Path]:
+    import multihead.hf as mhf
+
+    return mhf.export(model, folder, calibration=calibration)
+
+
+#: each batch size's batches per kind of text in the runtime table (batch 1: several short calls)
+RUNTIME_BATCHES = {1: 4, 16: 1, 64: 1}
+
+
+def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit: int,
+                  sizes: dict[int, int] | None = None) -> tuple[dict, dict]:
+    """The runtime table's text (:mod:`multihead.apps.deploy`), from every held-out kind (the split's sentences, the
+    other kind's, the passages): ({batch size: batches}, {kind: batches}). At each batch size, each kind with
+    enough items gives ``sizes[B]`` batches (default :data:`RUNTIME_BATCHES`; a kind with fewer than the batch size
+    is left out there);
+    each kind's fidelity batches (16 items each) hold all its items."""
+    texts, start = {}, 0
+    for kind in kinds:
+        if len(kind) > 2:  # the passages, tokenized to the passage limit
+            texts[kind[0]] = (long, limit)
+        else:
+            texts[kind[0]] = (held_out[start:start + kind[1]], SENTENCE_TOKENS)
+            start += kind[1]
+
+    def batch(items, n, cap):
+        return [{k: v for k, v in tok(items[i:i + n], padding=True, truncation=True, max_length=cap,
+                                      return_tensors="pt").items() if k in ("input_ids", "attention_mask")}
+                for i in range(0, len(items), n)]
+
+    inputs = {}
+    for B, n in (sizes or RUNTIME_BATCHES).items():
+        inputs[B] = [b for items, cap in texts.values() if len(items) >= B for b in batch(items[: B * n], B, cap)]
+    return inputs, {kind: batch(items, 16, cap) for kind, (items, cap) in texts.items()}
 
 
 def runtime_peers(model: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ class Setup:
     more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
     scores_fn: Callable | None = None  # scores_fn(model) -> (n,) per held-out item, metric = their mean (a cosine)
     held_out_kinds: tuple[tuple, ...] | None = None  # the held-out items' consecutive kinds (name, count[, unit])
+    #: export_fn(model, folder) -> {key: path}: the kept model's runtime files (multihead.hf.export) in its folder
+    export_fn: Callable | None = None
+    #: ({batch size: batches}, {kind of text: batches}): what the runtime files are timed and scored on
+    runtime_texts: tuple[dict, dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     setup.pruned = kept.kept
     said = setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
     model_note = said if isinstance(said, str) else None  # what the saved directory cannot do, in one line
+    deployed = _deployed(setup, kept.model, snapshots[0], out / "model", o)
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
     kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
@@ -203,12 +209,37 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
                   "metric": kept.fidelity.mean, "fidelity": kept.fidelity.to_json(),
                   "metric_unpruned": rows[0]["metric"], "quantize": o.quantize},
         "recovery": kept.recovery, "target": search, "model_note": model_note,
-        "peer_metrics": extra_metric,
+        "peer_metrics": extra_metric, "runtimes": deployed,
         "notes": notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
+
+
+def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, o: Options) -> dict | None:
+    """The kept float model written where users run it (``setup.export_fn``: ``folder``/onnx, ``folder``/openvino)
+    and, with the runtime peers on, its files timed against the unpruned model's in each runtime
+    (:func:`multihead.apps.deploy.compare`, each speed-up beside its bound) and scored per kind of text:
+    {"files", "rows", "fidelity"} or {"note"} (a missing extra), None when the setup exports nothing."""
+    if setup.export_fn is None:
+        return None
+    from multihead.apps import deploy
+
+    try:
+        files = setup.export_fn(kept, folder)
+    except ImportError as e:  # the onnx extra
+        return {"note": f"no runtime files written: {e}"}
+    out = {"files": {k: str(Path(v).relative_to(folder)) for k, v in files.items()}}
+    if not o.runtime_peers or setup.runtime_texts is None:
+        return out
+    inputs, kinds = setup.runtime_texts
+    base = setup.export_fn(unpruned, Path(tempfile.mkdtemp()))  # the unpruned model, exported the same way
+    seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
+    out["rows"] = deploy.compare(unpruned, kept, base, files, inputs, max_seconds=seconds / len(inputs) * 3,
+                                 log=print if o.progress else None)
+    out["fidelity"] = deploy.fidelity(unpruned, files, kinds)
+    return out
 
 
 def summary(report: dict) -> list[str]:
@@ -426,4 +457,25 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",
+        *runtime_section(r.get("runtimes")),
     ])
+
+
+def runtime_section(d: dict | None) -> list[str]:
+    """report.md's lines on the runtime files (``report["runtimes"]``): where they are, the table of each runtime's
+    pruned file against its unpruned one beside the bound, the pruned files' fidelity per kind of text."""
+    if not d:
+        return []
+    if "note" in d:
+        return [f"Note: {d['note']}", ""]
+    from multihead.apps import deploy
+
+    lines = ["## Where prediction happens", "", "The kept model written for other runtimes, in `model/`: " +
+             ", ".join(f"`{p}`" for p in d["files"].values()) + " (inputs `input_ids`, `attention_mask`"
+             " and the token types where the model has them; output `last_hidden_state`).", ""]
+    if d.get("rows"):
+        lines += ["Each runtime's pruned file against the unpruned model's file exported the same way, timed in the "
+                  "same interleaved rounds on the held-out text of every kind (ms per batch, median and min-max); the "
+                  "bound is the ratio of the floating-point work of the padded call (what these runtimes compute), "
+                  "the most a cut of that work could give.", "", deploy.markdown(d["rows"], d.get("fidelity"))]
+    return lines

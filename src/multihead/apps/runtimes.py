@@ -13,15 +13,46 @@ import torch
 
 
 class RuntimeModel:
-    """A compiled ONNX model called like the transformers model: ``(input_ids, attention_mask)`` (B, L) ->
-    an object with ``last_hidden_state`` (B, L, E)."""
+    """A compiled ONNX model called like the transformers model: ``(input_ids, attention_mask[, token_type_ids])``
+    (B, L) -> an object with ``last_hidden_state`` (B, L, E). ``names``: the graph's inputs (token types are
+    zeros when the caller gives none, as transformers' BERT makes them)."""
 
-    def __init__(self, run):
-        self.run = run  # {"input_ids": ndarray, "attention_mask": ndarray} -> ndarray (B, L, E)
+    def __init__(self, run, names: list[str]):
+        self.run, self.names = run, list(names)  # run: {name: ndarray (B, L)} -> ndarray (B, L, E)
 
-    def __call__(self, input_ids, attention_mask):
-        out = self.run({"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})
+    def __call__(self, input_ids, attention_mask, token_type_ids=None):
+        x = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "token_type_ids": torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids}
+        out = self.run({n: x[n].numpy() for n in self.names})
         return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
+
+
+def ort_session(f: Path) -> RuntimeModel:
+    """The ONNX file ``f`` (fp32 or int8) in ONNX Runtime on the CPU, with as many threads as torch and its idle
+    workers not spinning (they would slow torch beside them)."""
+    from multihead.extras import require
+
+    ort = require("onnxruntime", "the ONNX Runtime peer")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
+    return RuntimeModel(lambda feed: session.run(None, feed)[0], [i.name for i in session.get_inputs()])
+
+
+def openvino_model(f: Path) -> RuntimeModel:
+    """The ONNX or OpenVINO IR file ``f`` compiled by OpenVINO for the CPU: fp32 inference precision (no bf16 even
+    where the CPU has it; an int8 IR keeps its int8 layers), as many threads as torch, the latency hint (one
+    request at a time, as timed here)."""
+    from multihead.extras import require
+
+    ov = require("openvino", "the OpenVINO peer")
+    compiled = ov.Core().compile_model(str(f), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+        "PERFORMANCE_HINT": "LATENCY"})
+    out = compiled.output(0)
+    return RuntimeModel(lambda feed: compiled(feed)[out], [i.get_any_name() for i in compiled.inputs])
 
 
 def export(model, example: dict) -> Path:
@@ -67,54 +98,41 @@ def _fingerprint(model) -> str | None:
 def ort_int8(f: Path) -> RuntimeModel:
     """The ONNX file ``f`` dynamically quantized to int8 by onnxruntime (QInt8 weights, one scale per output
     channel: on all-MiniLM-L6-v2 pruned 40%, mean cosine 0.970 where one scale per tensor gives 0.947, in about
-    the same time), run with as many threads as torch and its idle workers not spinning (they would slow
-    torch beside them)."""
+    the same time), in :func:`ort_session`."""
     from multihead.extras import quiet_logs, require
 
-    ort = require("onnxruntime", "the ONNX Runtime peer")
+    require("onnxruntime", "the ONNX Runtime peer")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
-        quantize_dynamic(str(f), str(f.with_name("int8.onnx")), weight_type=QuantType.QInt8, per_channel=True)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(f.with_name("int8.onnx")), so, providers=["CPUExecutionProvider"])
-    return RuntimeModel(lambda feed: session.run(None, feed)[0])
+        quantize_dynamic(str(f), str(f.with_name("int8.onnx")), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])
+    return ort_session(f.with_name("int8.onnx"))
 
 
 def openvino_fp32(f: Path) -> RuntimeModel:
-    """The ONNX file ``f`` compiled by OpenVINO for the CPU: fp32 inference precision (no bf16 even where
-    the CPU has it), as many threads as torch, the latency hint (one request at a time, as timed here)."""
-    from multihead.extras import require
-
-    ov = require("openvino", "the OpenVINO peer")
-    compiled = ov.Core().compile_model(str(f), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-        "PERFORMANCE_HINT": "LATENCY"})
-    out = compiled.output(0)
-    return RuntimeModel(lambda feed: compiled(feed)[out])
+    """The ONNX file ``f`` in :func:`openvino_model`."""
+    return openvino_model(f)
 
 
 def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
     """The ONNX file ``f`` quantized by NNCF's static post-training quantization (the transformer preset,
     activations' ranges calibrated on ``calibration``: a list of {"input_ids", "attention_mask"} (B, L) batches,
-    text the timing never uses), compiled by OpenVINO as :func:`openvino_fp32` is: sentence-transformers' own
-    recommendation for CPUs (``export_static_quantized_openvino_model``)."""
+    text the timing never uses), compiled by :func:`openvino_model`: sentence-transformers' own recommendation for
+    CPUs (``export_static_quantized_openvino_model``)."""
     from multihead.extras import quiet_logs, require
 
     ov = require("openvino", "the OpenVINO peer")
     nncf = require("nncf", "the OpenVINO int8 peer")
-    feeds = [{k: b[k].numpy() for k in ("input_ids", "attention_mask")} for b in calibration]
+    model = ov.Core().read_model(str(f))
+    names = [i.get_any_name() for i in model.inputs]
+    feeds = [{n: (b[n] if n in b else torch.zeros_like(b["input_ids"])).numpy() for n in names} for b in calibration]
     with quiet_logs("nncf"):
-        model = nncf.quantize(ov.Core().read_model(str(f)), nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
+        model = nncf.quantize(model, nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
                               subset_size=len(feeds))
-    compiled = ov.Core().compile_model(model, "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-        "PERFORMANCE_HINT": "LATENCY"})
-    out = compiled.output(0)
-    return RuntimeModel(lambda feed: compiled(feed)[out])
+    d = Path(tempfile.mkdtemp())
+    ov.save_model(model, str(d / "int8.xml"), compress_to_fp16=False)
+    return openvino_model(d / "int8.xml")
 
 
 def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:

@@ -49,10 +49,11 @@ from multihead.hf.attention import (  # noqa: F401
     refusal,
 )
 from multihead.hf.encoder import serve
+from multihead.hf.export import export, export_onnx
 from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
-           "export_onnx", "load", "loading", "save", "serve"]
+           "export", "export_onnx", "load", "loading", "save", "serve"]
 
 HEADS_KEY = "multihead_head_counts"
 PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))
@@ -313,85 +314,3 @@ def _resize(model: nn.Module, raw: dict, cfg_file: Path, w_file: Path) -> None:
         o = owner.get_submodule(layout.o)
         if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
             o.bias = nn.Parameter(torch.zeros(out_features(o), device=o.weight.device, dtype=o.weight.dtype))
-
-
-class _TokensToHidden(nn.Module):
-    """(input_ids (B, L), attention_mask (B, L)) -> the model's first output (last hidden state or logits)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
-        return out[0]  # (B, L, E) or (B, L, vocab)
-
-
-def _export_example(x: dict) -> tuple[Tensor, Tensor]:
-    """(input_ids, attention_mask), each (B, L) with B, L >= 2 (a size of 1 would be specialised as a
-    constant), from an example's inputs, checked."""
-    ids = x.get("input_ids")
-    if not isinstance(ids, Tensor) or ids.dim() != 2:
-        raise ValueError("export_onnx: example must hold input_ids (B, L).")
-    am = x.get("attention_mask", torch.ones_like(ids))
-    if not isinstance(am, Tensor) or am.shape != ids.shape or not bool(((am == 0) | (am == 1)).all()):
-        got = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
-        raise ValueError(f"export_onnx: attention_mask must be a (B, L) padding mask of 0 and 1 like input_ids "
-                         f"{tuple(ids.shape)}; got {got}. Other mask forms (4-D, float biases) are not exported.")
-    if ids.shape[1] < 2:
-        ids, am = ids.repeat(1, 2), am.repeat(1, 2)  # (B, 1) -> (B, 2)
-    if ids.shape[0] < 2:
-        ids, am = ids.repeat(2, 1), am.repeat(2, 1)  # (1, L) -> (2, L)
-    return ids, am
-
-
-def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None) -> Path:
-    """Write ``model`` (pruned or not) as an ONNX file taking ``input_ids`` and ``attention_mask``
-    (B, L), both sizes dynamic (L up to the config's ``max_position_embeddings``), and giving its
-    first output (``last_hidden_state`` or ``logits``). Uses ``torch.onnx.export`` (the ``onnx``
-    extra). A padding-free model is exported padded (the same outputs on real tokens; ONNX gets
-    one static graph). Refused with a clear error: a quantized model (export the float one and
-    quantize in ONNX Runtime), a model whose forward takes no ``attention_mask``, a decoder whose
-    call would make a cache, and masks other than a (B, L) 0/1 padding mask in ``example``."""
-    from multihead.extras import require
-    from multihead.hf import packed as hf_packed
-    from multihead.quantize import is_quantized
-
-    require("onnxscript", "multihead.hf.export_onnx")
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"export_onnx takes a transformers PreTrainedModel; got {type(model).__name__}.")
-    if is_quantized(model):
-        raise ValueError("export_onnx: the model is quantized (PyTorch's dynamic int8 kernels have no ONNX form); "
-                         "export the float model and quantize the ONNX file with onnxruntime.quantization.")
-    if "attention_mask" not in inspect.signature(model.forward).parameters:
-        raise ValueError(f"export_onnx: {type(model).__name__}.forward takes no attention_mask; the exported graph's "
-                         "inputs are input_ids and attention_mask (B, L).")
-    ids, am = _export_example(example if example is not None else probe_inputs(model))
-    if getattr(model.config, "use_cache", False) and any(getattr(m, "is_causal", False)
-                                                        for m in attention_modules(model).values()):
-        raise ValueError("export_onnx: a decoder would make a key/value cache; set model.config.use_cache = False "
-                         "to export the one-pass graph.")
-    packing = model.__dict__.get(hf_packed.KEY)
-    was, model_training = (packing.enabled if packing is not None else None), model.training
-    if packing is not None:
-        packing.enabled = False  # ONNX gets the padded graph: no data-dependent shapes
-    model.eval()
-    try:
-        L_max = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
-        B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
-        import warnings
-
-        from multihead.extras import quiet_logs
-
-        with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's to act on
-            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
-            torch.onnx.export(_TokensToHidden(model).eval(), (ids, am), str(path), dynamo=True,
-                              input_names=["input_ids", "attention_mask"], output_names=["output"],
-                              dynamic_shapes={"input_ids": {0: B, 1: L}, "attention_mask": {0: B, 1: L}},
-                              verbose=False)
-    finally:
-        if packing is not None:
-            packing.enabled = was
-        model.train(model_training)
-    return Path(path)

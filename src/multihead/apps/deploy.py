@@ -1,0 +1,133 @@
+"""The cut where prediction happens: a pruned encoder's exported files (:func:`multihead.hf.export`) against the
+unpruned model's files in the same runtime (ONNX Runtime fp32 and int8, OpenVINO fp32 and int8), timed
+interleaved at each batch size, each speed-up beside the arithmetic bound of the work the cut removed
+(:func:`work`: the floating-point operations of the padded call, as the runtimes compute padding), with the pruned
+file's fidelity per kind of text. Used by ``prune --hf`` and ``multihead bench --pruned``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multihead.apps import runtimes, timing
+
+#: (label, the key of :func:`multihead.hf.export`'s result, how a file is opened)
+RUNTIMES = (("ONNX Runtime fp32", "onnx", runtimes.ort_session), ("ONNX Runtime int8", "onnx_int8", runtimes.ort_session),
+            ("OpenVINO fp32", "openvino", runtimes.openvino_model),
+            ("OpenVINO int8", "openvino_int8", runtimes.openvino_model))
+
+
+def pooled(model, ids, am):
+    """Mean-pooled, normalised last hidden states (B, E) of ``model`` on (input_ids, attention_mask) (B, L): the
+    sentence embedding sentence-transformers' MiniLM gives, and the fidelity ``prune --hf`` measures."""
+    h = model(input_ids=ids, attention_mask=am).last_hidden_state  # (B, L, E)
+    m = am.to(h.dtype)[..., None]  # (B, L, 1)
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)  # (B, E)
+
+
+def work(model: nn.Module, batch: dict) -> float:
+    """Floating-point operations of one padded call of ``model`` on ``batch`` ({"input_ids", "attention_mask"}
+    (B, L)): the matrix products torch runs (``FlopCounterMode``: projections, feed-forward) plus each attention
+    module's scores and weighted sum, 2·B·H·Lq·Lk·(D + Dv) with Lq = Lk = L (multihead's kernels are not seen by the
+    counter). The padded call is what ONNX Runtime and OpenVINO compute; a padding-free model is counted padded."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import multihead.hf as mhf
+    from multihead.hf import packed as hf_packed
+
+    packing = model.__dict__.get(hf_packed.KEY)
+    was = packing.enabled if packing is not None else None
+    if packing is not None:
+        packing.enabled = False
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        if packing is not None:
+            packing.enabled = was
+    B, L = batch["input_ids"].shape
+    scores = 0
+    for m in mhf.attention_modules(model).values():
+        hooks = m.attention_hooks
+        D = hooks.layout.head_dim(m) if hooks.layout is not None else 0
+        scores += 2 * B * hooks.num_heads * L * L * 2 * D
+    return float(counter.get_total_flops() + scores)
+
+
+def _pair(t_full: timing.Timing, t_pruned: timing.Timing) -> tuple[float, float, float]:
+    """(speed-up median, low, high) of the pruned file over the unpruned one: the medians' ratio, and the ratio's
+    range over the rounds' extremes."""
+    return t_full.median / t_pruned.median, t_full.min / t_pruned.max, t_full.max / t_pruned.min
+
+
+def compare(full: nn.Module, pruned: nn.Module, files_full: dict[str, Path], files_pruned: dict[str, Path],
+            inputs: dict[int, list[dict]], *, max_seconds: float = 20.0, log: Callable | None = None) -> list[dict]:
+    """Each runtime both folders have, unpruned file against pruned file, timed in the same interleaved rounds
+    (per batch size, every runtime's pair together) on ``inputs`` ({batch size: batches}): rows {runtime, batch,
+    unpruned_ms, pruned_ms, speedup, range, bound, share} where ``bound`` is :func:`work`'s ratio on the same
+    batches and ``share`` how much of the bound's gain the file delivers ((speed-up - 1) / (bound - 1))."""
+    engines = {label: (make(files_full[key]), make(files_pruned[key]))
+               for label, key, make in RUNTIMES if key in files_full and key in files_pruned}
+    rows = []
+    for B, batches in inputs.items():
+        bound = sum(work(full, b) for b in batches) / sum(work(pruned, b) for b in batches)
+        calls = {}
+        for label, (u, p) in engines.items():
+            calls[f"{label}, unpruned"] = lambda u=u, xs=batches: [u(b["input_ids"], b["attention_mask"]) for b in xs]
+            calls[f"{label}, pruned"] = lambda p=p, xs=batches: [p(b["input_ids"], b["attention_mask"]) for b in xs]
+        t = timing.interleaved(calls, warmup=1, max_seconds=max_seconds, late_rounds=3,
+                               progress=f"runtimes, batch {B}" if log is not None else None)
+        for label in engines:
+            a, b = t[f"{label}, unpruned"].scaled(1 / len(batches)), t[f"{label}, pruned"].scaled(1 / len(batches))
+            s, lo, hi = _pair(a, b)
+            rows.append({"runtime": label, "batch": B, "unpruned_ms": a.to_json(), "pruned_ms": b.to_json(),
+                         "speedup": round(s, 3), "range": [round(lo, 3), round(hi, 3)], "bound": round(bound, 3),
+                         "share": round((s - 1) / (bound - 1), 2) if bound > 1.001 else None,
+                         "busy": timing.busy_note({k: v for k, v in t.items() if k.startswith(label + ",")})})
+    return rows
+
+
+def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """{runtime: {kind: mean cosine}}: each file's mean-pooled, normalised output against the torch model ``full``'s
+    on every batch of every kind of text (a pruned file against the unpruned model: what the cut and the runtime's
+    rounding cost together)."""
+    out = {}
+    for label, key, make in RUNTIMES:
+        if key not in files:
+            continue
+        m = make(files[key])
+        with torch.no_grad():
+            out[label] = {kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"])
+                                                  * pooled(full, b["input_ids"], b["attention_mask"])).sum(-1)
+                                                 for b in batches]).mean())
+                          for kind, batches in kinds.items()}
+    return out
+
+
+def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -> str:
+    """The table: per runtime and batch size, the unpruned and pruned files' ms per batch (median, min-max), the
+    speed-up (range) "of a bound", and the fidelity per kind of text when given."""
+    lines = ["| runtime | batch | unpruned file, ms | pruned file, ms | speed-up | bound (work removed) | of the "
+             "bound's gain |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        u, p = r["unpruned_ms"], r["pruned_ms"]
+        share = f"{r['share']:.0%}" if r["share"] is not None else "-"
+        lines.append(f"| {r['runtime']} | {r['batch']} | {u['median_ms']:.2f} ({u['min_ms']:.2f}-{u['max_ms']:.2f}) | "
+                     f"{p['median_ms']:.2f} ({p['min_ms']:.2f}-{p['max_ms']:.2f}) | {r['speedup']:.2f}x "
+                     f"({r['range'][0]:.2f}-{r['range'][1]:.2f}) | {r['bound']:.2f}x | {share} |")
+    if fid:
+        kinds = list(next(iter(fid.values())))
+        lines += ["", "| pruned file | " + " | ".join(f"mean cosine, {k}" for k in kinds) + " |",
+                  "|---|" + "---:|" * len(kinds)]
+        lines += [f"| {label} | " + " | ".join(f"{v[k]:.4f}" for k in kinds) + " |" for label, v in fid.items()]
+    return "\n".join(lines) + "\n"
+
+
+def worst_share(rows: list[dict]) -> float:
+    """The smallest share of the bound's gain over the rows (NaN when none has a bound above 1)."""
+    shares = [r["share"] for r in rows if r["share"] is not None]
+    return min(shares) if shares else math.nan

@@ -1,0 +1,244 @@
+"""A (pruned) transformers model where prediction happens: ONNX for ONNX Runtime and fastembed, OpenVINO IR.
+
+:func:`export_onnx` writes one ONNX file; :func:`export` writes a model directory's runtime folders, the
+layout sentence-transformers and fastembed read::
+
+    DIR/onnx/model.onnx                 fp32, inputs input_ids, attention_mask (and token_type_ids where the
+                                        model has token types), output last_hidden_state (or logits)
+    DIR/onnx/model_int8.onnx            int8 weights, one scale per output channel (onnxruntime's
+                                        quantize_dynamic), activations quantized per call
+    DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra)
+    DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
+
+A pruned model is written at its pruned size: each attention module's projections hold its kept heads only
+(checked on the written graph), and a model whose heads are cut by gates or stored as zeros is refused, naming the
+module. Every file is run once on padded batches and compared with the torch model before it is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from multihead.hf.attention import PreTrainedModel, attention_modules
+from multihead.hf.layouts import probe_inputs
+
+ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
+OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE = "openvino", "openvino_model.xml", "openvino_model_int8.xml"
+
+
+class _TokensToHidden(nn.Module):
+    """(input_ids (B, L), attention_mask (B, L)[, token_type_ids (B, L)]) -> the model's first output (last hidden
+    state or logits)."""
+
+    def __init__(self, model: nn.Module, token_types: bool):
+        super().__init__()
+        self.model, self.token_types = model, token_types
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        kw = {"token_type_ids": token_type_ids} if self.token_types else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        return out[0]  # (B, L, E) or (B, L, vocab)
+
+
+def input_names(model: nn.Module) -> list[str]:
+    """The exported graph's inputs: ``input_ids`` and ``attention_mask``, and ``token_type_ids`` where the model
+    has more than one token type (BERT's tokenizer gives them; RoBERTa's, with one type, does not)."""
+    names = ["input_ids", "attention_mask"]
+    if ("token_type_ids" in inspect.signature(model.forward).parameters
+            and (getattr(model.config, "type_vocab_size", 0) or 0) > 1):
+        names.append("token_type_ids")
+    return names
+
+
+def _export_example(x: dict, names: list[str]) -> tuple[Tensor, ...]:
+    """The graph's inputs (each (B, L), B, L >= 2: a size of 1 would be specialised as a constant) from an
+    example's inputs, checked."""
+    ids = x.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        raise ValueError("export_onnx: example must hold input_ids (B, L).")
+    am = x.get("attention_mask", torch.ones_like(ids))
+    if not isinstance(am, Tensor) or am.shape != ids.shape or not bool(((am == 0) | (am == 1)).all()):
+        got = tuple(am.shape) if isinstance(am, Tensor) else type(am).__name__
+        raise ValueError(f"export_onnx: attention_mask must be a (B, L) padding mask of 0 and 1 like input_ids "
+                         f"{tuple(ids.shape)}; got {got}. Other mask forms (4-D, float biases) are not exported.")
+    xs = [ids, am] + ([x.get("token_type_ids", torch.zeros_like(ids))] if "token_type_ids" in names else [])
+    if ids.shape[1] < 2:
+        xs = [t.repeat(1, 2) for t in xs]  # (B, 1) -> (B, 2)
+    if ids.shape[0] < 2:
+        xs = [t.repeat(2, 1) for t in xs]  # (1, L) -> (2, L)
+    return tuple(xs)
+
+
+def _refuse_full_size(model: nn.Module) -> None:
+    """ValueError naming the first attention module whose heads are cut by something the weights do not hold (gates
+    or other hooks that change its heads), or whose heads are stored as zeros (a pruned model read at full size):
+    either would be written as the full-size model with zeros."""
+    from multihead.heads.surgery import out_in
+
+    for name, m in attention_modules(model).items():
+        hooks = m.attention_hooks
+        if hooks.transforms:
+            raise ValueError(f"export: {name} ({type(m).__name__}) has hooks that change its heads (heads.gated or a "
+                             "transform): the file would compute the full-size model with them; cut the heads with "
+                             "heads.prune (or leave the hooks' context) before exporting.")
+        layout = hooks.layout
+        if layout is None:
+            continue
+        o = layout.projections(m, hooks.parent)[3]
+        H, D = out_in(o).shape[1] // layout.head_dim(m), layout.head_dim(m)
+        cols = out_in(o).detach().reshape(-1, H, D)  # (E, H, D): head h's output columns
+        zero = [h for h in range(H) if not bool(cols[:, h].any())]
+        if zero and H > 1:
+            raise ValueError(f"export: {name} ({type(m).__name__}) holds heads {zero} of {H} whose output weights are "
+                             "all zero (a pruned model read at full size, as AutoModel.from_pretrained reads a prune "
+                             "--hf folder): load it with multihead.hf.load(DIR), which cuts them, to export it at its "
+                             "pruned size.")
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None) -> Path:
+    """Write ``model`` (pruned or not) as an ONNX file taking ``input_ids`` and ``attention_mask`` (and
+    ``token_type_ids`` where the model has token types: :func:`input_names`), each (B, L), both sizes dynamic
+    (L up to the config's ``max_position_embeddings``), and giving its first output, named ``last_hidden_state``
+    (or ``logits``). Uses ``torch.onnx.export`` (the ``onnx`` extra). A pruned model is written at its pruned
+    size; a padding-free model is exported padded (the same outputs on real tokens; ONNX gets one static graph).
+    Refused with a clear error: a quantized model (export the float one and quantize in ONNX Runtime), heads cut
+    by gates or stored as zeros (:func:`_refuse_full_size`), a model whose forward takes no ``attention_mask``, a
+    decoder whose call would make a cache, and masks other than a (B, L) 0/1 padding mask in ``example``."""
+    from multihead.extras import quiet_logs, require
+    from multihead.hf import packed as hf_packed
+    from multihead.quantize import is_quantized
+
+    require("onnxscript", "multihead.hf.export_onnx")
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"export_onnx takes a transformers PreTrainedModel; got {type(model).__name__}.")
+    if is_quantized(model):
+        raise ValueError("export_onnx: the model is quantized (PyTorch's dynamic int8 kernels have no ONNX form); "
+                         "export the float model and quantize the ONNX file with onnxruntime.quantization.")
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"export_onnx: {type(model).__name__}.forward takes no attention_mask; the exported graph's "
+                         "inputs are input_ids and attention_mask (B, L).")
+    names = input_names(model)
+    xs = _export_example(example if example is not None else probe_inputs(model), names)
+    if getattr(model.config, "use_cache", False) and any(getattr(m, "is_causal", False)
+                                                        for m in attention_modules(model).values()):
+        raise ValueError("export_onnx: a decoder would make a key/value cache; set model.config.use_cache = False "
+                         "to export the one-pass graph.")
+    _refuse_full_size(model)
+    packing = model.__dict__.get(hf_packed.KEY)
+    was, model_training = (packing.enabled if packing is not None else None), model.training
+    if packing is not None:
+        packing.enabled = False  # ONNX gets the padded graph: no data-dependent shapes
+    model.eval()
+    try:
+        L_max = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
+        B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
+        with torch.no_grad():
+            out_name = next(iter(model(**dict(zip(names, xs))).keys()))  # last_hidden_state, logits, ...
+        with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's to act on
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
+            torch.onnx.export(_TokensToHidden(model, "token_type_ids" in names).eval(), xs, str(path), dynamo=True,
+                              input_names=names, output_names=[out_name],
+                              dynamic_shapes={n: {0: B, 1: L} for n in names}, verbose=False)
+    finally:
+        if packing is not None:
+            packing.enabled = was
+        model.train(model_training)
+    return Path(path)
+
+
+def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | None = None,
+           example: dict | None = None) -> dict[str, Path]:
+    """Write ``model`` (pruned or not) into ``folder``'s runtime folders (see the module's docstring): ONNX fp32
+    and int8 always (the ``onnx`` extra), OpenVINO IR fp32 where ``openvino`` is installed and int8 where ``nncf``
+    is too and ``calibration`` is given (a list of batches {"input_ids", "attention_mask"[, "token_type_ids"]}
+    (B, L) of text like the model's: static quantization needs the activations' ranges). Each fp32 file is run
+    on two padded batches and must equal the torch model on the real tokens (float rounding), else it is
+    deleted and RuntimeError says by how much. Returns {"onnx", "onnx_int8"[, "openvino", "openvino_int8"]:
+    path}. A plain ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs."""
+    from multihead.extras import quiet_logs, require
+
+    ort = require("onnxruntime", "multihead.hf.export")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    folder = Path(folder)
+    (folder / ONNX_DIR).mkdir(parents=True, exist_ok=True)
+    f = export_onnx(model, folder / ONNX_DIR / ONNX_FILE, example=example)
+    names = input_names(model)
+    session = ort.InferenceSession(str(f), providers=["CPUExecutionProvider"])
+    verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
+    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
+        quantize_dynamic(str(f), str(f.with_name(ONNX_INT8_FILE)), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])
+    written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
+    try:
+        written |= _openvino(model, f, folder / OPENVINO_DIR, names, calibration)
+    except ImportError:
+        pass  # the openvino extra is not installed: ONNX only (export_openvino says which extra)
+    return written
+
+
+def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
+              calibration: list[dict] | None) -> dict[str, Path]:
+    """OpenVINO IR of the ONNX file ``f`` in ``folder``: fp32 (verified like the ONNX file), and int8 by NNCF's
+    static quantization (the transformer preset) where nncf is installed and ``calibration`` is given."""
+    from multihead.extras import quiet_logs, require
+
+    ov = require("openvino", "OpenVINO IR export")
+    folder.mkdir(parents=True, exist_ok=True)
+    ir = ov.convert_model(str(f))
+    ov.save_model(ir, str(folder / OPENVINO_FILE), compress_to_fp16=False)
+    compiled = ov.Core().compile_model(str(folder / OPENVINO_FILE), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, f"{folder / OPENVINO_FILE} in OpenVINO")
+    written = {"openvino": folder / OPENVINO_FILE}
+    if not calibration:
+        return written
+    nncf = require("nncf", "OpenVINO int8 export")
+    feeds = [{n: _as_input(b, n) for n in names} for b in calibration]
+    with quiet_logs("nncf"):
+        q = nncf.quantize(ov.Core().read_model(str(folder / OPENVINO_FILE)), nncf.Dataset(feeds),
+                          model_type=nncf.ModelType.TRANSFORMER, subset_size=len(feeds))
+    ov.save_model(q, str(folder / OPENVINO_INT8_FILE), compress_to_fp16=False)
+    return written | {"openvino_int8": folder / OPENVINO_INT8_FILE}
+
+
+def _as_input(batch: dict, name: str):
+    """One graph input of a batch as numpy int64 (B, L); token types default to zeros."""
+    t = batch.get(name)
+    if t is None and name == "token_type_ids":
+        t = torch.zeros_like(batch["input_ids"])
+    if t is None:
+        raise ValueError(f"export: a calibration batch has no {name!r}; each batch needs {name} (B, L).")
+    return torch.as_tensor(t).long().numpy()
+
+
+def verify(model: nn.Module, run, names: list[str], what: str) -> float:
+    """Run ``run`` ({name: ndarray (B, L)} -> ndarray) on two padded batches of sizes and lengths the export never
+    saw and compare with the torch model on the real tokens: the largest difference, which must stay within
+    float rounding (1e-4 of the output's scale, at least 1e-4) or RuntimeError names the file and the figure."""
+    worst = 0.0
+    vocab = int(getattr(model.config, "vocab_size", 100) or 100)
+    for B, L in ((3, 11), (1, 5)):
+        g = torch.Generator().manual_seed(B * 100 + L)
+        ids = torch.randint(3, min(vocab, 1000), (B, L), generator=g)  # (B, L)
+        am = torch.ones(B, L, dtype=torch.long)  # (B, L)
+        am[B - 1, max(1, L // 3):] = 0
+        x = {"input_ids": ids, "attention_mask": am}
+        if "token_type_ids" in names:
+            x["token_type_ids"] = (torch.arange(L) >= L // 2).long().expand(B, L).contiguous()  # (B, L)
+        got = torch.from_numpy(run({n: x[n].numpy() for n in names}))
+        with torch.no_grad():
+            want = model(**x)[0]  # (B, L, E) or (B, L, V)
+        keep = am.bool()
+        err = float((got[keep] - want[keep]).abs().max())
+        scale = float(want[keep].abs().max())
+        if not err <= 1e-4 * max(1.0, scale):
+            raise RuntimeError(f"export: {what} computes outputs {err:.3g} away from the torch model's (scale "
+                               f"{scale:.3g}) at batch {B}, length {L}: the file is not the model; please report it.")
+        worst = max(worst, err)
+    return worst
