@@ -292,3 +292,30 @@ def test_prune_refuses_an_out_folder_holding_other_files(tmp_path, capsys):
     assert main(["prune", "--model", "toy", "--quantize", "int8", "--force", "--out", str(out)]) == 2
     assert "--quantize applies to transformers checkpoints" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_prune_ffn_cuts_neurons_too_and_the_folder_loads_everywhere_at_its_cut_size(bert_dir, tmp_path, corpus,
+                                                                                     capsys):
+    """`prune --hf DIR --ffn F`: the kept model has F of every feed-forward block's neurons cut (verified against
+    the gated model) before its recovery; the folder loads in multihead and in transformers at the cut width, the
+    runtime files are at that size, and the bound counts the neurons' work too."""
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("\n".join(corpus[:64]))
+    out = tmp_path / "f"
+    assert main(["prune", "--hf", str(bert_dir), "--fraction", "0.25", "--step", "0.25", "--ffn", "0.5",
+                 "--recover", "2", "--corpus", str(corpus_file), "--sentences", "16", "32", "--max-seconds", "1",
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "25% of heads and 50% of every feed-forward block's neurons pruned" in said
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["final"]["ffn_widths"].values()) == {31}  # 64 -> 32, one fewer: never as wide as the stream
+    from multihead.apps import hf_models
+
+    setup = hf_models.hf_setup(bert_dir, corpus[:64], 16, 32)
+    for loaded in (mhf.load(out / "model"), mhf.attach(T.BertModel.from_pretrained(out / "model").eval())):
+        assert loaded.encoder.layer[0].intermediate.dense.out_features == 31
+        assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
+    bounds = [row["bound"] for row in report["runtimes"]["rows"]]
+    assert bounds and min(bounds) > 1.2  # a quarter of the heads and half the neurons: more than the heads' share
+    assert main(["prune", "--model", "toy", "--ffn", "0.5", "--out", str(tmp_path / "t")]) == 2
+    assert "multihead prune: --ffn applies to transformers checkpoints: give --hf DIR" in capsys.readouterr().err

@@ -5,6 +5,7 @@ the export never saw. Needs the onnx extra (onnx, onnxscript, onnxruntime) and t
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -171,3 +172,23 @@ def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
     with torch.no_grad():
         want = pooled(model, enc["input_ids"], enc["attention_mask"])  # (3, E)
     assert (got - want).abs().max() < 1e-4
+
+
+def test_a_layer_with_every_head_cut_is_exported_at_its_size(tmp_path):
+    """A layer left with no head (its output is the projection's bias) exports and runs like the torch model in
+    ONNX Runtime; OpenVINO's converter refuses zero-size weights, which export says in a warning (no openvino/)."""
+    model = _bert(False)
+    heads.prune(model, {"encoder.layer.1.attention.self": [0, 1, 2, 3], "encoder.layer.0.attention.self": [2]})
+    if importlib.util.find_spec("openvino"):
+        with pytest.warns(RuntimeWarning, match=r"export: OpenVINO cannot read .*model.onnx .*no openvino/ folder"):
+            written = mhf.export(model, tmp_path / "m")
+        assert "openvino" not in written and not (tmp_path / "m" / "openvino").exists()
+    else:
+        written = mhf.export(model, tmp_path / "m")
+    session = ort.InferenceSession(str(written["onnx"]))
+    ids, am = torch.randint(3, 100, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": am.numpy(),
+                             "token_type_ids": torch.zeros_like(ids).numpy()})[0]
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=am).last_hidden_state
+    assert (torch.from_numpy(got) - want).abs().max() < 1e-4

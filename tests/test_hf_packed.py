@@ -296,6 +296,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
         fp32 = table["fidelity"]["ONNX Runtime fp32"]
         assert len(fp32) == 3 and all(0.9 < c <= 1 + 1e-6 for c in fp32.values())  # three kinds of text
         assert "Where prediction happens" in hf_bench.markdown(r)
+    assert "Recommended at batch 3: fastest at mean cosine >= 0.95: " in hf_bench.markdown(r)
     int8 = rows["multihead, 70/72 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
     assert abs(rows["multihead served, 70/72 heads, int8"]["cosine"] - int8) < 1e-4
     st = r["sentence_transformers"]

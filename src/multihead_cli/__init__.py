@@ -214,6 +214,10 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="prune as far as the fidelity allows: keep the furthest step of the curve (recovered and "
                         "quantized when asked) whose mean cosine's 95%% interval on the held-out sentences starts at "
                         "or above T, in (0, 1]")
+    p.add_argument("--ffn", type=_in_open_unit, default=None, metavar="FRACTION",
+                   help="--hf: also cut this share of every feed-forward block's neurons (the least important, each "
+                        "replaced by its mean, verified) from the model kept, before its recovery: past the heads' "
+                        "third of the work")
     p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
                                                                    "(0, 1) (default 0.1)")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")

@@ -139,9 +139,10 @@ def _prune(args) -> int:
     if args.corpus and not Path(args.corpus).is_file():
         print(f"multihead prune: --corpus {args.corpus} does not exist", file=sys.stderr)
         return 2
-    if args.quantize and not args.hf:
-        print("multihead prune: --quantize applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
-        return 2
+    for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn")):
+        if given and not args.hf:
+            print(f"multihead prune: {option} applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
+            return 2
     if args.target_cosine is not None and not args.hf and args.model == "toy":  # before the model is loaded or trained
         print(f"multihead prune: {pruning.no_cosine('toy', pruning.TOY_METRIC)}", file=sys.stderr)
         return 2
@@ -169,7 +170,8 @@ def _prune(args) -> int:
             return 2
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
                               quantize=args.quantize, target=args.target_cosine, deadline=deadline,
-                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers)
+                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
+                              ffn=args.ffn or 0.0)
     try:
         pruning.check_options(setup, options)
     except ValueError as e:  # what this model cannot do, refused before any work

@@ -131,3 +131,17 @@ def worst_share(rows: list[dict]) -> float:
     """The smallest share of the bound's gain over the rows (NaN when none has a bound above 1)."""
     shares = [r["share"] for r in rows if r["share"] is not None]
     return min(shares) if shares else math.nan
+
+
+def recommend(rows: list[dict], *, min_cosine: float) -> str | None:
+    """From one batch size's rows of peers timed in the same rounds ({peer, cosine, ms_per_batch: {median_ms}}), the
+    line naming the fastest at fidelity ``min_cosine`` or more, and by how much it leads the next (None when no row
+    reaches it): the runtime to deploy at that batch size, read from the measurements."""
+    ok = sorted((r for r in rows if r["cosine"] >= min_cosine), key=lambda r: r["ms_per_batch"]["median_ms"])
+    if not ok:
+        return None
+    best = ok[0]
+    lead = (f", {ok[1]['ms_per_batch']['median_ms'] / best['ms_per_batch']['median_ms']:.2f}x ahead of {ok[1]['peer']}"
+            if len(ok) > 1 else "")
+    return (f"fastest at mean cosine >= {min_cosine}: {best['peer']} ({best['ms_per_batch']['median_ms']:.1f} ms, "
+            f"cosine {best['cosine']:.4f}{lead})")

@@ -31,6 +31,8 @@ import torch
 
 from multihead.apps import hf_models
 
+#: the fidelity a recommended runtime must keep (mean cosine to transformers' sdpa on the timed sentences)
+RECOMMEND_COSINE = 0.95
 #: batches of each size timed (so each batch size sees 32-64 sentences)
 BATCHES = {1: 32, 16: 4, 64: 1}
 
@@ -228,9 +230,13 @@ def markdown(r: dict) -> str:
     lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads, "
              "inference_mode; speed-up = transformers sdpa's time / the peer's (median, range over interleaved "
              "rounds)", ""]
+    from multihead.apps import deploy
+
     for B, s in r["sizes"].items():
         lines += [f"**Batch {B}** ({s['batches']} batches, {s['tokens'][0]}-{s['tokens'][1]} tokens)", ""]
         lines += _table("peer", "batch", s["rows"], "ms_per_batch")
+        best = deploy.recommend(s["rows"], min_cosine=RECOMMEND_COSINE)
+        lines += ["", f"Recommended at batch {B}: {best}."] if best else []
         lines += (["", f"note: {s['busy']}"] if s.get("busy") else []) + [""]
     st = r.get("sentence_transformers")
     if st:
@@ -239,8 +245,6 @@ def markdown(r: dict) -> str:
         lines += _table("encoder", "encode", st["rows"], "ms_per_encode")
         lines += (["", f"note: {st['busy']}"] if st.get("busy") else [])
     if r.get("runtimes"):
-        from multihead.apps import deploy
-
         lines += ["", "**Where prediction happens**: the pruned model's own files against the unpruned checkpoint's "
                   "files exported the same way, runtime by runtime, on unseen text of three kinds (ms per batch); the "
                   "bound is the ratio of the padded call's floating-point work", "",

@@ -340,7 +340,18 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
         calibration = [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
         setup.export_fn = lambda m, folder: _export(m, folder, calibration)
         setup.runtime_texts = runtime_texts(tok, kinds, held_out, long, limit)
+    setup.ffn_fn = lambda m, fraction: _cut_ffn(m, fraction, imp)
     return setup
+
+
+def _cut_ffn(model: nn.Module, fraction: float, batches: list) -> dict[str, list[int]]:
+    """``fraction`` of every feed-forward block's neurons cut (the least important on the importance ``batches``,
+    replaced by their means: :func:`multihead.heads.prune_neurons`), verified on the first batch."""
+    from multihead import heads
+
+    def run(m, b):
+        return m(input_ids=b[0][0], attention_mask=b[0][1])
+    return heads.prune_neurons(model, fraction, batches, run, lambda m: run(m, batches[0]))
 
 
 def _export(model: nn.Module, folder: Path, calibration: list[dict]) -> dict[str, Path]:

@@ -56,6 +56,8 @@ class Setup:
     export_fn: Callable | None = None
     #: ({batch size: batches}, {kind of text: batches}): what the runtime files are timed and scored on
     runtime_texts: tuple[dict, dict] | None = None
+    #: ffn_fn(model, fraction) -> {down: kept}: cut that share of every feed-forward block's neurons, verified
+    ffn_fn: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class Options:
     kept model, ``target``: keep the furthest step whose fidelity's 95% interval starts at or above it (a
     cosine; None: the last step), ``deadline``: a ``time.monotonic()`` time the command keeps to (None: no
     limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars;
-    ``runtime_peers``: the setup's other runtimes (ONNX Runtime, OpenVINO: an export each) timed beside."""
+    ``runtime_peers``: the setup's other runtimes (ONNX Runtime, OpenVINO: an export each) timed beside;
+    ``ffn``: the share of every feed-forward block's neurons cut from each finished step before its recovery
+    (:func:`multihead.heads.prune_neurons`)."""
 
     fraction: float
     step: float = 0.1
@@ -77,6 +81,7 @@ class Options:
     max_seconds: float = 60.0
     progress: bool = True
     runtime_peers: bool = True
+    ffn: float = 0.0
 
 
 #: what the toy model is measured by (its fidelity is no cosine: ``--target-cosine`` is refused for it)
@@ -180,7 +185,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
                                mean_replacement=setup.mean_replacement, progress=o.progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()), initial=imp)
     kept, search = choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
-                          budget=budget)
+                          budget=budget, ffn=o.ffn)
     setup.pruned = kept.kept
     said = setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
     model_note = said if isinstance(said, str) else None  # what the saved directory cannot do, in one line
@@ -188,8 +193,9 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     names = [f"{r['fraction']:.0%} pruned" for r in rows]
     models = dict(zip(names, snapshots))
     kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
-    if o.quantize is not None:  # the quantized model is timed beside the curve's
-        kname = f"{kname} + {o.quantize}"
+    suffix = (f" + {o.ffn:.0%} of neurons" if o.ffn else "") + (f" + {o.quantize}" if o.quantize else "")
+    if suffix:  # the model with its neurons cut, or quantized, is timed beside the curve's
+        kname += suffix
         models[kname] = kept.kept
     timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress,
                                                    runtime_peers=o.runtime_peers)
@@ -207,7 +213,8 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
         "speed": speeds, "timing_notes": timing_notes,
         "final": {"fraction": rows[kept.index]["fraction"], "heads_pruned": rows[kept.index]["heads_pruned"],
                   "metric": kept.fidelity.mean, "fidelity": kept.fidelity.to_json(),
-                  "metric_unpruned": rows[0]["metric"], "quantize": o.quantize},
+                  "metric_unpruned": rows[0]["metric"], "quantize": o.quantize, "ffn": o.ffn,
+                  "ffn_widths": {b.down: b.width for b in heads.ffn_blocks(kept.model)} if o.ffn else None},
         "recovery": kept.recovery, "target": search, "model_note": model_note,
         "peer_metrics": extra_metric, "runtimes": deployed,
         "notes": notes,
@@ -248,8 +255,9 @@ def summary(report: dict) -> list[str]:
     f, r, t = report["final"], report.get("recovery") or {}, report.get("target")
     fid = f.get("fidelity") or {"mean": f["metric"], "ci95": None}
     ci = f" (95% interval {fid['ci95'][0]:.4f}-{fid['ci95'][1]:.4f})" if fid.get("ci95") else ""
-    lines = [f"{report['model']}: {f['fraction']:.0%} of heads pruned, {report['metric']} {f['metric']:.4f}{ci} "
-             f"(unpruned {f['metric_unpruned']:.4f})"]
+    neurons = f" and {f['ffn']:.0%} of every feed-forward block's neurons" if f.get("ffn") else ""
+    lines = [f"{report['model']}: {f['fraction']:.0%} of heads{neurons} pruned, {report['metric']} {f['metric']:.4f}"
+             f"{ci} (unpruned {f['metric_unpruned']:.4f})"]
     if r.get("steps"):
         short = (f" ({r['steps']} of the {r['steps_asked']} asked: the time budget ended them; a longer "
                  "--time-budget runs them all)" if r.get("steps_asked", r["steps"]) > r["steps"] else "")
@@ -281,6 +289,8 @@ def check_options(setup: Setup, o: Options) -> None:
         raise ValueError(f"--recover is not available for {setup.name}.")
     if o.target is not None and setup.scores_fn is None:
         raise ValueError(no_cosine(setup.name, setup.metric_name))
+    if o.ffn and setup.ffn_fn is None:
+        raise ValueError(f"--ffn is not available for {setup.name} (transformers checkpoints: --hf DIR).")
 
 
 def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[heads.Importance, bool, list[str]]:

@@ -143,15 +143,19 @@ class Finished:
 
 
 def finish(setup, snapshot: nn.Module, index: int, *, recover: int, quantize: str | None,
-           budget: Budget) -> Finished:
-    """Step ``index`` (its model ``snapshot``) recovered for ``recover`` steps (fewer when the budget ends
-    first: the record says how many ran), quantized to ``quantize``, its fidelity measured."""
+           budget: Budget, ffn: float = 0.0) -> Finished:
+    """Step ``index`` (its model ``snapshot``) with ``ffn`` of every feed-forward block's neurons cut (a copy;
+    ``setup.ffn_fn``), recovered for ``recover`` steps (fewer when the budget ends first: the record says how
+    many ran), quantized to ``quantize``, its fidelity measured."""
     started = time.monotonic()
     model, recovery = snapshot, None
+    if ffn:
+        model = copy.deepcopy(snapshot)
+        setup.ffn_fn(model, ffn)
     if recover > 0:
         if setup.recover_fn is None:
             raise ValueError(f"--recover is not available for {setup.name}.")
-        model = copy.deepcopy(snapshot)
+        model = copy.deepcopy(model) if not ffn else model
         before = fidelity(setup, model)
         losses = setup.recover_fn(model, recover, quantize=quantize, until=budget.until(2 + (quantize is not None)))
         after = fidelity(setup, model)
@@ -178,14 +182,14 @@ def _from_json(j: dict) -> dict:
 
 
 def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: float | None, recover: int,
-           quantize: str | None, budget: Budget) -> tuple[Finished, dict | None]:
+           quantize: str | None, budget: Budget, ffn: float = 0.0) -> tuple[Finished, dict | None]:
     """The step to keep, finished, and the target search's record (None without ``target``): the last
     step without a target; with one, the furthest step (fraction > 0) whose fidelity's 95% interval starts at
     or above ``target``, searched from the last step down by bisection while the budget leaves time for one
     more candidate; when no pruned step meets it, the unpruned model (step 0). When none of those tried
     meets it, the one with the highest lower end is kept and the record says the target was not met."""
     def run(i: int) -> Finished:
-        return finish(setup, snapshots[i], i, recover=recover, quantize=quantize, budget=budget)
+        return finish(setup, snapshots[i], i, recover=recover, quantize=quantize, budget=budget, ffn=ffn)
 
     last = len(rows) - 1
     if target is None:

@@ -4,7 +4,8 @@ puts a gate on every head's output; :mod:`~multihead.heads.importance` scores he
 ablation, entropy); :mod:`~multihead.heads.surgery` is the one head-row selector and mean-into-bias
 fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve;
 :mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA; :mod:`~multihead.heads.patching`
-runs activation patching per head (a causal experiment on a chosen behaviour).
+runs activation patching per head (a causal experiment on a chosen behaviour); :mod:`~multihead.heads.neurons`
+scores and cuts feed-forward neurons the same way (past the heads' share of the work).
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
 
@@ -18,6 +19,7 @@ from multihead.heads.importance import (
     gradient_importance,
     importance,
 )
+from multihead.heads.neurons import ffn_blocks, prune_neurons
 from multihead.heads.observe import observe, observed, unobserve
 from multihead.heads.patching import Patching, attribution, patch
 from multihead.heads.pruning import (
@@ -32,6 +34,6 @@ from multihead.heads.pruning import (
 )
 
 __all__ = ["METHODS", "Captured", "Curve", "Importance", "Patching", "ablation_importance", "attention_modules", "attribution",
-           "capture", "entropy_importance", "gated", "gradient_importance", "head_counts", "importance",
-           "mean_head_outputs", "observe", "observed", "patch", "plot_curve", "prune", "pruning_curve", "resize",
+           "capture", "entropy_importance", "ffn_blocks", "gated", "gradient_importance", "head_counts", "importance",
+           "mean_head_outputs", "observe", "observed", "patch", "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize",
            "save_curve", "unobserve"]

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from multihead.heads.neurons import cut_block, ffn_blocks
 from multihead.heads.surgery import head_rows
 from multihead.hf import forms, probe  # noqa: F401 - forms registers Bloom's SDPA form with heads.observe
 from multihead.hf.attention import (  # noqa: F401
@@ -62,6 +63,9 @@ KEPT_KEY = "multihead_kept_heads"  # {module: the original indices of its kept h
 #: True: the weights are stored at the architecture's full size, a pruned head's rows (and output columns) zero,
 #: so transformers (AutoModel.from_pretrained) and sentence-transformers load the directory as it is; load() cuts
 FULL_SIZE_KEY = "multihead_full_size"
+#: {feed-forward block's down projection: its width} where a block's width is not the config's intermediate_size
+#: (neurons cut unevenly: multihead.heads.neurons); load() builds those blocks at their widths
+FFN_KEY = "multihead_ffn_widths"
 
 
 def attach(model: nn.Module, *, example: dict | None = None, packed: bool = False) -> nn.Module:
@@ -189,6 +193,11 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
     cfg[PACKED_KEY] = hf_packed.is_packed(model)
     cfg[QUANTIZE_KEY] = quantize
+    widths, inter = {b.width for b in ffn_blocks(model)}, getattr(model.config, "intermediate_size", None)
+    if len(widths) == 1 and isinstance(inter, int):  # every block cut alike: the config says it, transformers reads it
+        cfg["intermediate_size"] = widths.pop()
+    elif any(w != inter for w in widths):
+        cfg[FFN_KEY] = {b.down: b.width for b in ffn_blocks(model)}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
@@ -304,6 +313,7 @@ def _resize(model: nn.Module, raw: dict, cfg_file: Path, w_file: Path) -> None:
     for name, kept in raw.get(KEPT_KEY, {}).items():
         if name in mods:
             mods[name].attention_hooks.kept = [int(h) for h in kept]
+    _resize_ffn(model, raw.get(FFN_KEY) or {}, cfg_file)
     with safe_open(str(w_file), "pt") as f:
         keys = set(f.keys())
     for name, m in mods.items():  # a mean-compensated prune gave a bias-free output projection a bias
@@ -314,3 +324,15 @@ def _resize(model: nn.Module, raw: dict, cfg_file: Path, w_file: Path) -> None:
         o = owner.get_submodule(layout.o)
         if o.bias is None and f"{owner_name}.{layout.o}.bias" in keys:
             o.bias = nn.Parameter(torch.zeros(out_features(o), device=o.weight.device, dtype=o.weight.dtype))
+
+
+def _resize_ffn(model: nn.Module, widths: dict, cfg_file: Path) -> None:
+    """Give a freshly built model's feed-forward blocks the widths ``widths`` ({down: width}, config.json's
+    :data:`FFN_KEY`) records, sizes only: the weights are loaded next."""
+    blocks = {b.down: b for b in ffn_blocks(model)}
+    for down, width in widths.items():
+        if down not in blocks:
+            raise ValueError(f"{cfg_file} records a feed-forward width for {down!r}, not a feed-forward block of "
+                             f"{type(model).__name__}.")
+        if int(width) != blocks[down].width:
+            cut_block(model, blocks[down], list(range(int(width))), None)

@@ -91,9 +91,11 @@ def _refuse_full_size(model: nn.Module) -> None:
             continue
         o = layout.projections(m, hooks.parent)[3]
         H, D = out_in(o).shape[1] // layout.head_dim(m), layout.head_dim(m)
+        if H < 2:  # no head, or the one a family that cannot run without heads keeps (zero columns, by design)
+            continue
         cols = out_in(o).detach().reshape(-1, H, D)  # (E, H, D): head h's output columns
         zero = [h for h in range(H) if not bool(cols[:, h].any())]
-        if zero and H > 1:
+        if zero:
             raise ValueError(f"export: {name} ({type(m).__name__}) holds heads {zero} of {H} whose output weights are "
                              "all zero (a pruned model read at full size, as AutoModel.from_pretrained reads a prune "
                              "--hf folder): load it with multihead.hf.load(DIR), which cuts them, to export it at its "
@@ -179,7 +181,15 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     try:
         written |= _openvino(model, f, folder / OPENVINO_DIR, names, calibration)
     except ImportError:
-        pass  # the openvino extra is not installed: ONNX only (export_openvino says which extra)
+        pass  # the openvino extra is not installed: ONNX only
+    except RuntimeError as e:  # OpenVINO's converter refuses the graph (e.g. a layer with no head left)
+        import shutil
+
+        shutil.rmtree(folder / OPENVINO_DIR, ignore_errors=True)
+        first = next((ln.strip() for ln in str(e).splitlines() if "Conversion failed" in ln or "not supported" in ln),
+                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+        warnings.warn(f"export: OpenVINO cannot read {f} ({first[:200]}); no openvino/ folder written, the ONNX files "
+                      "are.", RuntimeWarning, stacklevel=2)
     return written
 
 
@@ -191,7 +201,10 @@ def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
 
     ov = require("openvino", "OpenVINO IR export")
     folder.mkdir(parents=True, exist_ok=True)
-    ir = ov.convert_model(str(f))
+    try:
+        ir = ov.convert_model(str(f))
+    except Exception as e:  # noqa: BLE001 - OpenVINO's conversion errors share no base class beyond Exception
+        raise RuntimeError(str(e)) from None
     ov.save_model(ir, str(folder / OPENVINO_FILE), compress_to_fp16=False)
     compiled = ov.Core().compile_model(str(folder / OPENVINO_FILE), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, f"{folder / OPENVINO_FILE} in OpenVINO")
