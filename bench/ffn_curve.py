@@ -3,7 +3,7 @@
 all-MiniLM-L6-v2 through ``prune --hf``'s own set-up (``multihead.apps.hf_models.hf_setup``: importance on the
 first 128 sentences, recovery on the next and on the standard library's docstrings, fidelity on the held-out
 sentences, the installed packages' descriptions and passages: the worst kind's 95% interval counts). Heads are cut
-by the pruning curve (ablation, mean replacement, re-ranked after every step) to each HEADS fraction; then each FFN
+by the pruning curve (ablation, mean replacement, one step to the largest HEADS fraction); then each FFN
 fraction of every feed-forward block's neurons (``multihead.heads.prune_neurons``: variance x output-column norm,
 mean replacement, verified), the model distilled STEPS steps (int8 rounding simulated) and written by
 ``multihead.hf.export``; its ONNX Runtime int8 file is timed against the unpruned model's (exported the same way)
@@ -38,7 +38,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
     setup = hf_models.hf_setup(minilm_path(), None, 128, recover_extra=wide, held_out_extra=(
         "the installed packages' descriptions", package_sentences(300, exclude=set(sentences()) | set(wide))))
     snaps = {}
-    heads.pruning_curve(setup.model, setup.batches, setup.loss_fn, setup.metric_fn, step=0.1,
+    heads.pruning_curve(setup.model, setup.batches, setup.loss_fn, setup.metric_fn, step=max(head_fractions) or 0.1,
                         max_fraction=max(head_fractions) or 0.1, method="ablation", mean_replacement=True,
                         on_step=lambda row, m: snaps.__setitem__(round(row["fraction"], 2), copy.deepcopy(m).eval()))
     inputs, _ = setup.runtime_texts

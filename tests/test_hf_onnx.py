@@ -144,9 +144,9 @@ def test_export_refuses_heads_cut_by_gates_or_stored_as_zeros(tmp_path):
 
 def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
     """fastembed (ONNX Runtime inside) reads a pruned model's folder, onnx/model.onnx beside the tokenizer, as a
-    custom model: its embeddings equal the pruned torch model's mean-pooled, normalised output."""
-    fastembed = pytest.importorskip("fastembed")  # the fastembed extra, which `make test` installs
-    from fastembed.common.model_description import ModelSource, PoolingType
+    custom model (multihead.hf.fastembed registers it): its embeddings equal the pruned torch model's mean-pooled,
+    normalised output; the int8 file's stay within int8 rounding of them."""
+    pytest.importorskip("fastembed")  # the fastembed extra, which `make test` installs
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from multihead.apps.hf_models import pooled
@@ -162,16 +162,32 @@ def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
     T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                               model_max_length=64).save_pretrained(d)
     mhf.export(model, d)
-    fastembed.TextEmbedding.add_custom_model(model="local/multihead-pruned-bert", pooling=PoolingType.MEAN,
-                                            normalization=True, sources=ModelSource(hf="local/multihead-pruned-bert"),
-                                            dim=32, model_file="onnx/model.onnx")
-    embed = fastembed.TextEmbedding(model_name="local/multihead-pruned-bert", specific_model_path=str(d), threads=1)
     texts = ["w1 w5 w9 w33", "w2 w8", "w90 w91 w92 w93 w94 w95 w96"]
-    got = torch.from_numpy(__import__("numpy").stack(list(embed.embed(texts))))  # (3, E)
     enc = T.AutoTokenizer.from_pretrained(d)(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         want = pooled(model, enc["input_ids"], enc["attention_mask"])  # (3, E)
-    assert (got - want).abs().max() < 1e-4
+    for int8, tol in ((False, 1e-4), (True, 0.05)):
+        embed = mhf.fastembed(d, int8=int8)
+        got = torch.from_numpy(__import__("numpy").stack(list(embed.embed(texts))))  # (3, E)
+        assert (got - want).abs().max() < tol, int8
+    with pytest.raises(ValueError, match=r"fastembed: .* has no onnx/model.onnx beside a config.json"):
+        mhf.fastembed(tmp_path)
+
+
+def test_a_missing_extra_is_named(tmp_path, monkeypatch):
+    """fastembed or OpenVINO asked for where the package is missing: the ImportError names the extra."""
+    import sys
+
+    model = _bert(False)
+    monkeypatch.setitem(sys.modules, "fastembed", None)  # import fastembed -> ImportError
+    with pytest.raises(ImportError, match=r"multihead.hf.fastembed needs fastembed, which is not installed: pip "
+                                          r"install 'multihead\[fastembed\]'"):
+        mhf.fastembed(tmp_path)
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(ImportError, match=r"OpenVINO IR export needs openvino, which is not installed: pip install "
+                                          r"'multihead\[openvino\]'"):
+        mhf.export(model, tmp_path / "m", openvino=True)
+    assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8"}  # where installed: ONNX only, no error
 
 
 def test_a_layer_with_every_head_cut_is_exported_at_its_size(tmp_path):

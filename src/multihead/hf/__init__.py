@@ -50,11 +50,11 @@ from multihead.hf.attention import (  # noqa: F401
     refusal,
 )
 from multihead.hf.encoder import serve
-from multihead.hf.export import export, export_onnx
+from multihead.hf.export import export, export_onnx, fastembed
 from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
-           "export", "export_onnx", "load", "loading", "save", "serve"]
+           "export", "export_onnx", "fastembed", "load", "loading", "save", "serve"]
 
 HEADS_KEY = "multihead_head_counts"
 PACKED_KEY = "multihead_packed"  # rebuilt padding-free (attach(packed=True))

@@ -155,14 +155,16 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
 
 
 def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | None = None,
-           example: dict | None = None) -> dict[str, Path]:
+           example: dict | None = None, openvino: bool | None = None) -> dict[str, Path]:
     """Write ``model`` (pruned or not) into ``folder``'s runtime folders (see the module's docstring): ONNX fp32
     and int8 always (the ``onnx`` extra), OpenVINO IR fp32 where ``openvino`` is installed and int8 where ``nncf``
     is too and ``calibration`` is given (a list of batches {"input_ids", "attention_mask"[, "token_type_ids"]}
     (B, L) of text like the model's: static quantization needs the activations' ranges). Each fp32 file is run
     on two padded batches and must equal the torch model on the real tokens (float rounding), else it is
     deleted and RuntimeError says by how much. Returns {"onnx", "onnx_int8"[, "openvino", "openvino_int8"]:
-    path}. A plain ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs."""
+    path}. A plain ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs. ``openvino``:
+    None writes the OpenVINO files where the extra is installed, True requires them (ImportError naming the extra),
+    False leaves them out."""
     from multihead.extras import quiet_logs, require
 
     ort = require("onnxruntime", "multihead.hf.export")
@@ -178,10 +180,14 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         quantize_dynamic(str(f), str(f.with_name(ONNX_INT8_FILE)), weight_type=QuantType.QInt8, per_channel=True,
                          op_types_to_quantize=["MatMul"])
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
+    if openvino is False:
+        return written
     try:
         written |= _openvino(model, f, folder / OPENVINO_DIR, names, calibration)
     except ImportError:
-        pass  # the openvino extra is not installed: ONNX only
+        if openvino:
+            raise
+        # the openvino extra is not installed: ONNX only
     except RuntimeError as e:  # OpenVINO's converter refuses the graph (e.g. a layer with no head left)
         import shutil
 
@@ -191,6 +197,33 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         warnings.warn(f"export: OpenVINO cannot read {f} ({first[:200]}); no openvino/ folder written, the ONNX files "
                       "are.", RuntimeWarning, stacklevel=2)
     return written
+
+
+def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True, name: str | None = None):
+    """fastembed's ``TextEmbedding`` of a folder :func:`export` wrote (beside the tokenizer files and config.json,
+    as ``prune --hf`` leaves ``OUT/model``): registered as a custom model with mean pooling (sentence-transformers'
+    MiniLM pools so) over ``onnx/model.onnx`` (``int8``: ``onnx/model_int8.onnx``), its dimension read from
+    config.json, then opened from the folder itself (no download). The ``fastembed`` extra."""
+    import json
+
+    from multihead.extras import require
+
+    fe = require("fastembed", "multihead.hf.fastembed")
+    from fastembed.common.model_description import ModelSource, PoolingType
+
+    folder = Path(folder)
+    f = folder / ONNX_DIR / (ONNX_INT8_FILE if int8 else ONNX_FILE)
+    if not f.is_file() or not (folder / "config.json").is_file():
+        raise ValueError(f"fastembed: {folder} has no {f.relative_to(folder)} beside a config.json: give a folder "
+                         "written by multihead.hf.export (prune --hf writes OUT/model).")
+    dim = int(json.loads((folder / "config.json").read_text())["hidden_size"])
+    name = name or f"local/{folder.resolve().parent.name}-{folder.name}{'-int8' if int8 else ''}"
+    known = {d["model"] for d in fe.TextEmbedding.list_supported_models()}
+    if name not in known:
+        fe.TextEmbedding.add_custom_model(model=name, pooling=PoolingType.MEAN, normalization=normalize,
+                                          sources=ModelSource(hf=name), dim=dim,
+                                          model_file=str(f.relative_to(folder)))
+    return fe.TextEmbedding(model_name=name, specific_model_path=str(folder))
 
 
 def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
