@@ -141,6 +141,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     assert report["final"]["quantize"] == "int8" and report["recovery"]["steps"] == 3
     assert "pruned 25% + int8 (multihead)" in report["speed"] and "quantized to int8:" in said
     assert set(report["speed"]["pruned 25% + int8 (multihead)"]) == {"1", "16", "64"}
+    assert set(report["speed"]["pruned 25% + int8 (multihead served)"]) == {"1", "16", "64"}  # BERT: served too
     try:
         import onnxruntime  # noqa: F401
     except ImportError:

@@ -336,12 +336,21 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
     setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
-    if not causal:  # the kept encoder written where users run it, calibrated on the importance text
-        calibration = [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
-        setup.export_fn = lambda m, folder: _export(m, folder, calibration)
-        setup.runtime_texts = runtime_texts(tok, kinds, held_out, long, limit)
     setup.ffn_fn = lambda m, fraction: _cut_ffn(m, fraction, imp)
+    if not causal:
+        _for_runtimes(setup, imp, runtime_texts(tok, kinds, held_out, long, limit))
     return setup
+
+
+def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict]) -> None:
+    """An encoder's setup made ready for the runtimes: the kept model written where users run it (calibrated on the
+    importance text), the text its files are timed and scored on, and its served form timed beside it."""
+    import multihead.hf as mhf
+
+    calibration = [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
+    setup.export_fn = lambda m, folder: _export(m, folder, calibration)
+    setup.runtime_texts = texts
+    setup.serve_fn = mhf.serve
 
 
 def _cut_ffn(model: nn.Module, fraction: float, batches: list) -> dict[str, list[int]]:

@@ -58,6 +58,8 @@ class Setup:
     runtime_texts: tuple[dict, dict] | None = None
     #: ffn_fn(model, fraction) -> {down: kept}: cut that share of every feed-forward block's neurons, verified
     ffn_fn: Callable | None = None
+    #: serve_fn(model) -> the kept model rebuilt lean for prediction (multihead.hf.serve), timed beside it
+    serve_fn: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,9 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     if suffix:  # the model with its neurons cut, or quantized, is timed beside the curve's
         kname += suffix
         models[kname] = kept.kept
+    served = _served(setup, kept.kept)
+    if served is not None:  # multihead's own runtime at its leanest: the row a batch-1 caller should read
+        models[f"{kname} served"] = served
     timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress,
                                                    runtime_peers=o.runtime_peers)
     for row, n in zip(rows, names):
@@ -205,6 +210,8 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
     label = f"pruned {rows[kept.index]['fraction']:.0%}" + kname[len(names[kept.index]):]  # "pruned 50% + int8"
     speeds = {"unpruned (multihead)": timings[names[0]], f"{label} (multihead)": timings[kname]}
+    if served is not None:
+        speeds[f"{label} (multihead served)"] = timings[f"{kname} served"]
     speeds |= {n: timings[n] for n in timings if n not in models}  # the peers
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
@@ -469,6 +476,17 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         *runtime_section(r.get("runtimes")),
     ])
+
+
+def _served(setup: Setup, model: nn.Module) -> nn.Module | None:
+    """The kept model served (``setup.serve_fn``), or None where the setup has none or the model is not one it
+    serves (e.g. not a BERT-family encoder: the speed table then has no served row)."""
+    if setup.serve_fn is None:
+        return None
+    try:
+        return setup.serve_fn(model)
+    except (TypeError, ValueError):
+        return None
 
 
 def runtime_section(d: dict | None) -> list[str]:
