@@ -161,7 +161,8 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
              if (Path(pruned) / rel).is_file()}
     if "onnx" not in files:
         files = mhf.export(kept, tempfile.mkdtemp(), calibration=calibration)
-    base = mhf.export(full, tempfile.mkdtemp(), calibration=calibration if "openvino_int8" in files else None)
+    base = mhf.export(full, tempfile.mkdtemp(), calibration=calibration if "openvino_int8" in files else None,
+                      openvino="openvino" in files)  # the runtimes the pruned folder has, no more
     n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
     others = package_sentences(n, exclude=set(held_out))
     long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)
