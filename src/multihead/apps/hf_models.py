@@ -335,7 +335,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.scores_fn = scores_fn
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
-    setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0]))
+    setup.more_peers = (lambda: []) if causal else (lambda: _unpruned_files_or_export(setup, peer, speed[16][0]))
     setup.ffn_fn = lambda m, fraction: _cut_ffn(m, fraction, imp)
     if not causal:
         _for_runtimes(setup, imp, runtime_texts(tok, kinds, held_out, long, limit))
@@ -397,6 +397,21 @@ def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit
     for B, n in (sizes or RUNTIME_BATCHES).items():
         inputs[B] = [b for items, cap in texts.values() if len(items) >= B for b in batch(items[: B * n], B, cap)]
     return inputs, {kind: batch(items, 16, cap) for kind, (items, cap) in texts.items()}
+
+
+def _unpruned_files_or_export(setup: Setup, peer: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:
+    """The speed table's other runtimes of the unpruned encoder: opened from the files the runtime table exported
+    (``setup.unpruned_files``: the same model, exported once per run), else exported from ``peer``."""
+    from multihead.apps import runtimes
+
+    files = getattr(setup, "unpruned_files", None)
+    if not files:
+        return runtime_peers(peer, example)
+    run = lambda m, x: m(input_ids=x[0], attention_mask=x[1])  # noqa: E731
+    out = [("ONNX Runtime int8 (unpruned)", runtimes.ort_session(files["onnx_int8"]), run)]
+    if "openvino" in files:
+        out.append(("OpenVINO fp32 (unpruned)", runtimes.openvino_model(files["openvino"]), run))
+    return out
 
 
 def runtime_peers(model: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:

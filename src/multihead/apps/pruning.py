@@ -60,6 +60,8 @@ class Setup:
     ffn_fn: Callable | None = None
     #: serve_fn(model) -> the kept model rebuilt lean for prediction (multihead.hf.serve), timed beside it
     serve_fn: Callable | None = None
+    #: after the runtime table: the unpruned model's files (multihead.hf.export), for the speed table's peers
+    unpruned_files: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,7 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
         return out
     inputs, kinds = setup.runtime_texts
     base = setup.export_fn(unpruned, Path(tempfile.mkdtemp()))  # the unpruned model, exported the same way
+    setup.unpruned_files = base  # the speed table's other runtimes open these (one export of it per run)
     seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
     out["rows"] = deploy.compare(unpruned, kept, base, files, inputs, max_seconds=seconds / len(inputs) * 3,
                                  log=print if o.progress else None)
