@@ -188,6 +188,14 @@ def _runtime_files_match_the_model(out, report, said):
         assert [o.name for o in session.get_outputs()] == ["last_hidden_state"]
         got = torch.from_numpy(session.run(None, feed)[0])
         assert (got - want)[keep].abs().max() <= tol, f
+    ov = pytest.importorskip("openvino") if (out / "model" / "openvino").is_dir() else None
+    for f in ("openvino_model.xml", "openvino_model_int8.xml") if ov is not None else ():
+        compiled = ov.Core().compile_model(str(out / "model" / "openvino" / f), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        got = torch.from_numpy(compiled(feed)[compiled.output(0)])
+        if f == "openvino_model.xml":  # fp32: the same model
+            assert (got - want)[keep].abs().max() <= 1e-4
+        else:  # NNCF's static int8 (activations' ranges calibrated): the same model within its rounding
+            assert torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1).min() > 0.9
     kept_rows = model.encoder.layer[0].attention.self.query.weight.shape[0]  # the kept heads' rows
     import onnx
 
