@@ -116,23 +116,11 @@ def openvino_fp32(f: Path) -> RuntimeModel:
 
 
 def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
-    """The ONNX file ``f`` quantized by NNCF's static post-training quantization (the transformer preset,
-    activations' ranges calibrated on ``calibration``: a list of {"input_ids", "attention_mask"} (B, L) batches,
-    text the timing never uses), compiled by :func:`openvino_model`: sentence-transformers' own recommendation for
-    CPUs (``export_static_quantized_openvino_model``)."""
-    from multihead.extras import quiet_logs, require
+    """The ONNX file ``f`` quantized by NNCF's static int8 (:func:`multihead.hf.export.openvino_int8`, calibrated on
+    ``calibration``: text the timing never uses), compiled by :func:`openvino_model`."""
+    from multihead.hf.export import openvino_int8 as quantized_ir
 
-    ov = require("openvino", "the OpenVINO peer")
-    nncf = require("nncf", "the OpenVINO int8 peer")
-    model = ov.Core().read_model(str(f))
-    names = [i.get_any_name() for i in model.inputs]
-    feeds = [{n: (b[n] if n in b else torch.zeros_like(b["input_ids"])).numpy() for n in names} for b in calibration]
-    with quiet_logs("nncf"):
-        model = nncf.quantize(model, nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(feeds))
-    d = Path(tempfile.mkdtemp())
-    ov.save_model(model, str(d / "int8.xml"), compress_to_fp16=False)
-    return openvino_model(d / "int8.xml")
+    return openvino_model(quantized_ir(f, Path(tempfile.mkdtemp()) / "int8.xml", calibration))
 
 
 def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:
