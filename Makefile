@@ -1,18 +1,19 @@
 # Two commands: `make demo` (the main job) and `make test`. Each builds .venv from
 # nothing when it is missing, at the versions locked in constraints.txt (every package the
 # tests use; the library's own users get pyproject.toml's ranges).
-# CUDA users: make test TORCH_SPEC='torch==2.13.0 --index-url ...'
+# torch is the registry's default Linux build (2.14.1, paired with torchvision 0.29.1 for the vision extra:
+# timm, open_clip); it runs on a CPU, its CUDA libraries unused there. Another build: TORCH_SPEC='torch==2.14.1 torchvision==0.29.1 --index-url ...'
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 LOCK := constraints.txt
-TORCH_SPEC ?= torch==2.13.0
-EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision
 # pytest workers (xdist); each runs torch on one thread
 JOBS ?= 2
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
-# ~90 s) with constraints for everything, the build backend from the lock too. torch comes first from
-# pip, which finds this machine's wheel on disk (TORCH_SPEC); uv then keeps it.
+# ~90 s) with constraints for everything, the build backend from the lock too. torch comes first
+# (TORCH_SPEC: ~3.5 GB with its CUDA libraries, ~16 s with uv from a local registry); uv then keeps it.
 PIP = $(BIN)/uv pip install -q --python $(BIN)/python -c $(LOCK)
 
 .PHONY: demo test test-latest lock lint clean chromium
@@ -21,10 +22,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c $(LOCK) pip setuptools uv
 
-# --no-compile: pip would byte-compile all of torch (~27 of the ~37 s this step took); the modules a run
-# imports are compiled as they are first imported, as uv leaves the rest
+# uv installs without byte-compiling (pip would compile all of torch); the modules a run imports are compiled
+# as they are first imported
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -m pip install -q --no-compile $(TORCH_SPEC)
+	$(PIP) $(TORCH_SPEC)
 	touch $@
 
 $(VENV)/.demo: pyproject.toml $(LOCK) $(VENV)/.torch
@@ -64,7 +65,7 @@ test-latest: chromium
 	rm -rf .venv-latest
 	$(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip setuptools uv
-	.venv-latest/bin/python -m pip install -q --no-compile $(TORCH_SPEC)
+	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python $(TORCH_SPEC)
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-build-isolation -e '.[$(EXTRAS)]'
 	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
 	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS)

@@ -27,7 +27,7 @@ PYPROJECT = ROOT / "pyproject.toml"
 TOOLS = ("pip", "setuptools", "uv")
 HEADER = """\
 # The test environment, locked: every package `make test` installs, at the version the suite was
-# last green with (torch's local build label dropped: `torch==2.13.0` admits the CPU and CUDA builds).
+# last green with (torch's local build label dropped: `torch==2.14.1` admits the CPU and CUDA builds).
 # `make test` installs with `pip install -c constraints.txt`; the library's users get pyproject.toml's
 # ranges. Refresh: `make test-latest` (the newest releases the ranges allow); when it passes, `make lock`.
 # Checked against pyproject.toml by tests/test_lock.py (python tools/lockfile.py check).
