@@ -14,6 +14,7 @@ confine, :func:`~multihead.grader.confine.unconfined` says and the grader prints
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import re
@@ -35,12 +36,32 @@ __all__ = ["Limits", "SandboxError", "SandboxSubject", "parse_size"]
 
 
 class Limits(NamedTuple):
-    """Per submission: wall-clock seconds, CPU seconds, address space in bytes, processes."""
+    """Per submission: wall-clock seconds, CPU seconds, address space in bytes (beyond the shared libraries torch
+    maps: :func:`library_space`), processes."""
 
     wall: float = 60.0
     cpu: int = 120
     memory: int = 4 << 30
     processes: int = 32
+
+
+@functools.lru_cache(maxsize=1)
+def library_space() -> int:
+    """Bytes of address space the shared libraries loaded in this process take (torch's among them: ~3 GB for its
+    default build, whose CUDA libraries are mapped even on a CPU), read from /proc/self/maps; 0 where there is none.
+    The sandbox maps the same libraries, so its address-space limit is ``Limits.memory`` on top of this: ``memory``
+    bounds what the submission allocates, whichever torch build is installed."""
+    total = 0
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and ".so" in parts[5].rsplit("/", 1)[-1]:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    total += hi - lo
+    except OSError:  # not Linux
+        return 0
+    return total
 
 
 def parse_size(text: str) -> int:
@@ -77,7 +98,8 @@ class SandboxSubject:
         shutil.copyfile(self.path, sandbox.handed(scratch, str(self.path)))  # handed over: never read by path there
         # the path absolute: the sandbox excludes its folder from what it may read, wherever the grader runs
         request = {"path": str(self.path.resolve()), "name": name, "init": init or {}, "call": call, "seed": seed,
-                   "log": self.log, "memory": limits.memory, "cpu": limits.cpu, "processes": limits.processes,
+                   "log": self.log, "memory": limits.memory + library_space(), "cpu": limits.cpu,
+                   "processes": limits.processes,
                    "scratch": scratch}
         zygote = _zygote()
         if zygote is not None:
