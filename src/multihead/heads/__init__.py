@@ -9,6 +9,7 @@ scores and cuts feed-forward neurons the same way (past the heads' share of the 
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
 
+from multihead.heads import timm_forms as _timm_forms  # noqa: F401 - registers timm's SDPA forms with observe
 from multihead.heads.capture import Captured, capture
 from multihead.heads.gates import attention_modules, gated
 from multihead.heads.importance import (

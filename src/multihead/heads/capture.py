@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.core.functional import weights_of
+from multihead.heads.observe import nothing_seen, on_call
 from multihead.layer.hooks import hooked_modules
 from multihead.layer.module import AttentionCore
 
@@ -123,13 +124,14 @@ def capture(
     """
     rec = Captured(model, include, detach, to_cpu, max_elements)
     mods = list(hooked_modules(model).values()) if model is not None else AttentionCore.alive()
-    if model is not None and not mods:
-        raise ValueError(f"{type(model).__name__} has no multihead attention module to record; for a transformers "
-                         "model call multihead.hf.attach(model) first (import multihead.hf), or load it with "
-                         "attn_implementation='multihead'.")
     handles = [m.attention_hooks.add_observer(rec.record) for m in mods]
+    lazy = contextlib.nullcontext() if mods or model is None else \
+        on_call(model, lambda name, m: handles.append(m.attention_hooks.add_observer(rec.record)))
     try:
-        yield rec
+        with lazy:
+            yield rec
     finally:
         for h in handles:
             h.remove()
+    if model is not None and not handles:
+        raise ValueError(nothing_seen(model, "record"))

@@ -33,8 +33,16 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
     ``gate * output + (1 - gate) * fill``: gated off, it is replaced by ``fill``
     (e.g. its mean output) instead of zeros. Yields {module name: gates (H,)}; the
     gates are removed afterwards. Gates are a tensor or a list of numbers per module, one finite number a head;
-    every module's are checked before any is set (ValueError / TypeError naming the module)."""
+    every module's are checked before any is set (ValueError / TypeError naming the module).
+
+    A model whose modules call SDPA and that nothing has observed yet is observed on its first call inside the
+    block (:func:`multihead.heads.observe.on_call`): the yielded dict fills as its modules are found, each module's
+    given gates are checked then, and a name in ``values`` or ``fill`` that no call reached is refused at the end."""
     mods = attention_modules(model)
+    if not mods:
+        with _gated_on_call(model, values, requires_grad, fill) as gates:
+            yield gates
+        return
     for name in list(values or ()) + list(fill or ()):
         if name not in mods:
             raise ValueError(f"no multihead attention module named {name!r}; modules: {list(mods)}.")
@@ -48,6 +56,30 @@ def gated(model: nn.Module, values: Mapping[str, Tensor] | None = None, *, requi
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _gated_on_call(model: nn.Module, values, requires_grad: bool, fill):
+    """:func:`gated` on a model observed on its first call inside the block."""
+    from multihead.heads.observe import nothing_seen, on_call
+
+    gates, handles = {}, []
+
+    def found(name: str, m: nn.Module) -> None:
+        gates[name] = _gates_of(name, m, None if values is None else values.get(name)).requires_grad_(requires_grad)
+        handles.append(m.attention_hooks.add_transform(_gate(gates[name], None if fill is None else fill.get(name))))
+
+    try:
+        with on_call(model, found):
+            yield gates
+    finally:
+        for h in handles:
+            h.remove()
+    if not gates:
+        raise ValueError(nothing_seen(model, "gate"))
+    missing = sorted((set(values or ()) | set(fill or ())) - set(gates))
+    if missing:
+        raise ValueError(f"no attention module named {missing} was called in the block; modules: {list(gates)}.")
 
 
 def _gates_of(name: str, m: nn.Module, given) -> Tensor:

@@ -77,14 +77,22 @@ def _bar(it, desc: str, progress: bool, total: int | None = None):
     return tqdm(it, desc=desc, total=total, mininterval=1.0)
 
 
-def _scored(model: nn.Module, batches: Iterable) -> tuple[dict[str, nn.Module], list]:
-    """The attention modules to score and the batches, checked before any work."""
-    mods = attention_modules(model)
-    if not mods:
-        raise ValueError("the model has no multihead attention modules to score.")
+def _scored(model: nn.Module, batches: Iterable, fn: Callable) -> tuple[dict[str, nn.Module], list]:
+    """The attention modules to score and the batches, checked before any work. A model whose modules call SDPA
+    and that nothing has observed yet is observed on ``fn(model, batches[0])`` (the user's own call, run once more,
+    without gradients)."""
     batches = list(batches)
     if not batches:
         raise ValueError("importance needs at least one batch.")
+    mods = attention_modules(model)
+    if not mods:
+        from multihead.heads.observe import nothing_seen, on_call
+
+        with _evaluating(model), torch.no_grad(), on_call(model, lambda name, m: None):
+            fn(model, batches[0])
+        mods = attention_modules(model)
+        if not mods:
+            raise ValueError(nothing_seen(model, "score", "in a call of the loss function on the first batch"))
     return mods, batches
 
 
@@ -103,7 +111,7 @@ def gradient_importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[
     """I_h = mean over batches of |dL/dξ_h| at gate ξ = 1 (Michel et al. 2019), divided by the
     layer's L2 norm when ``normalize`` (``raw`` keeps the unnormalized means). loss_fn(model,
     batch) -> a scalar loss."""
-    mods, batches = _scored(model, batches)
+    mods, batches = _scored(model, batches, loss_fn)
     names = list(mods)
     with _evaluating(model):
         total = {n: torch.zeros(_num_heads(mods[n])) for n in names}
@@ -124,7 +132,7 @@ def ablation_importance(model: nn.Module, batches: Iterable, loss_fn: Callable[[
     """Mean loss with head h alone gated off (replaced by ``fill`` when given, else zeros), minus
     the mean loss of the full model: higher = the head matters more. loss_fn(model, batch) -> a
     scalar loss."""
-    mods, batches = _scored(model, batches)
+    mods, batches = _scored(model, batches, loss_fn)
     names = list(mods)
     with _evaluating(model), torch.no_grad():
         base = sum(float(loss_fn(model, b)) for b in batches) / len(batches)
@@ -143,7 +151,7 @@ def entropy_importance(model: nn.Module, batches: Iterable, run_fn: Callable[[nn
                        progress: bool = True) -> Importance:
     """Minus the mean entropy of each head's attention rows over the real query rows (a focused
     head scores higher); ``raw`` keeps the entropies. run_fn(model, batch) only has to run the model."""
-    mods, batches = _scored(model, batches)
+    mods, batches = _scored(model, batches, run_fn)
     names = list(mods)
     sums = {n: torch.zeros(_num_heads(mods[n])) for n in names}
     counts = dict.fromkeys(names, 0)

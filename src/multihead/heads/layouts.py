@@ -42,11 +42,17 @@ class HeadLayout:
     zero_heads_ok: bool = True
     count_attrs: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads")
     kv_count_attrs: tuple[str, ...] = ("num_kv_heads", "num_key_value_heads")  # Hkv, where the module keeps it
-    size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size")
+    size_attrs: tuple[str, ...] = ("all_head_size", "inner_dim", "split_size", "attn_dim")
     per_head: tuple[str, ...] = ()  # parameters of shape (H,), one entry per query head
     head_size: int | None = None  # D, for a module with no head-size attribute
     #: lists of one module per head (StableLM's per-head q/k layer norms): (path, True where one per key/value head)
     per_head_lists: tuple[tuple[str, bool], ...] = ()
+    #: layers beside q/k/v whose output is the heads' H Dv features (timm's output ``gate``): rows cut per head
+    head_row_layers: tuple[str, ...] = ()
+    #: a fused projection's own q/k/v biases, (name, role) (EVA's ``q_bias``, ``k_bias``, ``v_bias``): cut per head
+    qkv_biases: tuple[tuple[str, str], ...] = ()
+    #: tables with one column per head, (..., H) (Swin's ``relative_position_bias_table``): columns cut per head
+    per_head_cols: tuple[str, ...] = ()
 
     def head_dim(self, m: nn.Module) -> int:
         for a in ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size"):
@@ -120,29 +126,65 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, see
                      if p is not None and p.dim() == 1 and p.shape[0] == H)  # gpt-oss' sinks, Bloom's ALiBi heads
     lists = tuple((n, len(c) != H) for n, c in m.named_modules() if isinstance(c, nn.ModuleList) and n
                   and len(c) in (H, Hkv) and all(any(True for _ in e.parameters()) for e in c))  # StableLM's norms
+    mixed = _mixing_norm(m, H, Dv)
+    if mixed is not None:
+        return mixed
+    extra = _beside(m, lin, roles, seen)
     q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
     if q and k and v:
         sizes = (out_features(lin[q]), out_features(lin[k]), out_features(lin[v]))
         if sizes != (H * D, Hkv * D, Hkv * Dv):
             return f"{q}/{k}/{v} give {sizes} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
         return [HeadLayout("separate q/k/v", q, k, v, o_name, from_parent, per_head=per_head, head_size=D,
-                           per_head_lists=lists)]
+                           per_head_lists=lists, **extra)]
     if qkv:
         out = out_features(lin[qkv])
         lays = []
         if D == Dv and out == (H + 2 * Hkv) * D:
             lays.append(HeadLayout("fused [Q | K | V]", qkv, qkv, qkv, o_name, from_parent, fused="blocks",
-                                   per_head=per_head, head_size=D, per_head_lists=lists))
+                                   per_head=per_head, head_size=D, per_head_lists=lists, **extra))
         if D == Dv and H == Hkv and out == 3 * H * D:
             lays.append(HeadLayout("fused per head [q k v]", qkv, qkv, qkv, o_name, from_parent, fused="interleaved",
-                                   per_head=per_head, head_size=D, per_head_lists=lists))
+                                   per_head=per_head, head_size=D, per_head_lists=lists, **extra))
         groups = next((m.__dict__[a] for a in HeadLayout.kv_count_attrs if isinstance(m.__dict__.get(a), int)), None)
         if D == Dv and groups and H % groups == 0 and groups < H and out == (H + 2 * groups) * D:
             # Falcon's new decoder architecture: keys/values broadcast to every query head before the call
             lays.append(HeadLayout("fused per group [q .. q k v]", qkv, qkv, qkv, o_name, from_parent,
-                                   fused="grouped", per_head=per_head, head_size=D, per_head_lists=lists))
+                                   fused="grouped", per_head=per_head, head_size=D, per_head_lists=lists, **extra))
         return lays or f"{qkv} gives {out} features; the call has H={H}, Hkv={Hkv}, D={D}, Dv={Dv}"
     return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
+
+
+def _mixing_norm(m: nn.Module, H: int, Dv: int) -> str | None:
+    """Why no cut is exact when ``m`` normalises all heads' outputs together (timm's ``scale_norm``: a norm over
+    the H Dv merged features, so each head's output depends on the others'), or None."""
+    if H < 2:
+        return None
+    for n, c in m.named_children():
+        shape = getattr(c, "normalized_shape", None)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape) if shape is not None else None
+        if shape == (H * Dv,):
+            return (f"its {n} ({type(c).__name__}) normalises all {H} heads' {H * Dv} output features together, so "
+                    "each head's output depends on the others': no model with fewer heads computes the same "
+                    "(seen and gated, not cut)")
+    return None
+
+
+def _beside(m: nn.Module, lin: dict, roles: dict, seen: Seen) -> dict:
+    """The per-head parts of ``m`` beside its q/k/v/o projections, as :class:`HeadLayout` fields: layers giving the
+    heads' H Dv features (an output gate), a fused projection's separate q/k/v biases, tables with a column per head."""
+    from multihead.heads.surgery import role_of
+
+    H, Hkv, D, Dv = seen
+    taken = {n for r in ("q", "k", "v", "qkv", "o", "o?") for n in roles.get(r, [])}
+    rows = tuple(n for n, c in lin.items() if n not in taken and role_of(n) is None and out_features(c) == H * Dv)
+    own = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+    size = {"q": H * D, "k": Hkv * D, "v": Hkv * Dv}
+    biases = tuple((n, role_of(n)) for n, p in own if p is not None and p.dim() == 1 and role_of(n) in size
+                   and p.shape[0] == size[role_of(n)])
+    cols = tuple(n for n, p in own if p is not None and p.dim() == 2 and p.shape[-1] == H and p.shape[0] != H
+                 and p.is_floating_point())
+    return {"head_row_layers": rows, "qkv_biases": biases, "per_head_cols": cols}
 
 
 def in_features(p: nn.Module) -> int:
@@ -250,7 +292,8 @@ def _set(owner: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _cut_per_head(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int]) -> None:
-    """The per-head parts beside the projections: lists of one module per head, parameters of shape (H,)."""
+    """The per-head parts beside the projections: lists of one module per head, layers and biases with rows per
+    head, tables with a column per head, parameters of shape (H,)."""
     for name, by_kv in layout.per_head_lists:  # one module per head: each kept head's own (a copy where repeated)
         holder = m.get_submodule(name)
         owner, _, leaf = name.rpartition(".")
@@ -258,14 +301,34 @@ def _cut_per_head(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[in
         count = m.get_submodule(owner) if owner else m
         if isinstance(count.__dict__.get("num_heads"), int):  # StableLmLayerNormPerHead's own count
             count.__dict__["num_heads"] = len(kv if by_kv else keep)
+    D, Dv = layout.head_dim(m), _value_size(layout, m)
+    for name in layout.head_row_layers:  # (H Dv, E) -> (len(keep) Dv, E)
+        _set(m, name, select(m.get_submodule(name), out_rows=head_rows(keep, Dv)))
+    for name, role in layout.qkv_biases:  # (H D,) or (Hkv D,) -> the kept heads' rows
+        _replace(m, name, lambda p, role=role: p[head_rows(keep, D) if role == "q" else head_rows(kv, D if role == "k" else Dv)])
+    for name in layout.per_head_cols:  # (..., H) -> (..., len(keep))
+        _replace(m, name, lambda p: p[..., keep])
     for name in layout.per_head:  # (H,) -> (len(keep),)
-        owner, _, leaf = name.rpartition(".")
-        holder = m.get_submodule(owner) if owner else m
-        p = getattr(holder, leaf)
-        if leaf in holder._buffers:  # a buffer stays one (saved or not, as it was)
-            holder._buffers[leaf] = p[keep].clone()
-        else:
-            setattr(holder, leaf, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
+        _replace(m, name, lambda p: p[keep])
+
+
+def _value_size(layout: HeadLayout, m: nn.Module) -> int:
+    """Dv: the head size of the values (D unless the module's output projection says otherwise)."""
+    hooks = m.__dict__.get("attention_hooks")
+    seen = getattr(hooks, "seen", None)
+    return seen.Dv if seen is not None else layout.head_dim(m)
+
+
+def _replace(m: nn.Module, name: str, part) -> None:
+    """Parameter or buffer ``name`` of ``m`` replaced by ``part(tensor)`` (a copy): a buffer stays one (saved or not,
+    as it was), a parameter keeps its requires_grad."""
+    owner, _, leaf = name.rpartition(".")
+    holder = m.get_submodule(owner) if owner else m
+    p = getattr(holder, leaf)
+    if leaf in holder._buffers:
+        holder._buffers[leaf] = part(p).clone()
+    else:
+        setattr(holder, leaf, nn.Parameter(part(p.detach()).clone(), requires_grad=p.requires_grad))
 
 
 def _prune(layout: HeadLayout, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None,

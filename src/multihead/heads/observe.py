@@ -53,7 +53,7 @@ from multihead import masks
 from multihead.heads.layouts import candidates, verify
 from multihead.layer.hooks import AttentionHooks, Seen, hooked_modules
 
-__all__ = ["observe", "observed", "unobserve"]
+__all__ = ["observe", "observed", "on_call", "unobserve"]
 
 SDPA = F.scaled_dot_product_attention
 MHA = F.multi_head_attention_forward
@@ -242,7 +242,8 @@ def _probe(model: nn.Module, example) -> dict[str, _Found]:
 
     def record(module, func, a):
         name = names.get(id(module))
-        if name is not None and name not in found and "attention_hooks" not in module.__dict__:
+        hooks = module.__dict__.get("attention_hooks")  # None, or a module seen on a call (no layout): probed now
+        if name is not None and name not in found and (hooks is None or hooks.layout_reason == _ON_CALL):
             found[name] = _Found(module, ((), {}), _seen(func, a))  # multihead's own modules (with hooks): seen
         return func(**a)
 
@@ -252,7 +253,7 @@ def _probe(model: nn.Module, example) -> dict[str, _Found]:
     def pop(mod, args, out) -> None:
         stack.pop()
 
-    with _hooked(model, [(m, push, pop) for m in model.modules()]), _Calls(stack, record):
+    with _hooked(model, [(m, push, pop) for m in _python_modules(model)]), _Calls(stack, record):
         _run(model, example)
     if found:  # a second call records the found modules' inputs as they arrive (before a cache grows)
         by_id = {id(f.module): n for n, f in found.items()}
@@ -365,35 +366,167 @@ def observe(model: nn.Module, example) -> dict[str, nn.Module]:
     Calling it again on an observed model changes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"observe takes an nn.Module; got {type(model).__name__}.")
+    _refuse_scripted(model, "see")
     _give_forms(model, example)
     found = _probe(model, example)
     if not found and hooked_modules(model):  # multihead's own modules (or an attached model): seen already
         return observed(model)
     if not found:
-        attn = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
-        raise ValueError(f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention "
-                         "during a forward pass on the example"
-                         + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called "
-                            "from C++)" if attn else "")
-                         + ("; import multihead.hf first: it knows the SDPA forms of transformers families that "
-                            "compute attention by hand (Bloom)" if not FORMS and
-                            type(model).__module__.startswith("transformers.") else "")
-                         + "; multihead can neither see nor gate its heads.")
+        raise ValueError(nothing_seen(model, "see", "during a forward pass on the example", example))
     for name, f in found.items():
         if f.seen is None:
             raise ValueError(f"{name} ({type(f.module).__name__}) calls scaled_dot_product_attention without a "
                              "(B, H, Lq, D) query; multihead observes per-head calls only.")
     for f in found.values():
-        m = f.module
-        hooks = AttentionHooks()
-        hooks.num_heads, hooks.seen = f.seen[0], f.seen
-        m.__dict__["attention_hooks"] = hooks
-        enter = _Enter(m)
-        m.__dict__[_KEY] = (m.register_forward_pre_hook(enter),
-                            m.register_forward_hook(_Exit(enter), always_call=True))
+        if "attention_hooks" not in f.module.__dict__:
+            _install(f.module, f.seen)
     for name, f in found.items():
         _derive(model, name, f)
     return observed(model)
+
+
+#: fused attention kernels a module may call from Python: the whole attention in C++, the heads out of reach
+_FUSED_OPS = ("_native_multi_head_attention", "_transformer_encoder_layer_fwd", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+              "_fused_sdp_choice")
+
+
+def _scripted(model: nn.Module) -> list[str]:
+    """Names of TorchScript modules in ``model`` whose code calls SDPA or torch.nn's attention: their calls run in
+    TorchScript, where no Python mode sees them."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            try:
+                code = m.code
+            except (RuntimeError, AttributeError):  # a module with no forward of its own
+                continue
+            if any(s in code for s in ("scaled_dot_product_attention", "multi_head_attention_forward", *_FUSED_OPS)):
+                out.append(f"{name or type(model).__name__} ({m.original_name}, TorchScript)")
+    return out
+
+
+def _refuse_scripted(model: nn.Module, verb: str) -> None:
+    """A ValueError naming the TorchScript modules of ``model`` that compute attention (nothing Python sees)."""
+    scripted = _scripted(model)
+    if scripted:
+        raise ValueError(f"{type(model).__name__}: {', '.join(scripted)}: attention computed in TorchScript, where "
+                         f"Python cannot observe it; multihead cannot {verb} its heads (heads are seen on the module's "
+                         "Python path: before torch.jit.script).")
+
+
+def _python_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that run Python forwards (TorchScript modules take no hooks)."""
+    return [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+
+
+def fused_calls(model: nn.Module, example) -> list[str]:
+    """Modules of ``model`` that call a fused attention kernel (``torch._native_multi_head_attention`` and the
+    like) in a forward on ``example``: "name (Class) calls op", one each."""
+    stack, out = [], {}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    class Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            op = getattr(func, "__name__", "")
+            if op in _FUSED_OPS and stack:
+                m = stack[-1]
+                out.setdefault(names.get(id(m)) or type(model).__name__, f"{type(m).__name__}) calls torch.{op}")
+            return func(*args, **(kwargs or {}))
+
+    def push(mod, args) -> None:
+        stack.append(mod)
+
+    def pop(mod, args, out) -> None:  # a forward hook returning something would replace the output
+        stack.pop()
+
+    with _hooked(model, [(m, push, pop) for m in _python_modules(model)]), Ops(), torch.no_grad():
+        _call(model, example)
+    return [f"{n} ({what}" for n, what in out.items()]
+
+
+def nothing_seen(model: nn.Module, verb: str, when: str = "inside the block", example=None) -> str:
+    """The refusal when no module of ``model`` could be observed: what computes its attention instead (TorchScript,
+    a fused kernel, a class computing by hand) and the way out."""
+    where = _scripted(model)
+    if example is not None:
+        where += fused_calls(model, example)
+    attn = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
+    return (f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention {when}"
+            + (f"; {', '.join(where)}: attention computed where Python cannot observe it (heads are seen on a "
+               "module's Python path: before torch.jit.script, without the fused kernel)" if where else "")
+            + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called from C++)"
+               if attn and not where else "")
+            + ("; import multihead.hf first: it knows the SDPA forms of transformers families that compute attention "
+               "by hand (Bloom), and multihead.hf.attach(model) puts a transformers model on multihead's attention"
+               if type(model).__module__.startswith("transformers.") else "")
+            + f"; multihead cannot {verb} its heads.")
+
+
+_ON_CALL = ("seen on a call, without a probe: heads.observe(model, example) derives its head layout (which "
+            "weights hold head h), which a cut needs")
+
+
+def _install(m: nn.Module, seen: Seen) -> None:
+    """Give ``m`` (a module whose own forward calls SDPA) its hook list and the hook pair that routes its SDPA
+    calls through the list while something is registered on it."""
+    hooks = AttentionHooks()
+    hooks.num_heads, hooks.seen = seen.H, seen
+    m.__dict__["attention_hooks"] = hooks
+    enter = _Enter(m)
+    m.__dict__[_KEY] = (m.register_forward_pre_hook(enter), m.register_forward_hook(_Exit(enter), always_call=True))
+    m.__dict__[_KEY + "_enter"] = enter
+
+
+@contextlib.contextmanager
+def on_call(model: nn.Module, found):
+    """Observation on the user's own call, for the block: the first forward of ``model`` inside it runs in a mode
+    that sees every SDPA (or ``F.multi_head_attention_forward``) call; a module whose own forward makes one and has
+    no hook list yet is observed there and then (as :func:`observe` makes it, without a head layout: pruning needs
+    the probe), ``found(name, module)`` is called (the caller registers its observers and transforms), and the call
+    goes through the module's hooks. Later forwards run each observed module's own hooks only."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list = []
+    state = {"mode": None, "done": False}
+
+    def route(module, func, a):
+        enter = module.__dict__.get(_KEY + "_enter")
+        if enter is not None and enter.modes and enter.modes[-1] is not None:
+            return func(**a)  # the module's own mode (entered at its call) routes it: an inner call, pass it on
+        if "attention_hooks" not in module.__dict__:
+            seen = _seen(func, a)
+            name = names.get(id(module))
+            if seen is None or name is None or name == "":
+                return func(**a)  # not a per-head call, or the model itself: nothing to observe
+            _install(module, seen)
+            module.attention_hooks.layout_reason = _ON_CALL
+            found(name, module)
+        if not module.__dict__["attention_hooks"]:
+            return func(**a)
+        return _observed_call(module, func, a)
+
+    def push(mod, args) -> None:
+        if mod is model and not stack and not state["done"]:
+            state["mode"] = _Calls(stack, route)
+            state["mode"].__enter__()
+        stack.append(mod)
+
+    def pop(mod, args, out) -> None:
+        stack.pop()
+        if mod is model and not stack and state["mode"] is not None:
+            state["mode"].__exit__(None, None, None)
+            state["mode"], state["done"] = None, True
+
+    _refuse_scripted(model, "see")
+    handles = []
+    for m in _python_modules(model):
+        handles.append(m.register_forward_pre_hook(push))
+        handles.append(m.register_forward_hook(pop, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def observed(model: nn.Module) -> dict[str, nn.Module]:
@@ -411,4 +544,5 @@ def unobserve_module(m: nn.Module) -> None:
     """Undo :func:`observe` on one module (its hooks and hook list go)."""
     for h in m.__dict__.pop(_KEY, ()):
         h.remove()
+    m.__dict__.pop(_KEY + "_enter", None)
     m.__dict__.pop("attention_hooks", None)
