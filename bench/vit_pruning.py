@@ -1,99 +1,94 @@
 """Half the heads of a ViT cut by ``heads.observe`` + ``heads.prune``: speed against the unpruned
 model at batch 1 and 32, interleaved rounds (median, min-max), and pruned = gated.
 
-Two architectures at their real sizes, random weights, written in their libraries' styles (timm and
-torchvision cannot be installed beside this project's CPU build of torch: their PyPI wheels' compiled
-ops need torch's CUDA libraries): ViT-S/16 as timm builds it (a fused ``qkv`` Linear, then
-``F.scaled_dot_product_attention``) and ViT-B/16 as torchvision builds it (``nn.MultiheadAttention``
-called with ``need_weights=False``). The heads cut are each layer's least important by entropy of their
-attention on random images (the speed does not depend on which).
+The real packages (the ``vision`` extra), random weights at their real sizes: timm's
+``vit_small_patch16_224`` and ``deit_small_patch16_224`` (timm's ``Attention``, fused attention on: one
+``F.scaled_dot_product_attention`` call, as timm runs it by default) and torchvision's ``vit_b_16``
+(``nn.MultiheadAttention`` called with ``need_weights=False``). The heads cut are each layer's least important
+by entropy of their attention on random images (the speed does not depend on which). The bound beside each
+speed-up is the arithmetic one: the multiply-adds of the pruned model against the unpruned one's
+(``torch.utils.flop_counter``), so "1.20x of a 1.25x bound" says how much of the work removed became time.
 
-    .venv/bin/python bench/vit_pruning.py                  # about 4 minutes on 2 cores
+    .venv/bin/python bench/vit_pruning.py                  # about 5 minutes on 2 cores
     .venv/bin/python bench/vit_pruning.py --tiny           # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import heads
 from multihead.apps import timing
 
-
-class TimmAttention(nn.Module):
-    """timm's ``Attention``: qkv (B, N, 3, H, D) -> SDPA -> proj."""
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        B, N, _ = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-        q, k, v = qkv.unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, D)
-        return self.proj(x.transpose(1, 2).reshape(B, N, -1))  # (B, N, H D) -> (B, N, E)
+#: (package, model name, create kwargs for --tiny)
+MODELS = {
+    "timm vit_small_patch16_224": ("timm", "vit_small_patch16_224",
+                                   dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6)),
+    "timm deit_small_patch16_224": ("timm", "deit_small_patch16_224",
+                                    dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6)),
+    "torchvision vit_b_16": ("torchvision", "vit_b_16",
+                             dict(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=48, mlp_dim=96)),
+}
 
 
-class TorchvisionAttention(nn.Module):
-    """torchvision's use of ``nn.MultiheadAttention`` in its ViT ``EncoderBlock``."""
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.self_attention = nn.MultiheadAttention(dim, num_heads, batch_first=True)
-
-    def forward(self, x):
-        return self.self_attention(x, x, x, need_weights=False)[0]
-
-
-class Block(nn.Module):
-    def __init__(self, attn: nn.Module, dim: int):
-        super().__init__()
-        self.norm1, self.attn, self.norm2 = nn.LayerNorm(dim, eps=1e-6), attn, nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class ViT(nn.Module):
-    """Patch embedding (a strided conv), a class token, position embeddings, blocks, a head."""
-
-    def __init__(self, attn_cls, dim: int, depth: int, num_heads: int, image: int = 224, patch: int = 16):
-        super().__init__()
-        self.patch = nn.Conv2d(3, dim, patch, patch)
-        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
-        self.blocks = nn.Sequential(*(Block(attn_cls(dim, num_heads), dim) for _ in range(depth)))
-        self.norm, self.head = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, 1000)
-
-    def forward(self, images):  # (B, 3, S, S)
-        x = self.patch(images).flatten(2).transpose(1, 2)  # (B, E, S/p, S/p) -> (B, N, E)
-        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos  # (B, N + 1, E)
-        return self.head(self.norm(self.blocks(x))[:, 0])
-
-
-def architectures(tiny: bool) -> dict[str, tuple]:
-    if tiny:
-        return {"timm ViT-S/16 (tiny)": (TimmAttention, 48, 2, 6, 32), "torchvision ViT-B/16 (tiny)":
-                (TorchvisionAttention, 48, 2, 4, 32)}
-    return {"timm ViT-S/16": (TimmAttention, 384, 12, 6, 224), "torchvision ViT-B/16": (TorchvisionAttention, 768, 12,
-                                                                                          12, 224)}
-
-
-def measure(name: str, spec: tuple, batches: list[int], max_seconds: float) -> list[dict]:
-    attn_cls, dim, depth, H, image = spec
+def build(package: str, name: str, tiny: dict | None) -> tuple[torch.nn.Module, int]:
+    """The model with random weights (tiny: the given sizes) and its image side."""
     torch.manual_seed(0)
-    model = ViT(attn_cls, dim, depth, H, image=image).eval()
-    probe = torch.randn(2, 3, image, image)
+    if package == "timm":
+        import timm
+
+        model = timm.create_model(name, pretrained=False, **(tiny or {}))
+        side = (tiny or {}).get("img_size", 224)
+    else:
+        import torchvision
+
+        # vit_b_16 fixes its sizes (patch 16, 12 layers of 12 heads, 768 wide); the tiny one is the same class smaller
+        model = torchvision.models.VisionTransformer(**tiny) if tiny else getattr(torchvision.models, name)(weights=None)
+        side = (tiny or {}).get("image_size", 224)
+    return model.eval(), side
+
+
+class _Plain(TorchFunctionMode):
+    """The model's arithmetic op by op, so that the FLOP counter sees all of it: any active function mode turns
+    torch.nn's fused fast path (``torch._native_multi_head_attention``) off, and each SDPA call is computed as
+    q k^T, softmax, @ v (the CPU flash kernel has no FLOP formula)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _math_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA written out: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv) (no dropout: eval)."""
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, Lq, Lk)
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return s.softmax(-1) @ v
+
+
+def work(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one forward on ``x`` (matrix products and attention, as torch counts them)."""
+    with torch.no_grad(), _Plain(), FlopCounterMode(display=False) as fc:
+        model(x)
+    return fc.get_total_flops()
+
+
+def measure(name: str, tiny: bool, batches: list[int], max_seconds: float) -> list[dict]:
+    package, model_name, small = MODELS[name]
+    model, side = build(package, model_name, small if tiny else None)
+    probe = torch.randn(2, 3, side, side)
     found = heads.observe(model, probe)
     ent = heads.importance(model, [probe], lambda m, b: m(b).sum(), "entropy", progress=False)
     cut = {n: [int(h) for h in s.argsort()[: len(s) // 2]] for n, s in zip(ent.names, ent.scores)}
@@ -102,23 +97,25 @@ def measure(name: str, spec: tuple, batches: list[int], max_seconds: float) -> l
         gates[n][hs] = 0.0
     with torch.no_grad(), heads.gated(model, gates):
         gated = model(probe)
-    pruned = ViT(attn_cls, dim, depth, H, image=image).eval()
-    pruned.load_state_dict(model.state_dict())
-    heads.observe(pruned, probe)
+    pruned = copy.deepcopy(model)
     heads.prune(pruned, cut)
-    heads.unobserve(model)  # the unpruned model as its users run it (no hooks)
+    heads.unobserve(model)  # both as their users run them (no hooks)
+    heads.unobserve(pruned)
     with torch.no_grad():
         diff = float((pruned(probe) - gated).abs().max())
+    total = sum(len(s) for s in ent.scores)  # heads before the cut
     rows = []
     for B in batches:
-        x = torch.randn(B, 3, image, image)
+        x = torch.randn(B, 3, side, side)
+        bound = work(model, x[:1]) / work(pruned, x[:1])
         with torch.inference_mode():
             t = timing.interleaved({"unpruned": lambda x=x: model(x), "pruned": lambda x=x: pruned(x)}, warmup=1,
                                    min_rounds=5, max_rounds=15, max_seconds=max_seconds)
         u, p = t["unpruned"], t["pruned"]
-        rows.append({"model": name, "batch": B, "heads": f"{sum(len(c) for c in cut.values())} of {depth * H} cut",
+        rows.append({"model": name + (" (tiny)" if tiny else ""), "batch": B,
+                     "heads": f"{sum(len(c) for c in cut.values())} of {total} cut",
                      "unpruned_ms": round(u.median, 2), "pruned_ms": round(p.median, 2),
-                     "speedup": round(u.median / p.median, 3),
+                     "speedup": round(u.median / p.median, 3), "bound": round(bound, 3),
                      "speedup_range": [round(u.min / p.max, 3), round(u.max / p.min, 3)],
                      "rounds": u.n, "pruned_minus_gated": diff, "settled": u.stable and p.stable})
         print(rows[-1], flush=True)
@@ -126,13 +123,14 @@ def measure(name: str, spec: tuple, batches: list[int], max_seconds: float) -> l
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| model | batch | heads | unpruned ms | pruned ms | speed-up (min-max) | rounds | pruned - gated |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | batch | heads | unpruned ms | pruned ms | speed-up (min-max) | bound (work removed) | rounds | "
+             "pruned - gated |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["speedup_range"]
         note = "" if r["settled"] else " (not settled)"
         lines.append(f"| {r['model']} | {r['batch']} | {r['heads']} | {r['unpruned_ms']} | {r['pruned_ms']} | "
-                     f"{r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}){note} | {r['rounds']} | {r['pruned_minus_gated']:.1e} |")
+                     f"{r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}){note} | {r['bound']:.2f}x | {r['rounds']} | "
+                     f"{r['pruned_minus_gated']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,7 +143,7 @@ def main(argv: list[str] | None = None) -> Path:
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     batches = [int(b) for b in a.batches.split(",")]
-    rows = [r for name, spec in architectures(a.tiny).items() for r in measure(name, spec, batches, a.max_seconds)]
+    rows = [r for name in MODELS for r in measure(name, a.tiny, batches, a.max_seconds)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vit_pruning.json").write_text(json.dumps(rows, indent=1))

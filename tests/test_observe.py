@@ -1,6 +1,7 @@
 """Attention seen where it is computed (multihead.heads.observe): capture, gates and importance on
 modules that call F.scaled_dot_product_attention themselves -- written here in the styles of timm's
-Attention (fused qkv) and of a decoder with GQA -- checked against the float64 reference."""
+Attention (fused qkv, a head size that is not E / H) and of a decoder with GQA -- checked against the float64
+reference. timm itself: tests/test_vision_real.py."""
 
 import copy
 import pickle

@@ -1,9 +1,10 @@
 """torch.nn.MultiheadAttention seen where it is computed (multihead.heads.observe through
 F.multi_head_attention_forward): the ViT of torchvision and the text tower of open_clip are built
-on it. Both are written here in their style (torchvision's and open_clip's PyPI wheels cannot run
-on the CPU build of torch this project installs: their compiled ops need torch's CUDA libraries),
-plus torch's own nn.TransformerEncoder. Each: outputs unchanged, capture = the weights the float64
-reference computes from the same q/k, pruned = gated, the pruned state dict loads back."""
+on it. The real packages are tested in tests/test_vision_real.py; the blocks written here in their style
+keep the cases those lack: capture against the float64 reference from the same q/k, uneven head counts
+(4 and 6 heads in one model), open_clip's older sequence-first layout with a float causal mask and
+returned weights, and torch's own nn.TransformerEncoder. Each: outputs unchanged, pruned = gated, the
+pruned state dict loads back."""
 
 import pytest
 import torch

@@ -87,6 +87,12 @@ def _heads(ns, tmp_path):
     ns.update(model=Seq2SeqTransformer(Seq2SeqConfig()).eval(), src=torch.tensor([[6, 4, 7, 4, 8]]),
               src_lens=torch.tensor([5]), tgt_in=torch.tensor([[1, 8, 4, 7, 4]]),
               src_tokens=list("31415"), tgt_tokens=["<bos>", "5", "1", "4", "1"], attention=attention)
+    timm = pytest.importorskip("timm")  # the vision extra: a tiny ViT-S/16 and a picture at its input size
+    from PIL import Image
+
+    ns.update(vit=timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                                    embed_dim=48, depth=2, num_heads=4).eval())
+    Image.fromarray((torch.rand(32, 32, 3) * 255).to(torch.uint8).numpy()).save(tmp_path / "picture.png")
 
 
 def _interop(ns, tmp_path):

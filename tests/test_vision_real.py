@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 
 import pytest
 import torch
@@ -293,3 +294,52 @@ def test_torch_nn_attention_of_torchvision_and_open_clip_seen_and_cut(kind):
     again.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     with torch.no_grad():
         assert torch.equal(call(again, fresh), pruned)
+
+
+def test_viz_draws_a_timm_checkpoint_on_a_picture_with_patches_labelled(tmp_path):
+    """`multihead viz --timm NAME --checkpoint FILE --image FILE`: the model from a safetensors file, seen on its
+    own call; the explorer labels the keys [CLS], [DIST] and (row, col); the rollout is drawn over the picture;
+    what the command writes loads back; an image off the patch grid is refused with both sizes."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from multihead import viz
+    from multihead.apps import vision
+    from multihead_cli import main
+
+    args = {"img_size": 32, "patch_size": 8, "embed_dim": 36, "depth": 2, "num_heads": 3, "num_classes": 7}
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, **args).eval()
+    ckpt = tmp_path / "deit.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    picture = (torch.rand(32, 32, 3) * 255).to(torch.uint8).numpy()
+    Image.fromarray(picture).save(tmp_path / "pic.png")
+    out = tmp_path / "viz"
+    margs = json.dumps({k: v for k, v in args.items() if k != "num_classes"})  # the classifier's size: from the file
+    assert main(["viz", "--timm", "deit_tiny_distilled_patch16_224", "--checkpoint", str(ckpt), "--model-args", margs,
+                 "--image", str(tmp_path / "pic.png"), "--out", str(out)]) == 0
+    for f in ("heads.png", "cls_attention.png", "rollout.png", "attention.html"):
+        assert (out / f).stat().st_size > 1000, f
+    meta = json.loads((out / "vision.json").read_text())
+    lay = viz.vision_layout(model)
+    assert meta["grid"] == [4, 4] and meta["prefix"] == ["[CLS]", "[DIST]"] == list(lay.prefix)
+    assert lay.tokens[:4] == ["[CLS]", "[DIST]", "(0, 0)", "(0, 1)"] and lay.tokens[-1] == "(3, 3)"
+    x, _ = viz.load_image(tmp_path / "pic.png", model)
+    with torch.no_grad():
+        assert meta["top_class"] == int(model(x).argmax())  # the checkpoint's model, on the same normalised picture
+    page = (out / "attention.html").read_text()
+    assert '"(3, 3)"' in page and '"[DIST]"' in page and '"grid":[4,4]' in page and '"prefix":2' in page
+    Image.fromarray(picture[:30]).save(tmp_path / "small.png")
+    with pytest.raises(ValueError, match=r"small.png is 32x30 pixels; the model takes 32x32 \(4x4 patches of 8x8\)"):
+        vision.draw(model, tmp_path / "small.png", out)
+    assert main(["viz", "--torchvision", "vit_b_16", "--image", str(tmp_path / "small.png"), "--out", str(out)]) == 2
+    with pytest.raises(ValueError, match=r"give a .safetensors file \(multihead never unpickles"):
+        vision.load_model("timm", "vit_small_patch16_224", tmp_path / "model.pt")
+    swin, side = _timm("swin")  # timm's Swin computes by hand unless its fused path is chosen: a form observe gives
+    with pytest.raises(ValueError, match=r"WindowAttention compute attention by hand: heads.observe\(model, example\) "
+                                         r"gives them their SDPA form"):
+        vision.draw(swin, torch.rand(side, side, 3).numpy(), out)
+    heads.observe(swin, torch.randn(1, 3, side, side))
+    with pytest.raises(ValueError, match=r"layers.0.blocks.0.attn: its weights have 49 keys; .* 14x14 patches "
+                                         r"\(196\): attention over windows \(Swin\)"):
+        vision.draw(swin, torch.rand(side, side, 3).numpy(), out)

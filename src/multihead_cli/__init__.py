@@ -93,6 +93,7 @@ EXAMPLES = {
         'examples:\n'
         '  multihead viz --model toy --text 31415       # reuses out/checkpoints from make demo\n'
         '  multihead viz --hf DIR --explain             # a local transformers checkpoint\n'
+        '  multihead viz --timm vit_small_patch16_224 --checkpoint vit.safetensors --image cat.png\n'
         'pictures and explorers go to --out (default out/viz)'
     ),
     "prune": (
@@ -168,6 +169,16 @@ def _viz_options(p: argparse.ArgumentParser) -> None:
                         "minilm: the pretrained all-MiniLM-L6-v2")
     p.add_argument("--hf", default=None, metavar="DIR", help="a local transformers checkpoint directory (its tokenizer "
                                                             "reads --text)")
+    p.add_argument("--timm", default=None, metavar="NAME", help="a timm model (vit_small_patch16_224, ...) with "
+                                                              "--checkpoint and --image")
+    p.add_argument("--torchvision", default=None, metavar="NAME", help="a torchvision model (vit_b_16, ...) with "
+                                                                     "--checkpoint and --image")
+    p.add_argument("--checkpoint", default=None, metavar="FILE", help="--timm/--torchvision: its weights, a "
+                                                                      ".safetensors file (default: random weights)")
+    p.add_argument("--model-args", default=None, metavar="JSON", help="--timm/--torchvision: the model's sizes, e.g. "
+                                                                      '\'{"img_size": 32, "depth": 2}\'')
+    p.add_argument("--image", default=None, metavar="FILE", help="--timm/--torchvision: the picture, at the model's "
+                                                                 "input size")
     p.add_argument("--text", default=None)
     p.add_argument("--index", type=_non_negative_int, default=None, help="which test image, for --model vit "
                                                                        "(default 0)")

@@ -46,6 +46,8 @@ def _viz(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.timm or args.torchvision:
+        return _viz_vision(args, out)
     ckpts = _checkpoints(args.checkpoints, out)
     if args.hf:
         from multihead.apps import hf_models
@@ -75,6 +77,31 @@ def _viz(args) -> int:
         except FileNotFoundError as e:
             print(f"multihead viz: {e}", file=sys.stderr)
             return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _viz_vision(args, out: Path) -> int:
+    """``multihead viz --timm NAME`` / ``--torchvision NAME``: every head of the model on ``--image``."""
+    import json
+
+    from multihead.apps import vision
+
+    if args.timm and args.torchvision or not args.image or args.model or args.hf:
+        print("multihead viz: --timm NAME or --torchvision NAME (one) takes --image FILE, with --checkpoint FILE "
+              "and --model-args JSON if needed; not with --model or --hf", file=sys.stderr)
+        return 2
+    try:
+        model_args = json.loads(args.model_args) if args.model_args else None
+        if model_args is not None and not isinstance(model_args, dict):
+            raise ValueError(f"--model-args must be a JSON object of the model's arguments; got {args.model_args}")
+        package, name = ("timm", args.timm) if args.timm else ("torchvision", args.torchvision)
+        model = vision.load_model(package, name, args.checkpoint, model_args)
+        paths = vision.draw(model, args.image, out)
+    except (ValueError, FileNotFoundError) as e:  # json's JSONDecodeError is a ValueError
+        print(f"multihead viz: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     for p in paths:
         print(p)
     return 0

@@ -452,11 +452,15 @@ def nothing_seen(model: nn.Module, verb: str, when: str = "inside the block", ex
     if example is not None:
         where += fused_calls(model, example)
     attn = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
+    formed = sorted({type(m).__name__ for m in copy.deepcopy(model).modules() for give, _ in FORMS if give(m)}) \
+        if example is None else []  # observe gives forms itself: a lazy observation names them
     return (f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention {when}"
+            + (f"; {', '.join(formed)} compute attention by hand: heads.observe(model, example) gives them their "
+               "SDPA form (verified on the example), after which they are seen" if formed else "")
             + (f"; {', '.join(where)}: attention computed where Python cannot observe it (heads are seen on a "
                "module's Python path: before torch.jit.script, without the fused kernel)" if where else "")
             + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called from C++)"
-               if attn and not where else "")
+               if attn and not where and not formed else "")
             + ("; import multihead.hf first: it knows the SDPA forms of transformers families that compute attention "
                "by hand (Bloom), and multihead.hf.attach(model) puts a transformers model on multihead's attention"
                if type(model).__module__.startswith("transformers.") else "")

@@ -1,9 +1,11 @@
 """See the heads: heatmaps (matplotlib), attention rollout, and a self-contained
-HTML explorer; the pruning curve."""
+HTML explorer; the pruning curve; a vision model's patches and tokens (:mod:`~multihead.viz.vision`)."""
 
 from multihead.viz.curves import curve_figure, plot_curve
 from multihead.viz.explorer import explorer
 from multihead.viz.heatmaps import heatmaps
 from multihead.viz.rollout import ROLLOUT_AXES, rollout, stacks_of
+from multihead.viz.vision import VisionLayout, cls_figure, load_image, overlay_figure, vision_layout
 
-__all__ = ["ROLLOUT_AXES", "curve_figure", "explorer", "heatmaps", "plot_curve", "rollout", "stacks_of"]
+__all__ = ["ROLLOUT_AXES", "VisionLayout", "cls_figure", "curve_figure", "explorer", "heatmaps", "load_image",
+           "overlay_figure", "plot_curve", "rollout", "stacks_of", "vision_layout"]
