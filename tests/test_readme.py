@@ -259,6 +259,9 @@ def test_readme_python_block_runs(heading, code, tmp_path, monkeypatch, request,
         assert tuple(ns["y_t"].shape) == (2, 1, 100)
     elif heading == "Long sequences across processes":
         torch.testing.assert_close(ns["y"], ns["model"](ns["x"], mask=ns["multihead"].masks.Causal()))
+    elif heading == "See the heads" and "vision" in ns:  # a vision model drawn on a picture
+        for f in ("heads.png", "cls_attention.png", "rollout.png", "attention.html"):
+            assert (tmp_path / "out" / "vit" / f).stat().st_size > 0, f
     elif heading == "See the heads":
         assert (tmp_path / "heads.png").stat().st_size > 0 and (tmp_path / "attention.html").stat().st_size > 0
         assert tuple(ns["captured"]["decoder.1.cross_attn"].shape) == (1, 4, 5, 5)
