@@ -52,3 +52,27 @@ def test_vit_patches_are_row_major():
     p = vit.patches(img)  # (1, 16, 4)
     assert p.shape == (1, 16, 4)
     assert p[0, 1].tolist() == [2.0, 3.0, 10.0, 11.0]  # row 0, column 1: pixels (0..1, 2..3)
+
+
+def test_patching_finds_the_reversal_in_the_decoders_cross_attention(trained):
+    """The course's digit reverser, as the demo trains it: noising one head at a time (the clean run, that head's
+    output from a run on other digits) costs the right reversal most in the decoder's cross-attention heads, the
+    ones that read the source: every cross-attention module's worst head costs more than any self-attention head."""
+    import torch.nn.functional as F
+
+    from multihead import heads
+
+    model = trained["reverser"]
+    g = torch.Generator().manual_seed(4)
+    src, lens, tgt_in, tgt_out = reverse_batch(32, min_len=8, max_len=8, generator=g)
+    other, _, _, _ = reverse_batch(32, min_len=8, max_len=8, generator=g)  # other digits, the same length
+
+    def right(logits):  # (B,): the log-probability of the right reversal, digit by digit
+        return -F.cross_entropy(logits[:, :8].transpose(1, 2), tgt_out[:, :8], reduction="none").mean(-1)
+
+    r = heads.patch(model, (src, lens, tgt_in), (other, lens, tgt_in), right, direction="noise")
+    cost = {n: float((r.base - v).max()) for n, v in r.values.items()}  # each module's costliest head
+    cross = {n: c for n, c in cost.items() if "cross" in n}
+    assert len(cross) == 2 and len(cost) == 6, list(cost)
+    assert min(cross.values()) > max(c for n, c in cost.items() if n not in cross), cost
+    assert r.base > r.source + 1.0  # the corrupted digits do ruin the clean reversal

@@ -98,6 +98,84 @@ def test_batched_patches_equal_one_forward_per_head_in_both_directions_and_per_p
     assert "| layers.0 |" in whole.to_markdown() and whole.grid().shape == (2, 4)
 
 
+def _by_hand(model, ids, *, outs=None, inputs=None):
+    """TwoLayers written out (no hooks, no multihead): per layer the per-head q, k, v (B, H, L, D) and outputs
+    (B, L, H, D). ``outs[i]``: a function replacing layer i's per-head outputs; ``inputs[i]``: replacing its (q, k, v).
+    Returns (logits, [(q, k, v) per layer], [outputs per layer])."""
+    x = model.embed(ids) + model.pos[: ids.shape[1]]  # (B, L, E)
+    B, L, E = x.shape
+    qkvs, heads_out = [], []
+    for i, layer in enumerate(model.layers):
+        H = layer.num_heads
+        q, k, v = (p(x).view(B, L, H, E // H).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+        if inputs is not None and i in inputs:
+            q, k, v = inputs[i](q, k, v)
+        qkvs.append((q, k, v))
+        w = ((q @ k.transpose(-1, -2)) / (E // H) ** 0.5).softmax(-1)  # (B, H, L, L): no mask
+        o = (w @ v).transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
+        if outs is not None and i in outs:
+            o = outs[i](o)
+        heads_out.append(o)
+        x = x + layer.o_proj(o.reshape(B, L, E))
+    return model.out(x), qkvs, heads_out
+
+
+def _path_by_hand(model, base, source, sender: int, through: str, receivers: list[int]) -> float:
+    """Path patching from layer 0's head ``sender`` to layer 1's ``receivers`` through ``through``, by hand."""
+    with torch.no_grad():
+        _, _, base_o = _by_hand(model, base)
+        _, _, src_o = _by_hand(model, source)
+
+        def freeze(i):
+            def f(o):
+                o = base_o[i].clone()
+                if i == 0:
+                    o[:, :, sender] = src_o[0][:, :, sender]
+                return o
+            return f
+
+        _, run1, _ = _by_hand(model, base, outs={0: freeze(0), 1: freeze(1)})
+
+        def put(q, k, v):
+            new = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+            for h in receivers:
+                for x, old in zip("qkv", run1[1]):
+                    if x in through:
+                        new[x][:, h] = old[:, h]
+            return new["q"], new["k"], new["v"]
+
+        logits, _, _ = _by_hand(model, base, inputs={1: put})
+    return float(_logit_diff(logits).mean())
+
+
+def test_path_patching_equals_the_two_runs_written_out_by_hand():
+    """heads.path_patch: each layer-0 head's effect through the queries, keys or values of chosen layer-1 heads,
+    every other head frozen at the base run, batched, equals the same two runs written out by hand without hooks;
+    a sender after its receivers (or in the same layer) moves nothing; bad receivers are refused."""
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 11, (2, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 1:3] = (corrupted[:, 1:3] + 4) % 11
+    with torch.no_grad():
+        assert (_by_hand(model, clean)[0] - model(clean)).abs().max() < 1e-5  # the written-out model is the model
+    for direction, base, source in (("denoise", corrupted, clean), ("noise", clean, corrupted)):
+        for through, recv in (("k", [1]), (("q", "v"), [0, 3]), (("q", "k", "v"), [0, 1, 2, 3])):
+            r = heads.path_patch(model, clean, corrupted, _logit_diff, {"layers.1": recv}, through=through,
+                                 direction=direction, chunk=3)
+            want = torch.tensor([_path_by_hand(model, base, source, h, through, recv) for h in range(4)],
+                                dtype=torch.float64)
+            assert torch.allclose(r.values["layers.0"], want, atol=1e-5), (direction, through, r.values, want)
+            assert torch.allclose(r.values["layers.1"], torch.full((4,), r.base, dtype=torch.float64), atol=1e-6)
+        assert not torch.allclose(want, torch.full((4,), r.base, dtype=torch.float64), atol=1e-4)  # a path mattered
+    with pytest.raises(ValueError, match=r"receivers\['layers.1'\] must name heads in \[0, 3\]; got \[4\]"):
+        heads.path_patch(model, clean, corrupted, _logit_diff, {"layers.1": [4]})
+    with pytest.raises(ValueError, match=r"receiver 'layers.9' is not an attention module multihead sees"):
+        heads.path_patch(model, clean, corrupted, _logit_diff, {"layers.9": [0]})
+    with pytest.raises(ValueError, match=r"through must name the receivers' inputs among 'q', 'k', 'v'; got \('o',\)"):
+        heads.path_patch(model, clean, corrupted, _logit_diff, {"layers.1": [0]}, through="o")
+
+
 def test_bad_input_is_refused_before_any_patched_forward():
     model = _model()
     a, b = torch.randint(0, 11, (1, 6)), torch.randint(0, 11, (1, 5))
@@ -174,6 +252,19 @@ def test_patching_finds_the_induction_head_of_a_model_trained_here():
     assert top // 4 == 1 and top % 4 == int(induction.argmax()), (rise, induction)
     assert rise.flatten().sort().values[-1] > 2 * rise.flatten().sort().values[-2], rise
     assert induction.max() > 0.5, induction
+    # the circuit's other half: the induction head finds its key through a previous-token head of layer 0
+    # (K-composition). Path patching layer 0's heads into the induction head's keys only ranks that head first.
+    previous = cap["layers.0"][:, :, torch.arange(1, 32), torch.arange(0, 31)].mean((0, 2))  # (H,): weight on t - 1
+    ind = int(induction.argmax())
+    path = heads.path_patch(model, clean, corrupted, lambda out: _repeat_loss(out, clean), {"layers.1": [ind]},
+                            through="k", senders=["layers.0"], direction="noise")
+    via_k = path.values["layers.0"] - path.base  # (H,): the loss each layer-0 head raises through those keys alone
+    uniform = (1.0 / torch.arange(2, 33, dtype=torch.float64)).mean()  # a causal row's even share, over t = 1..31
+    assert int(previous.argmax()) in via_k.argsort(descending=True)[:2].tolist(), (via_k, previous)  # among the top
+    assert previous[int(via_k.argmax())] > 1.5 * uniform, (via_k, previous)  # the top path's head looks back
+    via_q = heads.path_patch(model, clean, corrupted, lambda out: _repeat_loss(out, clean), {"layers.1": [ind]},
+                             through="q", senders=["layers.0"], direction="noise").values["layers.0"] - path.base
+    assert via_k.sum() > 2 * via_q.sum(), (via_k, via_q)  # keys, not queries, carry the previous token
 
 
 class Continuous(nn.Module):

@@ -343,3 +343,41 @@ def test_viz_draws_a_timm_checkpoint_on_a_picture_with_patches_labelled(tmp_path
     with pytest.raises(ValueError, match=r"layers.0.blocks.0.attn: its weights have 49 keys; .* 14x14 patches "
                                          r"\(196\): attention over windows \(Swin\)"):
         vision.draw(swin, torch.rand(side, side, 3).numpy(), out)
+
+
+def test_path_patching_reaches_timm_heads_through_their_sdpa_call():
+    """heads.path_patch on a model seen through its SDPA calls (the input transform sets a receiver's q/k/v before
+    the observed call): a layer-0 head moves the metric through layer 1's keys; layer 1's own heads, after their
+    receivers' inputs are computed, move nothing."""
+    model, side = _timm("vit")
+    heads.observe(model, torch.randn(1, 3, side, side))
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randn(2, 3, side, side, generator=g)
+    corrupted = clean + 0.5 * torch.randn(2, 3, side, side, generator=g)
+    r = heads.path_patch(model, clean, corrupted, lambda out: out[:, 0] - out[:, 1], {"blocks.1.attn": [0, 2]},
+                         through="k", chunk=3)
+    assert (r.values["blocks.0.attn"] - r.base).abs().max() > 1e-4
+    assert torch.allclose(r.values["blocks.1.attn"], torch.full((4,), r.base, dtype=torch.float64), atol=1e-6)
+
+
+def test_path_patching_through_shared_keys_is_refused():
+    """A receiver's key or value in a GQA module is its group's: path patching through them is refused by name."""
+    cfg = pytest.importorskip("transformers").LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2)
+    import transformers
+
+    import multihead.hf as mhf
+
+    torch.manual_seed(0)
+    model = mhf.attach(transformers.LlamaForCausalLM(cfg).eval())
+    ids = torch.randint(0, 40, (2, 6))
+    other = ids.clone()
+    other[:, 1] = (other[:, 1] + 7) % 40
+    name = "model.layers.1.self_attn"
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn: its 4 query heads share 2 key/value heads \(GQA\)"):
+        heads.path_patch(model, {"input_ids": ids}, {"input_ids": other}, lambda out: out.logits[:, -1, 0],
+                         {name: [1]}, through="k")
+    r = heads.path_patch(model, {"input_ids": ids}, {"input_ids": other}, lambda out: out.logits[:, -1, 0], {name: [1]},
+                         through="q")
+    assert (r.values["model.layers.0.self_attn"] - r.base).abs().max() > 0

@@ -22,7 +22,7 @@ from multihead.heads.importance import (
 )
 from multihead.heads.neurons import ffn_blocks, prune_neurons
 from multihead.heads.observe import observe, observed, unobserve
-from multihead.heads.patching import Patching, attribution, patch
+from multihead.heads.patching import Patching, attribution, patch, path_patch
 from multihead.heads.pruning import (
     Curve,
     head_counts,
@@ -34,7 +34,7 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["METHODS", "Captured", "Curve", "Importance", "Patching", "ablation_importance", "attention_modules", "attribution",
+__all__ = ["Captured", "Curve", "Importance", "METHODS", "Patching", "ablation_importance", "attention_modules", "attribution",
            "capture", "entropy_importance", "ffn_blocks", "gated", "gradient_importance", "head_counts", "importance",
-           "mean_head_outputs", "observe", "observed", "patch", "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize",
-           "save_curve", "unobserve"]
+           "mean_head_outputs", "observe", "observed", "patch", "path_patch", "plot_curve", "prune", "prune_neurons",
+           "pruning_curve", "resize", "save_curve", "unobserve"]

@@ -166,6 +166,9 @@ def _through_hooks(module: nn.Module, a: dict, sdpa) -> Tensor:
     hooks.num_heads = H
     hooks.seen = Seen(H, k.shape[-3], q.shape[-1], a["value"].shape[-1])
     mask = _mask(a, Lq, Lk)
+    if hooks.inputs:
+        q, k, v = hooks.transform_inputs(module, q, k, a["value"])
+        a = {**a, "query": q, "key": k, "value": v}
     if hooks.observers:
         hooks.observe(module, q, k, mask, a.get("scale"))
     out = sdpa(**a)  # (B, H, Lq, Dv), untouched

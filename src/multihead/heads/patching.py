@@ -8,6 +8,9 @@ comes back) or ``"noise"`` (the clean run, one head corrupted: how much of it go
 batch dimension, ``chunk`` of them a forward (the base input repeated, each copy with its own head patched), never
 one forward per head; memory grows with ``chunk``.
 
+:func:`path_patch` passes a sender head's effect through chosen receiving heads only (their queries, keys or values),
+every other head frozen at the base run: the path from one head to another, not its whole effect.
+
 :func:`attribution` estimates every patch at once to first order (attribution patching): one forward and one
 backward of the base run, one forward of the other; head h's estimate is the metric's gradient with respect to its
 output times the change patching would make, (a_source - a_base) . dmetric/da_base. :meth:`Patching.agreement`
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +30,7 @@ from torch import Tensor, nn
 from multihead.heads.gates import attention_modules
 from multihead.layer.hooks import num_heads as _num_heads
 
-__all__ = ["Patching", "attribution", "patch"]
+__all__ = ["Patching", "attribution", "patch", "path_patch"]
 
 
 @dataclass
@@ -268,6 +272,142 @@ def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, directi
         return Patching(values, base_v, _value(metric, src_output, B), direction)
     finally:
         model.train(was)
+
+
+def path_patch(model: nn.Module, clean, corrupted, metric: Callable, receivers: Mapping[str, list[int]], *,
+               through: str | tuple[str, ...] = ("q", "k", "v"), senders: list[str] | None = None,
+               direction: str = "denoise", chunk: int = 16, run: Callable | None = None) -> Patching:
+    """Path patching: each sender head's effect through the queries, keys or values (``through``) of the receiving
+    heads only (``receivers``: {module: [heads]}). For each head of the ``senders`` modules (default every seen
+    module), in two runs of the base input (the corrupted one for ``"denoise"``):
+
+    1. the sender head's output taken from the source run, every other head's output frozen at the base run's (the
+       layers between recompute the rest: embeddings, feed-forward blocks, norms), and the receivers' per-head
+       ``through`` inputs recorded;
+    2. the receivers' ``through`` inputs set to those, everything else computed as usual; the metric read.
+
+    So the metric moves only by what the sender writes into the stream and the receivers read through the chosen
+    inputs (Wang et al. 2022). ``values[sender module]`` (H,): the metric per sender head; ``base``/``source`` as
+    :func:`patch`. Patches batched, ``chunk`` senders a forward (two forwards a chunk). Refused before any patched
+    run: unknown modules or heads, ``through`` other than q/k/v; and at the first run: keys or values of a module
+    whose heads share them (GQA: a key/value head is its group's, not one head's), a packed call."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number >= 1 (senders per forward); got {chunk!r}.")
+    through = (through,) if isinstance(through, str) else tuple(through)
+    if not through or any(x not in ("q", "k", "v") for x in through):
+        raise ValueError(f"through must name the receivers' inputs among 'q', 'k', 'v'; got {through!r}.")
+    every, call, base_in, src_in = _experiment(model, clean, corrupted, direction, None, run)
+    send = _modules(model, senders)
+    for n in receivers:
+        if n not in every:
+            raise ValueError(f"receiver {n!r} is not an attention module multihead sees; modules: {list(every)}.")
+    recv = {n: sorted(set(_indices_of(n, hs, _num_heads(every[n])))) for n, hs in receivers.items()}
+    if not recv:
+        raise ValueError("receivers must name at least one module and head: {module: [heads]}.")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            base_out, src_out = {}, {}
+            with _recording(every, base_out):
+                base_output = call(model, base_in)
+            with _recording(every, src_out):
+                src_output = call(model, src_in)
+            for n in every:
+                if n not in base_out or n not in src_out or base_out[n].shape != src_out[n].shape:
+                    raise ValueError(f"{n}: not called on both inputs, or its heads' outputs differ in shape "
+                                     "(both inputs need the same length).")
+            B = next(iter(base_out.values())).shape[0]
+            todo = [(n, h) for n, m in send.items() for h in range(_num_heads(m))]
+            exp = _PathRun(model, call, base_in, every, base_out, src_out, recv, through, metric, B)
+            got: list[float] = []
+            for i in range(0, len(todo), chunk):
+                got += _path_chunk(exp, todo[i:i + chunk])
+            values, k = {}, 0
+            for n, m in send.items():
+                values[n] = torch.tensor(got[k:k + _num_heads(m)], dtype=torch.float64)  # (H,)
+                k += _num_heads(m)
+            return Patching(values, _value(metric, base_output, B), _value(metric, src_output, B), direction)
+    finally:
+        model.train(was)
+
+
+def _indices_of(name: str, heads, H: int) -> list[int]:
+    try:
+        hs = [int(h) for h in heads]
+    except (TypeError, ValueError):
+        raise TypeError(f"receivers[{name!r}] must be a list of head numbers; got {heads!r}.") from None
+    bad = [h for h in hs if not 0 <= h < H]
+    if bad or not hs:
+        raise ValueError(f"receivers[{name!r}] must name heads in [0, {H - 1}]; got {list(heads)!r}.")
+    return hs
+
+
+class _PathRun(NamedTuple):
+    """One path-patching experiment: the model and its call, the base input, the modules with their base and source
+    runs' per-head outputs (B, Lq, H, Dv), the receivers {module: heads} and their inputs patched, the metric, B."""
+
+    model: nn.Module
+    call: Callable
+    base_in: object
+    every: dict
+    base_out: dict
+    src_out: dict
+    recv: dict
+    through: tuple
+    metric: Callable
+    B: int
+
+
+def _path_chunk(exp: _PathRun, part: list[tuple[str, int]]) -> list[float]:
+    """The two runs of path patching for ``part`` (senders, one copy of the base input each) -> a metric a sender."""
+    model, call, base_in, every, base_out, src_out, recv, through, metric, B = exp
+    c = len(part)
+    recorded: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def frozen(name):  # run 1: every head at its base output, each copy's sender from the source run
+        def transform(module, out: Tensor, live) -> Tensor:
+            new = base_out[name].to(out).repeat(c, 1, 1, 1)  # (B, Lq, H, Dv) -> (c B, Lq, H, Dv)
+            for p, (n, h) in enumerate(part):
+                if n == name:
+                    new[p * B:(p + 1) * B, :, h] = src_out[name][:, :, h].to(out)
+            return new
+        return transform
+
+    def record(name):
+        def hook(module, q: Tensor, k: Tensor, v: Tensor):
+            if ("k" in through or "v" in through) and k.shape[1] != q.shape[1]:
+                raise ValueError(f"{name}: its {q.shape[1]} query heads share {k.shape[1]} key/value heads (GQA): a "
+                                 "receiver's key or value is its group's, not one head's; path-patch through 'q'.")
+            recorded[name] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
+            return q, k, v
+        return hook
+
+    def setting(name):  # run 2: the receivers' chosen inputs from run 1
+        def hook(module, q: Tensor, k: Tensor, v: Tensor):
+            rq, rk, rv = recorded[name]
+            q, k, v = q.clone(), k.clone(), v.clone()
+            for h in recv[name]:
+                for x, new, old in (("q", q, rq), ("k", k, rk), ("v", v, rv)):
+                    if x in through:
+                        new[:, h] = old[:, h].to(new)  # (c B, Lx, d): head h's input
+            return q, k, v
+        return hook
+
+    handles = [m.attention_hooks.add_transform(frozen(n)) for n, m in every.items()]
+    handles += [every[n].attention_hooks.add_input(record(n)) for n in recv]
+    try:
+        call(model, _repeat(base_in, c, B))
+    finally:
+        for h in handles:
+            h.remove()
+    handles = [every[n].attention_hooks.add_input(setting(n)) for n in recv]
+    try:
+        output = call(model, _repeat(base_in, c, B))
+    finally:
+        for h in handles:
+            h.remove()
+    return [_value(metric, _rows(output, p * B, (p + 1) * B, c * B), B) for p in range(c)]
 
 
 def _experiment(model, clean, corrupted, direction: str, modules, run):

@@ -229,6 +229,8 @@ def _padded(module: nn.Module, hooks: AttentionHooks, query: Tensor, key: Tensor
     if position_bias is not None:
         mask = masks.Dense(position_bias) if mask is None else mask & masks.Dense(position_bias)
     mods = {"softcap": call.softcap, "sinks": None if s_aux is None else s_aux.to(query.dtype)}
+    if hooks.inputs:
+        query, key, value = hooks.transform_inputs(module, query, key, value)
     if hooks.observers:
         hooks.observe(module, query, key, mask, call.scaling, **{k: v for k, v in mods.items() if v is not None})
     out = attention(query, key, value, mask, scale=call.scaling, dropout_p=call.dropout, **mods)  # (B, H, Lq, Dv)
@@ -272,8 +274,9 @@ class PackedRows(NamedTuple):
 
 def _packable(module: nn.Module, hooks: AttentionHooks, extra: list[str], output_attentions) -> None:
     """Refuse what the packed path does not compute varlen (the call's score modifiers, recording)."""
-    if extra or output_attentions or hooks.observers:
-        what = ", ".join(extra) or "recording the weights (output_attentions or capture)"
+    if extra or output_attentions or hooks.observers or hooks.inputs:
+        what = ", ".join(extra) or ("recording the weights (output_attentions or capture)" if not hooks.inputs else
+                                    "an input transform (path patching)")
         raise ValueError(f"{type(module).__name__}: packed sequences (cu_seq_lens_q/k) with {what} are not computed "
                          "varlen; pass a padded batch instead.")
 

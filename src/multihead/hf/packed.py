@@ -101,7 +101,7 @@ class _Start:
         # a decoder's cache is laid out per batch row: pack only a call that makes none
         cache = bound.get("past_key_values") is not None or p.causal and bound.get(
             "use_cache", getattr(cfg, "use_cache", False)) is not False
-        observed = any(m.attention_hooks.observers for m in p.attention)
+        observed = any(m.attention_hooks.observers or m.attention_hooks.inputs for m in p.attention)
         if any(asks) or cache or observed:
             return None  # these need every padded position (or a cache laid out per batch row): run padded
         p.call = Unpadding.of(keep)

@@ -7,6 +7,9 @@ Around its one attention call it
   ``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), mask, scale, **modifiers) -> None``
   (``softcap=`` / ``sinks=``, the score modifiers, only when the call has them)``
   (``multihead.capture`` records the weights this way), and
+- passes its per-head inputs through every **input transform**
+  ``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)) -> (q, k, v)`` before the call
+  (path patching sets a receiving head's query, key or value this way; padded calls only), and
 - passes the per-head output through every **transform**
   ``fn(module, out (..., H, Dv), live) -> out`` before the heads are merged
   (``multihead.heads`` gates, fills and counts heads this way). ``out`` is
@@ -54,6 +57,7 @@ class AttentionHooks:
     def __init__(self):
         self.observers: list[Observer] = []
         self.transforms: list[Transform] = []
+        self.inputs: list[Callable] = []
         # for a foreign module (a transformers attention module, see multihead.hf.attach): its
         # head count, its head layout (which weights hold head h) and the module holding it
         self.num_heads: int | None = None
@@ -81,6 +85,17 @@ class AttentionHooks:
         self.transforms.append(fn)
         return _Handle(self.transforms, fn)
 
+    def add_input(self, fn) -> _Handle:
+        """``fn(module, q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)) -> (q, k, v)`` before each padded
+        attention call (a packed call with one registered is refused)."""
+        self.inputs.append(fn)
+        return _Handle(self.inputs, fn)
+
+    def transform_inputs(self, module, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        for fn in self.inputs:
+            q, k, v = fn(module, q, k, v)
+        return q, k, v
+
     def observe(self, module, q: Tensor, k: Tensor, mask, scale, **modifiers) -> None:
         for fn in self.observers:
             fn(module, q, k, mask, scale, **modifiers)
@@ -91,10 +106,11 @@ class AttentionHooks:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.observers or self.transforms)
+        return bool(self.observers or self.transforms or self.inputs)
 
     def __repr__(self) -> str:
-        return f"AttentionHooks({len(self.observers)} observers, {len(self.transforms)} transforms)"
+        return (f"AttentionHooks({len(self.observers)} observers, {len(self.transforms)} transforms, "
+                f"{len(self.inputs)} input transforms)")
 
 
 #: functions ``fn(model)`` that give foreign attention modules of ``model`` their hook list before

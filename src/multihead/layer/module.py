@@ -136,6 +136,8 @@ class AttentionCore:
         q = q.transpose(1, 2)  # (B, Lq, H, D) -> (B, H, Lq, D)
         if not heads_first:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Lk, Hkv, d) -> (B, Hkv, Lk, d)
+        if hooks.inputs:
+            q, k, v = hooks.transform_inputs(self, q, k, v)
         if hooks.observers:
             hooks.observe(self, q, k, mask, self.scale)
         if sharded is None:
@@ -151,6 +153,9 @@ class AttentionCore:
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, plan: Plan, p: float) -> Tensor:
         """The packed layout: q (Nq, H, D), k (Nk, Hkv, D), v (Nk, Hkv, Dv) -> (Nq, H, Dv), the plan's schedule."""
         hooks, packed = self.attention_hooks, plan.packed
+        if hooks.inputs:
+            raise ValueError(f"{type(self).__name__}: an input transform (path patching) takes a padded call; this one "
+                             "is packed (masks.Padding or a padding-free model): pass a mask that keeps it padded.")
         if hooks.observers:
             qp, kp = packed.padded(q, k)  # (B, H, Lq, D), (B, Hkv, Lk, D)
             hooks.observe(self, qp, kp, packed.mask, self.scale)
