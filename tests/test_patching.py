@@ -336,6 +336,8 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
                  "--out", str(out), "--chunk", "3"]) == 0
     got = json.loads((out / "patching.json").read_text())
     assert (out / "patching.png").stat().st_size > 1000 and "| transformer.h.1.attn |" in (out / "patching.md").read_text()
+    page = (out / "patching.html").read_text()  # the explorer of the clean run, each head with its effect
+    assert '"patching":{"label":"denoise' in page and '"transformer.h.1.attn":[' in page
     mhf.attach(model)
     ids = {t: {"input_ids": torch.tensor([[vocab[w] for w in t.split()]]),
                "attention_mask": torch.ones(1, len(t.split()), dtype=torch.long)} for t in (clean, corrupted)}

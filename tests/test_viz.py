@@ -364,3 +364,49 @@ def test_512_tokens_x_144_heads_open_at_once_and_each_head_at_full_resolution(tm
     (title, info), errors = _open(p, exe, sync_api, act)
     assert errors == [] and title.startswith("encoder.layer.7 — head 5 (512 queries × 512 keys")
     assert info == f'"t{i}" → "t{j}": {cell:.4f}'
+
+
+def test_patching_effects_on_the_explorers_heads_in_chromium(tmp_path):
+    """explorer(..., patching=heads.patch(...)): every head's thumbnail carries its patching effect (the share of the
+    way from base to source, the same numbers as Patching.effect()), the enlarged head's title says it, and the page
+    says what the borders mean; a per-position result or a module the capture lacks is refused."""
+    exe, sync_api = _chromium()
+    from multihead import heads
+
+    torch.manual_seed(0)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(MultiHeadAttention(12, 3) for _ in range(2))
+
+        def forward(self, x):
+            for m in self.layers:
+                x = x + m(x)
+            return x
+
+    model = Two().eval()
+    clean = torch.randn(2, 6, 12)
+    corrupted = clean + torch.randn(2, 6, 12)
+    r = heads.patch(model, clean, corrupted, lambda out: out[:, -1, 0])
+    with torch.no_grad(), multihead.capture(model) as cap:
+        model(clean)
+    p = explorer(cap, list("abcdef"), tmp_path / "p.html", patching=r)
+
+    def act(page):
+        got = page.eval_on_selector_all("#thumbs canvas", "els => els.map(e => [e.title, e.dataset.effect])")
+        _show(page, 1, module=1)
+        return got, page.text_content("#enlarged-title"), page.text_content("#patchnote")
+
+    (got, title, note), errors = _open(p, exe, sync_api, act)
+    assert errors == []
+    want = [(f"{n} head {h}", float(e)) for n, es in r.effect().items() for h, e in enumerate(es)]
+    assert [t.split(" — ")[0] for t, _ in got] == [n for n, _ in want]
+    assert [float(e) for _, e in got] == pytest.approx([e for _, e in want], abs=1e-4)
+    assert title.endswith(f"patching effect {float(r.effect()['layers.1'][1]):.3f}")
+    assert note.startswith("Patching (denoise, metric ")
+    with pytest.raises(ValueError, match=r"give the all-position result"):
+        explorer(cap, None, None, patching=heads.patch(model, clean, corrupted, lambda out: out[:, -1, 0],
+                                                       positions=True))
+    with pytest.raises(ValueError, match=r"modules \['layers.0'\] are not in the capture"):
+        explorer({"layers.1": cap["layers.1"]}, None, None, patching=r)

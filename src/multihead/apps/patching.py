@@ -42,7 +42,9 @@ def metric_of(spec: str, tok, clean_ids: torch.Tensor):
 def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, positions: bool = False,
         direction: str = "denoise", chunk: int = 32) -> dict:
     """Patch every head of the model at ``path``; writes OUT/patching.md, patching.json (loads back with
-    :func:`json.load`: module -> values) and patching.png. Returns the record written to patching.json."""
+    :func:`json.load`: module -> values), patching.png and (all positions) patching.html, the explorer of the clean
+    run with each head's effect. Returns the record written to patching.json."""
+    import multihead
     from multihead import heads
     from multihead.apps.hf_models import _tokenizer
 
@@ -74,6 +76,16 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
     (out / "patching.md").write_text(f"# Activation patching: {what}\n\n{direction}: base {r.base:.4f}, source "
                                      f"{r.source:.4f}\n\n{r.to_markdown()}\n")
     r.figure(what).savefig(out / "patching.png", dpi=110)
+    if not positions:  # the clean run's heads in the explorer, each with its patching effect
+        import torch
+
+        from multihead.viz import explorer
+
+        with torch.no_grad(), multihead.capture(model) as cap:
+            model(**inputs[0])
+        tokens = [tok.decode([i]) for i in inputs[0]["input_ids"][0].tolist()]
+        explorer(cap, tokens, out / "patching.html", patching=r, title=f"multihead patch: {what}")
     print(r.to_markdown())
-    print(f"wrote {out / 'patching.md'}, {out / 'patching.json'}, {out / 'patching.png'}")
+    print(f"wrote {out / 'patching.md'}, {out / 'patching.json'}, {out / 'patching.png'}"
+          + ("" if positions else f", {out / 'patching.html'}"))
     return record

@@ -80,6 +80,22 @@ def _image_data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _patching_data(result, captured: Mapping[str, Tensor]) -> dict:
+    """A patching result's effects per module and head, for the page ({"label", "effects": {name: [H]}})."""
+    values = getattr(result, "values", None)
+    if values is None or not hasattr(result, "effect"):
+        raise TypeError(f"patching must be the result of multihead.heads.patch (a Patching); got {type(result).__name__}.")
+    if any(v.dim() != 1 for v in values.values()):
+        raise ValueError("patching: give the all-position result (heads.patch(..., positions=False)); the explorer "
+                         "shows one effect a head.")
+    unknown = [n for n in values if n not in captured]
+    if unknown:
+        raise ValueError(f"patching: modules {unknown} are not in the capture; it holds {list(captured)}.")
+    eff = result.effect()
+    return {"label": f"{result.direction}, metric {result.base:.4g} -> {result.source:.4g}",
+            "effects": {n: [None if not bool(torch.isfinite(x)) else float(x) for x in e] for n, e in eff.items()}}
+
+
 def _template() -> str:
     from importlib.resources import files
 
@@ -136,6 +152,7 @@ def explorer(
     prefix_tokens: int = 0,
     title: str = "multihead: attention explorer",
     max_cells: int = 1024,
+    patching=None,
 ) -> Explorer:
     """Write the explorer for ``captured`` (name -> (B, H, Lq, Lk)) to ``path``.
 
@@ -146,6 +163,9 @@ def explorer(
     image, patch_grid, prefix_tokens: for a ViT, the input picture ((h, w),
         (h, w, 3) or (C, h, w)), its patch grid (rows, cols), and how many tokens
         (e.g. a [CLS]) come before the patches.
+    patching: an activation-patching result (:func:`multihead.heads.patch`, all positions) shown on the heads:
+        each thumbnail's border and the enlarged head's title give its effect (share of the way from the base
+        run's metric to the source run's).
     path: where to write the page; None = no file (the page is in ``.html``).
     Returns an :class:`Explorer` (path-like; shows itself inline in a notebook).
     """
@@ -175,6 +195,8 @@ def explorer(
     data = {"title": title, "modules": modules}
     if image is not None:
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}
+    if patching is not None:
+        data["patching"] = _patching_data(patching, captured)
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e")
     page = _template().replace("%TITLE%", html.escape(title)).replace("%DATA%", payload)
     if path is not None:
