@@ -21,12 +21,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import heads
 from multihead.apps import timing
+from multihead.apps.deploy import flops
 
 #: (package, model name, create kwargs for --tiny)
 MODELS = {
@@ -56,33 +54,9 @@ def build(package: str, name: str, tiny: dict | None) -> tuple[torch.nn.Module, 
     return model.eval(), side
 
 
-class _Plain(TorchFunctionMode):
-    """The model's arithmetic op by op, so that the FLOP counter sees all of it: any active function mode turns
-    torch.nn's fused fast path (``torch._native_multi_head_attention``) off, and each SDPA call is computed as
-    q k^T, softmax, @ v (the CPU flash kernel has no FLOP formula)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _math_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA written out: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv) (no dropout: eval)."""
-    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, Lq, Lk)
-    if is_causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    return s.softmax(-1) @ v
-
-
-def work(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """FLOPs of one forward on ``x`` (matrix products and attention, as torch counts them)."""
-    with torch.no_grad(), _Plain(), FlopCounterMode(display=False) as fc:
-        model(x)
-    return fc.get_total_flops()
+def work(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """FLOPs of one forward on ``x``, attention included (:func:`multihead.apps.deploy.flops`)."""
+    return flops(lambda: model(x))
 
 
 def measure(name: str, tiny: bool, batches: list[int], max_seconds: float) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -15,7 +16,7 @@ from multihead.apps.demo import format_weights
 def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(trained["dir"], out / "checkpoints")  # reused, not retrained
-    assert main(["demo", "--out", str(out), "--max-seconds", "2"]) == 0  # the speed table's time, not what is run
+    assert main(["demo", "--out", str(out), "--max-seconds", "2", "--recover", "30"]) == 0  # speed tables' time
     text = capsys.readouterr().out
     assert "output shape: (2, 4, 100)" in text
     assert "- scores divided by d_k [stage: scores]" in text and "- softmax skipped (values times raw scores)" in text
@@ -29,15 +30,46 @@ def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     aligned = float(re.search(r"source digit for ([\d.]+)% of target tokens", text).group(1))
     assert aligned >= 90.0
     assert float(re.search(r"ViT test accuracy ([\d.]+)%", text).group(1)) >= 90.0
-    # the demo ends with the second exercise: importance, the pruning curve, speed, accuracy after pruning
-    assert re.search(r"the toy model after pruning 50% of its heads: [\d.]+% of digits reversed right", text)
-    assert "| pruned 50% (multihead) |" in text and "encoder.0.attn" in text
-    for name in ("prune_toy/importance.png", "prune_toy/curve.png", "prune_toy/report.md"):
-        assert (out / name).stat().st_size > 200, name
+    # the demo ends with the second exercise on both models: which experiment predicts importance (rank
+    # correlations), the curve cut and recovered, speed beside the bound, the kept model
+    assert len(re.findall(r"rank correlation with the cost of cutting each head alone: \w+ -?[\d.]+", text)) == 2
+    assert re.search(r"50% of heads pruned: digits reversed right [\d.]+% cut, [\d.]+% after 30 recovery steps", text)
+    assert re.search(r"50% of heads pruned: test accuracy [\d.]+% cut, [\d.]+% after 30 recovery steps", text)
+    assert len(re.findall(r"bound \(the arithmetic removed\): [\d.]+x / [\d.]+x / [\d.]+x at batch 1 / 16 / 64",
+                          text)) == 2
+    assert "| pruned 50% (multihead) |" in text and "kept: 50% of the heads pruned and recovered" in text
+    for kind in ("toy", "vit"):
+        for name in ("importance.png", "curve.png", "report.md", "methods.md", "methods.json"):
+            assert (out / f"prune_{kind}" / name).stat().st_size > 200, (kind, name)
+        report = json.loads((out / f"prune_{kind}" / "report.json").read_text())
+        assert all("metric_recovered" in row for row in report["curve"])
+        assert set(json.loads((out / f"prune_{kind}" / "methods.json").read_text())["methods"]) == {
+            "gradient", "ablation", "entropy", "patching"}
+    _the_demos_pruned_models_score_what_their_reports_say(out)
     for name in ("transformer_cross_attention.png", "transformer_encoder_rollout.png", "vit_heads.png",
                  "vit_rollout.png", "vit_explorer.html", "transformer_decoder_explorer.html"):
         assert (out / name).stat().st_size > 1000, name
         assert str(out / name) in text
+
+
+def _the_demos_pruned_models_score_what_their_reports_say(out):
+    """Each pruned + recovered model the demo writes loads with the documented call and scores its report's metric."""
+    from multihead import heads
+    from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, ViT, ViTConfig, checkpoint, digits
+    from multihead.models.seq2seq import digit_accuracy
+    from multihead.models.vit import accuracy
+
+    for kind, cls, cfg in (("toy", Seq2SeqTransformer, Seq2SeqConfig), ("vit", ViT, ViTConfig)):
+        report = json.loads((out / f"prune_{kind}" / "report.json").read_text())
+        model = checkpoint.load(cls, cfg, out / f"prune_{kind}" / "model")
+        got = digit_accuracy(model) if kind == "toy" else accuracy(model, *digits()[2:])
+        assert got == pytest.approx(report["final"]["metric"], abs=1e-9), kind
+        unpruned = checkpoint.load(cls, cfg, out / "checkpoints" / ("transformer" if kind == "toy" else "vit"))
+
+        def count(m):
+            return sum(a.num_heads for a in heads.attention_modules(m).values())
+
+        assert count(unpruned) - count(model) == report["final"]["heads_pruned"] > 0, kind
 
 
 def test_viz_toy_and_vit(trained, tmp_path, capsys):
@@ -81,6 +113,8 @@ def test_format_weights_grid():
     (["prune", "--model", "toy", "--fraction", "0.2", "--step", "0.3"], "must not exceed --fraction"),
     (["prune", "--hf", "x", "--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt does not exist"),
     (["prune", "--model", "toy", "--recover", "-1"], "--recover: must be >= 0"),
+    (["prune", "--model", "toy", "--recover", "-5"], "--recover: must be >= 0"),
+    (["demo", "--recover", "-5"], "--recover: must be >= 0"),
     (["prune", "--model", "toy", "--passages", "-1"], "--passages: must be >= 0"),
     (["prune", "--model", "toy", "--passages", "many"], "--passages: must be an integer >= 0; got 'many'"),
     (["prune", "--model", "toy", "--time-budget", "5 minutes"],

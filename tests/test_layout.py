@@ -148,7 +148,8 @@ def test_no_sys_path_edits_in_the_package():
 #: the signatures that mirror another library's contract, positional arguments and all: transformers'
 #: attention-function interface and torch.nn.MultiheadAttention / TransformerEncoderLayer's
 MIRRORS = {("multihead.hf.attention", "attention_forward"), ("multihead.layer.dropin", "forward"),
-           ("multihead.layer.dropin", "__init__"), ("multihead.hf.forms", "bloom_attention_forward")}
+           ("multihead.layer.dropin", "__init__"), ("multihead.hf.forms", "bloom_attention_forward"),
+           ("multihead.apps.deploy", "_math_sdpa")}  # F.scaled_dot_product_attention's signature, written out
 
 
 def _functions():

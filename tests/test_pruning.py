@@ -39,6 +39,32 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
             assert t["rounds"] >= 3  # the command runs under its time budget: 3 rounds at least (7 without one)
 
 
+def test_prune_toy_recovers_every_step_and_refuses_a_recovery_past_its_time_budget(trained, tmp_path, capsys):
+    """`prune --model toy --recover N`: every step of the curve fine-tuned N steps (the curve with and without it),
+    the kept model the recovered one, saved; a recovery the time budget cannot hold refused in one line, exit 2,
+    before any work."""
+    ckpt = str(trained["dir"] / "transformer")
+    out = tmp_path / "r"
+    assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--recover", "40",
+                 "--checkpoints", ckpt, "--out", str(out), "--max-seconds", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    rows = report["curve"]
+    assert [r["recovery"]["steps"] for r in rows[1:]] == [40, 40] and rows[0]["metric_recovered"] == rows[0]["metric"]
+    assert report["final"]["metric"] == rows[-1]["metric_recovered"] == report["recovery"]["metric_after"]
+    from multihead.models.seq2seq import digit_accuracy
+
+    saved = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, out / "model")
+    assert digit_accuracy(saved) == pytest.approx(report["final"]["metric"], abs=1e-9)
+    assert "| after recovery |" in (out / "report.md").read_text() and set(report["bound"]) == {"1", "16", "64"}
+    capsys.readouterr()
+    assert main(["prune", "--model", "toy", "--recover", "100000", "--time-budget", "40s", "--checkpoints", ckpt,
+                 "--out", str(tmp_path / "late")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multihead prune: --recover 100000 after each of the 4 steps is about ") and \
+        err.endswith("give fewer --recover steps or a longer --time-budget") and "\n" not in err
+    assert not (tmp_path / "late" / "report.json").exists()
+
+
 def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
     from multihead.apps import pruning
     from multihead.models.seq2seq import reverse_batch

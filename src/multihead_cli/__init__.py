@@ -159,7 +159,9 @@ def _demo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrain", action="store_true", help="train again even when checkpoints exist")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=_positive(float), default=20.0,
-                   help="at most this long per batch size for the pruned toy model's interleaved speed table")
+                   help="at most this long per batch size for the pruned models' interleaved speed tables")
+    p.add_argument("--recover", type=_non_negative_int, default=150, metavar="STEPS",
+                   help="fine-tuning steps after each cut of the pruning curves (default 150; 0: the cut alone)")
 
 
 def _viz_options(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ def _checkpoints(given: str | None, out: Path) -> Path:
 def _demo(args) -> int:
     from multihead.apps import demo
 
-    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds)
+    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds, recover=args.recover)
     return 0
 
 
@@ -195,13 +195,14 @@ def _prune(args) -> int:
         except FileNotFoundError as e:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
+    curve = bool(args.recover) and setup.name == "toy"  # the demo's model: every step recovered, both curves drawn
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
                               quantize=args.quantize, target=args.target_cosine, deadline=deadline,
                               max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
-                              ffn=args.ffn or 0.0)
-    try:
+                              ffn=args.ffn or 0.0, recover_curve=curve)
+    try:  # what this model cannot do, or a recovery the time budget cannot hold, refused before any work
         pruning.check_options(setup, options)
-    except ValueError as e:  # what this model cannot do, refused before any work
+    except ValueError as e:
         print(f"multihead prune: {e}", file=sys.stderr)
         return 2
     _print_report(pruning.run(setup, out, options), out)

@@ -4,7 +4,6 @@ and ``multihead viz``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -192,9 +191,47 @@ def check_demo(seed: int = 0) -> None:
     print(multihead.check(NotebookMHSA(), call="x"))
 
 
-def run(out: Path, *, retrain: bool = False, seed: int = 0, max_seconds: float = 20.0) -> list[Path]:
-    """The whole demo; returns the files written. ``max_seconds``: the pruned toy model's speed table's time per
-    batch size."""
+def prune_both(out: Path, max_seconds: float, recover: int = 150) -> list[Path]:
+    """The course's second exercise on both demo models: the importance methods against the cost of cutting each
+    head alone (rank correlations), the pruning curve with and without a short recovery after each cut, and the
+    kept model's speed beside the bound of the work removed; ``recover``: fine-tuning steps after each cut (0: the
+    cut alone). Returns the files written."""
+    from multihead.apps import methods, pruning
+
+    paths = []
+    for kind, setup_fn, what, fraction, step in (
+            ("toy", pruning.toy_setup, "the reversal Transformer", 0.5, 0.125),
+            ("vit", pruning.vit_setup, "the digits ViT", 0.5, 0.25)):
+        print(f"\n== cut the heads of {what}: which experiment predicts importance, the curve, recovery, speed")
+        setup = setup_fn(out / "checkpoints" / ("transformer" if kind == "toy" else "vit"))
+        folder = out / f"prune_{kind}"
+        cmp = methods.compare(setup, folder)
+        print("  rank correlation with the cost of cutting each head alone: " + ", ".join(
+            f"{k} {v['spearman']:.2f}" for k, v in sorted(cmp["methods"].items(), key=lambda kv: -kv[1]["spearman"])))
+        report = pruning.run(setup, folder, pruning.Options(fraction, step=step, max_seconds=max_seconds,
+                                                            recover=recover, recover_curve=recover > 0))
+        for row in report["curve"]:
+            after = (f", {row['metric_recovered']:.1%} after {row['recovery']['steps']} recovery steps"
+                     if row.get("recovery") else "")
+            print(f"  {row['fraction']:4.0%} of heads pruned: {setup.metric_name} {row['metric']:.1%} cut{after}")
+        print(pruning.speed_table(report["speed"]))
+        bound = report.get("bound") or {}
+        if bound:
+            print("  bound (the arithmetic removed): " + " / ".join(f"{v:.2f}x" for v in bound.values())
+                  + f" at batch {' / '.join(bound)}")
+        for note in report["timing_notes"]:
+            print(f"note: {note}")
+        f = report["final"]
+        print(f"kept: {f['fraction']:.0%} of the heads pruned{' and recovered' if recover else ''}, "
+              f"{setup.metric_name} {f['metric']:.1%} "
+              f"(unpruned {f['metric_unpruned']:.1%}); the model: {folder / 'model'}")
+        paths += [folder / n for n in ("importance.png", "curve.png", "report.md", "methods.md")]
+    return paths
+
+
+def run(out: Path, *, retrain: bool = False, seed: int = 0, max_seconds: float = 20.0, recover: int = 150) -> list[Path]:
+    """The whole demo; returns the files written. ``max_seconds``: each pruned model's speed table's time per
+    batch size; ``recover``: fine-tuning steps after each cut of the pruning curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,23 +249,7 @@ def run(out: Path, *, retrain: bool = False, seed: int = 0, max_seconds: float =
     _, _, xte, yte = digits()
     print(f"ViT test accuracy {accuracy(v, xte, yte):.1%}")
     paths += draw_vit(v, 0, out)
-    print("\n== cut the heads: importance, the pruning curve and speed (the reversal Transformer)")
-    from multihead.apps import pruning
-
-    report = pruning.run(pruning.toy_setup(out / "checkpoints" / "transformer"), out / "prune_toy",
-                         pruning.Options(0.5, step=0.125, max_seconds=max_seconds))
-    imp = json.loads((out / "prune_toy" / "importance.json").read_text())
-    for name, scores in imp["modules"].items():
-        print(f"  {name:28} " + " ".join(f"{s:5.2f}" for s in scores))
-    for row in report["curve"]:
-        print(f"  {row['fraction']:4.0%} of heads pruned: digits reversed right {row['metric']:.1%}")
-    print(pruning.speed_table(report["speed"]))
-    for note in report["timing_notes"]:
-        print(f"note: {note}")
-    f = report["final"]
-    print(f"the toy model after pruning {f['fraction']:.0%} of its heads: {f['metric']:.1%} of digits reversed right "
-          f"(unpruned {f['metric_unpruned']:.1%})")
-    paths += [out / "prune_toy" / n for n in ("importance.png", "curve.png", "report.md")]
+    paths += prune_both(out, max_seconds, recover)
     print("\n== written:")
     for p in paths:
         print(f"  {p}")

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from multihead.apps import runtimes, timing
 
@@ -56,6 +58,43 @@ def work(model: nn.Module, batch: dict) -> float:
         D = hooks.layout.head_dim(m) if hooks.layout is not None else 0
         scores += 2 * B * hooks.num_heads * L * L * 2 * D
     return float(counter.get_total_flops() + scores)
+
+
+class _OpByOp(TorchFunctionMode):
+    """Every op where the FLOP counter sees it: any active function mode turns torch.nn's fused fast path
+    (``torch._native_multi_head_attention``) off, and each SDPA call is computed as q k^T, softmax, @ v (the CPU
+    flash kernel has no FLOP formula)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _math_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA written out: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> (B, H, Lq, Dv), no dropout."""
+    if k.shape[-3] != q.shape[-3]:  # GQA: each key/value head serves H / Hkv query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)  # (B, Hkv, Lk, D) -> (B, H, Lk, D)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, Lq, Lk)
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    w = s.softmax(-1)
+    return (w.nan_to_num(0.0) if attn_mask is not None or is_causal else w) @ v
+
+
+def flops(call: Callable[[], object]) -> float:
+    """Floating-point operations of ``call()`` (any model call, no gradients), counted op by op by torch's
+    ``FlopCounterMode`` with attention written out (:class:`_OpByOp`): the arithmetic a pruned model's bound is
+    the ratio of (``flops(unpruned call) / flops(pruned call)``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), _OpByOp(), FlopCounterMode(display=False) as counter:
+        call()
+    return float(counter.get_total_flops())
 
 
 def _pair(t_full: timing.Timing, t_pruned: timing.Timing) -> tuple[float, float, float]:

@@ -14,6 +14,7 @@ importance, prune the least important step by step, and measure what it costs
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import tempfile
@@ -62,6 +63,11 @@ class Setup:
     serve_fn: Callable | None = None
     #: after the runtime table: the unpruned model's files (multihead.hf.export), for the speed table's peers
     unpruned_files: dict | None = None
+    #: (clean inputs, corrupted inputs, metric(output) -> (B,)): the activation-patching experiment of the importance
+    #: methods' comparison (:mod:`multihead.apps.methods`)
+    patch_pair: tuple | None = None
+    #: how the recovery recovers, for the report ("distillation towards the unpruned model", "fine-tuning on ...")
+    recovery_kind: str = "distillation towards the unpruned model"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class Options:
     limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars;
     ``runtime_peers``: the setup's other runtimes (ONNX Runtime, OpenVINO: an export each) timed beside;
     ``ffn``: the share of every feed-forward block's neurons cut from each finished step before its recovery
-    (:func:`multihead.heads.prune_neurons`)."""
+    (:func:`multihead.heads.prune_neurons`); ``recover_curve``: every step of the curve recovered (``recover``
+    steps each), the curve drawn with and without recovery."""
 
     fraction: float
     step: float = 0.1
@@ -86,6 +93,7 @@ class Options:
     progress: bool = True
     runtime_peers: bool = True
     ffn: float = 0.0
+    recover_curve: bool = False
 
 
 #: what the toy model is measured by (its fidelity is no cosine: ``--target-cosine`` is refused for it)
@@ -99,7 +107,7 @@ def no_cosine(name: str, metric_name: str) -> str:
 
 def toy_setup(ckpt: Path) -> Setup:
     from multihead.models import checkpoint
-    from multihead.models.seq2seq import PAD, digit_accuracy, load_or_train, reverse_batch
+    from multihead.models.seq2seq import DIGIT0, PAD, digit_accuracy, load_or_train, reverse_batch
 
     model = load_or_train(ckpt)
     g = torch.Generator().manual_seed(7)
@@ -116,8 +124,79 @@ def toy_setup(ckpt: Path) -> Setup:
         src, lens, tgt_in, _ = b
         return m(src, lens, tgt_in)
 
-    return Setup("toy", model, batches, loss_fn, digit_accuracy, TOY_METRIC, speed, run_fn,
-                 "gradient", False, lambda m, p: checkpoint.save(m, p))
+    setup = Setup("toy", model, batches, loss_fn, digit_accuracy, TOY_METRIC, speed, run_fn,
+                  "gradient", False, lambda m, p: checkpoint.save(m, p))
+    g_rec = torch.Generator().manual_seed(11)  # recovery's own batches: never the importance or metric ones
+    setup.recover_fn = lambda m, steps, quantize=None, until=None: finetune(
+        m, lambda: reverse_batch(64, generator=g_rec), loss_fn, steps, until=until)
+    g_pair = torch.Generator().manual_seed(13)
+    src, lens, tgt_in, tgt_out = reverse_batch(64, generator=g_pair)
+    other = torch.where(src != PAD, torch.randint(0, 10, src.shape, generator=g_pair) + DIGIT0, PAD)
+
+    def right(logits):  # (B,): the log-probability of the right reversal (its tokens after BOS), per string
+        return -F.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD, reduction="none").sum(-1) / (
+            lens + 1)
+
+    setup.patch_pair = ((src, lens, tgt_in), (other, lens, tgt_in), right)  # the same strings' lengths, other digits
+    setup.recovery_kind = "fine-tuning on the reversal task, batches of 64 new strings"
+    return setup
+
+
+#: what the digits ViT is measured by
+VIT_METRIC = "test accuracy"
+
+
+def vit_setup(ckpt: Path) -> Setup:
+    """The demo's ViT on scikit-learn's 8x8 digits: importance on training batches, the metric on the test set,
+    recovery by fine-tuning on the training set."""
+    from multihead.models import checkpoint, digits
+    from multihead.models.vit import accuracy, load_or_train
+
+    model = load_or_train(ckpt)
+    xtr, ytr, xte, yte = digits()
+    batches = [(xtr[i:i + 128], ytr[i:i + 128]) for i in range(0, 512, 128)]
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    speed = {n: [xte[i * n:(i + 1) * n] for i in range(4)] for n in (1, 16, 64)}
+    setup = Setup("vit", model, batches, loss_fn, lambda m: accuracy(m, xte, yte), VIT_METRIC, speed,
+                  lambda m, x: m(x), "gradient", False, lambda m, p: checkpoint.save(m, p))
+    g_rec = torch.Generator().manual_seed(11)
+
+    def batch():
+        idx = torch.randint(0, len(ytr), (64,), generator=g_rec)
+        return xtr[idx], ytr[idx]
+
+    setup.recover_fn = lambda m, steps, quantize=None, until=None: finetune(m, batch, loss_fn, steps, until=until)
+    clean, label = xte[:128], yte[:128]
+    setup.patch_pair = (clean, clean.roll(1, 0), lambda out: out.log_softmax(-1)[torch.arange(len(label)), label])
+    setup.recovery_kind = "fine-tuning on the training digits, batches of 64"
+    return setup
+
+
+def finetune(model: nn.Module, batch: Callable[[], object], loss_fn: Callable, steps: int, *, lr: float = 2e-3,
+             until: float | None = None, seed: int = 0) -> list[float]:
+    """Recovery of a pruned demo model: ``steps`` AdamW steps on the task (``batch()`` -> a batch, ``loss_fn(model,
+    batch)``), fewer when ``until`` (a ``time.monotonic()`` time) comes first; dropout draws from ``seed`` (the same
+    numbers every run, whatever ran before); the model left in eval mode. Returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    model.train()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            for _ in range(steps):
+                if until is not None and time.monotonic() > until and losses:
+                    break
+                loss = loss_fn(model, batch())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        finally:
+            model.eval()
+    return losses
 
 
 def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setup:
@@ -188,8 +267,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
                                max_fraction=o.fraction, method=setup.method, reestimate=reestimate,
                                mean_replacement=setup.mean_replacement, progress=o.progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()), initial=imp)
-    kept, search = choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
-                          budget=budget, ffn=o.ffn)
+    kept, search = _keep(setup, rows, snapshots, o, budget)
     setup.pruned = kept.kept
     said = setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
     model_note = said if isinstance(said, str) else None  # what the saved directory cannot do, in one line
@@ -225,12 +303,76 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
                   "metric_unpruned": rows[0]["metric"], "quantize": o.quantize, "ffn": o.ffn,
                   "ffn_widths": {b.down: b.width for b in heads.ffn_blocks(kept.model)} if o.ffn else None},
         "recovery": kept.recovery, "target": search, "model_note": model_note,
-        "peer_metrics": extra_metric, "runtimes": deployed,
+        "peer_metrics": extra_metric, "runtimes": deployed, "bound": _bound(setup, snapshots[0], kept.model),
+        "recovery_kind": setup.recovery_kind,
         "notes": notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
+
+
+def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options, budget: Budget):
+    """The step kept and the target search (:func:`multihead.apps.target.choose`); with ``o.recover_curve`` every
+    step is recovered first (the curve with and without it) and the kept one's recovery is its own."""
+    if not o.recover_curve:
+        return choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
+                      budget=budget, ffn=o.ffn)
+    recovered = _recover_curve(setup, rows, snapshots, o, budget)
+    kept, search = choose(setup, rows, recovered, target=o.target, recover=0, quantize=o.quantize, budget=budget,
+                          ffn=o.ffn)
+    return dataclasses.replace(kept, recovery=rows[kept.index].get("recovery")), search
+
+
+def recovery_too_long(setup: Setup, o: Options) -> str | None:
+    """Why ``o.recover`` recovery steps after every step of the curve cannot fit ``o.deadline`` (two steps timed
+    on a copy of the model, times the steps asked, plus the speed table's share), or None."""
+    if not o.recover or o.deadline is None or setup.recover_fn is None:
+        return None
+    trial = copy.deepcopy(setup.model)
+    started = time.monotonic()
+    setup.recover_fn(trial, 2)
+    per_step = (time.monotonic() - started) / 2
+    steps = int(round(o.fraction / o.step)) * o.recover if o.recover_curve else o.recover
+    need = per_step * steps + TABLE_MIN_S + RESERVE_S
+    left = o.deadline - time.monotonic()
+    if need <= left:
+        return None
+    return (f"--recover {o.recover} after each of the {int(round(o.fraction / o.step))} steps is about {need:.0f} s "
+            f"of recovery and timing ({per_step * 1e3:.0f} ms a step); the time budget leaves {left:.0f} s: give fewer "
+            "--recover steps or a longer --time-budget")
+
+
+def _bound(setup: Setup, unpruned: nn.Module, kept: nn.Module) -> dict[str, float] | None:
+    """{batch size: FLOPs of the unpruned model / the kept one's} on the speed table's first batch of each size
+    (:func:`multihead.apps.deploy.flops`), or None for a setup whose models the counter cannot run (transformers
+    checkpoints and MiniLM: their bound is the runtime table's)."""
+    if setup.name not in ("toy", "vit"):
+        return None
+    from multihead.apps.deploy import flops
+
+    out = {}
+    for b, xs in setup.speed_inputs.items():
+        x = xs[0]
+        out[str(b)] = round(flops(lambda m=unpruned, x=x: setup.run_fn(m, x)) /
+                            flops(lambda m=kept, x=x: setup.run_fn(m, x)), 3)
+    return out
+
+
+def _recover_curve(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options, budget: Budget
+                   ) -> list[nn.Module]:
+    """Each pruned step's copy recovered for ``o.recover`` steps (``setup.recover_fn``): its metric in the row as
+    ``metric_recovered`` (and ``recovery``: steps run, losses); the unpruned step unchanged. Returns the copies."""
+    out = [snapshots[0]]
+    for row, snap in zip(rows[1:], snapshots[1:]):
+        model = copy.deepcopy(snap)
+        losses = setup.recover_fn(model, o.recover, until=budget.until(1))
+        row["metric_recovered"] = float(setup.metric_fn(model))
+        row["recovery"] = {"steps": len(losses), "steps_asked": o.recover, "metric_before": row["metric"],
+                           "metric_after": row["metric_recovered"], "loss_first": losses[0], "loss_last": losses[-1]}
+        out.append(model)
+    rows[0]["metric_recovered"] = rows[0]["metric"]
+    return out
 
 
 def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, o: Options) -> dict | None:
@@ -301,6 +443,8 @@ def check_options(setup: Setup, o: Options) -> None:
         raise ValueError(no_cosine(setup.name, setup.metric_name))
     if o.ffn and setup.ffn_fn is None:
         raise ValueError(f"--ffn is not available for {setup.name} (transformers checkpoints: --hf DIR).")
+    if o.recover_curve and (why := recovery_too_long(setup, o)):
+        raise ValueError(why)
 
 
 def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[heads.Importance, bool, list[str]]:
@@ -430,10 +574,14 @@ def speed_table(speeds: dict) -> str:
 
 def _markdown(r: dict, imp: heads.Importance) -> str:
     rows = r["curve"]
-    curve = ["| heads pruned | " + r["metric"] + " | " + " | ".join(f"ms @{b}" for b in rows[0].get("speed_ms", {}))
-             + " |", "|---:|---:|" + "---:|" * len(rows[0].get("speed_ms", {}))]
+    rec = "metric_recovered" in rows[0]
+    bound = r.get("bound") or {}
+    curve = ["| heads pruned | " + r["metric"] + (" | after recovery" if rec else "") + " | " +
+             " | ".join(f"ms @{b}" for b in rows[0].get("speed_ms", {})) + " |",
+             "|---:|---:|" + ("---:|" if rec else "") + "---:|" * len(rows[0].get("speed_ms", {}))]
     for row in rows:
         curve.append(f"| {row['fraction']:.0%} ({row['heads_pruned']}) | {row['metric']:.4f} | " +
+                     (f"{row['metric_recovered']:.4f} | " if rec else "") +
                      " | ".join(f"{v:.2f}" for v in row.get("speed_ms", {}).values()) + " |")
     return "\n".join([
         f"# Pruning {r['model']}",
@@ -467,7 +615,10 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         speed_table(r["speed"]),
         "",
-        *([f"Recovery: {r['recovery']['steps']} distillation steps towards the unpruned model took the metric from "
+        *([f"The bound: the kept model does {' / '.join(f'{v:.2f}x' for v in bound.values())} less arithmetic than "
+           f"the unpruned one at batch {' / '.join(bound)} (FLOPs counted op by op, attention included): the "
+           "most any runtime can gain from the cut.", ""] if bound else []),
+        *([f"Recovery: {r['recovery']['steps']} steps ({r.get('recovery_kind') or 'distillation'}) took the metric from "
            f"{r['recovery']['metric_before']:.4f} to {r['recovery']['metric_after']:.4f}; the saved model is the "
            "recovered one.", ""] if (r.get("recovery") or {}).get("steps") else []),
         *([f"Quantized to {r['recovery']['quantize']} last (Linear layers: int8 weights per output row, activations "

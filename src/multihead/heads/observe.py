@@ -464,9 +464,9 @@ def nothing_seen(model: nn.Module, verb: str, when: str = "inside the block", ex
                "module's Python path: before torch.jit.script, without the fused kernel)" if where else "")
             + (f" ({', '.join(attn)} compute attention another way: by hand, or in a fused kernel called from C++)"
                if attn and not where and not formed else "")
-            + ("; import multihead.hf first: it knows the SDPA forms of transformers families that compute attention "
-               "by hand (Bloom), and multihead.hf.attach(model) puts a transformers model on multihead's attention"
-               if type(model).__module__.startswith("transformers.") else "")
+            + ("; for a transformers model call multihead.hf.attach(model) first (import multihead.hf: it also knows "
+               "the SDPA forms of families that compute attention by hand, Bloom), or load it with "
+               "attn_implementation='multihead'" if type(model).__module__.startswith("transformers.") else "")
             + f"; multihead cannot {verb} its heads.")
 
 

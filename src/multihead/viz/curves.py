@@ -16,8 +16,9 @@ def plot_curve(rows: list[dict], path: str | Path, *, metric_name: str = "metric
 
 
 def curve_figure(rows: list[dict], *, metric_name: str = "metric", baseline_ms: dict | None = None):
-    """The pruning curve as a matplotlib Figure: the metric and (when measured) the speed-up against
-    the unpruned model, both against the share of heads pruned (a notebook shows it inline)."""
+    """The pruning curve as a matplotlib Figure: the metric (and, where the rows have ``metric_recovered``, the
+    metric after each step's recovery) and (when measured) the speed-up against the unpruned model, all against
+    the share of heads pruned (a notebook shows it inline)."""
     from multihead.extras import require
 
     Figure = require("matplotlib.figure", "plot_curve").Figure  # no pyplot: the caller's backend is left alone
@@ -25,7 +26,12 @@ def curve_figure(rows: list[dict], *, metric_name: str = "metric", baseline_ms: 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     fr = [100 * r["fraction"] for r in rows]
-    lines = ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0", label=metric_name)
+    lines = ax.plot(fr, [r["metric"] for r in rows], "o-", color="C0", label=metric_name +
+                    (" (cut, no recovery)" if rows and "metric_recovered" in rows[0] else ""))
+    if rows and "metric_recovered" in rows[0]:  # each step recovered too: the exercise's answer with its fix
+        steps = max((r.get("recovery") or {}).get("steps", 0) for r in rows)
+        lines += ax.plot(fr, [r["metric_recovered"] for r in rows], "o-", color="C5",
+                         label=f"{metric_name} after recovery ({steps} steps)")
     ax.set_xlabel("heads pruned (%)")
     ax.set_ylabel(metric_name, color="C0")
     ax.set_title(f"pruning curve: {metric_name}" + (" and speed-up" if rows and "speed_ms" in rows[0] else "")

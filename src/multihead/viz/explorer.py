@@ -80,6 +80,27 @@ def _image_data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells: int) -> dict:
+    """One module's entry of the page: its heads' maps (None for a pruned head), sizes and token labels."""
+    if w.dim() != 4 or not 0 <= batch < w.shape[0]:
+        raise ValueError(f"{name}: expected weights (B, H, Lq, Lk) with B > batch={batch}; got {tuple(w.shape)}.")
+    w = w[batch].detach().cpu()  # (H, Lq, Lk)
+    H, Lq, Lk = w.shape
+    kt = key_tokens.get(name) if isinstance(key_tokens, Mapping) else key_tokens
+    if kt is None and tokens is not None and len(tokens) == Lk:
+        kt = tokens
+    heads = [None if bool(w[h].isnan().all()) else _head(w[h], max_cells) for h in range(H)]  # NaN: pruned
+    there = [e for e in heads if e is not None]
+    rows, cols = (there[0][1], there[0][2]) if there else (min(Lq, max_cells), min(Lk, max_cells))
+    return {
+        "name": name,
+        "kind": "self" if Lq == Lk and (kt is None or kt is tokens) else "cross",
+        "lq": Lq, "lk": Lk, "rows": rows, "cols": cols,
+        "queries": _labels(tokens, Lq, "q"), "keys": _labels(kt, Lk, "k"),
+        "heads": [None if e is None else e[0] for e in heads],
+    }
+
+
 def _patching_data(result, captured: Mapping[str, Tensor]) -> dict:
     """A patching result's effects per module and head, for the page ({"label", "effects": {name: [H]}})."""
     values = getattr(result, "values", None)
@@ -173,25 +194,7 @@ def explorer(
         raise ValueError("nothing to show: the capture is empty (did the model run inside multihead.capture()?).")
     if image is not None and patch_grid is None:
         raise ValueError("image needs patch_grid=(rows, cols), the patches' layout over the picture.")
-    modules = []
-    for name, w in captured.items():
-        if w.dim() != 4 or not 0 <= batch < w.shape[0]:
-            raise ValueError(f"{name}: expected weights (B, H, Lq, Lk) with B > batch={batch}; got {tuple(w.shape)}.")
-        w = w[batch].detach().cpu()  # (H, Lq, Lk)
-        H, Lq, Lk = w.shape
-        kt = key_tokens.get(name) if isinstance(key_tokens, Mapping) else key_tokens
-        if kt is None and tokens is not None and len(tokens) == Lk:
-            kt = tokens
-        heads = [None if bool(w[h].isnan().all()) else _head(w[h], max_cells) for h in range(H)]  # NaN: pruned
-        there = [e for e in heads if e is not None]
-        rows, cols = (there[0][1], there[0][2]) if there else (min(Lq, max_cells), min(Lk, max_cells))
-        modules.append({
-            "name": name,
-            "kind": "self" if Lq == Lk and (kt is None or kt is tokens) else "cross",
-            "lq": Lq, "lk": Lk, "rows": rows, "cols": cols,
-            "queries": _labels(tokens, Lq, "q"), "keys": _labels(kt, Lk, "k"),
-            "heads": [None if e is None else e[0] for e in heads],
-        })
+    modules = [_module_data(name, w, tokens, key_tokens, batch, max_cells) for name, w in captured.items()]
     data = {"title": title, "modules": modules}
     if image is not None:
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}
