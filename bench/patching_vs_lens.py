@@ -1,9 +1,10 @@
 """Activation patching of every head, multihead against TransformerLens, on the same GPT-2 weights: time per
 experiment (the clean run with its cache, then every head patched over all positions), interleaved rounds
 (median, min-max), the two results compared. TransformerLens runs one forward per head; multihead batches the
-patches along the batch dimension (``chunk`` a forward).
+patches along the batch dimension (``chunk`` a forward) and runs the blocks before a patch once, at the base run's
+batch (checked on the first chunk against the whole forward).
 
-    .venv/bin/python bench/patching_vs_lens.py            # GPT-2 sized 6 x 8 heads, E = 256, L = 64, B = 4
+    .venv/bin/python bench/patching_vs_lens.py            # GPT-2 small's shape: 12 layers x 12 heads, E = 768
     .venv/bin/python bench/patching_vs_lens.py --tiny     # a smoke run
 """
 
@@ -34,10 +35,10 @@ def main(argv: list[str] | None = None) -> dict:
     from multihead.apps import timing
 
     torch.set_num_threads(2)
-    layers, H, E, L, B = (2, 4, 32, 8, 2) if a.tiny else (6, 8, 256, 64, 4)
+    layers, H, E, L, B = (2, 4, 32, 8, 2) if a.tiny else (12, 12, 768, 32, 4)
     torch.manual_seed(0)
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=1000, n_positions=max(L, 16), n_embd=E, n_layer=layers,
-                                           n_head=H)).eval()
+                                           n_head=H)).eval()  # sdpa, as transformers loads it: nothing forced eager
     folder = tempfile.mkdtemp()
     model.save_pretrained(folder)
     bridge = TransformerBridge.boot_transformers(folder, hf_model=copy.deepcopy(model), device="cpu")

@@ -16,7 +16,7 @@ from multihead.apps.demo import format_weights
 def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(trained["dir"], out / "checkpoints")  # reused, not retrained
-    assert main(["demo", "--out", str(out), "--max-seconds", "2", "--recover", "30"]) == 0  # speed tables' time
+    assert main(["demo", "--out", str(out), "--max-seconds", "1", "--recover", "10"]) == 0  # speed tables' time
     text = capsys.readouterr().out
     assert "output shape: (2, 4, 100)" in text
     assert "- scores divided by d_k [stage: scores]" in text and "- softmax skipped (values times raw scores)" in text
@@ -33,8 +33,8 @@ def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
     # the demo ends with the second exercise on both models: which experiment predicts importance (rank
     # correlations), the curve cut and recovered, speed beside the bound, the kept model
     assert len(re.findall(r"rank correlation with the cost of cutting each head alone: \w+ -?[\d.]+", text)) == 2
-    assert re.search(r"50% of heads pruned: digits reversed right [\d.]+% cut, [\d.]+% after 30 recovery steps", text)
-    assert re.search(r"50% of heads pruned: test accuracy [\d.]+% cut, [\d.]+% after 30 recovery steps", text)
+    assert re.search(r"50% of heads pruned: digits reversed right [\d.]+% cut, [\d.]+% after 10 recovery steps", text)
+    assert re.search(r"50% of heads pruned: test accuracy [\d.]+% cut, [\d.]+% after 10 recovery steps", text)
     assert len(re.findall(r"bound \(the arithmetic removed\): [\d.]+x / [\d.]+x / [\d.]+x at batch 1 / 16 / 64",
                           text)) == 2
     assert "| pruned 50% (multihead) |" in text and "kept: 50% of the heads pruned and recovered" in text

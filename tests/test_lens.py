@@ -64,3 +64,40 @@ def test_the_patching_bench_against_transformer_lens_runs_small_and_loads_back(t
     assert json.loads((tmp_path / "patching_vs_lens.json").read_text()) == row
     assert row["max_abs_diff"] < 1e-5 and row["lens_ms"] > 0 and row["multihead_ms"] > 0
     assert "| GPT-2 2 layers x 4 heads, E=32 | 2 x 8 |" in (tmp_path / "patching_vs_lens.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_patches_with_the_shared_prefix_equal_the_whole_forwards(family, monkeypatch):
+    """heads.patch runs the blocks before a chunk's first patch once, at the base batch: its values equal the
+    experiment with every chunk run whole (the blocks not found), on GPT-2 and on Llama (rotary embeddings and a
+    causal mask handed to every layer as per-row inputs), all positions and per position."""
+    from multihead.heads import patching
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=3, n_head=4))
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+    model = mhf.attach(model.eval())
+    g = torch.Generator().manual_seed(2)
+    clean = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
+    corrupted = {"input_ids": clean["input_ids"].roll(1, 1)}
+
+    def metric(out):
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    calls = []
+    real = patching._ChunkRun.values
+    monkeypatch.setattr(patching._ChunkRun, "values", lambda self, part, start=None: calls.append(start) or
+                        real(self, part, start))
+    for positions in (False, True):
+        shared = heads.patch(model, clean, corrupted, metric, chunk=5, positions=positions)
+        assert any(s is not None and s > 0 for s in calls)  # later blocks' chunks did start past block 0
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(patching, "_blocks", lambda model, mods: [])
+            whole = heads.patch(model, clean, corrupted, metric, chunk=5, positions=positions)
+        assert all(s is None for s in calls)
+        calls.clear()
+        assert (shared.grid() - whole.grid()).abs().max() < 1e-5

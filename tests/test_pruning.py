@@ -13,8 +13,10 @@ from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, checkpoint
 
 
 def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, capsys):
+    """`prune --model toy --recover N`: every step of the curve fine-tuned N steps (the curve with and without it),
+    the kept model the recovered one, saved and measured as the report says; the speed table and the bound."""
     out = tmp_path / "p"
-    assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--checkpoints",
+    assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--recover", "10", "--checkpoints",
                  str(trained["dir"] / "transformer"), "--out", str(out), "--max-seconds", "2"]) == 0
     text = capsys.readouterr().out
     assert f"transformer: loaded {trained['dir'] / 'transformer'}" in text  # the given checkpoint, not retrained
@@ -31,6 +33,10 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     from multihead.models.seq2seq import digit_accuracy
 
     assert abs(digit_accuracy(model) - report["final"]["metric"]) < 1e-9  # the saved model is the measured one
+    assert [r["recovery"]["steps"] for r in curve[1:]] == [10, 10] and curve[0]["metric_recovered"] == curve[0]["metric"]
+    assert report["final"]["metric"] == curve[-1]["metric_recovered"] == report["recovery"]["metric_after"]
+    assert "| after recovery |" in (out / "report.md").read_text() and set(report["bound"]) == {"1", "16", "64"}
+    assert "Recovery: 10 fine-tuning steps on the reversal task" in (out / "report.md").read_text()
     assert "25% of heads pruned" in text and "| batch 1: ms (min-max) |" in text
     # the speed table: every model timed together, medians with their interval and min-max
     for per in report["speed"].values():
@@ -39,26 +45,10 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
             assert t["rounds"] >= 3  # the command runs under its time budget: 3 rounds at least (7 without one)
 
 
-def test_prune_toy_recovers_every_step_and_refuses_a_recovery_past_its_time_budget(trained, tmp_path, capsys):
-    """`prune --model toy --recover N`: every step of the curve fine-tuned N steps (the curve with and without it),
-    the kept model the recovered one, saved; a recovery the time budget cannot hold refused in one line, exit 2,
-    before any work."""
-    ckpt = str(trained["dir"] / "transformer")
-    out = tmp_path / "r"
-    assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--recover", "40",
-                 "--checkpoints", ckpt, "--out", str(out), "--max-seconds", "1"]) == 0
-    report = json.loads((out / "report.json").read_text())
-    rows = report["curve"]
-    assert [r["recovery"]["steps"] for r in rows[1:]] == [40, 40] and rows[0]["metric_recovered"] == rows[0]["metric"]
-    assert report["final"]["metric"] == rows[-1]["metric_recovered"] == report["recovery"]["metric_after"]
-    from multihead.models.seq2seq import digit_accuracy
-
-    saved = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, out / "model")
-    assert digit_accuracy(saved) == pytest.approx(report["final"]["metric"], abs=1e-9)
-    assert "| after recovery |" in (out / "report.md").read_text() and set(report["bound"]) == {"1", "16", "64"}
-    capsys.readouterr()
-    assert main(["prune", "--model", "toy", "--recover", "100000", "--time-budget", "40s", "--checkpoints", ckpt,
-                 "--out", str(tmp_path / "late")]) == 2
+def test_a_recovery_past_the_time_budget_is_refused_before_any_work(trained, tmp_path, capsys):
+    """`prune --model toy --recover N` whose recovery after every step cannot fit --time-budget: one line, exit 2."""
+    assert main(["prune", "--model", "toy", "--recover", "100000", "--time-budget", "40s", "--checkpoints",
+                 str(trained["dir"] / "transformer"), "--out", str(tmp_path / "late")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("multihead prune: --recover 100000 after each of the 4 steps is about ") and \
         err.endswith("give fewer --recover steps or a longer --time-budget") and "\n" not in err

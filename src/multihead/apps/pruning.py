@@ -66,8 +66,8 @@ class Setup:
     #: (clean inputs, corrupted inputs, metric(output) -> (B,)): the activation-patching experiment of the importance
     #: methods' comparison (:mod:`multihead.apps.methods`)
     patch_pair: tuple | None = None
-    #: how the recovery recovers, for the report ("distillation towards the unpruned model", "fine-tuning on ...")
-    recovery_kind: str = "distillation towards the unpruned model"
+    #: how the recovery recovers, for the report ("distillation steps towards the unpruned model", ...)
+    recovery_kind: str = "distillation steps towards the unpruned model"
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ class Options:
     ffn: float = 0.0
     recover_curve: bool = False
 
+
+#: how a transformers model's recovery recovers (the report's words)
+RECOVERY_KIND = "distillation steps towards the unpruned model"
 
 #: what the toy model is measured by (its fidelity is no cosine: ``--target-cosine`` is refused for it)
 TOY_METRIC = "digits reversed right"
@@ -138,7 +141,7 @@ def toy_setup(ckpt: Path) -> Setup:
             lens + 1)
 
     setup.patch_pair = ((src, lens, tgt_in), (other, lens, tgt_in), right)  # the same strings' lengths, other digits
-    setup.recovery_kind = "fine-tuning on the reversal task, batches of 64 new strings"
+    setup.recovery_kind = "fine-tuning steps on the reversal task (batches of 64 new strings)"
     return setup
 
 
@@ -171,7 +174,7 @@ def vit_setup(ckpt: Path) -> Setup:
     setup.recover_fn = lambda m, steps, quantize=None, until=None: finetune(m, batch, loss_fn, steps, until=until)
     clean, label = xte[:128], yte[:128]
     setup.patch_pair = (clean, clean.roll(1, 0), lambda out: out.log_softmax(-1)[torch.arange(len(label)), label])
-    setup.recovery_kind = "fine-tuning on the training digits, batches of 64"
+    setup.recovery_kind = "fine-tuning steps on the training digits (batches of 64)"
     return setup
 
 
@@ -618,7 +621,7 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         *([f"The bound: the kept model does {' / '.join(f'{v:.2f}x' for v in bound.values())} less arithmetic than "
            f"the unpruned one at batch {' / '.join(bound)} (FLOPs counted op by op, attention included): the "
            "most any runtime can gain from the cut.", ""] if bound else []),
-        *([f"Recovery: {r['recovery']['steps']} steps ({r.get('recovery_kind') or 'distillation'}) took the metric from "
+        *([f"Recovery: {r['recovery']['steps']} {r.get('recovery_kind') or RECOVERY_KIND} took the metric from "
            f"{r['recovery']['metric_before']:.4f} to {r['recovery']['metric_after']:.4f}; the saved model is the "
            "recovered one.", ""] if (r.get("recovery") or {}).get("steps") else []),
         *([f"Quantized to {r['recovery']['quantize']} last (Linear layers: int8 weights per output row, activations "

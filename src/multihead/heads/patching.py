@@ -6,7 +6,10 @@ positions, or one position at a time -- it runs the *base* input with that one h
 run, and reads the metric: ``direction="denoise"`` (the corrupted run, one head clean: how much of the behaviour
 comes back) or ``"noise"`` (the clean run, one head corrupted: how much of it goes). Patches are batched along the
 batch dimension, ``chunk`` of them a forward (the base input repeated, each copy with its own head patched), never
-one forward per head; memory grows with ``chunk``.
+one forward per head; memory grows with ``chunk``. Where the attention modules lie in the items of an
+``nn.ModuleList`` (the stack's blocks: a transformers model's layers, timm's blocks), the blocks before a chunk's
+first patch run once, at the base batch, and only the rest on the repeated one: checked on the first chunk against
+the chunk run whole (kept only if they agree within rounding; otherwise every chunk runs whole).
 
 :func:`path_patch` passes a sender head's effect through chosen receiving heads only (their queries, keys or values),
 every other head frozen at the base run: the path from one head to another, not its whole effect.
@@ -200,20 +203,17 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
     base_v, src_v = _value(metric, base_output, B), _value(metric, src_output, B)
     todo = [(n, h, pos) for n, m in mods.items() for h in range(_num_heads(m))
             for pos in (range(base_out[n].shape[1]) if positions else [None])]
+    blocks = _blocks(model, mods)
+    run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, blocks)
     got: list[float] = []
     for i in range(0, len(todo), chunk):
         part = todo[i:i + chunk]
-        by_module: dict[str, list] = {}
-        for p, (n, h, pos) in enumerate(part):
-            by_module.setdefault(n, []).append((p, h, pos))
-        handles = [mods[n].attention_hooks.add_transform(_patching(n, src_out[n], items, B))
-                   for n, items in by_module.items()]
-        try:
-            output = call(model, _repeat(base_in, len(part), B))
-        finally:
-            for h in handles:
-                h.remove()
-        got += [_value(metric, _rows(output, p * B, (p + 1) * B, len(part) * B), B) for p in range(len(part))]
+        if i == 0 and run.blocks:  # the first chunk checks that the blocks before a patch can run once
+            got += run.shared(part)
+        elif run.blocks:
+            got += run.values(part, min(run.block_of(n) for n, _, _ in part))
+        else:
+            got += run.values(part)
     values, k = {}, 0
     for n, m in mods.items():
         H, L = _num_heads(m), base_out[n].shape[1]
@@ -222,6 +222,87 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
         values[n] = v.view(H, L) if positions else v  # (H,) or (H, L)
         k += size
     return Patching(values, base_v, src_v, direction)
+
+
+def _blocks(model: nn.Module, mods: dict[str, nn.Module]) -> list[nn.Module]:
+    """The stack's blocks in order (items of the model's outermost ``nn.ModuleList``s holding the attention modules),
+    when every attention module lies in one: a patch in block b leaves everything before b as in the base run."""
+    items: list[tuple[str, nn.Module]] = []
+    for lname, lst in model.named_modules():
+        if isinstance(lst, nn.ModuleList) and lname:
+            items += [(f"{lname}.{i}", blk) for i, blk in enumerate(lst)]
+    owner = {}
+    for n in mods:
+        inside = [(p, blk) for p, blk in items if n == p or n.startswith(p + ".")]
+        if not inside:
+            return []
+        owner[n] = min(inside, key=lambda pb: len(pb[0]))[1]  # the outermost: a layer of the stack
+    seen: list[nn.Module] = []
+    for blk in owner.values():
+        if all(blk is not s for s in seen):
+            seen.append(blk)
+    return seen
+
+
+def _repeat_rows(x, c: int, B: int):
+    """Every tensor in ``x`` (nested tuples, lists, dicts) whose first size is ``B``, ``c`` times along it."""
+    if isinstance(x, Tensor):
+        return torch.cat([x] * c) if x.dim() > 0 and x.shape[0] == B else x
+    if isinstance(x, tuple | list):
+        return type(x)(_repeat_rows(v, c, B) for v in x)
+    if isinstance(x, dict):
+        return {k: _repeat_rows(v, c, B) for k, v in x.items()}
+    return x
+
+
+class _ChunkRun(NamedTuple):
+    """One patching experiment's chunks: each chunk's patches run in one forward of the base input."""
+
+    model: nn.Module
+    mods: dict
+    src_out: dict
+    metric: Callable
+    call: Callable
+    base_in: object
+    B: int
+    blocks: list
+
+    def values(self, part: list, start: int | None = None) -> list[float]:
+        """The metric of each patch in ``part``: the base input repeated ``len(part)`` times (from the start; with
+        ``start``, from block ``start`` of the stack on: the blocks before it run once, at B rows, as in the base
+        run), patch p in rows p B .. (p + 1) B."""
+        B, c = self.B, len(part)
+        by_module: dict[str, list] = {}
+        for p, (n, h, pos) in enumerate(part):
+            by_module.setdefault(n, []).append((p, h, pos))
+        handles = [self.mods[n].attention_hooks.add_transform(_patching(n, self.src_out[n], items, B))
+                   for n, items in by_module.items()]
+        if start is not None:  # each block from ``start`` on gets its per-row inputs repeated (the rest are c B already)
+            handles += [blk.register_forward_pre_hook(lambda m, a, kw: (_repeat_rows(a, c, B), _repeat_rows(kw, c, B)),
+                                                      with_kwargs=True) for blk in self.blocks[start:]]
+        try:
+            output = self.call(self.model, self.base_in if start is not None else _repeat(self.base_in, c, B))
+        finally:
+            for h in handles:
+                h.remove()
+        return [_value(self.metric, _rows(output, p * B, (p + 1) * B, c * B), B) for p in range(c)]
+
+    def block_of(self, name: str) -> int:
+        return next(i for i, blk in enumerate(self.blocks) if any(m is self.mods[name] for m in blk.modules()))
+
+    def shared(self, part: list) -> list[float]:
+        """The chunk with the blocks before its first patch's run once, checked against the chunk run whole: kept
+        for the whole experiment when they agree (rounding), else (or when it raises) every chunk runs whole."""
+        start = min(self.block_of(n) for n, _, _ in part)
+        whole = self.values(part)
+        try:
+            fast = self.values(part, start)
+        except (RuntimeError, ValueError, IndexError):  # a model whose blocks take more than per-row inputs
+            fast = None
+        scale = max(1e-6, max(abs(v) for v in whole))
+        if fast is None or max(abs(a - b) for a, b in zip(whole, fast)) > 1e-4 * scale:
+            self.blocks.clear()  # not this model: every chunk runs whole
+        return whole
 
 
 def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, direction: str = "denoise",
