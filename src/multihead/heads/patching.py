@@ -144,6 +144,17 @@ def _recording(mods: dict[str, nn.Module], into: dict[str, Tensor]):
             h.remove()
 
 
+def _both_runs(model: nn.Module, call: Callable, mods: dict[str, nn.Module], base_in, src_in) -> tuple:
+    """The base and the source runs with every module's per-head output recorded: (base output, {module: (B, Lq,
+    H, Dv)}, source output, {module: (B, Lq, H, Dv)})."""
+    base_out, src_out = {}, {}
+    with _recording(mods, base_out):
+        base_output = call(model, base_in)
+    with _recording(mods, src_out):
+        src_output = call(model, src_in)
+    return base_output, base_out, src_output, src_out
+
+
 def _patching(name: str, src: Tensor, items: list[tuple[int, int, int | None]], B: int):
     """A transform putting ``src``'s head h (at position ``pos``, or everywhere) into rows of block p."""
     def transform(module, out: Tensor, live) -> Tensor:
@@ -177,11 +188,7 @@ def patch(model: nn.Module, clean, corrupted, metric: Callable, *, direction: st
     model.eval()
     try:
         with torch.no_grad():
-            base_out, src_out = {}, {}
-            with _recording(mods, base_out):
-                base_output = call(model, base_in)
-            with _recording(mods, src_out):
-                src_output = call(model, src_in)
+            base_output, base_out, src_output, src_out = _both_runs(model, call, mods, base_in, src_in)
             return _patched(model, mods, (base_in, base_output, base_out), (src_output, src_out), metric, call,
                             positions=positions, chunk=chunk, direction=direction)
     finally:
@@ -389,11 +396,7 @@ def path_patch(model: nn.Module, clean, corrupted, metric: Callable, receivers: 
     model.eval()
     try:
         with torch.no_grad():
-            base_out, src_out = {}, {}
-            with _recording(every, base_out):
-                base_output = call(model, base_in)
-            with _recording(every, src_out):
-                src_output = call(model, src_in)
+            base_output, base_out, src_output, src_out = _both_runs(model, call, every, base_in, src_in)
             for n in every:
                 if n not in base_out or n not in src_out or base_out[n].shape != src_out[n].shape:
                     raise ValueError(f"{n}: not called on both inputs, or its heads' outputs differ in shape "
