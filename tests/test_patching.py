@@ -354,3 +354,24 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
                      "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_module_called_twice_in_one_forward_is_refused():
+    """A layer shared across the stack (ALBERT's, or a loop) has one output per call: patching it is refused by
+    name, before any patched forward."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = MultiHeadAttention(16, 4)
+
+        def forward(self, x):
+            return self.attn(x + self.attn(x))
+
+    torch.manual_seed(0)
+    model = Twice().eval()
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"attn is called more than once in one forward"):
+        heads.patch(model, x, x + 1, lambda out: out[:, -1, 0])
+    with pytest.raises(ValueError, match=r"attn is called more than once in one forward"):
+        heads.path_patch(model, x, x + 1, lambda out: out[:, -1, 0], {"attn": [0]})

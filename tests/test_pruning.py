@@ -36,6 +36,8 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     assert [r["recovery"]["steps"] for r in curve[1:]] == [10, 10] and curve[0]["metric_recovered"] == curve[0]["metric"]
     assert report["final"]["metric"] == curve[-1]["metric_recovered"] == report["recovery"]["metric_after"]
     assert "| after recovery |" in (out / "report.md").read_text() and set(report["bound"]) == {"1", "16", "64"}
+    assert all(1.0 < v < 2.0 for v in report["bound"].values())  # a quarter of the heads: some work, never half
+    assert "| bound: the arithmetic removed |" in text  # under the speed-ups, in the same columns
     assert "Recovery: 10 fine-tuning steps on the reversal task" in (out / "report.md").read_text()
     assert "25% of heads pruned" in text and "| batch 1: ms (min-max) |" in text
     # the speed table: every model timed together, medians with their interval and min-max

@@ -277,6 +277,13 @@ def test_torch_nn_attention_of_torchvision_and_open_clip_seen_and_cut(kind):
         call(model, x)
     for name in want:  # the causal text tower included
         assert (cap[name] - want[name]).abs().max() < 1e-5, name
+    if kind == "open_clip":  # seen on the user's own call of one tower, without a probe
+        fresh_clip = _clip()
+        with torch.no_grad(), multihead.capture(fresh_clip) as tower:
+            fresh_clip.encode_image(x[0])
+        assert set(tower) == {n for n in want if n.startswith("visual.")} and tower
+        for name in tower:
+            assert (tower[name] - want[name]).abs().max() < 1e-5, name
     cut = {n: [0, 2] for n in found}
     with torch.no_grad():
         full = call(model, fresh)

@@ -213,7 +213,7 @@ def _print_report(report: dict, out: Path) -> None:
     """What ``multihead prune`` prints at the end: the kept model, the speed table, the runtime files and table."""
     from multihead.apps import pruning
 
-    lines = [*pruning.summary(report), pruning.speed_table(report["speed"]),
+    lines = [*pruning.summary(report), pruning.speed_table(report["speed"], report.get("bound")),
              *pruning.runtime_section(report.get("runtimes"))[2:],  # the files and the runtime table
              *[f"note: {note}" for note in report["timing_notes"]],
              f"report: {out / 'report.md'}; pruned model: {out / 'model'}"]

@@ -214,7 +214,7 @@ def prune_both(out: Path, max_seconds: float, recover: int = 150) -> list[Path]:
             after = (f", {row['metric_recovered']:.1%} after {row['recovery']['steps']} recovery steps"
                      if row.get("recovery") else "")
             print(f"  {row['fraction']:4.0%} of heads pruned: {setup.metric_name} {row['metric']:.1%} cut{after}")
-        print(pruning.speed_table(report["speed"]))
+        print(pruning.speed_table(report["speed"], report.get("bound")))
         bound = report.get("bound") or {}
         if bound:
             print("  bound (the arithmetic removed): " + " / ".join(f"{v:.2f}x" for v in bound.values())

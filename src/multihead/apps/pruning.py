@@ -129,9 +129,11 @@ def toy_setup(ckpt: Path) -> Setup:
 
     setup = Setup("toy", model, batches, loss_fn, digit_accuracy, TOY_METRIC, speed, run_fn,
                   "gradient", False, lambda m, p: checkpoint.save(m, p))
-    g_rec = torch.Generator().manual_seed(11)  # recovery's own batches: never the importance or metric ones
-    setup.recover_fn = lambda m, steps, quantize=None, until=None: finetune(
-        m, lambda: reverse_batch(64, generator=g_rec), loss_fn, steps, until=until)
+    def recover(m, steps, quantize=None, until=None):  # its own batches, the same each call: never the metric's
+        g = torch.Generator().manual_seed(11)
+        return finetune(m, lambda: reverse_batch(64, generator=g), loss_fn, steps, until=until)
+
+    setup.recover_fn = recover
     g_pair = torch.Generator().manual_seed(13)
     src, lens, tgt_in, tgt_out = reverse_batch(64, generator=g_pair)
     other = torch.where(src != PAD, torch.randint(0, 10, src.shape, generator=g_pair) + DIGIT0, PAD)
@@ -165,13 +167,16 @@ def vit_setup(ckpt: Path) -> Setup:
     speed = {n: [xte[i * n:(i + 1) * n] for i in range(4)] for n in (1, 16, 64)}
     setup = Setup("vit", model, batches, loss_fn, lambda m: accuracy(m, xte, yte), VIT_METRIC, speed,
                   lambda m, x: m(x), "gradient", False, lambda m, p: checkpoint.save(m, p))
-    g_rec = torch.Generator().manual_seed(11)
+    def recover(m, steps, quantize=None, until=None):  # its own batches, the same each call
+        g = torch.Generator().manual_seed(11)
 
-    def batch():
-        idx = torch.randint(0, len(ytr), (64,), generator=g_rec)
-        return xtr[idx], ytr[idx]
+        def batch():
+            idx = torch.randint(0, len(ytr), (64,), generator=g)
+            return xtr[idx], ytr[idx]
 
-    setup.recover_fn = lambda m, steps, quantize=None, until=None: finetune(m, batch, loss_fn, steps, until=until)
+        return finetune(m, batch, loss_fn, steps, until=until)
+
+    setup.recover_fn = recover
     clean, label = xte[:128], yte[:128]
     setup.patch_pair = (clean, clean.roll(1, 0), lambda out: out.log_softmax(-1)[torch.arange(len(label)), label])
     setup.recovery_kind = "fine-tuning steps on the training digits (batches of 64)"
@@ -324,7 +329,8 @@ def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options
     recovered = _recover_curve(setup, rows, snapshots, o, budget)
     kept, search = choose(setup, rows, recovered, target=o.target, recover=0, quantize=o.quantize, budget=budget,
                           ffn=o.ffn)
-    return dataclasses.replace(kept, recovery=rows[kept.index].get("recovery")), search
+    return dataclasses.replace(kept, recovery={**(kept.recovery or {}), **(rows[kept.index].get("recovery") or {})}
+                               or None), search
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:
@@ -446,6 +452,8 @@ def check_options(setup: Setup, o: Options) -> None:
         raise ValueError(no_cosine(setup.name, setup.metric_name))
     if o.ffn and setup.ffn_fn is None:
         raise ValueError(f"--ffn is not available for {setup.name} (transformers checkpoints: --hf DIR).")
+    if o.recover_curve and not o.recover:
+        raise ValueError("recover_curve recovers every step of the curve: give recover > 0 steps.")
     if o.recover_curve and (why := recovery_too_long(setup, o)):
         raise ValueError(why)
 
@@ -555,9 +563,10 @@ def settled(t: dict) -> bool:
     return t["median_ms"] > 0 and (hi - lo) <= 0.10 * t["median_ms"]
 
 
-def speed_table(speeds: dict) -> str:
+def speed_table(speeds: dict, bound: dict | None = None) -> str:
     """{model: {batch: timing json}} -> a markdown table: median ms per batch (min-max), speed-up
-    against the first model; a median that did not settle is marked and footnoted."""
+    against the first model; a median that did not settle is marked and footnoted. ``bound`` ({batch: ratio}):
+    a last row with the arithmetic bound of the work removed, under the speed-ups."""
     sizes = sorted({b for v in speeds.values() for b in v}, key=int)
     ref = next(iter(speeds.values()))
 
@@ -569,6 +578,9 @@ def speed_table(speeds: dict) -> str:
     for name, v in speeds.items():
         lines.append(f"| {name} | " + " | ".join(cell(v[b]) for b in sizes) + " | " +
                      " | ".join(f"{ref[b]['median_ms'] / v[b]['median_ms']:.2f}x" for b in sizes) + " |")
+    if bound:
+        lines.append("| bound: the arithmetic removed |" + " |" * len(sizes) + " " +
+                     " | ".join(f"{bound[b]:.2f}x" if b in bound else "" for b in sizes) + " |")
     if not all(settled(t) for v in speeds.values() for t in v.values()):
         lines += ["", "† median not settled to ±5% in the time allowed (its 95% interval is wider): read it as a "
                       "range, see min-max."]
@@ -616,7 +628,7 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "median's 95% interval is within ±5% (or the time allowed runs out); median and min-max per batch.",
         *[f"- {n}" for n in r["timing_notes"]],
         "",
-        speed_table(r["speed"]),
+        speed_table(r["speed"], r.get("bound")),
         "",
         *([f"The bound: the kept model does {' / '.join(f'{v:.2f}x' for v in bound.values())} less arithmetic than "
            f"the unpruned one at batch {' / '.join(bound)} (FLOPs counted op by op, attention included): the "

@@ -43,7 +43,7 @@ def load_model(package: str, name: str, checkpoint: str | Path | None = None, mo
             args["num_classes"] = int(head.shape[0])
     if package == "timm":
         timm = require("timm", "vision")
-        if name not in timm.list_models():
+        if not timm.is_model(name.split(".", 1)[0]):  # "vit_base_patch16_224.augreg_in21k": a name and its tag
             raise ValueError(f"--timm {name!r} is not one of timm's models (timm.list_models() lists them).")
         model = timm.create_model(name, pretrained=False, **args)
     elif package == "torchvision":

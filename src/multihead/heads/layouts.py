@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from multihead.heads.surgery import fold_into_bias, head_rows, is_conv1d, kept_heads, out_in, select
 from multihead.layer.hooks import Seen
 
-__all__ = ["HeadLayout", "candidates", "differs", "in_features", "out_features", "run_call", "verify", "zero_gate"]
+__all__ = ["HeadLayout", "candidates", "differs", "in_features", "mixing_norm", "out_features", "run_call", "verify",
+           "zero_gate"]
 
 
 @dataclass
@@ -126,9 +127,6 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, see
                      if p is not None and p.dim() == 1 and p.shape[0] == H)  # gpt-oss' sinks, Bloom's ALiBi heads
     lists = tuple((n, len(c) != H) for n, c in m.named_modules() if isinstance(c, nn.ModuleList) and n
                   and len(c) in (H, Hkv) and all(any(True for _ in e.parameters()) for e in c))  # StableLM's norms
-    mixed = _mixing_norm(m, H, Dv)
-    if mixed is not None:
-        return mixed
     extra = _beside(m, lin, roles, seen)
     q, k, v, qkv = (roles.get(r, [None])[0] for r in ("q", "k", "v", "qkv"))
     if q and k and v:
@@ -155,9 +153,10 @@ def candidates(m: nn.Module, name: str, parent: nn.Module, parent_name: str, see
     return f"no query/key/value projections among {sorted(lin) or 'no layers'}"
 
 
-def _mixing_norm(m: nn.Module, H: int, Dv: int) -> str | None:
-    """Why no cut is exact when ``m`` normalises all heads' outputs together (timm's ``scale_norm``: a norm over
-    the H Dv merged features, so each head's output depends on the others'), or None."""
+def mixing_norm(m: nn.Module, H: int, Dv: int) -> str | None:
+    """Why no cut was exact, when ``m`` has a norm as wide as all heads' outputs (timm's ``scale_norm``: a norm over
+    the H Dv merged features, so each head's output depends on the others'), or None. Read only after every
+    candidate layout failed to verify (an input norm of that width, E = H Dv, cuts fine)."""
     if H < 2:
         return None
     for n, c in m.named_children():

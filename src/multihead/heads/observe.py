@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from multihead import masks
-from multihead.heads.layouts import candidates, verify
+from multihead.heads.layouts import candidates, mixing_norm, verify
 from multihead.layer.hooks import AttentionHooks, Seen, hooked_modules
 
 __all__ = ["observe", "observed", "on_call", "unobserve"]
@@ -320,7 +320,8 @@ def _derive(model: nn.Module, name: str, f: _Found) -> None:
             hooks.layout, hooks.layout_reason = lay, None
             return
         reasons.append(f"{lay.family}: {why}")
-    hooks.layout_reason = lays if isinstance(lays, str) else "; ".join(reasons)
+    mixed = mixing_norm(m, f.seen.H, f.seen.Dv)  # the reason no layout verified, when its norm mixes the heads
+    hooks.layout_reason = mixed or (lays if isinstance(lays, str) else "; ".join(reasons))
 
 
 def _main_output(out) -> Tensor:
@@ -448,6 +449,17 @@ def fused_calls(model: nn.Module, example) -> list[str]:
     return [f"{n} ({what}" for n, what in out.items()]
 
 
+def _formable(model: nn.Module) -> set[str]:
+    """The classes of ``model``'s modules a registered form would rewrite (each given and taken back at once)."""
+    out = set()
+    for m in model.modules():
+        for give, take in FORMS:
+            if give(m):
+                take(m)
+                out.add(type(m).__name__)
+    return out
+
+
 def nothing_seen(model: nn.Module, verb: str, when: str = "inside the block", example=None) -> str:
     """The refusal when no module of ``model`` could be observed: what computes its attention instead (TorchScript,
     a fused kernel, a class computing by hand) and the way out."""
@@ -455,8 +467,7 @@ def nothing_seen(model: nn.Module, verb: str, when: str = "inside the block", ex
     if example is not None:
         where += fused_calls(model, example)
     attn = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
-    formed = sorted({type(m).__name__ for m in copy.deepcopy(model).modules() for give, _ in FORMS if give(m)}) \
-        if example is None else []  # observe gives forms itself: a lazy observation names them
+    formed = sorted(_formable(model)) if example is None else []  # observe gives forms itself: a lazy one names them
     return (f"{type(model).__name__}: no module called torch.nn.functional.scaled_dot_product_attention {when}"
             + (f"; {', '.join(formed)} compute attention by hand: heads.observe(model, example) gives them their "
                "SDPA form (verified on the example), after which they are seen" if formed else "")
@@ -487,14 +498,15 @@ def _install(m: nn.Module, seen: Seen) -> None:
 
 @contextlib.contextmanager
 def on_call(model: nn.Module, found):
-    """Observation on the user's own call, for the block: the first forward of ``model`` inside it runs in a mode
-    that sees every SDPA (or ``F.multi_head_attention_forward``) call; a module whose own forward makes one and has
-    no hook list yet is observed there and then (as :func:`observe` makes it, without a head layout: pruning needs
-    the probe), ``found(name, module)`` is called (the caller registers its observers and transforms), and the call
-    goes through the module's hooks. Later forwards run each observed module's own hooks only."""
+    """Observation on the user's own calls, for the block: each outermost call of ``model`` or any of its modules
+    (``model(x)``, ``clip.encode_image(x)``) inside it runs in a mode that sees every SDPA (or
+    ``F.multi_head_attention_forward``) call; a module whose own forward makes one and has no hook list yet is
+    observed there and then (as :func:`observe` makes it, without a head layout: pruning needs the probe),
+    ``found(name, module)`` is called (the caller registers its observers and transforms), and the call goes
+    through the module's hooks. Modules seen once keep their hooks: an observed module runs its own."""
     names = {id(m): n for n, m in model.named_modules()}
     stack: list = []
-    state = {"mode": None, "done": False}
+    state = {"mode": None}
 
     def route(module, func, a):
         enter = module.__dict__.get(_KEY + "_enter")
@@ -513,16 +525,21 @@ def on_call(model: nn.Module, found):
         return _observed_call(module, func, a)
 
     def push(mod, args) -> None:
-        if mod is model and not stack and not state["done"]:
+        if not stack and state["mode"] is None:  # the outermost call of any of its modules (encode_image too)
             state["mode"] = _Calls(stack, route)
             state["mode"].__enter__()
         stack.append(mod)
 
     def pop(mod, args, out) -> None:
-        stack.pop()
-        if mod is model and not stack and state["mode"] is not None:
+        if stack:
+            stack.pop()
+        if not stack:
+            leave()
+
+    def leave() -> None:
+        if state["mode"] is not None:
             state["mode"].__exit__(None, None, None)
-            state["mode"], state["done"] = None, True
+            state["mode"] = None
 
     _refuse_scripted(model, "see")
     handles = []
@@ -531,9 +548,11 @@ def on_call(model: nn.Module, found):
         handles.append(m.register_forward_hook(pop, always_call=True))
     try:
         yield
-    finally:
+    finally:  # an interrupted call (KeyboardInterrupt skips the forward hooks) leaves no mode behind
         for h in handles:
             h.remove()
+        stack.clear()
+        leave()
 
 
 def observed(model: nn.Module) -> dict[str, nn.Module]:

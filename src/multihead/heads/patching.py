@@ -132,6 +132,10 @@ def _recording(mods: dict[str, nn.Module], into: dict[str, Tensor]):
             if out.dim() != 4:
                 raise ValueError(f"{name}: its heads' output is packed ({tuple(out.shape)}, padding-free); patching "
                                  "takes a padded batch: turn packing off (multihead.hf.attach(..., packed=False)).")
+            if name in into:
+                raise ValueError(f"{name} is called more than once in one forward (a layer shared across the stack, "
+                                 "or a loop): a patch takes a module's one call; patch the modules called once "
+                                 "(modules=[...]).")
             into[name] = out.detach().clone()
             return out
         return transform
@@ -210,17 +214,11 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
     base_v, src_v = _value(metric, base_output, B), _value(metric, src_output, B)
     todo = [(n, h, pos) for n, m in mods.items() for h in range(_num_heads(m))
             for pos in (range(base_out[n].shape[1]) if positions else [None])]
-    blocks = _blocks(model, mods)
-    run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, blocks)
+    called = {n: mods[n] for n in base_out if n in mods}  # in the order the base run called them
+    run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, _blocks(model, called), {"checked": False})
     got: list[float] = []
     for i in range(0, len(todo), chunk):
-        part = todo[i:i + chunk]
-        if i == 0 and run.blocks:  # the first chunk checks that the blocks before a patch can run once
-            got += run.shared(part)
-        elif run.blocks:
-            got += run.values(part, min(run.block_of(n) for n, _, _ in part))
-        else:
-            got += run.values(part)
+        got += run.chunk(todo[i:i + chunk])
     values, k = {}, 0
     for n, m in mods.items():
         H, L = _num_heads(m), base_out[n].shape[1]
@@ -232,8 +230,9 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
 
 
 def _blocks(model: nn.Module, mods: dict[str, nn.Module]) -> list[nn.Module]:
-    """The stack's blocks in order (items of the model's outermost ``nn.ModuleList``s holding the attention modules),
-    when every attention module lies in one: a patch in block b leaves everything before b as in the base run."""
+    """The stack's blocks (items of the model's outermost ``nn.ModuleList``s holding the attention modules), when
+    every attention module lies in one, in the order of the modules the base run called (the recording order): a
+    patch in block b leaves everything before b as in the base run."""
     items: list[tuple[str, nn.Module]] = []
     for lname, lst in model.named_modules():
         if isinstance(lst, nn.ModuleList) and lname:
@@ -273,6 +272,28 @@ class _ChunkRun(NamedTuple):
     base_in: object
     B: int
     blocks: list
+    state: dict  # {"checked": whether the shared prefix was checked on a chunk starting past the first block}
+
+    def chunk(self, part: list) -> list[float]:
+        """The chunk's values: with the blocks before its first patch run once where that was checked to agree with
+        the whole forward (the first chunk starting past the first block checks it, and any chunk that raises
+        there falls back), else the whole forward."""
+        start = min(self.block_of(n) for n, _, _ in part) if self.blocks else 0
+        if not self.blocks or start == 0:
+            return self.values(part)
+        try:
+            fast = self.values(part, start)
+        except Exception:  # noqa: BLE001 - a model whose blocks take more than per-row inputs: run whole
+            self.blocks.clear()
+            return self.values(part)
+        if self.state["checked"]:
+            return fast
+        whole = self.values(part)
+        scale = max([1e-6] + [abs(v) for v in whole])
+        if not max(abs(a - b) for a, b in zip(whole, fast)) <= 1e-4 * scale:  # NaN fails too
+            self.blocks.clear()
+        self.state["checked"] = True
+        return whole
 
     def values(self, part: list, start: int | None = None) -> list[float]:
         """The metric of each patch in ``part``: the base input repeated ``len(part)`` times (from the start; with
@@ -296,20 +317,6 @@ class _ChunkRun(NamedTuple):
 
     def block_of(self, name: str) -> int:
         return next(i for i, blk in enumerate(self.blocks) if any(m is self.mods[name] for m in blk.modules()))
-
-    def shared(self, part: list) -> list[float]:
-        """The chunk with the blocks before its first patch's run once, checked against the chunk run whole: kept
-        for the whole experiment when they agree (rounding), else (or when it raises) every chunk runs whole."""
-        start = min(self.block_of(n) for n, _, _ in part)
-        whole = self.values(part)
-        try:
-            fast = self.values(part, start)
-        except (RuntimeError, ValueError, IndexError):  # a model whose blocks take more than per-row inputs
-            fast = None
-        scale = max(1e-6, max(abs(v) for v in whole))
-        if fast is None or max(abs(a - b) for a, b in zip(whole, fast)) > 1e-4 * scale:
-            self.blocks.clear()  # not this model: every chunk runs whole
-        return whole
 
 
 def attribution(model: nn.Module, clean, corrupted, metric: Callable, *, direction: str = "denoise",

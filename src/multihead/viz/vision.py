@@ -93,10 +93,11 @@ def load_image(image, model_or_layout) -> tuple[Tensor, np.ndarray]:
             image = np.asarray(im.convert("RGB"))
     elif type(image).__module__.startswith("PIL."):
         image = np.asarray(image.convert("RGB"))
-    pic = np.asarray(image, dtype=np.float64)
+    raw = np.asarray(image)
+    pic = raw.astype(np.float64)
     if pic.ndim != 3 or pic.shape[-1] != 3:
         raise ValueError(f"{name}: expected an RGB picture (H, W, 3); got an array of shape {pic.shape}.")
-    if pic.max() > 1.0:
+    if raw.dtype == np.uint8 or pic.max() > 1.0:  # 0-255 (a file, a PIL image, uint8 pixels), even a dark one
         pic = pic / 255.0
     H, W = lay.image
     if pic.shape[:2] != (H, W):
