@@ -124,17 +124,31 @@ def _err(got, want, real) -> float:
     return float((got - want)[real].abs().max()) / max(float(want[real].abs().max()), 1.0)
 
 
-def test_every_family_built_with_multihead_is_exact_or_refused():
+SHARDS = 4  # the walk in quarters (every family still walked): the two test workers share them evenly
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_every_family_built_with_multihead_is_exact_or_refused(shard):
     torch.set_num_threads(1)
-    results = {t: _one(t, cfg, cls) for t, cfg, cls in _text_families()}
+    families = _text_families()[shard::SHARDS]
+    results = {t: _one(t, cfg, cls) for t, cfg, cls in families}
     bad = {t: r for t, r in results.items() if r not in ("exact", "refused at build", "refused at its first call",
                                                           "not built")}
     counts = {k: sum(r == k for r in results.values()) for k in ("exact", "refused at build",
                                                                  "refused at its first call", "not built")}
     assert not bad, bad
-    assert counts["exact"] > 50 and counts["refused at build"] + counts["refused at its first call"] >= 3, counts
+    assert counts["exact"] > 50 // SHARDS, counts  # most families run exactly (178 of 225 on transformers 5.24)
     for family in ("bloom", "mpt", "git"):
-        assert results[family].startswith("refused"), results[family]
+        if family in results:
+            assert results[family].startswith("refused"), results[family]
+
+
+def test_the_walk_covers_every_family_once_and_holds_the_refused_ones():
+    """The shards above split one list: together they walk every family once, Bloom, MPT and Git among them."""
+    names = [t for t, _, _ in _text_families()]
+    shards = [names[s::SHARDS] for s in range(SHARDS)]
+    assert sorted(sum(shards, [])) == sorted(names) and len(set(names)) == len(names) > 150
+    assert {"bloom", "mpt", "git"} <= set(names)
 
 
 def test_the_families_that_were_silently_wrong_or_raised_keyerror_are_refused():
