@@ -34,6 +34,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two
     os.environ["MULTIHEAD_GRADER_JOBS"] = "1"  # and a class is graded one sandbox at a time
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_kept():
+    """Under xdist a test must leave its worker at one torch thread (a benchmark's main() that set two slowed every
+    later test of its worker 2-4x): restored, and the test that changed it fails, named."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER") and torch.get_num_threads() != 1:
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        pytest.fail(f"this test left torch at {n} threads (the workers run one each): set threads only in a "
+                    "script's __main__, or restore them")
+
+
 # The tolerance rule, from the arithmetic. A backend's error against the float64 reference is at most
 # K times the plain same-dtype computation's error (flash-attention uses 2 and 3; SDPA's CPU backward at
 # Lq = 1 with MQA measured 4.4x on one gradient entry at the ulp level, so gradients get 5), plus

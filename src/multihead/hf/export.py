@@ -174,7 +174,10 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     (folder / ONNX_DIR).mkdir(parents=True, exist_ok=True)
     f = export_onnx(model, folder / ONNX_DIR / ONNX_FILE, example=example)
     names = input_names(model)
-    session = ort.InferenceSession(str(f), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()  # the check runs beside torch: as many threads as torch, none left spinning
+    so.intra_op_num_threads, so.inter_op_num_threads = torch.get_num_threads(), 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
     verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
     with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
         quantize_dynamic(str(f), str(f.with_name(ONNX_INT8_FILE)), weight_type=QuantType.QInt8, per_channel=True,
@@ -203,7 +206,8 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
     """fastembed's ``TextEmbedding`` of a folder :func:`export` wrote (beside the tokenizer files and config.json,
     as ``prune --hf`` leaves ``OUT/model``): registered as a custom model with mean pooling (sentence-transformers'
     MiniLM pools so) over ``onnx/model.onnx`` (``int8``: ``onnx/model_int8.onnx``), its dimension read from
-    config.json, then opened from the folder itself (no download). The ``fastembed`` extra."""
+    config.json, then opened from the folder itself (no download), with as many threads as torch. The ``fastembed``
+    extra."""
     import json
 
     from multihead.extras import require
@@ -223,7 +227,7 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
         fe.TextEmbedding.add_custom_model(model=name, pooling=PoolingType.MEAN, normalization=normalize,
                                           sources=ModelSource(hf=name), dim=dim,
                                           model_file=str(f.relative_to(folder)))
-    return fe.TextEmbedding(model_name=name, specific_model_path=str(folder))
+    return fe.TextEmbedding(model_name=name, specific_model_path=str(folder), threads=torch.get_num_threads())
 
 
 def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
@@ -239,7 +243,8 @@ def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
     except Exception as e:  # noqa: BLE001 - OpenVINO's conversion errors share no base class beyond Exception
         raise RuntimeError(str(e)) from None
     ov.save_model(ir, str(folder / OPENVINO_FILE), compress_to_fp16=False)
-    compiled = ov.Core().compile_model(str(folder / OPENVINO_FILE), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = ov.Core().compile_model(str(folder / OPENVINO_FILE), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()})
     verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, f"{folder / OPENVINO_FILE} in OpenVINO")
     written = {"openvino": folder / OPENVINO_FILE}
     if not calibration:
