@@ -12,6 +12,9 @@ device where "auto" picks differently (FlexAttention for masks on CUDA, SDPA's C
 4. what "auto" chooses for each mask kind (``explain``);
 5. the course's module on the device (valid lengths, bf16 autocast, ``torch.compile``) against its float64
    twin on CPU; a tiny transformers BERT attached (padded and padding-free) against its own eager attention.
+6. experiments on heads (``heads.patch`` all positions and per position, ``attribution``, ``path_patch``) on a
+   tiny GPT-2 on the device against the same on the CPU; a tiny timm ViT on the device seen, captured, and half
+   its heads cut (pruned = gated).
 
 Each check is reported as ok or FAIL with the error; the exit status is the number of failures (0: all ok).
 ``--device cpu`` runs the same checks here (flex left out: no backward on CPU, 13-15 s compiles), to try the
@@ -217,6 +220,10 @@ def main(argv=None) -> int:
         return f"transformers {transformers.__version__}: " + ", ".join(out)
     rep.check("tiny BERT attached on the device", attached_bert)
 
+    # 6. experiments on heads and cuts on the device (round 5): the same on the device as on the CPU
+    rep.check("heads.patch / attribution / path_patch on a tiny GPT-2, device against CPU", lambda: _patching_on(dev))
+    rep.check("timm ViT observed, captured and cut on the device (cut = gated)", lambda: _timm_cut_on(dev))
+
     print(f"\n{len(rep.rows) - rep.failures} ok, {rep.failures} failed", flush=True)
     if args.out:
         p = pathlib.Path(args.out)
@@ -230,6 +237,72 @@ def _can(backend: str, q, k, v, mask, grad: bool = True) -> bool:
     """Whether ``backend`` says it can run this call, with gradients or for prediction (its can_run)."""
     req = registry.request(q.detach().requires_grad_(grad), k.detach(), v.detach(), mask, 0.0)
     return registry.get(backend).can_run(req) is None
+
+
+def _patching_on(dev: str) -> str:
+    """Every experiment of ``multihead.heads`` run with the model and inputs on ``dev`` equals the same on the CPU."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import multihead.hf as mhf
+    from multihead import heads
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=3, n_head=4)).eval()
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 50, (3, 8), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2:4] = torch.randint(0, 50, (3, 2), generator=g)
+
+    def metric(out):  # (B,)
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    def experiments(device):
+        m = mhf.attach(copy.deepcopy(base).to(device))
+        c, k = {"input_ids": clean.to(device)}, {"input_ids": corrupted.to(device)}
+        return {"patch": heads.patch(m, c, k, metric, chunk=5).grid(),
+                "per position": heads.patch(m, c, k, metric, positions=True, chunk=7).grid(),
+                "attribution": heads.attribution(m, c, k, metric).grid(),
+                "path": heads.path_patch(m, c, k, metric, {"transformer.h.2.attn": [0, 1]}).grid()}
+
+    here, there = experiments("cpu"), experiments(dev)
+    errs = {}
+    for name, want in here.items():
+        got = there[name].double().cpu()
+        assert got.shape == want.shape, f"{name}: {tuple(got.shape)} against {tuple(want.shape)}"
+        errs[name] = (got - want.double()).abs().max().item()
+        assert errs[name] < 1e-4, f"{name}: device against CPU {errs[name]:.3g}"
+    return ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+
+
+def _timm_cut_on(dev: str) -> str:
+    """A tiny timm ViT on ``dev``: heads seen on the user's call, every head captured, half cut = gated."""
+    import timm
+
+    from multihead import heads
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48,
+                              depth=2, num_heads=6, num_classes=5).eval().to(dev)
+    x, fresh = torch.randn(2, 3, 32, 32, device=dev), torch.randn(3, 3, 32, 32, device=dev)
+    found = heads.observe(model, x)
+    assert found, "no attention module seen"
+    with torch.no_grad(), multihead.capture(model) as cap:
+        model(x)
+    assert set(cap) == set(found) and all(w.device.type == dev for w in cap.values()), sorted(cap)
+    cut = {n: [0, 2, 4] for n in found}
+    gates = {n: torch.tensor([0.0 if h in cut[n] else 1.0 for h in range(6)]) for n in found}
+    with torch.no_grad():
+        full = model(fresh)
+        with heads.gated(model, gates):
+            gated = model(fresh)
+    heads.prune(model, cut)
+    with torch.no_grad():
+        pruned = model(fresh)
+    moved, e = (gated - full).abs().max().item(), (pruned - gated).abs().max().item()
+    assert moved > 1e-3 and e < 1e-4, f"gating moved the output {moved:.3g}, pruned against gated {e:.3g}"
+    return f"timm {timm.__version__}: {len(found)} modules, pruned against gated {e:.1e}"
 
 
 if __name__ == "__main__":
