@@ -63,7 +63,8 @@ def test_the_patching_bench_against_transformer_lens_runs_small_and_loads_back(t
     row = bench.main(["--tiny", "--max-seconds", "1", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "patching_vs_lens.json").read_text()) == row
     assert row["max_abs_diff"] < 1e-5 and row["lens_ms"] > 0 and row["multihead_ms"] > 0
-    assert "| GPT-2 2 layers x 4 heads, E=32 | 2 x 8 |" in (tmp_path / "patching_vs_lens.md").read_text()
+    assert row["multihead_last_logits_ms"] > 0
+    assert "| GPT-2 2 layers x 4 heads, E=32, vocabulary 50 | 2 x 8 |" in (tmp_path / "patching_vs_lens.md").read_text()
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -87,17 +88,75 @@ def test_patches_with_the_shared_prefix_equal_the_whole_forwards(family, monkeyp
     def metric(out):
         return out.logits[:, -1, 3] - out.logits[:, -1, 5]
 
-    calls = []
+    calls, parts, replays = [], [], []
+    real_replayed = patching._replayed
+
+    def spy(blocks, outputs):
+        handles = real_replayed(blocks, outputs)
+        replays.append([type(h).__name__ for h in handles])
+        return handles
+
+    monkeypatch.setattr(patching, "_replayed", spy)
     real = patching._ChunkRun.values
     monkeypatch.setattr(patching._ChunkRun, "values", lambda self, part, start=None: calls.append(start) or
-                        real(self, part, start))
+                        parts.append({n.split(".")[-2] for n, _, _ in part}) or real(self, part, start))
     for positions in (False, True):
         shared = heads.patch(model, clean, corrupted, metric, chunk=5, positions=positions)
         assert any(s is not None and s > 0 for s in calls)  # later blocks' chunks did start past block 0
-        calls.clear()
+        assert all(len(layers) == 1 for layers in parts), parts  # no chunk spans two blocks (chunk 5 > 4 heads)
+        past = [i for i, s in enumerate(calls) if s]  # chunks past block 0: the first repeats rows, the next
+        for first in past[:2]:  # replays block 0's recorded output; each checked against the same patches run whole
+            assert calls[first + 1] is None, calls
+        assert ["RemovableHandle"] in replays and ["_Replay", "RemovableHandle"] in replays, replays  # block 0's
+        calls.clear()  # output recorded by the chunk starting at block 1, replayed by the one at block 2
+        parts.clear()
+        replays.clear()
         with monkeypatch.context() as m:
             m.setattr(patching, "_blocks", lambda model, mods: [])
             whole = heads.patch(model, clean, corrupted, metric, chunk=5, positions=positions)
         assert all(s is None for s in calls)
         calls.clear()
+        parts.clear()
         assert (shared.grid() - whole.grid()).abs().max() < 1e-5
+
+
+def test_a_shared_prefix_that_disagrees_with_the_whole_forward_is_dropped(monkeypatch):
+    """The check on the first chunk past block 0 compares its first and last patches with the same run whole: when
+    the shared prefix gives other values (here: the repeated rows deliberately scaled), every chunk runs whole and
+    the record equals the experiment without blocks."""
+    from multihead.heads import patching
+
+    torch.manual_seed(0)
+    model = mhf.attach(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=3,
+                                                      n_head=4)).eval())
+    g = torch.Generator().manual_seed(3)
+    clean = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
+    corrupted = {"input_ids": clean["input_ids"].roll(1, 1)}
+
+    def metric(out):
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    with monkeypatch.context() as m:
+        m.setattr(patching, "_blocks", lambda model, mods: [])
+        whole = heads.patch(model, clean, corrupted, metric, chunk=3)
+    real = patching._repeat_rows
+    monkeypatch.setattr(patching, "_repeat_rows", lambda x, c, B: _skewed(real(x, c, B)))
+    starts = []
+    run_values = patching._ChunkRun.values
+    monkeypatch.setattr(patching._ChunkRun, "values", lambda self, part, start=None: starts.append(start) or
+                        run_values(self, part, start))
+    got = heads.patch(model, clean, corrupted, metric, chunk=3)
+    first_past = next(i for i, s in enumerate(starts) if s)
+    assert starts[first_past + 1] is None and starts[first_past + 2] is None  # checked, disagreed, ran whole
+    assert all(s is None for s in starts[first_past + 3:])  # and every later chunk whole
+    assert (got.grid() - whole.grid()).abs().max() < 1e-5
+
+
+def _skewed(x):  # every floating tensor's rows after the first scaled: a repeat that is wrong
+    if isinstance(x, torch.Tensor):
+        return torch.cat([x[:1], 1.5 * x[1:]]) if x.is_floating_point() and x.dim() > 0 else x
+    if isinstance(x, tuple | list):
+        return type(x)(_skewed(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _skewed(v) for k, v in x.items()}
+    return x

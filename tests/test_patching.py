@@ -346,6 +346,9 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
     assert got["base"] == pytest.approx(r.base, abs=1e-6) and got["source"] == pytest.approx(r.source, abs=1e-6)
     for n, v in r.values.items():
         assert torch.allclose(torch.tensor(got["values"][n], dtype=torch.float64), v, atol=1e-6), n
+    from multihead.apps.patching import _last_logits_only
+
+    assert _last_logits_only(model) is not None  # the command ran its logit-diff with the last position's logits only
     capsys.readouterr()
     for argv, said in (([clean, "when mary went out"], "is 11 tokens and --corrupted 4"),
                        ([clean, corrupted, "logit-diff:mary"], "--metric takes logit-diff:TOKEN_A,TOKEN_B or loss")):

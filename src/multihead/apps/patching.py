@@ -39,6 +39,17 @@ def metric_of(spec: str, tok, clean_ids: torch.Tensor):
     return diff, f"logit({names[0]}) - logit({names[1]})"
 
 
+def _last_logits_only(model):
+    """How to call ``model`` when the metric reads the last position's logits alone: with transformers'
+    ``logits_to_keep=1`` where its forward takes it (the output head then runs on one position, not L: the same
+    values, most of a large vocabulary's work gone), else as usual (None)."""
+    import inspect
+
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None
+    return lambda m, inputs: m(**inputs, logits_to_keep=1)
+
+
 def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, positions: bool = False,
         direction: str = "denoise", chunk: int = 32) -> dict:
     """Patch every head of the model at ``path``; writes OUT/patching.md, patching.json (loads back with
@@ -67,7 +78,8 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
 
     model = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(path).eval())
     inputs = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in enc]
-    r = heads.patch(model, inputs[0], inputs[1], fn, direction=direction, positions=positions, chunk=chunk)
+    r = heads.patch(model, inputs[0], inputs[1], fn, direction=direction, positions=positions, chunk=chunk,
+                    run=_last_logits_only(model) if metric != "loss" else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"metric": what, "direction": direction, "base": r.base, "source": r.source,

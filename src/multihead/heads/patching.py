@@ -8,8 +8,12 @@ comes back) or ``"noise"`` (the clean run, one head corrupted: how much of it go
 batch dimension, ``chunk`` of them a forward (the base input repeated, each copy with its own head patched), never
 one forward per head; memory grows with ``chunk``. Where the attention modules lie in the items of an
 ``nn.ModuleList`` (the stack's blocks: a transformers model's layers, timm's blocks), the blocks before a chunk's
-first patch run once, at the base batch, and only the rest on the repeated one: checked on the first chunk against
-the chunk run whole (kept only if they agree within rounding; otherwise every chunk runs whole).
+first patch are not run on the repeated batch (a chunk never spans two blocks): each block's output of the base input
+is computed once, at the base batch, and replayed by every later chunk (a block whose output is a tensor; others run
+at the base batch each time). Both ways are checked on the first chunk that uses them, its first and last patches
+against the same run whole (kept only if they agree within rounding; otherwise every chunk runs whole). A metric that
+reads the last position alone runs faster with ``run=lambda m, x: m(**x, logits_to_keep=1)`` on a transformers causal
+language model: its output head then computes one position's logits, not L.
 
 :func:`path_patch` passes a sender head's effect through chosen receiving heads only (their queries, keys or values),
 every other head frozen at the base run: the path from one head to another, not its whole effect.
@@ -215,10 +219,12 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
     todo = [(n, h, pos) for n, m in mods.items() for h in range(_num_heads(m))
             for pos in (range(base_out[n].shape[1]) if positions else [None])]
     called = {n: mods[n] for n in base_out if n in mods}  # in the order the base run called them
-    run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, _blocks(model, called), {"checked": False})
+    run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, _blocks(model, called),
+                    {"checked": set(), "outputs": {}})
     got: list[float] = []
-    for i in range(0, len(todo), chunk):
-        got += run.chunk(todo[i:i + chunk])
+    for group in run.by_block(todo):  # a chunk never spans two blocks: each runs from its own block on
+        for i in range(0, len(group), chunk):
+            got += run.chunk(group[i:i + chunk])
     values, k = {}, 0
     for n, m in mods.items():
         H, L = _num_heads(m), base_out[n].shape[1]
@@ -261,6 +267,33 @@ def _repeat_rows(x, c: int, B: int):
     return x
 
 
+class _Replay:
+    """A block's ``forward`` set, for one call, to give its recorded base output (a copy); ``remove()`` undoes it."""
+
+    def __init__(self, block: nn.Module, output: Tensor):
+        self.block, self.had = block, block.__dict__.get("forward")
+        block.forward = lambda *args, **kwargs: output.clone()
+
+    def remove(self) -> None:
+        if self.had is None:
+            del self.block.forward
+        else:
+            self.block.forward = self.had
+
+
+def _replayed(blocks: list[nn.Module], outputs: dict[int, Tensor]) -> list:
+    """Handles for a call at the base batch: blocks whose output was recorded give it without computing (a block
+    whose output is a tensor is replayed; others run every time), the rest record theirs."""
+    def record(i):
+        def hook(module, args, output):
+            if isinstance(output, Tensor):
+                outputs[i] = output.detach().clone()
+        return hook
+
+    return [_Replay(blk, outputs[i]) if i in outputs else blk.register_forward_hook(record(i))
+            for i, blk in enumerate(blocks)]
+
+
 class _ChunkRun(NamedTuple):
     """One patching experiment's chunks: each chunk's patches run in one forward of the base input."""
 
@@ -272,33 +305,39 @@ class _ChunkRun(NamedTuple):
     base_in: object
     B: int
     blocks: list
-    state: dict  # {"checked": whether the shared prefix was checked on a chunk starting past the first block}
+    state: dict  # {"checked": the ways of sharing the prefix checked so far, "outputs": {block: its base output}}
 
     def chunk(self, part: list) -> list[float]:
-        """The chunk's values: with the blocks before its first patch run once where that was checked to agree with
-        the whole forward (the first chunk starting past the first block checks it, and any chunk that raises
-        there falls back), else the whole forward."""
+        """The chunk's values: with the blocks before its first patch shared with the base run where that was checked
+        to agree with the whole forward (the first chunk starting past the first block checks it, the first that
+        replays a recorded block's output checks that; any chunk that raises there falls back), else the whole
+        forward."""
         start = min(self.block_of(n) for n, _, _ in part) if self.blocks else 0
         if not self.blocks or start == 0:
             return self.values(part)
+        way = "replayed" if any(i in self.state["outputs"] for i in range(start)) else "repeated"
         try:
             fast = self.values(part, start)
         except Exception:  # noqa: BLE001 - a model whose blocks take more than per-row inputs: run whole
             self.blocks.clear()
             return self.values(part)
-        if self.state["checked"]:
+        if way in self.state["checked"]:
             return fast
-        whole = self.values(part)
+        ends = [0, len(part) - 1] if len(part) > 1 else [0]  # the first and last copies, whole, in one forward
+        whole = self.values([part[i] for i in ends])
+        mine = [fast[i] for i in ends]
         scale = max([1e-6] + [abs(v) for v in whole])
-        if not max(abs(a - b) for a, b in zip(whole, fast)) <= 1e-4 * scale:  # NaN fails too
+        self.state["checked"].add(way)
+        if not max(abs(a - b) for a, b in zip(whole, mine)) <= 1e-4 * scale:  # NaN fails too
             self.blocks.clear()
-        self.state["checked"] = True
-        return whole
+            return self.values(part)
+        return fast
 
     def values(self, part: list, start: int | None = None) -> list[float]:
         """The metric of each patch in ``part``: the base input repeated ``len(part)`` times (from the start; with
-        ``start``, from block ``start`` of the stack on: the blocks before it run once, at B rows, as in the base
-        run), patch p in rows p B .. (p + 1) B."""
+        ``start``, from block ``start`` of the stack on: each block before it gives its output of the base run,
+        computed at B rows by the first chunk that needs it and replayed by the later ones), patch p in rows
+        p B .. (p + 1) B."""
         B, c = self.B, len(part)
         by_module: dict[str, list] = {}
         for p, (n, h, pos) in enumerate(part):
@@ -308,12 +347,26 @@ class _ChunkRun(NamedTuple):
         if start is not None:  # each block from ``start`` on gets its per-row inputs repeated (the rest are c B already)
             handles += [blk.register_forward_pre_hook(lambda m, a, kw: (_repeat_rows(a, c, B), _repeat_rows(kw, c, B)),
                                                       with_kwargs=True) for blk in self.blocks[start:]]
+            handles += _replayed(self.blocks[:start], self.state["outputs"])
         try:
             output = self.call(self.model, self.base_in if start is not None else _repeat(self.base_in, c, B))
         finally:
-            for h in handles:
+            for h in reversed(handles):
                 h.remove()
         return [_value(self.metric, _rows(output, p * B, (p + 1) * B, c * B), B) for p in range(c)]
+
+    def by_block(self, todo: list) -> list[list]:
+        """``todo`` cut where the block of its patches changes (the whole list where no blocks were found)."""
+        if not self.blocks:
+            return [todo] if todo else []
+        block = {n: self.block_of(n) for n in {item[0] for item in todo}}
+        groups: list[list] = []
+        for item in todo:
+            if groups and block[groups[-1][-1][0]] == block[item[0]]:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        return groups
 
     def block_of(self, name: str) -> int:
         return next(i for i, blk in enumerate(self.blocks) if any(m is self.mods[name] for m in blk.modules()))
