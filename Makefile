@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens
+EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs
 # pytest workers (xdist); each runs torch on one thread
 JOBS ?= 2
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
@@ -16,7 +16,7 @@ JOBS ?= 2
 # (TORCH_SPEC: ~3.5 GB with its CUDA libraries, ~16 s with uv from a local registry); uv then keeps it.
 PIP = $(BIN)/uv pip install -q --python $(BIN)/python -c $(LOCK)
 
-.PHONY: demo test test-latest lock lint clean chromium
+.PHONY: demo test docs test-latest lock lint clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,13 +51,19 @@ demo: $(VENV)/.demo
 	PYTHONDONTWRITEBYTECODE= $(BIN)/multihead demo
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check src tests tools $(wildcard bench)
+	$(BIN)/ruff check src tests tools docs $(wildcard bench)
 
 # PYTHONDONTWRITEBYTECODE is emptied for the run: uv installs without bytecode, and where the environment sets it
 # every test process (two workers, ~25 sandboxes, kernels and torchrun ranks) compiled numpy, transformers, scipy
 # and multihead from source again (import torch + multihead: 4.1 s -> 3.1 s a process once cached in .venv)
 test: $(VENV)/.test chromium lint
 	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS)
+
+# The documentation site into site/ (mkdocs.yml; strict: a broken link or a missing name fails). Its pictures are
+# drawn from the demo's trained reverser (out/checkpoints, trained there first when missing, as make demo does) and
+# its explorer photographed by Chromium; the docs extra comes with the test environment.
+docs: $(VENV)/.test chromium
+	PYTHONDONTWRITEBYTECODE= NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Not part of CI: the suite on the newest releases pyproject.toml's ranges allow, in .venv-latest.
 # When it passes, `make lock` writes that environment into constraints.txt (commit it).

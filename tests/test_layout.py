@@ -97,14 +97,14 @@ def test_the_doors_are_not_used_inside_the_package():
 
 
 def test_every_documented_import_path_works():
-    """Each import path the README and the notebook use (the doors included) imports, and the names they
-    import from it exist."""
+    """Each import path the README, the documentation's pages and the notebook use (the doors included) imports,
+    and the names they import from it exist."""
     import importlib
     import json
     import re
 
     root = ROOT.parent.parent
-    texts = [(root / "README.md").read_text()]
+    texts = [(root / "README.md").read_text()] + [p.read_text() for p in sorted((root / "docs").rglob("*.md"))]
     nb = json.loads((root / "examples" / "course.ipynb").read_text())
     texts += ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     seen = set()

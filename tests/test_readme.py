@@ -1,9 +1,9 @@
-"""Every code block of the README runs as written.
+"""Every code block of the README and of the documentation's pages (docs/*.md) runs as written.
 
-The blocks are read from README.md in order; each runs on its own, with the names it leaves
-to the reader (a model, a batch, a checkpoint directory) filled by the fixture that
-``PLACEHOLDERS`` names for its section. A block nobody accounted for fails the test, so a new
-block is run from the day it is written. The command lines run through the real CLI
+The blocks are read from README.md, then each page of docs/, in order; each runs on its own, with the names it
+leaves to the reader (a model, a batch, a checkpoint directory) filled by the fixture that ``PLACEHOLDERS`` names
+for its section (section headings are unique across the pages; a test checks it). A block nobody accounted for
+fails the test, so a new block is run from the day it is written. The command lines run through the real CLI
 (``multihead_cli``'s parser, the same handlers), in a temporary working directory."""
 
 from __future__ import annotations
@@ -21,18 +21,25 @@ import torch
 from torch import nn
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 HEADING = re.compile(r"^(#{2,3}) (.+)$", re.M)
 
 
-def readme_blocks() -> list[tuple[str, str, str]]:
-    """(section heading, language, code) for every fenced block, in order."""
-    text = README.read_text()
+def page_blocks() -> list[tuple[str, str, str, str]]:
+    """(page, section heading, language, code) for every fenced block of every page, in order."""
     out = []
-    for m in FENCE.finditer(text):
-        heads = [h.group(2) for h in HEADING.finditer(text, 0, m.start())]
-        out.append((heads[-1], m.group(1), m.group(2)))
+    for page in PAGES:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            heads = [h.group(2) for h in HEADING.finditer(text, 0, m.start())]
+            out.append((str(page.relative_to(README.parent)), heads[-1], m.group(1), m.group(2)))
     return out
+
+
+def readme_blocks() -> list[tuple[str, str, str]]:
+    """(section heading, language, code) for every fenced block of every page, in order."""
+    return [(h, lang, code) for _, h, lang, code in page_blocks()]
 
 
 # --- the names each section leaves to the reader --------------------------------------------
@@ -201,6 +208,9 @@ def _cut(ns, tmp_path):
 
 
 PLACEHOLDERS = {
+    "For learners": None,  # the README's examples, one per reader, each whole
+    "For practitioners": None,
+    "For researchers": None,
     "A short tour": None,
     "The course's code, unchanged but for the import": _course,
     "Compiled, decoding, small calls": _compiled,
@@ -219,7 +229,7 @@ NOT_RUN = {
 
 
 def _python_blocks():
-    return [(h, code) for h, lang, code in readme_blocks() if lang == "python"]
+    return [(page, h, code) for page, h, lang, code in page_blocks() if lang == "python"]
 
 
 def _sh_blocks():
@@ -234,8 +244,27 @@ def test_every_block_is_accounted_for():
             assert lang == "sh", f"README block under {heading!r} has language {lang!r}"
 
 
-@pytest.mark.parametrize("heading,code", _python_blocks(), ids=[h for h, _ in _python_blocks()])
-def test_readme_python_block_runs(heading, code, tmp_path, monkeypatch, request, capsys):
+def test_section_headings_are_unique_across_the_pages():
+    """The fixtures are found by heading: a heading used on two pages would give one page's blocks the other's."""
+    seen: dict[str, str] = {}
+    for page in PAGES:
+        for h in HEADING.finditer(page.read_text()):
+            where = str(page.relative_to(README.parent))
+            assert seen.setdefault(h.group(2), where) == where, f"{h.group(2)!r} heads sections of {seen[h.group(2)]} " \
+                                                                  f"and {where}"
+
+
+def test_the_readme_is_a_landing_page():
+    """At most ~150 lines, and it links to every page of the documentation (relative links, which work on a code
+    host and, rewritten by docs/hooks.py, in the built site)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    for page in sorted((README.parent / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in text, f"the README does not link to docs/{page.name}"
+
+
+@pytest.mark.parametrize("page,heading,code", _python_blocks(), ids=[f"{p}: {h}" for p, h, _ in _python_blocks()])
+def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, request, capsys):
     monkeypatch.chdir(tmp_path)
     if heading == "Long sequences across processes":
         request.getfixturevalue("_one_process_group")
@@ -246,13 +275,19 @@ def test_readme_python_block_runs(heading, code, tmp_path, monkeypatch, request,
         PLACEHOLDERS[heading](ns, tmp_path)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        exec(compile(code, f"README: {heading}", "exec"), ns)
+        exec(compile(code, f"{page}: {heading}", "exec"), ns)
     # none reaches the user: Python's default filters hide only other packages' deprecation warnings
     hidden = (DeprecationWarning, PendingDeprecationWarning)
     shown = [w for w in seen if not (issubclass(w.category, hidden) and "site-packages" in w.filename)]
     assert [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in shown] == []
     # what each block promises in its comments, checked on what it left behind
-    if heading == "A short tour":
+    if heading == "For learners":
+        assert tuple(ns["out"].shape) == (2, 4, 100)
+    elif heading == "For practitioners":
+        assert tuple(ns["weights"]["self_attn"].shape) == (2, 8, 10, 10) and ns["model"].self_attn.num_heads == 6
+    elif heading == "For researchers":
+        assert ns["r"].grid().shape == (2, 8) and ns["est"].agreement(ns["r"])["pearson"] > 0.5
+    elif heading == "A short tour":
         assert tuple(ns["out"].shape) == (2, 8, 7, 12) and tuple(ns["w"].shape) == (2, 8, 7, 9)
         assert "runs: sdpa" in capsys.readouterr().out
     elif heading == "Compiled, decoding, small calls":
