@@ -263,6 +263,18 @@ def test_the_readme_is_a_landing_page():
         assert f"](docs/{page.name})" in text, f"the README does not link to docs/{page.name}"
 
 
+def _run_block(page: str, heading: str, code: str, ns: dict) -> None:
+    """Run one block; a failure's traceback names the page, the section and the block's line."""
+    exec(compile(code, f"{page}: {heading}", "exec"), ns)
+
+
+def test_a_failing_block_names_its_page_and_section():
+    with pytest.raises(NameError) as e:
+        _run_block("docs/cutting.md", "Cut the heads", "x = 1\nmodel_not_there(x)\n", {})
+    frame = e.traceback[-1]
+    assert str(frame.path) == "docs/cutting.md: Cut the heads" and frame.lineno + 1 == 2  # the block's second line
+
+
 @pytest.mark.parametrize("page,heading,code", _python_blocks(), ids=[f"{p}: {h}" for p, h, _ in _python_blocks()])
 def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, request, capsys):
     monkeypatch.chdir(tmp_path)
@@ -275,7 +287,7 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
         PLACEHOLDERS[heading](ns, tmp_path)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        exec(compile(code, f"{page}: {heading}", "exec"), ns)
+        _run_block(page, heading, code, ns)
     # none reaches the user: Python's default filters hide only other packages' deprecation warnings
     hidden = (DeprecationWarning, PendingDeprecationWarning)
     shown = [w for w in seen if not (issubclass(w.category, hidden) and "site-packages" in w.filename)]

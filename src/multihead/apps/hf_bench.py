@@ -65,8 +65,12 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
         models[f"multihead served, {heads}/72 heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
     models |= runtimes.peers(models["multihead, padded"], example, log, calibration)  # what a practitioner reaches for
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
-        models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = runtimes.ort_int8(
-            runtimes.export(mhf.load(pruned, quantized=False), example))
+        from multihead.hf.export import ONNX_DIR, ONNX_INT8_FILE
+
+        written = Path(pruned) / ONNX_DIR / ONNX_INT8_FILE  # its own int8 file where the folder has it (prune --hf's)
+        models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = (
+            runtimes.ort_session(written) if written.is_file() else
+            runtimes.ort_int8(runtimes.export(mhf.load(pruned, quantized=False), example)))
     return models
 
 
