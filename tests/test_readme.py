@@ -12,7 +12,6 @@ import contextlib
 import io
 import re
 import shlex
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -348,27 +347,14 @@ def _argv(line: str, fill: dict[str, str]) -> list[str]:
     return [fill.get(w, w) for w in words[1:]]
 
 
-_SUBMISSION = """
-import torch
-from torch import nn
+def _submission(**mistake) -> str:
+    """A learner's file, as the documentation's class of three (tools/docs_pictures.py's ``submission``)."""
+    import importlib.util
 
-
-class MultiHeadAttention(nn.Module):
-    def __init__(self, d_model, num_heads):
-        super().__init__()
-        self.h, self.d = num_heads, d_model // num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
-
-    def forward(self, q, k, v, mask=None):
-        B, Lq, E = q.shape
-        split = lambda x: x.view(B, -1, self.h, self.d).transpose(1, 2)  # (B, H, L, D)
-        Q, K, V = split(self.q(q)), split(self.k(k)), split(self.v(v))
-        s = Q @ K.transpose(-2, -1) / SCALE
-        if mask is not None:
-            s = s.masked_fill(~mask.bool(), float("-inf"))
-        w = torch.softmax(s, -1).nan_to_num()
-        return self.o((w @ V).transpose(1, 2).reshape(B, Lq, E))  # (B, Lq, E)
-"""
+    spec = importlib.util.spec_from_file_location("docs_pictures", README.parent / "tools" / "docs_pictures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.submission(**mistake)
 
 
 def test_readme_command_lines_run(tmp_path, monkeypatch):
@@ -377,8 +363,8 @@ def test_readme_command_lines_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sub = tmp_path / "submissions"
     sub.mkdir()
-    (sub / "alice.py").write_text(textwrap.dedent(_SUBMISSION).replace("SCALE", "self.d ** 0.5"))
-    (sub / "bob.py").write_text(textwrap.dedent(_SUBMISSION).replace("SCALE", "self.d"))
+    (sub / "alice.py").write_text(_submission())
+    (sub / "bob.py").write_text(_submission(scale="self.d"))
     examples = Path(__file__).resolve().parent.parent / "examples"
     (tmp_path / "examples").symlink_to(examples)
     need_hf = any("--hf" in code for _, code in _sh_blocks())

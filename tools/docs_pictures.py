@@ -46,10 +46,17 @@ class MultiHeadAttention(nn.Module):
         w = WEIGHTS
         return self.o((w @ V).transpose(1, 2).reshape(B, Lq, E))  # (B, Lq, E)
 """
+
+
+def submission(scale: str = "self.d ** 0.5", weights: str = "torch.softmax(s, -1).nan_to_num()") -> str:
+    """A learner's file (the class ``MultiHeadAttention(d_model, num_heads)``, called ``m(q, k, v, mask)``): right by
+    default; ``scale``: what the scores are divided by, ``weights``: what multiplies the values (``"s"``: the raw
+    scores, the ViT notebook's mistake). tests/test_readme.py grades it too."""
+    return textwrap.dedent(_SUBMISSION).replace("SCALE", scale).replace("WEIGHTS", weights)
+
+
 #: three learners' files: right, the ViT notebook's two mistakes one at a time
-_CLASS = {"ada.py": ("self.d ** 0.5", "torch.softmax(s, -1).nan_to_num()"),
-          "ben.py": ("self.d", "torch.softmax(s, -1).nan_to_num()"),
-          "cy.py": ("self.d ** 0.5", "s")}
+_CLASS = {"ada.py": {}, "ben.py": {"scale": "self.d"}, "cy.py": {"weights": "s"}}
 
 
 def generate(out: Path, *, quick: bool = False, checkpoints: Path | None = None) -> dict[str, str]:
@@ -142,9 +149,8 @@ def _class(out: Path, tmp: Path) -> dict[str, str]:
 
     folder = tmp / "class"
     folder.mkdir()
-    for name, (scale, weights) in _CLASS.items():
-        code = textwrap.dedent(_SUBMISSION).replace("SCALE", scale).replace("WEIGHTS", weights)
-        (folder / name).write_text(code)
+    for name, mistake in _CLASS.items():
+        (folder / name).write_text(submission(**mistake))
     rows = multihead.grade(str(folder), name="MultiHeadAttention", init="d_model=32, num_heads=4", call="qkv")
     classroom.write_summary(rows, tmp / "summary")
     shutil.copy(tmp / "summary" / "summary.png", out / "class_summary.png")
