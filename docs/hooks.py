@@ -62,3 +62,7 @@ def on_page_content(html: str, page, config, files) -> str:
 def on_post_build(config) -> None:
     if _made["folder"] is not None:
         shutil.rmtree(_made["folder"], ignore_errors=True)
+
+
+def on_build_error(error) -> None:
+    on_post_build(None)

@@ -58,11 +58,12 @@ def test_the_readme_is_the_home_page_with_its_links_made_relative(site):
 
 
 def test_the_pictures_are_drawn_into_the_site(site):
-    for name in ("transformer_cross_attention.png", "explorer.png", "curve.png", "class_summary.png", "patching.png",
-                 "transformer_decoder_explorer.html"):
+    shot = shutil.which("chromium") or shutil.which("chromium-browser")  # the explorer's screenshot needs it
+    for name in ("transformer_cross_attention.png", "curve.png", "class_summary.png", "patching.png",
+                 "transformer_decoder_explorer.html") + (("explorer.png",) if shot else ()):
         assert (site / "pictures" / name).stat().st_size > 1000, name
     gallery = (site / "pictures.html").read_text()
-    assert gallery.count("<img") >= 6 and "multihead check submissions/" in gallery
+    assert gallery.count("<img") >= (6 if shot else 5) and "multihead check submissions/" in gallery
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

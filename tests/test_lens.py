@@ -89,17 +89,10 @@ def test_patches_with_the_shared_prefix_equal_the_whole_forwards(family, monkeyp
         return out.logits[:, -1, 3] - out.logits[:, -1, 5]
 
     calls, parts, replays = [], [], []
-    real_replayed = patching._replayed
-
-    def spy(blocks, outputs):
-        handles = real_replayed(blocks, outputs)
-        replays.append([type(h).__name__ for h in handles])
-        return handles
-
-    monkeypatch.setattr(patching, "_replayed", spy)
     real = patching._ChunkRun.values
     monkeypatch.setattr(patching._ChunkRun, "values", lambda self, part, start=None: calls.append(start) or
-                        parts.append({n.split(".")[-2] for n, _, _ in part}) or real(self, part, start))
+                        parts.append({n.split(".")[-2] for n, _, _ in part}) or
+                        replays.append((start, sorted(self.state["outputs"]))) or real(self, part, start))
     for positions in (False, True):
         shared = heads.patch(model, clean, corrupted, metric, chunk=5, positions=positions)
         assert any(s is not None and s > 0 for s in calls)  # later blocks' chunks did start past block 0
@@ -107,8 +100,8 @@ def test_patches_with_the_shared_prefix_equal_the_whole_forwards(family, monkeyp
         past = [i for i, s in enumerate(calls) if s]  # chunks past block 0: the first repeats rows, the next
         for first in past[:2]:  # replays block 0's recorded output; each checked against the same patches run whole
             assert calls[first + 1] is None, calls
-        assert ["RemovableHandle"] in replays and ["_Replay", "RemovableHandle"] in replays, replays  # block 0's
-        calls.clear()  # output recorded by the chunk starting at block 1, replayed by the one at block 2
+        assert (2, [0]) in replays, replays  # block 0's output recorded by the chunk starting at block 1, replayed
+        calls.clear()  # by the one at block 2
         parts.clear()
         replays.clear()
         with monkeypatch.context() as m:
@@ -160,3 +153,72 @@ def _skewed(x):  # every floating tensor's rows after the first scaled: a repeat
     if isinstance(x, dict):
         return {k: _skewed(v) for k, v in x.items()}
     return x
+
+
+def _gpt2(layers: int):
+    torch.manual_seed(0)
+    return mhf.attach(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=layers,
+                                                     n_head=4, initializer_range=0.3)).eval())  # heads that matter
+
+
+def _pair():
+    g = torch.Generator().manual_seed(4)
+    clean = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
+    return clean, {"input_ids": clean["input_ids"].roll(1, 1)}
+
+
+def _diff_metric(out):
+    return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+
+def test_a_block_with_a_forward_hook_runs_every_time_and_its_hook_once(monkeypatch):
+    """A user's forward hook that changes a block's output (a steering vector on layer 1 of 5): that block is never
+    replayed (replaying its output would apply the hook twice), and the record equals the experiment run whole."""
+    from multihead.heads import patching
+
+    model = _gpt2(5)
+    v = torch.randn(32) * 0.5
+    model.transformer.h[1].register_forward_hook(lambda m, a, out: out + v)
+    clean, corrupted = _pair()
+    shared = heads.patch(model, clean, corrupted, _diff_metric, chunk=4)
+    with monkeypatch.context() as m:
+        m.setattr(patching, "_blocks", lambda model, mods: [])
+        whole = heads.patch(model, clean, corrupted, _diff_metric, chunk=4)
+    assert (shared.grid() - whole.grid()).abs().max() < 1e-5
+    assert (whole.grid() - whole.base).abs().max() > 1e-3  # the patches moved the metric
+
+
+def test_an_error_in_a_patched_run_leaves_the_model_as_it_was():
+    """A metric that raises in the middle of the experiment (after blocks were recorded and replayed): no block keeps
+    a replaced forward, no hook is left, and the model computes what it did."""
+    model = _gpt2(4)
+    clean, corrupted = _pair()
+    with torch.no_grad():
+        before = model(**clean).logits
+    calls = []
+
+    def metric(out):
+        calls.append(1)
+        if len(calls) > 20:
+            raise RuntimeError("metric failed")
+        return _diff_metric(out)
+
+    with pytest.raises(RuntimeError, match="metric failed"):
+        heads.patch(model, clean, corrupted, metric, chunk=2)
+    for blk in model.transformer.h:
+        assert "forward" not in blk.__dict__ and not blk._forward_hooks and not blk._forward_pre_hooks
+    with torch.no_grad():
+        assert torch.equal(model(**clean).logits, before)
+
+
+def test_a_metric_reading_the_batchs_loss_is_refused():
+    """The loss transformers computes from labels= is one value over the batch: batched patches would share it."""
+    model = _gpt2(2)
+    clean, corrupted = _pair()
+    clean["labels"], corrupted["labels"] = clean["input_ids"], clean["input_ids"]
+    with pytest.raises(ValueError, match="computed over the whole batch"):
+        heads.patch(model, clean, corrupted, lambda out: out.loss)
+    with pytest.raises(ValueError, match="computed over the whole batch"):
+        heads.path_patch(model, clean, corrupted, lambda out: out.loss, {"transformer.h.1.attn": [0]})
+    r = heads.patch(model, clean, corrupted, _diff_metric)  # per-row metrics of the same outputs run
+    assert r.grid().shape == (2, 4)

@@ -306,7 +306,7 @@ def test_attribution_patching_is_the_first_order_of_real_patching():
         heads.attribution(model, clean, corrupted, lambda out: 1.0)
 
 
-def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
+def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys, monkeypatch):
     """multihead patch --hf DIR on a tiny GPT-2 saved here (word-level tokenizer): its patching.json loads back equal
     to heads.patch on the same model in memory, and the picture is written; texts of different token counts and a
     malformed metric are refused in one line, exit 2."""
@@ -332,8 +332,12 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
     clean, corrupted = "when mary and john went out john gave a drink to", "when mary and john went out mary gave a " \
         "drink to"
     out = tmp_path / "patch"
+    runs = []
+    real_patch = heads.patch
+    monkeypatch.setattr(heads, "patch", lambda *a, **kw: runs.append(kw.get("run")) or real_patch(*a, **kw))
     assert main(["patch", "--hf", str(d), "--clean", clean, "--corrupted", corrupted, "--metric", "logit-diff:mary,john",
                  "--out", str(out), "--chunk", "3"]) == 0
+    assert runs[0](lambda **kw: kw, {"input_ids": 1}) == {"input_ids": 1, "logits_to_keep": 1}  # the last logits only
     got = json.loads((out / "patching.json").read_text())
     assert (out / "patching.png").stat().st_size > 1000 and "| transformer.h.1.attn |" in (out / "patching.md").read_text()
     page = (out / "patching.html").read_text()  # the explorer of the clean run, each head with its effect
@@ -346,9 +350,6 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys):
     assert got["base"] == pytest.approx(r.base, abs=1e-6) and got["source"] == pytest.approx(r.source, abs=1e-6)
     for n, v in r.values.items():
         assert torch.allclose(torch.tensor(got["values"][n], dtype=torch.float64), v, atol=1e-6), n
-    from multihead.apps.patching import _last_logits_only
-
-    assert _last_logits_only(model) is not None  # the command ran its logit-diff with the last position's logits only
     capsys.readouterr()
     for argv, said in (([clean, "when mary went out"], "is 11 tokens and --corrupted 4"),
                        ([clean, corrupted, "logit-diff:mary"], "--metric takes logit-diff:TOKEN_A,TOKEN_B or loss")):

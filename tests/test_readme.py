@@ -281,7 +281,8 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
         request.getfixturevalue("_one_process_group")
     import multihead
 
-    ns: dict = {} if heading == "A short tour" else {"torch": torch, "multihead": multihead}  # the tour's imports
+    whole = heading == "A short tour" or page == "README.md"  # blocks that import what they use, run as pasted
+    ns: dict = {} if whole else {"torch": torch, "multihead": multihead}  # the others: the tour's imports
     if PLACEHOLDERS[heading] is not None:
         PLACEHOLDERS[heading](ns, tmp_path)
     with warnings.catch_warnings(record=True) as seen:

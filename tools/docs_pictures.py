@@ -103,10 +103,14 @@ def _heads(out: Path, ckpt: Path) -> dict[str, str]:
 def _explorer_screenshot(out: Path) -> dict[str, str]:
     """The decoder's explorer as Chromium shows it (Debian's chromium, driven by playwright: the `browser` extra)."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        raise RuntimeError("the explorer's screenshot needs Debian's chromium: run `make chromium` (as root), or "
-                           "apt-get install chromium")
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        exe = None
+    if exe is None:  # the site is still built, with the live explorer and without its picture
+        print("docs_pictures: no explorer screenshot: it needs Debian's chromium and playwright (the browser extra): "
+              "`make chromium` (as root), or apt-get install chromium", file=sys.stderr)
+        return {}
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])

@@ -9,9 +9,13 @@ batch dimension, ``chunk`` of them a forward (the base input repeated, each copy
 one forward per head; memory grows with ``chunk``. Where the attention modules lie in the items of an
 ``nn.ModuleList`` (the stack's blocks: a transformers model's layers, timm's blocks), the blocks before a chunk's
 first patch are not run on the repeated batch (a chunk never spans two blocks): each block's output of the base input
-is computed once, at the base batch, and replayed by every later chunk (a block whose output is a tensor; others run
-at the base batch each time). Both ways are checked on the first chunk that uses them, its first and last patches
-against the same run whole (kept only if they agree within rounding; otherwise every chunk runs whole). A metric that
+is computed once, at the base batch, and replayed by every later chunk (a block whose forward returns a tensor, and
+only while no hook could see inside it: a block with a forward hook of its own or on any of its modules, or with a
+global hook, runs at the base batch every time, so every hook runs as in the base run). The repeated rows and the
+replay are each checked on the first chunk that uses them (one block type: a stack's blocks share their forward),
+its first and last patches against the same run whole (kept only if they agree within 1e-4 of the base-to-source
+span; otherwise every chunk runs whole). A metric that reads a value computed over the whole batch (the loss from
+``labels=``) is refused before any patched forward. A metric that
 reads the last position alone runs faster with ``run=lambda m, x: m(**x, logits_to_keep=1)`` on a transformers causal
 language model: its output head then computes one position's logits, not L.
 
@@ -27,6 +31,7 @@ compares it with the real patches.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -116,6 +121,26 @@ def _rows(output, a: int, b: int, B: int):
     if isinstance(output, tuple | list):
         return type(output)(_rows(v, a, b, B) for v in output)
     return output
+
+
+def _per_row(metric: Callable, output, B: int) -> None:
+    """Refuse a metric that reads a value computed over the whole batch (a 0-dim float tensor of the output, such as
+    the loss transformers computes from ``labels``): patches batched together would all get their batch's one value.
+    Found by reading the metric with those values made NaN, before any patched forward."""
+    def poisoned(x):
+        if isinstance(x, Tensor):
+            return torch.full_like(x, float("nan")) if x.dim() == 0 and x.is_floating_point() else x
+        if isinstance(x, Mapping):
+            return type(x)(**{k: poisoned(v) for k, v in x.items()})
+        if isinstance(x, tuple | list):
+            return type(x)(poisoned(v) for v in x)
+        return x
+
+    if math.isfinite(_value(metric, output, B)) and not math.isfinite(_value(metric, poisoned(output), B)):
+        raise ValueError("metric reads a value of the model's output computed over the whole batch (a 0-dim tensor, "
+                         "such as the loss from labels=): patches run batched, so each would get its batch's mixed "
+                         "value; compute the metric per row from the logits (a (B,) tensor), e.g. the per-row "
+                         "cross-entropy.")
 
 
 def _value(metric: Callable, output, B: int) -> float:
@@ -215,12 +240,13 @@ def _patched(model, mods, base, source, metric, call, *, positions: bool, chunk:
                              "takes a head's output position by position, so both inputs need the same length; pad "
                              "the shorter one (and mask it) to align their positions.")
     B = next(iter(base_out.values())).shape[0]
+    _per_row(metric, base_output, B)
     base_v, src_v = _value(metric, base_output, B), _value(metric, src_output, B)
     todo = [(n, h, pos) for n, m in mods.items() for h in range(_num_heads(m))
             for pos in (range(base_out[n].shape[1]) if positions else [None])]
     called = {n: mods[n] for n in base_out if n in mods}  # in the order the base run called them
     run = _ChunkRun(model, mods, src_out, metric, call, base_in, B, _blocks(model, called),
-                    {"checked": set(), "outputs": {}})
+                    {"checked": set(), "outputs": {}, "span": abs(src_v - base_v)})
     got: list[float] = []
     for group in run.by_block(todo):  # a chunk never spans two blocks: each runs from its own block on
         for i in range(0, len(group), chunk):
@@ -267,31 +293,41 @@ def _repeat_rows(x, c: int, B: int):
     return x
 
 
-class _Replay:
-    """A block's ``forward`` set, for one call, to give its recorded base output (a copy); ``remove()`` undoes it."""
+def _hooked(block: nn.Module) -> bool:
+    """Whether a forward hook could see inside ``block`` now: its own or any of its modules' (a user's, or one a
+    library installs during the model's forward, as transformers does to collect attentions), or a global one."""
+    from multihead.layer.module import _GLOBAL_HOOKS
 
-    def __init__(self, block: nn.Module, output: Tensor):
+    return any(_GLOBAL_HOOKS[:3]) or any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
+
+
+class _Shared:
+    """For one call, a block's ``forward`` wrapped: the first time it runs (no hook seeing inside it), its return is
+    recorded; later calls return a copy of that record instead of computing. The real forward runs whenever a hook
+    could see inside the block, so every hook runs exactly as in the base run. ``remove()`` puts ``forward`` back
+    (an instance attribute set by someone else, as accelerate's, included)."""
+
+    def __init__(self, block: nn.Module, outputs: dict[int, Tensor], i: int):
         self.block, self.had = block, block.__dict__.get("forward")
-        block.forward = lambda *args, **kwargs: output.clone()
+        real = self.had if self.had is not None else type(block).forward.__get__(block)
+
+        def forward(*args, **kwargs):
+            if _hooked(block):
+                return real(*args, **kwargs)
+            if i in outputs:
+                return outputs[i].clone()
+            out = real(*args, **kwargs)
+            if isinstance(out, Tensor):  # a tensor is replayed; a block returning anything else runs every time
+                outputs[i] = out.detach().clone()
+            return out
+
+        block.forward = forward
 
     def remove(self) -> None:
         if self.had is None:
             del self.block.forward
         else:
             self.block.forward = self.had
-
-
-def _replayed(blocks: list[nn.Module], outputs: dict[int, Tensor]) -> list:
-    """Handles for a call at the base batch: blocks whose output was recorded give it without computing (a block
-    whose output is a tensor is replayed; others run every time), the rest record theirs."""
-    def record(i):
-        def hook(module, args, output):
-            if isinstance(output, Tensor):
-                outputs[i] = output.detach().clone()
-        return hook
-
-    return [_Replay(blk, outputs[i]) if i in outputs else blk.register_forward_hook(record(i))
-            for i, blk in enumerate(blocks)]
 
 
 class _ChunkRun(NamedTuple):
@@ -326,9 +362,9 @@ class _ChunkRun(NamedTuple):
         ends = [0, len(part) - 1] if len(part) > 1 else [0]  # the first and last copies, whole, in one forward
         whole = self.values([part[i] for i in ends])
         mine = [fast[i] for i in ends]
-        scale = max([1e-6] + [abs(v) for v in whole])
+        scale = max([1e-6] + [abs(v) for v in whole])  # rounding: of the values' size; a wrong share: of the span
         self.state["checked"].add(way)
-        if not max(abs(a - b) for a, b in zip(whole, mine)) <= 1e-4 * scale:  # NaN fails too
+        if not max(abs(a - b) for a, b in zip(whole, mine)) <= max(1e-4 * self.state["span"], 1e-6 * scale):
             self.blocks.clear()
             return self.values(part)
         return fast
@@ -342,17 +378,16 @@ class _ChunkRun(NamedTuple):
         by_module: dict[str, list] = {}
         for p, (n, h, pos) in enumerate(part):
             by_module.setdefault(n, []).append((p, h, pos))
-        handles = [self.mods[n].attention_hooks.add_transform(_patching(n, self.src_out[n], items, B))
-                   for n, items in by_module.items()]
-        if start is not None:  # each block from ``start`` on gets its per-row inputs repeated (the rest are c B already)
-            handles += [blk.register_forward_pre_hook(lambda m, a, kw: (_repeat_rows(a, c, B), _repeat_rows(kw, c, B)),
-                                                      with_kwargs=True) for blk in self.blocks[start:]]
-            handles += _replayed(self.blocks[:start], self.state["outputs"])
-        try:
+        with contextlib.ExitStack() as undo:  # every handle undone as soon as it exists, whatever raises
+            for n, items in by_module.items():
+                undo.callback(self.mods[n].attention_hooks.add_transform(_patching(n, self.src_out[n], items, B)).remove)
+            if start is not None:  # blocks from ``start`` on get their per-row inputs repeated (the rest are c B)
+                for blk in self.blocks[start:]:
+                    undo.callback(blk.register_forward_pre_hook(
+                        lambda m, a, kw: (_repeat_rows(a, c, B), _repeat_rows(kw, c, B)), with_kwargs=True).remove)
+                for i, blk in enumerate(self.blocks[:start]):
+                    undo.callback(_Shared(blk, self.state["outputs"], i).remove)
             output = self.call(self.model, self.base_in if start is not None else _repeat(self.base_in, c, B))
-        finally:
-            for h in reversed(handles):
-                h.remove()
         return [_value(self.metric, _rows(output, p * B, (p + 1) * B, c * B), B) for p in range(c)]
 
     def by_block(self, todo: list) -> list[list]:
@@ -462,6 +497,7 @@ def path_patch(model: nn.Module, clean, corrupted, metric: Callable, receivers: 
                     raise ValueError(f"{n}: not called on both inputs, or its heads' outputs differ in shape "
                                      "(both inputs need the same length).")
             B = next(iter(base_out.values())).shape[0]
+            _per_row(metric, base_output, B)
             todo = [(n, h) for n, m in send.items() for h in range(_num_heads(m))]
             exp = _PathRun(model, call, base_in, every, base_out, src_out, recv, through, metric, B)
             got: list[float] = []
