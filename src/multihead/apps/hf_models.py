@@ -440,8 +440,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     shortened to the steps that end before it (the cosine then decays over the shorter run)."""
     import time
 
-    from tqdm.auto import tqdm
-
+    from multihead.extras import progress
     from multihead.quantize import fake_quantized
 
     pruned.eval()
@@ -450,7 +449,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     losses = []
     started = time.monotonic()
-    bar = tqdm(total=steps, desc="recovery (distillation)", mininterval=1.0)
+    bar = progress(total=steps, desc="recovery (distillation)")
     with fake_quantized(pruned, quantize) if quantize else contextlib.nullcontext():
         s = 0
         while s < total[0]:

@@ -69,10 +69,10 @@ def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_
     names = list(calls)
     bar = None
     if progress is not None:
-        from tqdm.auto import tqdm
+        from multihead.extras import progress as progress_bar
 
-        bar = tqdm(total=round(max_seconds), desc=progress, unit="s", mininterval=1.0,
-                   bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s allowed{postfix}")
+        bar = progress_bar(total=round(max_seconds), desc=progress, unit="s",
+                           bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s allowed{postfix}")
     start = time.perf_counter()
     for _ in range(warmup):
         for n in names:

@@ -72,9 +72,9 @@ class Importance:
 def _bar(it, desc: str, progress: bool, total: int | None = None):
     if not progress:
         return it
-    from tqdm.auto import tqdm
+    from multihead.extras import progress as bar
 
-    return tqdm(it, desc=desc, total=total, mininterval=1.0)
+    return bar(it, desc=desc, total=total)
 
 
 def _scored(model: nn.Module, batches: Iterable, fn: Callable) -> tuple[dict[str, nn.Module], list]:

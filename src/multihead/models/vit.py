@@ -78,7 +78,7 @@ def digits(seed: int = 0):
 def train_vit(*, epochs: int = 25, batch: int = 64, seed: int = 0, progress: bool = True,
               cfg: ViTConfig | None = None) -> tuple[ViT, float]:
     """Train on the digits; returns (model, test accuracy)."""
-    from tqdm.auto import tqdm
+    from multihead.extras import progress as progress_bar
 
     torch.manual_seed(seed)
     xtr, ytr, xte, yte = digits(seed)
@@ -87,7 +87,7 @@ def train_vit(*, epochs: int = 25, batch: int = 64, seed: int = 0, progress: boo
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, fused=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
-    bar = tqdm(range(epochs), desc="ViT (8x8 digits)", disable=not progress, mininterval=1.0)
+    bar = progress_bar(range(epochs), desc="ViT (8x8 digits)", enabled=progress)
     for _ in bar:
         model.train()
         perm = torch.randperm(len(ytr), generator=g)
