@@ -18,7 +18,8 @@ __all__ = ["progress", "quiet_logs", "require"]
 #: the extra of pyproject.toml that installs each optional top-level package
 EXTRA = {"matplotlib": "viz", "sklearn": "train", "tqdm": "train", "keras": "keras", "transformers": "hf",
          "tokenizers": "hf", "playwright": "browser", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx",
-         "openvino": "openvino", "nncf": "openvino", "fastembed": "fastembed"}
+         "openvino": "openvino", "nncf": "openvino", "fastembed": "fastembed",
+         "gguf": "decoder", "onnxruntime_genai": "decoder"}
 
 
 def require(module: str, what: str) -> ModuleType:

@@ -1,0 +1,181 @@
+"""A decoder served where decoders run (multihead.hf.decoder_export): a tiny random Llama with grouped key/value
+heads (4 query / 2 key-value heads), pruned by a whole key/value group in every layer, written as GGUF (read back by
+gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator)."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import multihead.hf as mh  # noqa: E402
+from multihead import heads  # noqa: E402
+from multihead.hf import decoder_export as dx  # noqa: E402
+
+V = 128
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=V - 1, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token=f"t{V - 1}",
+                                                unk_token="t1")
+
+
+def _pruned(groups=((2, 3), (2, 3))):
+    """The tiny model with the query heads of ``groups[i]`` cut in layer i (heads 2, 3 share key/value head 1)."""
+    m = mh.attach(_tiny())
+    names = list(mh.attention_modules(m))
+    heads.prune(m, {n: list(g) for n, g in zip(names, groups) if g})
+    return m
+
+
+IDS = torch.tensor([[5, 17, 33, 2, 90, 11, 64, 3, 40, 41]])  # (1, L)
+
+
+@torch.no_grad()
+def _greedy(model, n=6):
+    seq = IDS
+    for _ in range(n):
+        seq = torch.cat([seq, model(input_ids=seq).logits[:, -1:].argmax(-1)], dim=1)  # (1, L + step)
+    return seq[0, IDS.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_gguf_of_a_pruned_model_is_llama_at_the_pruned_size_and_reads_back(tmp_path, dtype):
+    m = _pruned()
+    served = dx.export_gguf(m, tmp_path / "p.gguf", dtype=dtype, prompt_ids=IDS, new_tokens=6)
+    assert served.counts == (2, 1, 16) and served.max_logit_diff <= served.tolerance
+    r = gguf.GGUFReader(str(served.path))
+    assert r.fields["llama.attention.head_count"].contents() == 2
+    assert r.fields["llama.attention.head_count_kv"].contents() == 1
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}  # GGUF order: (in, out)
+    assert shapes["blk.0.attn_q.weight"] == (64, 32) and shapes["blk.1.attn_k.weight"] == (64, 16)
+    assert shapes["blk.0.attn_output.weight"] == (32, 64)
+    # read by transformers on its own: the pruned model's logits and greedy tokens
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="p.gguf", dtype=torch.float32).eval()
+    assert (back.config.num_attention_heads, back.config.num_key_value_heads, back.config.head_dim) == (2, 1, 16)
+    with torch.no_grad():
+        diff = (back(input_ids=IDS).logits - m(input_ids=IDS).logits).abs().max().item()
+    assert diff <= (1e-5 if dtype == "f32" else 1e-2)
+    assert _greedy(back) == _greedy(m) == served.tokens
+
+
+def test_gguf_q_and_k_rows_are_in_llama_cpp_rotary_order(tmp_path):
+    """The file's attn_q rows are llama.cpp's permutation of q_proj's: within each head, row 2i is rotary pair i's
+    first half, row 2i+1 its second half (HF keeps the halves apart: rows i and i + D/2)."""
+    m = _pruned()
+    dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=IDS)
+    q = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "p.gguf")).tensors}["blk.0.attn_q.weight"]
+    hf = m.model.layers[0].self_attn.q_proj.weight.detach().numpy()  # (H*D, E)
+    D = 16
+    for h in range(2):
+        for i in range(D // 2):
+            np.testing.assert_array_equal(q[h * D + 2 * i], hf[h * D + i])
+            np.testing.assert_array_equal(q[h * D + 2 * i + 1], hf[h * D + i + D // 2])
+
+
+def test_a_wrong_file_is_caught_and_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr(dx, "_permute", lambda w, n: w)  # q/k rows left in HF's order: transformers reads them wrong
+    with pytest.raises(ValueError, match="differs from the torch model.*deleted"):
+        dx.export_gguf(_pruned(), tmp_path / "p.gguf", prompt_ids=IDS)
+    assert not (tmp_path / "p.gguf").exists()
+
+
+def test_gguf_copies_the_source_vocabulary(tmp_path):
+    src = tmp_path / "src.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(V)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    served = dx.export_gguf(_pruned(), tmp_path / "p.gguf", vocab=src, prompt_ids=IDS)
+    f = gguf.GGUFReader(str(served.path)).fields
+    assert f["tokenizer.ggml.model"].contents() == "gpt2" and f["tokenizer.ggml.tokens"].contents()[5] == "t5"
+
+
+def test_standard_folder_loads_at_the_pruned_size(tmp_path):
+    m = _pruned()
+    dx.standard_folder(m, tmp_path / "hf", tokenizer=_tokenizer())
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (2, 1, 16)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=IDS).logits, m(input_ids=IDS).logits, atol=1e-5, rtol=0)
+
+
+def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    m = _pruned()
+    served = dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), prompt_ids=IDS, new_tokens=6)
+    cfg = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (2, 1, 16)
+    assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4
+
+
+def test_uneven_cut_refused_before_any_file(tmp_path):
+    m = _pruned(groups=((2, 3), ()))  # layer 0 cut, layer 1 whole
+    assert dx.layer_counts(m) == [(2, 1, 16), (4, 2, 16)]
+    with pytest.raises(ValueError, match=r"differs between layers \(layers \[0\] H=2, Hkv=1; layers \[1\] H=4"):
+        dx.export_gguf(m, tmp_path / "p.gguf")
+    with pytest.raises(ValueError, match="one head count for every layer"):
+        dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_input_refused_in_one_line(tmp_path):
+    m = _pruned()
+    cases = [
+        (lambda: dx.export_gguf(m, tmp_path / "p.bin"), ValueError, r"\*\.gguf"),
+        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", dtype="q4_0"), ValueError, "dtype='q4_0'"),
+        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", vocab=tmp_path / "none.gguf"), ValueError, "not a file"),
+        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=torch.zeros(1, 60, dtype=torch.long)),
+         ValueError, "longer than the model's 64 positions"),
+        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=[3, V]), ValueError, "outside the vocabulary"),
+        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=None), TypeError, "tokenizer must be"),
+        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), precision="int4"), ValueError,
+         "precision='int4'"),
+        (lambda: dx.export_gguf(torch.nn.Linear(2, 2), tmp_path / "p.gguf"), TypeError, "transformers model"),
+    ]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V))
+    cases.append((lambda: dx.export_gguf(gpt2, tmp_path / "p.gguf"), ValueError, "got GPT2LMHeadModel"))
+    for call, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gated_or_mean_compensated_models_refused(tmp_path):
+    m = _pruned()
+    name = next(iter(mh.attention_modules(m)))
+    with heads.gated(m, {name: torch.tensor([1.0, 0.0])}), pytest.raises(ValueError, match="heads.prune first"):
+        dx.export_gguf(m, tmp_path / "p.gguf")
+    m.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="mean_outputs"):
+        dx.export_gguf(m, tmp_path / "p.gguf")
+
+
+def test_missing_extra_names_what_installs_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match=r"multihead\[decoder\]"):
+        dx.export_gguf(_pruned(), tmp_path / "p.gguf")
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
+    with pytest.raises(ImportError, match=r"multihead\[decoder\]"):
+        dx.export_genai(_pruned(), tmp_path / "g", tokenizer=_tokenizer())
