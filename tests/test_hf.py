@@ -193,6 +193,52 @@ def test_family_parity_capture_prune_save_load(family, tmp_path):
     assert torch.allclose(_out(back, x), pruned, atol=1e-6)
 
 
+#: a language-model head of each family, where its keywords reach the loss (and, through the model below it, every
+#: attention call); gemma2 against eager: transformers' sdpa refuses its softcap
+LM_HEADS = {
+    "llama": (lambda: FAMILIES["llama"][0](), "sdpa"),
+    "gpt2": (lambda: FAMILIES["gpt2"][0](), "sdpa"),
+    "mistral": (lambda: FAMILIES["mistral"][0](), "sdpa"),
+    "qwen2": (lambda: FAMILIES["qwen2"][0](), "sdpa"),
+    "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                          **SMALL)), "eager"),
+    "bert": (lambda: T.BertLMHeadModel(T.BertConfig(is_decoder=True, max_position_embeddings=64, **SMALL)), "sdpa"),
+    "bert_mlm": (lambda: T.BertForMaskedLM(T.BertConfig(max_position_embeddings=64, **SMALL)), "sdpa"),
+}
+
+
+@pytest.mark.parametrize("family", list(LM_HEADS))
+def test_the_loss_keywords_pass_through_to_the_loss_and_equal_sdpa(family):
+    """transformers' test_causal_lm_loss_honors_shift_labels crashed on every causal LM with multihead
+    (``TypeError: LlamaAttention passes 'shift_labels'``): the head hands its keywords to the model, whose layers
+    forward them to every attention call. Declared by transformers as the loss's (and seq_idx as packed-sequence
+    information no attention function reads), they pass through: loss and logits equal the reference's, and the
+    loss is the one the keywords ask for."""
+    make, ref = LM_HEADS[family]
+    torch.manual_seed(0)
+    model = make().eval()
+    mlm = family == "bert_mlm"
+    ids, am = _ids(left=family != "bert" and not mlm)
+    labels = ids.masked_fill(am == 0, -1)
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-1)  # (B, L): token t predicts t + 1
+    shift = shift.masked_fill(am == 0, -1)  # from real tokens only (a padded row is zeros here, uniform in eager)
+    kw = dict(attention_mask=am, labels=labels.masked_fill(labels == -1, -100) if mlm else labels,
+              shift_labels=shift, ignore_index=-1, seq_idx=torch.zeros_like(ids, dtype=torch.int32))
+    outs = {}
+    for impl in (ref, "multihead"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model(ids, **kw)
+    got, want = outs["multihead"], outs[ref]
+    real = am.bool()
+    assert (got.logits - want.logits)[real].abs().max() < 1e-5
+    assert abs(float(got.loss) - float(want.loss)) < 1e-5
+    flat = got.logits.reshape(-1, V)  # (B, L, V) -> (B*L, V)
+    asked = (torch.nn.functional.cross_entropy(flat, kw["labels"].reshape(-1)) if mlm  # BertForMaskedLM: its own
+             else torch.nn.functional.cross_entropy(flat, shift.reshape(-1), ignore_index=-1))
+    assert abs(float(got.loss) - float(asked)) < 1e-5
+
+
 def test_the_mask_function_is_registered_too():
     """The trap: a custom attention implementation without a mask function receives no padding
     mask. multihead registers transformers' sdpa mask function with its attention function."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import re
@@ -28,6 +29,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 import multihead  # noqa: E402
 import multihead.hf as mhf  # noqa: E402
+import multihead.hf.attention as mha  # noqa: E402
 from multihead import heads  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
@@ -262,12 +264,10 @@ def _attention_calls(path: Path):
         yield owner[-1][1], [k.arg for k in call.keywords if k.arg is not None]
 
 
-def test_every_keyword_any_family_passes_is_computed_declared_or_refused():
-    """The registry walk: every modeling file of transformers whose attention calls the interface.
-    A keyword multihead's function takes is computed (its docstring says how); a NOT_ATTENTION one
-    does not change attention (with the reason); a REFUSED one raises with its reason. A new
-    keyword in a future transformers fails here, not silently in a user's model."""
-    computed = set(inspect.signature(mhf.attention_forward).parameters) - {"module", "kwargs"}
+@functools.cache
+def _walk() -> tuple[dict[str, set[str]], int]:
+    """Every keyword a modeling file passes by name to its attention function -> the classes passing it, and the
+    number of files that call the interface."""
     root = Path(transformers.__file__).parent / "models"
     seen, files = {}, 0
     for path in sorted(root.glob("*/modeling_*.py")):
@@ -276,6 +276,73 @@ def test_every_keyword_any_family_passes_is_computed_declared_or_refused():
         for cls, kws in calls:
             for k in kws:
                 seen.setdefault(k, set()).add(f"{path.parent.name}.{cls}")
+    return seen, files
+
+
+def _forwarded() -> dict[str, set[str]]:
+    """The fields of every typed keyword dictionary a modeling file forwards (``**kwargs: Unpack[X]``): transformers'
+    own (multihead's DECLARATIONS) by name, one a file defines itself read from its class body."""
+    core = {td.__name__: td.__required_keys__ | td.__optional_keys__ for td in mha.DECLARATIONS}
+    found = {}
+    for path in sorted((Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")):
+        text = path.read_text()
+        for name in set(re.findall(r"Unpack\[(\w+)\]", text)) - set(found):
+            if name in core:
+                found[name] = set(core[name])
+                continue
+            body = re.search(rf"^class {name}\(.*?(?=^\S)", text, re.M | re.S)
+            assert body, f"{path.name} forwards Unpack[{name}], defined neither there nor in multihead's DECLARATIONS"
+            cls = ast.parse(body.group(0)).body[0]
+            found[name] = {a.target.id for a in cls.body if isinstance(a, ast.AnnAssign)}
+    return found
+
+
+def test_what_passes_through_is_derived_from_transformers_declarations(monkeypatch):
+    """Not a list: a keyword passes through when transformers declares it as one its models forward (the typed
+    dictionaries, its loss functions' parameters) and none of its own attention functions takes it. The loss
+    keywords every causal LM crashed on (shift_labels, ignore_index) and seq_idx (packed-sequence information for
+    state-space layers) are among them; an attention argument stays refused."""
+    computed = set(inspect.signature(mhf.attention_forward).parameters) - {"module", "kwargs"}
+    forwarded = _forwarded()
+    assert {"TransformersKwargs", "FlashAttentionKwargs"} <= set(forwarded)  # 5.24: and Granite's own
+    unaccounted = {name: sorted(f - computed - set(mhf.NOT_ATTENTION)) for name, f in forwarded.items()
+                   if f - computed - set(mhf.NOT_ATTENTION)}
+    assert not unaccounted, f"forwarded keywords multihead neither computes nor passes: {unaccounted}"
+    # every argument transformers' own attention functions name is computed here (a new one fails here)
+    assert {"dropout", "scaling", "is_causal", "softcap", "s_aux", "sliding_window"} <= set(mha.ATTENTION_ARGUMENTS)
+    assert set(mha.ATTENTION_ARGUMENTS) <= computed, set(mha.ATTENTION_ARGUMENTS) - computed
+    # where each passing keyword is declared, as the reason
+    assert "ForCausalLMLoss" in mhf.NOT_ATTENTION["shift_labels"] and "ForCausalLMLoss" in mhf.NOT_ATTENTION[
+        "ignore_index"]
+    assert mhf.NOT_ATTENTION["seq_idx"].startswith("declared in TransformersKwargs (Sequence index for each token")
+    # nothing transformers declares is refused by hand, nothing both passes and is refused
+    declared = mha._declared()
+    assert not set(mhf.REFUSED) & set(declared) and not set(mhf.REFUSED) & set(mhf.NOT_ATTENTION)
+    # the hand-written residue is undeclared, and transformers still passes it
+    assert mha.UNDECLARED and not set(mha.UNDECLARED) & set(declared)
+    assert "deterministic" in _walk()[0]
+    passed = []
+    monkeypatch.setattr(mha, "_refuse", lambda module, kwargs: passed.append(set(kwargs)))
+    model, x = _build("qwen3")
+    mhf.attach(model)
+    _out(model, x)
+    assert passed and all("use_cache" in p for p in passed)
+    # the rule, not a table: once one of transformers' attention functions names a declared keyword, it is refused
+    def named(module, query, key, value, attention_mask, seq_idx=None, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "test-seq-idx", named)
+    assert mha._attention_arguments()["seq_idx"].endswith("named")
+    assert "seq_idx" not in mha._not_attention() and "shift_labels" in mha._not_attention()
+
+
+def test_every_keyword_any_family_passes_is_computed_declared_or_refused():
+    """The registry walk: every modeling file of transformers whose attention calls the interface.
+    A keyword multihead's function takes is computed (its docstring says how); a NOT_ATTENTION one
+    does not change attention (derived from transformers' declarations, with where); a REFUSED one raises with its reason. A new
+    keyword in a future transformers fails here, not silently in a user's model."""
+    computed = set(inspect.signature(mhf.attention_forward).parameters) - {"module", "kwargs"}
+    seen, files = _walk()
     assert files > 300  # the walk saw the registry (5.23: ~350 files)
     unaccounted = {k: sorted(v)[:3] for k, v in seen.items()
                    if k not in computed and k not in mhf.NOT_ATTENTION and k not in mhf.REFUSED}

@@ -31,8 +31,9 @@ from multihead.core.functional import attention, weights_of
 from multihead.layer import hooks as hooks_mod
 from multihead.layer.hooks import AttentionHooks, Seen
 
-__all__ = ["EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED", "Computed", "PackedRows", "attention_forward",
-           "attention_modules", "calls_interface", "discover", "loading", "refusal"]
+__all__ = ["ATTENTION_ARGUMENTS", "DECLARATIONS", "EAGER_MASKS", "NAME", "NAMES", "NOT_ATTENTION", "REFUSED", "SUPPORTED",
+           "UNDECLARED", "Computed", "PackedRows", "attention_forward", "attention_modules", "calls_interface", "discover",
+           "loading", "refusal"]
 
 #: the transformers versions this integration is tested with (the ``hf`` extra pins them)
 SUPPORTED = (5, 6)  # >= 5.0, < 6
@@ -60,22 +61,77 @@ def _check_version():
 _check_version()
 
 from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
+from transformers.loss.loss_utils import LOSS_MAPPING  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: E402
+from transformers.modeling_flash_attention_utils import FlashAttentionKwargs  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+from transformers.utils.generic import TransformersKwargs  # noqa: E402
 
-#: keywords transformers hands every attention function that do not change what attention computes,
-#: with the reason each is safe to receive (anything else not named in the signature is refused)
-NOT_ATTENTION = {
-    "position_ids": "positions are applied by the model (rotary embeddings) before the call; packed rows reach "
-                    "the call as the block-diagonal mask transformers builds from them",
-    "use_cache": "the model's cache is updated before the call; the keys and values arrive complete",
-    "output_hidden_states": "a model-level output flag",
-    "output_router_logits": "a mixture-of-experts output flag",
-    "num_items_in_batch": "a loss normaliser",
-    "deterministic": "a flash-attention backward flag; multihead's forward is deterministic",
+#: the typed keyword dictionaries transformers' models forward to their layers, and on to every attention call
+#: (``**kwargs: Unpack[TransformersKwargs]``; ``FlashAttentionKwargs`` in the attention modules of older files)
+DECLARATIONS = (TransformersKwargs, FlashAttentionKwargs)
+
+
+def _attention_arguments() -> dict[str, str]:
+    """Every keyword one of transformers' own attention functions names (``ALL_ATTENTION_FUNCTIONS``: sdpa,
+    flash, flex, paged; multihead's excepted) -> the first function naming it: what transformers itself treats as
+    an argument of attention."""
+    found: dict[str, str] = {}
+    for name in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        fn = ALL_ATTENTION_FUNCTIONS[name]
+        if fn is attention_forward:
+            continue
+        for p in list(inspect.signature(fn).parameters.values())[5:]:  # past (module, query, key, value, mask)
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                found.setdefault(p.name, f"{fn.__module__}.{fn.__qualname__}")
+    return found
+
+
+def _described(td: type) -> dict[str, str]:
+    """A typed dictionary's fields -> the line its docstring gives each (``name (`type`): text``)."""
+    doc = inspect.getdoc(td) or ""
+    lines = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*(\w+) \(.*\n\s*(\S.*)$", doc, re.M)}
+    return {k: lines.get(k, "") for k in td.__required_keys__ | td.__optional_keys__}
+
+
+def _declared() -> dict[str, str]:
+    """Every keyword transformers declares as one a model forwards -> where and what: the fields of
+    :data:`DECLARATIONS`, and the optional parameters of the loss functions its heads call (``LOSS_MAPPING``:
+    ``model(ids, labels=..., shift_labels=..., ignore_index=...)`` hands the head's keywords to the loss and to
+    the model below it, whose layers forward them to every attention call)."""
+    found: dict[str, str] = {}
+    for td in DECLARATIONS:
+        for k, text in sorted(_described(td).items()):
+            found.setdefault(k, f"declared in {td.__name__}" + (f" ({text.rstrip('.')})" if text else ""))
+    losses: dict[str, list[str]] = {}
+    for fn in dict.fromkeys(LOSS_MAPPING.values()):  # each function once, in the table's order
+        for p in inspect.signature(fn).parameters.values():
+            if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                losses.setdefault(p.name, []).append(fn.__name__)
+    for k, fns in losses.items():
+        found.setdefault(k, f"an optional parameter of transformers' loss functions ({', '.join(sorted(fns))}), "
+                            "read by the head after the model ran")
+    return found
+
+
+#: keywords transformers passes to attention without declaring them in :data:`DECLARATIONS` (the only hand-written
+#: entries: ``tests/test_hf_families.py`` fails when transformers declares one, or stops passing it)
+UNDECLARED = {
+    "use_cache": "passed by decoder layers to their attention module; the model's cache is updated before the call, "
+                 "the keys and values arrive complete",
+    "deterministic": "ModernBERT's flash-attention backward flag; multihead's forward is deterministic",
 }
 
+#: keywords that reach the attention function and do not change what it computes, each with why (filled at import
+#: by :func:`_not_attention`, from the installed transformers)
+NOT_ATTENTION: dict[str, str] = {}
+#: keywords transformers' own attention functions name as arguments -> the function (:func:`_attention_arguments`)
+ATTENTION_ARGUMENTS: dict[str, str] = {}
 
-#: keywords some families pass that multihead does not compute, each refused with its reason
+
+#: keywords some families pass by name that multihead does not compute, each refused with its reason (any other
+#: keyword outside multihead's signature and :data:`NOT_ATTENTION` is refused too, without one); never passed
+#: through, even where transformers declares the name
 REFUSED = {
     "indices": "sparse top-k attention (a learned indexer picks the keys)",
     "block_indices": "block-sparse attention",
@@ -84,7 +140,6 @@ REFUSED = {
     "key": "a model that hands its own query/key/value a second time by keyword",
     "value": "a model that hands its own query/key/value a second time by keyword",
     "cache": "transformers' paged cache (continuous batching)",
-    "seq_idx": "packed-sequence indices of a state-space layer",
 }
 
 
@@ -343,6 +398,23 @@ AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, _checked(sdpa_mask))  # the boolean masks sdpa gets: padding is never dropped
 AttentionInterface.register(EAGER_MASKS, attention_forward)
 AttentionMaskInterface.register(EAGER_MASKS, _checked(eager_mask))  # always built, float: what eager-only families expect
+
+
+def _not_attention() -> dict[str, str]:
+    """The keywords that pass through, derived: every keyword transformers declares as one its models forward
+    (:func:`_declared`) that none of its own attention functions names as an argument (:func:`_attention_arguments`),
+    multihead's does not take and :data:`REFUSED` does not name, then :data:`UNDECLARED`. multihead is registered
+    with sdpa's mask function, so such a keyword reaches it as it reaches sdpa, whatever it means for attention
+    already in the mask (``position_ids`` of packed rows: the block-diagonal mask transformers builds from them)."""
+    arguments = _attention_arguments()
+    computed = set(inspect.signature(attention_forward).parameters)
+    passing = {k: f"{where}; none of transformers' attention functions takes it" for k, where in _declared().items()
+               if k not in computed and k not in arguments and k not in REFUSED}
+    return passing | {k: v for k, v in UNDECLARED.items() if k not in passing}
+
+
+ATTENTION_ARGUMENTS.update(_attention_arguments())
+NOT_ATTENTION.update(_not_attention())
 
 
 def _model_file_calls_interface(cls: type) -> bool:
