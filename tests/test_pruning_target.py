@@ -84,14 +84,83 @@ def test_a_target_no_model_meets_is_said_and_the_closest_is_kept():
     assert kept.fidelity.lo == max(t["fidelity"]["ci95"][0] for t in record["tried"])
 
 
-def test_the_time_budget_ends_the_search():
+def test_the_time_budget_ends_the_search_with_a_model_that_meets_the_target():
+    """A budget that holds no candidate past the unpruned model: the search stops, and what it keeps still meets the
+    target (the unpruned model, tried first) -- never the furthest cut tried below it (round 6: 81% at 0.742 was kept
+    and the command exited 0)."""
     calls = []
     setup = _setup(lambda f: 0.99 if f <= 0.35 else 0.90, calls)
     rows, snaps = _curve(8)
-    budget = target.Budget(time.monotonic() + 1.0)  # less than the speed table's share: one candidate, no more
+    budget = target.Budget(time.monotonic() + 1.0)  # less than the speed table's share: no candidate past step 0
     kept, record = target.choose(setup, rows, snaps, target=0.95, recover=0, quantize=None, budget=budget)
-    assert len(calls) == 1 and record["stopped_by_time_budget"] and not record["met"]
-    assert kept.index == 8  # the only one tried
+    assert calls == [0.0] and record["stopped_by_time_budget"] and record["met"]
+    assert kept.index == 0 and kept.fidelity.lo >= 0.95
+    assert record["candidates_left"] == math.ceil(math.log2(9))
+
+
+def test_the_curve_s_guess_is_tried_first_so_a_short_search_keeps_a_real_cut():
+    """Where the curve's zero-shot fidelity already meets the target, that step is the first cut tried: a budget for
+    one candidate keeps it (it meets the target after recovery too), not the unpruned model."""
+    calls = []
+    setup = _setup(lambda f: 0.99 if f <= 0.55 else 0.90, calls)
+    rows, snaps = _curve(8)
+    for r in rows:  # the zero-shot curve: meets 0.95 up to 30%
+        r["metric"] = 0.99 if r["fraction"] <= 0.3 + 1e-9 else 0.9
+    kept, record = target.choose(setup, rows, snaps, target=0.95, recover=0, quantize=None,
+                                 budget=target.Budget(None), candidate_s=0.0)
+    assert calls[:2] == [0.0, pytest.approx(0.3)] and kept.index == 5 and record["met"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_kept_model_is_the_furthest_tried_that_meets_the_target_whatever_the_fidelity(seed):
+    """The invariant on fidelities the search was not designed for (falling with noise, rising, flat, anything) and
+    budgets of every length, for every kind of target: the kept model is the furthest step tried that meets it;
+    when one tried meets it the record says met; when none does, the closest is kept and the record says not met."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 12, (1,), generator=g))
+    kind = ["cosine", "kl", "accuracy"][seed % 3]
+    values = torch.rand(n + 1, generator=g)
+    if seed % 2:
+        values = values.sort(descending=kind != "kl").values  # monotone: the case bisection is made for
+    goal = target.Goal(kind, float(torch.rand(1, generator=g)))
+    rows, snaps = _curve(n)
+    by_fraction = {round(r["fraction"], 6): float(v) for r, v in zip(rows, values)}
+    calls = []
+    per_item = kind == "cosine"
+
+    def scores_fn(m):
+        calls.append(m.fraction)
+        return by_fraction[round(m.fraction, 6)] + 0.001 * torch.randn(50, generator=g)
+
+    setup = SimpleNamespace(name="stand-in", scores_fn=scores_fn if per_item else None,
+                            metric_fn=lambda m: float(scores_fn(m).mean()), recover_fn=None, quantize_fn=None)
+    left = [None, 0.0, 36.0, 1e9][seed % 4]
+    budget = target.Budget(None if left is None else time.monotonic() + left)
+    kept, record = target.choose(setup, rows, snaps, target=goal, recover=0, quantize=None, budget=budget)
+    tried = {round(t["fraction"], 6): t for t in record["tried"]}
+    passing = [f for f, t in tried.items() if t["passed"]]
+    assert 0.0 in tried  # the unpruned model is always tried
+    for t in record["tried"]:  # passed means what the goal says, judged on the right end
+        end = (t["fidelity"]["ci95"][0 if goal.higher else 1] if t["fidelity"]["ci95"] else t["fidelity"]["mean"])
+        assert t["passed"] == (end >= goal.value if goal.higher else end <= goal.value)
+    assert record["met"] == bool(passing)
+    if passing:
+        assert round(rows[kept.index]["fraction"], 6) == max(passing)
+    else:
+        ends = {f: (t["fidelity"]["ci95"][0 if goal.higher else 1] if t["fidelity"]["ci95"] else t["fidelity"]["mean"])
+                for f, t in tried.items()}
+        best = max(ends.values()) if goal.higher else min(ends.values())
+        assert ends[round(rows[kept.index]["fraction"], 6)] == best
+    if not record["stopped_by_time_budget"] and seed % 2:  # a settled search over a monotone curve finds the furthest
+        truth = [round(r["fraction"], 6) for r, v in zip(rows, values)
+                 if (float(v) - 0.01 >= goal.value if goal.higher else float(v) + 0.01 <= goal.value)]
+        if truth and not any(abs(float(v) - goal.value) < 0.01 for v in values):
+            assert round(rows[kept.index]["fraction"], 6) == max(truth)
+
+
+def test_a_goal_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match=r"kind must be one of \['accuracy', 'cosine', 'kl'\]; got 'bleu'"):
+        target.Goal("bleu", 0.5)
 
 
 def test_without_a_target_the_last_step_is_kept():
@@ -178,16 +247,52 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     assert "95% interval" in (out / "report.md").read_text()
 
 
-def test_recovery_runs_the_steps_the_time_budget_leaves_and_says_so(bert, tmp_path, capsys):
+def test_a_time_budget_that_cannot_hold_one_candidate_is_refused_before_any_work(bert, tmp_path, capsys):
     d, corpus = bert
     out = tmp_path / "r"
     assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--recover", "500",
                  "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--time-budget", "2s", "--no-runtime-peers", "--recover-text", "split", "--out", str(out)]) == 0
-    said = capsys.readouterr().out
-    r = json.loads((out / "report.json").read_text())["recovery"]
+                 "--time-budget", "2s", "--no-runtime-peers", "--recover-text", "split", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("multihead prune:")]  # not the bars
+    assert len(err) == 1 and err[0].startswith("multihead prune: --time-budget 2s cannot hold one candidate: about ")
+    assert "give --time-budget" in err[0] and "or fewer --recover steps" in err[0]
+    assert not out.exists() or not any(out.iterdir())  # no work: nothing written
+
+
+def test_recovery_runs_the_steps_the_deadline_leaves_and_says_so(bert, tmp_path):
+    """Past the plan (an estimate), a recovery that meets the deadline stops there and the report says so."""
+    from multihead.apps import hf_models, pruning
+
+    d, corpus = bert
+    setup = hf_models.hf_setup(d, corpus.read_text().splitlines(), 16, 48)
+    o = pruning.Options(0.25, step=0.25, recover=500, deadline=time.monotonic() + 2.0, max_seconds=0.5,
+                        runtime_peers=False, progress=False)
+    report = pruning.run(setup, tmp_path / "r", o)
+    r = report["recovery"]
     assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits
+    said = "\n".join(pruning.summary(report))
     assert "recovery: 3 steps took it from" in said and "(3 of the 500 asked: the time budget ended them" in said
+
+
+def test_a_target_no_model_meets_exits_1_with_its_report_and_the_closest(bert, tmp_path, capsys):
+    """int8 alone moves the unpruned model off a cosine of 1: nothing meets it; the report and the closest model
+    are written, the last line says what came closest, and the exit code is 1 (never 0 for a target not met)."""
+    import multihead.hf as mhf
+
+    d, corpus = bert
+    out = tmp_path / "n"
+    code = main(["prune", "--hf", str(d), "--target-cosine", "1", "--fraction", "0.25", "--step", "0.25",
+                 "--quantize", "int8", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
+                 "--unseen-sentences", "0", "--passages", "0", "--time-budget", "10m", "--no-runtime-peers",
+                 "--out", str(out)])
+    cap = capsys.readouterr()
+    assert code == 1
+    report = json.loads((out / "report.json").read_text())
+    t = report["target"]
+    assert not t["met"] and not any(x["passed"] for x in t["tried"]) and t["tried"][0]["fraction"] == 0.0
+    assert "not met by any model tried -- even the unpruned model misses it" in cap.err
+    assert "plan: about " in cap.out
+    assert mhf.load(out / "model") is not None  # the closest model is written and loads back
 
 
 def test_held_out_sentences_are_never_ones_the_pruning_saw():

@@ -36,6 +36,21 @@ def _cosine(text: str) -> float:
     return x
 
 
+def _positive_number(what: str):
+    """An argparse type: a number > 0 (``what`` names it in the refusal)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} > 0; got {text!r}") from None
+        if not x > 0 or x == float("inf"):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {what} > 0; got {text}")
+        return x
+
+    parse.__name__ = what
+    return parse
+
+
 def _workloads(text: str) -> list[str]:
     """'W1, W2' -> ['W1', 'W2']; an unknown or empty list is argparse's one-line refusal."""
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -223,10 +238,17 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fraction", type=_in_open_unit, default=None,
                    help="share of all heads to prune, in (0, 1) (default: 0.4); with --target-cosine the furthest "
                         "to try (default: 0.8)")
-    p.add_argument("--target-cosine", type=_cosine, default=None, metavar="T",
-                   help="prune as far as the fidelity allows: keep the furthest step of the curve (recovered and "
-                        "quantized when asked) whose mean cosine's 95%% interval on the held-out sentences starts at "
-                        "or above T, in (0, 1]")
+    goal = p.add_mutually_exclusive_group()
+    goal.add_argument("--target-cosine", type=_cosine, default=None, metavar="T",
+                      help="prune as far as the fidelity allows: keep the furthest step of the curve (recovered and "
+                           "quantized when asked) whose mean cosine's 95%% interval on the held-out sentences starts "
+                           "at or above T, in (0, 1] (encoders); exit 1 when no model tried meets it")
+    goal.add_argument("--target-kl", type=_positive_number("a KL in nats"), default=None, metavar="K",
+                      help="the same for a causal LM: the furthest step whose mean next-token KL to the unpruned "
+                           "model is at most K")
+    goal.add_argument("--target-accuracy", type=_cosine, default=None, metavar="A",
+                      help="the same for the demo's models (--model toy, vit): the furthest step whose accuracy is "
+                           "at least A, in (0, 1]")
     p.add_argument("--ffn", type=_in_open_unit, default=None, metavar="FRACTION",
                    help="--hf: also cut this share of every feed-forward block's neurons (the least important, each "
                         "replaced by its mean, verified) from the model kept, before its recovery: past the heads' "
@@ -245,10 +267,11 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "~15 s) out of the speed table, and the runtime table (the kept model's OUT/model/onnx and "
                         "OUT/model/openvino files timed against the unpruned model's) out of the report; the files are "
                         "written either way")
-    p.add_argument("--time-budget", type=_duration, default=_duration("4m30s"), metavar="DURATION",
-                   help="the whole command's time (300, 300s, 5m, 1h30m; default 4m30s): the heads are re-ranked "
-                        "after every step only if that leaves the speed table 30 s, and the table gets what is left "
-                        "after importance, the curve and recovery, saying which medians did not settle")
+    p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
+                   help="the whole command's time (300, 300s, 5m, 1h30m). The run is costed before any work (printed "
+                        "as 'plan:'); a budget that cannot hold one candidate with its recovery is refused. Default: "
+                        "4m30s, grown to the plan's cost when the plan needs more. The heads are re-ranked after every "
+                        "step only if that leaves the speed table 30 s, and the table gets what is left")
     p.add_argument("--out", default="out/prune", help="output folder: new, empty, or one a prune wrote before")
     p.add_argument("--force", action="store_true", help="write into --out even though it holds other files")
 

@@ -150,7 +150,7 @@ def _said(refusal: str | None) -> bool:
 
 
 def _prune(args) -> int:
-    deadline = time.monotonic() + args.time_budget  # the speed table gets what is left of it
+    started = time.monotonic()  # the time budget counts from here; the speed table gets what is left of it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +159,8 @@ def _prune(args) -> int:
     out = Path(args.out)
     if not args.force and _said(_foreign_files(out)):
         return 2
-    fraction = args.fraction if args.fraction is not None else 0.8 if args.target_cosine is not None else 0.4
+    goal = _goal(args)
+    fraction = args.fraction if args.fraction is not None else 0.8 if goal is not None else 0.4
     if args.step > fraction:
         print(f"multihead prune: --step ({args.step}) must not exceed --fraction ({fraction})", file=sys.stderr)
         return 2
@@ -170,8 +171,8 @@ def _prune(args) -> int:
         if given and not args.hf:
             print(f"multihead prune: {option} applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
             return 2
-    if args.target_cosine is not None and not args.hf and args.model == "toy":  # before the model is loaded or trained
-        print(f"multihead prune: {pruning.no_cosine('toy', pruning.TOY_METRIC)}", file=sys.stderr)
+    if goal is not None and not args.hf and args.model == "toy" and goal.kind != "accuracy":  # before any training
+        print(f"multihead prune: {pruning.target_refused('toy', 'accuracy', pruning.TOY_METRIC, goal)}", file=sys.stderr)
         return 2
     if args.hf:
         from multihead.apps import hf_models
@@ -197,16 +198,62 @@ def _prune(args) -> int:
             return 2
     curve = bool(args.recover) and setup.name == "toy"  # the demo's model: every step recovered, both curves drawn
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
-                              quantize=args.quantize, target=args.target_cosine, deadline=deadline,
+                              quantize=args.quantize, target=goal, deadline=None,
                               max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
                               ffn=args.ffn or 0.0, recover_curve=curve)
-    try:  # what this model cannot do, or a recovery the time budget cannot hold, refused before any work
+    try:  # what this model cannot do, or a plan the time budget cannot hold, refused before any work
         pruning.check_options(setup, options)
+        options = _within_budget(setup, options, args.time_budget, started)
     except ValueError as e:
         print(f"multihead prune: {e}", file=sys.stderr)
         return 2
-    _print_report(pruning.run(setup, out, options), out)
+    report = pruning.run(setup, out, options)
+    _print_report(report, out)
+    search = report.get("target")
+    if search is not None and not search["met"]:
+        print(f"multihead prune: {pruning.not_met(search)}", file=sys.stderr)
+        return 1
     return 0
+
+
+#: the time budget when none is given: grown to the plan's cost when a default run needs more
+DEFAULT_BUDGET_S = 270.0
+
+
+def _goal(args):
+    """The ``--target-*`` option given, as a :class:`multihead.apps.target.Goal` (None without one)."""
+    from multihead.apps.target import Goal
+
+    for kind in ("cosine", "kl", "accuracy"):
+        value = getattr(args, f"target_{kind}", None)
+        if value is not None:
+            return Goal(kind, value)
+    return None
+
+
+def _within_budget(setup, options, budget: float | None, started: float):
+    """``options`` with the command's deadline and the plan's estimate of one candidate: the run is costed first
+    (:func:`multihead.apps.pruning.plan`, printed as one line); a ``budget`` (seconds from ``started``) that cannot
+    hold the least run is refused (ValueError, one line); without one the default grows to the whole plan."""
+    import dataclasses
+
+    from multihead.apps import pruning
+
+    p = pruning.plan(setup, options)
+    spent = time.monotonic() - started
+    if budget is None:
+        budget = max(DEFAULT_BUDGET_S, spent + p.total)
+        print(f"plan: {p}; time budget {pruning.seconds_text(budget)} (the default, grown to the plan where it needs more; "
+              "--time-budget sets another)")
+    else:
+        if spent + p.least > budget:
+            raise ValueError(f"--time-budget {pruning.seconds_text(budget)} cannot hold one candidate: {p} (loading took "
+                             f"{pruning.seconds_text(spent)}); give --time-budget {pruning.seconds_text(spent + p.least)} or "
+                             f"more ({pruning.seconds_text(spent + p.total)} for the whole plan), or fewer --recover steps")
+        print(f"plan: {p}; time budget {pruning.seconds_text(budget)}" + (
+            "" if spent + p.total <= budget else
+            f" (the whole plan needs {pruning.seconds_text(spent + p.total)}: the search may end before it is settled)"))
+    return dataclasses.replace(options, deadline=started + budget, candidate_s=p.candidate_s)
 
 
 def _print_report(report: dict, out: Path) -> None:

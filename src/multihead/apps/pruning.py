@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -29,7 +30,7 @@ from torch import nn
 
 from multihead import heads
 from multihead.apps import timing
-from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, choose
+from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Setup:
     patch_pair: tuple | None = None
     #: how the recovery recovers, for the report ("distillation steps towards the unpruned model", ...)
     recovery_kind: str = "distillation steps towards the unpruned model"
+    #: what the fidelity is, for a target (:class:`multihead.apps.target.Goal`): "cosine", "kl" or "accuracy"
+    metric_kind: str = "cosine"
 
 
 @dataclass(frozen=True)
@@ -87,13 +90,15 @@ class Options:
     reestimate: bool = True
     recover: int = 0
     quantize: str | None = None
-    target: float | None = None
+    target: Goal | float | None = None
     deadline: float | None = None
     max_seconds: float = 60.0
     progress: bool = True
     runtime_peers: bool = True
     ffn: float = 0.0
     recover_curve: bool = False
+    #: the plan's estimate of one candidate of a target search, in seconds (:func:`plan`), until one is timed
+    candidate_s: float = 0.0
 
 
 #: how a transformers model's recovery recovers (the report's words)
@@ -106,6 +111,26 @@ TOY_METRIC = "digits reversed right"
 def no_cosine(name: str, metric_name: str) -> str:
     """Why ``--target-cosine`` is refused for a model measured by ``metric_name``."""
     return f"--target-cosine needs a cosine fidelity; {name} is measured by {metric_name}: prune a fixed --fraction instead."
+
+
+def goal(o: Options) -> Goal | None:
+    """``o.target`` as a :class:`~multihead.apps.target.Goal` (a float is a cosine)."""
+    return o.target if o.target is None or isinstance(o.target, Goal) else Goal("cosine", float(o.target))
+
+
+def wrong_target(setup: Setup, g: Goal) -> str | None:
+    """Why ``g`` cannot be asked of ``setup`` (its fidelity is another kind), or None."""
+    if g.kind == setup.metric_kind and (g.kind != "cosine" or setup.scores_fn is not None):
+        return None
+    return target_refused(setup.name, setup.metric_kind, setup.metric_name, g)
+
+
+def target_refused(name: str, kind: str, metric_name: str, g: Goal) -> str:
+    """The one line refusing ``g`` for a model ``name`` whose fidelity is of ``kind``, measured by ``metric_name``."""
+    if g.kind == "cosine":
+        return no_cosine(name, metric_name)
+    return (f"{g.option} needs a {g.kind} fidelity; {name} is measured by {metric_name}: use "
+            f"{Goal(kind, 1.0).option} instead, or prune a fixed --fraction.")
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -128,7 +153,7 @@ def toy_setup(ckpt: Path) -> Setup:
         return m(src, lens, tgt_in)
 
     setup = Setup("toy", model, batches, loss_fn, digit_accuracy, TOY_METRIC, speed, run_fn,
-                  "gradient", False, lambda m, p: checkpoint.save(m, p))
+                  "gradient", False, lambda m, p: checkpoint.save(m, p), metric_kind="accuracy")
     def recover(m, steps, quantize=None, until=None):  # its own batches, the same each call: never the metric's
         g = torch.Generator().manual_seed(11)
         return finetune(m, lambda: reverse_batch(64, generator=g), loss_fn, steps, until=until)
@@ -166,7 +191,7 @@ def vit_setup(ckpt: Path) -> Setup:
 
     speed = {n: [xte[i * n:(i + 1) * n] for i in range(4)] for n in (1, 16, 64)}
     setup = Setup("vit", model, batches, loss_fn, lambda m: accuracy(m, xte, yte), VIT_METRIC, speed,
-                  lambda m, x: m(x), "gradient", False, lambda m, p: checkpoint.save(m, p))
+                  lambda m, x: m(x), "gradient", False, lambda m, p: checkpoint.save(m, p), metric_kind="accuracy")
     def recover(m, steps, quantize=None, until=None):  # its own batches, the same each call
         g = torch.Generator().manual_seed(11)
 
@@ -324,13 +349,92 @@ def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options
     """The step kept and the target search (:func:`multihead.apps.target.choose`); with ``o.recover_curve`` every
     step is recovered first (the curve with and without it) and the kept one's recovery is its own."""
     if not o.recover_curve:
-        return choose(setup, rows, snapshots, target=o.target, recover=o.recover, quantize=o.quantize,
-                      budget=budget, ffn=o.ffn)
+        return choose(setup, rows, snapshots, target=goal(o), recover=o.recover, quantize=o.quantize,
+                      budget=budget, ffn=o.ffn, candidate_s=o.candidate_s)
     recovered = _recover_curve(setup, rows, snapshots, o, budget)
-    kept, search = choose(setup, rows, recovered, target=o.target, recover=0, quantize=o.quantize, budget=budget,
-                          ffn=o.ffn)
+    kept, search = choose(setup, rows, recovered, target=goal(o), recover=0, quantize=o.quantize, budget=budget,
+                          ffn=o.ffn, candidate_s=o.candidate_s)
     return dataclasses.replace(kept, recovery={**(kept.recovery or {}), **(rows[kept.index].get("recovery") or {})}
                                or None), search
+
+
+#: seconds an export of one model's runtime files takes, about (MiniLM: ONNX, int8, OpenVINO; ~15-25 s on 2 cores)
+EXPORT_S = 25.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``multihead prune`` will cost, costed before any work from a few measured calls (:func:`plan`): seconds
+    per part (``parts``), the candidates a full target search evaluates and one candidate's seconds. ``least`` is
+    the shortest run that finishes one candidate with its recovery (heads ranked once); ``total`` the whole plan."""
+
+    parts: dict[str, float]
+    candidates: int
+    candidate_s: float
+    least: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        return (f"about {seconds_text(self.total)} in all ({', '.join(f'{k} {seconds_text(v)}' for k, v in self.parts.items())}"
+                f"); the least that finishes one candidate: {seconds_text(self.least)}")
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds as 4m30s or 45s."""
+    m, s = divmod(int(math.ceil(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def plan(setup: Setup, o: Options) -> Plan:
+    """The run costed before any work: one fidelity evaluation, one pass of the importance loss and two recovery
+    steps (on a copy) are timed, and every part of the run is counted from them -- importance (ablation: one pass
+    per head; gradient: a forward and a backward), the curve (one evaluation per step, and the heads ranked again
+    after each when ``o.reestimate``), the target search's candidates (:func:`multihead.apps.target.search_length`;
+    each ``o.recover`` recovery steps and its evaluations) or the one step kept, the runtime files and the speed
+    table's least share."""
+    from multihead.apps.target import fidelity
+    from multihead.heads.gates import attention_modules
+    from multihead.layer.hooks import num_heads
+
+    def timed(fn) -> float:
+        t = time.monotonic()
+        fn()
+        return time.monotonic() - t
+
+    model = setup.model
+    with torch.no_grad():
+        t_eval = timed(lambda: fidelity(setup, model))
+        t_pass = timed(lambda: [setup.loss_fn(model, b) for b in setup.batches])
+    n_heads = sum(num_heads(m) for m in attention_modules(model).values())
+    t_imp = (n_heads + 1 + setup.mean_replacement) * t_pass if setup.method == "ablation" else 3 * t_pass
+    steps = int(round(o.fraction / o.step))
+    t_step = 0.0
+    if o.recover and setup.recover_fn is not None:
+        trial = copy.deepcopy(model)
+        t_step = timed(lambda: setup.recover_fn(trial, 2)) / 2
+    q = 1 if o.quantize else 0
+    evals = (2 + q) if o.recover else (1 + q)
+    candidate = o.recover * t_step + evals * t_eval
+    parts = {"importance": t_imp, "curve": steps * t_eval}
+    rerank = t_imp * sum(1 - s * o.step for s in range(1, steps)) if o.reestimate else 0.0
+    if rerank:
+        parts["re-ranking"] = rerank
+    if o.recover_curve:
+        parts["recovering the curve"] = steps * (o.recover * t_step + t_eval)
+        candidate = (1 + q) * t_eval
+    goal_ = goal(o)
+    n = search_length(steps) - 1 if goal_ is not None else 1  # pruned candidates
+    if goal_ is not None:
+        parts["the unpruned model"] = (1 + q) * t_eval
+    parts[f"{n} candidate{'s' if n > 1 else ''}"] = n * candidate
+    if setup.export_fn is not None:
+        parts["runtime files"] = EXPORT_S * (2 if o.runtime_peers else 1)
+    parts["speed table"] = TABLE_MIN_S + RESERVE_S
+    least = sum(v for k, v in parts.items() if k not in ("re-ranking",) and "candidate" not in k) + candidate
+    return Plan(parts, n, candidate, least)
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:
@@ -427,15 +531,46 @@ def summary(report: dict) -> list[str]:
     if r.get("quantize"):
         lines.append(f"quantized to {r['quantize']}: {r['metric_quantized']:.4f}")
     if t is not None:
-        tried = "; ".join(f"{x['fraction']:.0%}: {x['fidelity']['mean']:.4f} from {x['fidelity']['ci95'][0]:.4f} "
-                          f"({'meets' if x['passed'] else 'short'})" for x in t["tried"])
-        verdict = (f"met at {t['chosen_fraction']:.0%} of heads pruned" if t["met"] else
-                   f"NOT met by any model tried; kept the closest ({t['chosen_fraction']:.0%} pruned)")
-        lines.append(f"target cosine {t['target']}: {verdict} (lower end of each 95% interval: {tried})" +
-                     ("; the time budget ended the search" if t["stopped_by_time_budget"] else ""))
+        lines.append(search_line(t))
     if report.get("model_note"):
         lines.append(f"note: {report['model_note']}")
     return lines
+
+
+def _end(x: dict, higher: bool) -> float:
+    """The conservative end of a tried model's fidelity (its interval's end towards worse, else its mean)."""
+    ci = x["fidelity"].get("ci95")
+    return x["fidelity"]["mean"] if ci is None else ci[0] if higher else ci[1]
+
+
+def search_line(t: dict) -> str:
+    """The target search in one line: met where, or not; each model tried with the end of its interval judged."""
+    higher = t.get("higher_is_better", True)
+    kind = t.get("kind", "cosine")
+    end = "lower" if higher else "upper"
+    tried = "; ".join(f"{x['fraction']:.0%}: {x['fidelity']['mean']:.4f}, {end} end {_end(x, higher):.4f} "
+                      f"({'meets' if x['passed'] else 'short'})" for x in t["tried"])
+    verdict = (f"met at {t['chosen_fraction']:.0%} of heads pruned" if t["met"] else
+               f"NOT met by any model tried (the closest: {t['chosen_fraction']:.0%} pruned)")
+    stopped = ""
+    if t["stopped_by_time_budget"]:
+        stopped = (f"; the time budget ended the search with {t.get('candidates_left', '?')} candidate(s) left "
+                   f"(about {seconds_text(t.get('seconds_more_needed', 0))} more would settle it)")
+    return f"target {kind} {t['target']}: {verdict} ({tried}){stopped}"
+
+
+def not_met(t: dict) -> str:
+    """The one line ``multihead prune`` ends with (exit 1) when no model tried met the target."""
+    higher = t.get("higher_is_better", True)
+    closest = next(x for x in t["tried"] if x["fraction"] == t["chosen_fraction"])
+    more = (f"; the search needed about {seconds_text(t['seconds_more_needed'])} more (a longer --time-budget)"
+            if t["stopped_by_time_budget"] else "")
+    why = ("" if t["tried"][0]["fraction"] > 0 or t["tried"][0]["passed"] else
+           " -- even the unpruned model misses it (quantization alone costs that much: leave out --quantize or "
+           "lower the target)")
+    return (f"target {t.get('kind', 'cosine')} {t['target']} not met by any model tried{why}; the closest: "
+            f"{closest['fraction']:.0%} of heads pruned at {_end(closest, higher):.4f} "
+            f"({'lower' if higher else 'upper'} end of its interval){more}. Its report and model are in --out.")
 
 
 def check_options(setup: Setup, o: Options) -> None:
@@ -448,8 +583,8 @@ def check_options(setup: Setup, o: Options) -> None:
             raise ValueError(f"--quantize is not available for {setup.name} (transformers checkpoints: --hf DIR).")
     if o.recover and setup.recover_fn is None:
         raise ValueError(f"--recover is not available for {setup.name}.")
-    if o.target is not None and setup.scores_fn is None:
-        raise ValueError(no_cosine(setup.name, setup.metric_name))
+    if o.target is not None and (why := wrong_target(setup, goal(o))):
+        raise ValueError(why)
     if o.ffn and setup.ffn_fn is None:
         raise ValueError(f"--ffn is not available for {setup.name} (transformers checkpoints: --hf DIR).")
     if o.recover_curve and not o.recover:

@@ -3,9 +3,10 @@
 A step of the pruning curve is *finished* (:func:`finish`): copied, recovered by distillation when asked,
 quantized when asked, and its fidelity measured on the held-out text as a mean with a 95% interval
 (:class:`Fidelity`; with several kinds of text -- sentences of the held-out split, of other sources, passages of
-them joined to long inputs -- the worst kind's). Without a target the last step is finished; with ``--target-cosine T``
-(:func:`choose`) the furthest step whose interval's lower end is at least T is searched for (the last step
-first, then bisection below it: fidelity falls as heads go), within the command's time (:class:`Budget`).
+them joined to long inputs -- the worst kind's). Without a target the last step is finished; with a target
+(:class:`Goal`: ``--target-cosine``, ``--target-kl``, ``--target-accuracy``) :func:`choose` keeps the furthest step
+tried that meets it -- the unpruned model first, the curve's guess next, then bisection (fidelity falls as heads
+go) -- within the command's time (:class:`Budget`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Budget", "Fidelity", "Finished", "choose", "fidelity", "finish"]
+__all__ = ["Budget", "Fidelity", "Finished", "Goal", "choose", "fidelity", "finish", "search_length"]
 
 #: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
 RESERVE_S = 5.0
@@ -181,49 +182,116 @@ def _from_json(j: dict) -> dict:
             "unit": j.get("unit", "sentences")}
 
 
-def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: float | None, recover: int,
-           quantize: str | None, budget: Budget, ffn: float = 0.0) -> tuple[Finished, dict | None]:
-    """The step to keep, finished, and the target search's record (None without ``target``): the last
-    step without a target; with one, the furthest step (fraction > 0) whose fidelity's 95% interval starts at
-    or above ``target``, searched from the last step down by bisection while the budget leaves time for one
-    more candidate; when no pruned step meets it, the unpruned model (step 0). When none of those tried
-    meets it, the one with the highest lower end is kept and the record says the target was not met."""
+@dataclass(frozen=True)
+class Goal:
+    """What ``--target-*`` asks of the kept model: its fidelity's ``kind`` ("cosine": mean cosine to the unpruned
+    model, higher is better; "kl": mean next-token KL to it, lower is better; "accuracy": the task's accuracy, higher
+    is better) at ``value`` or better -- where the fidelity has a 95% interval, its conservative end (the lower end
+    of a cosine or an accuracy, the upper end of a KL)."""
+
+    kind: str
+    value: float
+
+    #: each kind's direction (True: higher is better) and how the command names it
+    KINDS = {"cosine": (True, "--target-cosine"), "kl": (False, "--target-kl"), "accuracy": (True, "--target-accuracy")}
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"Goal: kind must be one of {sorted(self.KINDS)}; got {self.kind!r}.")
+
+    @property
+    def higher(self) -> bool:
+        return self.KINDS[self.kind][0]
+
+    @property
+    def option(self) -> str:
+        return self.KINDS[self.kind][1]
+
+    def end(self, f: Fidelity) -> float:
+        """The end of ``f`` the goal is judged on: the interval's end towards worse, else the mean."""
+        end = f.lo if self.higher else f.hi
+        return f.mean if end is None else end
+
+    def meets(self, f: Fidelity) -> bool:
+        return self.end(f) >= self.value if self.higher else self.end(f) <= self.value
+
+    def margin(self, f: Fidelity) -> float:
+        """How far ``f`` is past the goal (negative: short of it); the closest model has the largest margin."""
+        return self.end(f) - self.value if self.higher else self.value - self.end(f)
+
+    def curve_meets(self, metric: float) -> bool:
+        """Whether a step's zero-shot metric on the curve (a mean, before recovery) already meets the goal."""
+        return metric >= self.value if self.higher else metric <= self.value
+
+    def __str__(self) -> str:
+        return f"target {self.kind} {self.value:g}"
+
+
+def search_length(n_steps: int) -> int:
+    """The candidates a full search over the curve's ``n_steps`` pruned steps evaluates at most: the unpruned model,
+    the curve's guess, and a bisection of the rest."""
+    return 2 + math.ceil(math.log2(n_steps + 1)) if n_steps > 0 else 1
+
+
+def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal | float | None, recover: int,
+           quantize: str | None, budget: Budget, ffn: float = 0.0, candidate_s: float = 0.0
+           ) -> tuple[Finished, dict | None]:
+    """The step to keep, finished, and the target search's record (None without ``target``).
+
+    Without a target: the last step. With one, the invariant: **the kept model is the furthest step tried that meets
+    the target** (fidelity judged by :class:`Goal`; a float is a cosine). The unpruned model (step 0; recovered
+    only when ``ffn`` cut its neurons: distilling a model towards itself changes nothing) is tried first, so a model
+    that meets the target is known before any cut is tried; then the furthest step whose zero-shot fidelity on the
+    curve already meets the target (recovery only raises it), then bisection between the furthest step that met it
+    and the nearest that did not (fidelity falls as heads go), while the budget leaves time for one more candidate
+    (``candidate_s``: the plan's estimate of one, until one has been timed). When no model tried meets the target
+    (quantization alone can break it), the closest is returned and the record says ``met`` is False: the command
+    then exits non-zero."""
     def run(i: int) -> Finished:
-        return finish(setup, snapshots[i], i, recover=recover, quantize=quantize, budget=budget, ffn=ffn)
+        steps = recover if (i > 0 or ffn) else 0
+        return finish(setup, snapshots[i], i, recover=steps, quantize=quantize, budget=budget, ffn=ffn)
 
     last = len(rows) - 1
     if target is None:
         return run(last), None
+    goal = target if isinstance(target, Goal) else Goal("cosine", float(target))
     tried: dict[int, Finished] = {}
+    started = time.monotonic()
 
     def passes(i: int) -> bool:
         tried[i] = run(i)
-        return tried[i].fidelity.lo >= target
+        return goal.meets(tried[i].fidelity)
+
+    def cost() -> float:
+        pruned = [f.seconds for i, f in tried.items() if i > 0]
+        return max(pruned) if pruned else candidate_s
 
     def affordable() -> bool:
-        cost = max(f.seconds for f in tried.values())
-        return budget.left() - cost > TABLE_MIN_S + RESERVE_S
+        return budget.left() - cost() > TABLE_MIN_S + RESERVE_S
 
-    lo, hi = 0, last  # the furthest passing step is in [lo, hi]; lo = 0: none known (the unpruned model)
-    if not passes(last):
-        hi = last - 1
-        while lo < hi and affordable():
-            mid = (lo + hi + 1) // 2
-            if passes(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-    else:
-        lo = last
-    stopped = lo < hi  # the budget ended the search
-    if lo == 0 and not stopped:  # no pruned step meets the target: the unpruned model (quantized when asked) is next
-        passes(0)
-    passed = [i for i, f in tried.items() if f.fidelity.lo >= target]
-    chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: f.fidelity.lo)
-    record = {"target": target, "met": bool(passed), "stopped_by_time_budget": stopped,
-              "chosen_fraction": rows[chosen.index]["fraction"],
+    lo, hi = 0, last  # the furthest passing step is in [lo, hi] (lo: the furthest known to pass)
+    if not passes(0):
+        hi = 0  # the unpruned model misses it (its quantization): no cut will meet it
+    guess = max((i for i in range(1, last + 1) if "metric" in rows[i] and goal.curve_meets(rows[i]["metric"])),
+                default=None)
+    while lo < hi and affordable():
+        mid = guess if guess is not None and lo < guess <= hi else (lo + hi + 1) // 2
+        guess = None
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    stopped = lo < hi  # the budget ended the search before it was settled
+    passed = [i for i, f in tried.items() if goal.meets(f.fidelity)]
+    chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: goal.margin(f.fidelity))
+    remaining = math.ceil(math.log2(hi - lo + 1)) if stopped else 0  # candidates the bisection still needed
+    record = {"target": goal.value, "kind": goal.kind, "higher_is_better": goal.higher, "met": bool(passed),
+              "stopped_by_time_budget": stopped, "chosen_fraction": rows[chosen.index]["fraction"],
+              "candidates_left": remaining,
+              "seconds_more_needed": round(remaining * cost(), 0) if stopped else 0.0,
+              "search_seconds": round(time.monotonic() - started, 1),
               "tried": [{"fraction": rows[i]["fraction"], "heads_pruned": rows[i]["heads_pruned"],
-                         "fidelity": f.fidelity.to_json(), "passed": f.fidelity.lo >= target,
+                         "fidelity": f.fidelity.to_json(), "passed": goal.meets(f.fidelity),
                          "recovery_steps": (f.recovery or {}).get("steps"), "seconds": round(f.seconds, 1)}
                         for i, f in sorted(tried.items())]}
     return chosen, record
