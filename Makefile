@@ -84,3 +84,11 @@ lock:
 
 clean:
 	rm -rf $(VENV) .venv-latest
+
+# llama.cpp itself, out of `make test` (llama-cpp-python built from the registry's sdist: a C++ build, minutes on 2
+# cores, reniced): the GGUF files multihead.hf.decoder_export writes run there (greedy tokens against the torch
+# model's) and are timed beside ONNX Runtime GenAI's (bench/decoder_runtimes.py -> bench/results/decoder_runtimes.md)
+.PHONY: decoder-llama-cpp
+decoder-llama-cpp: $(VENV)/.test
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 $(PIP) llama-cpp-python==0.3.36
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/decoder_runtimes.py --runtimes genai llama.cpp
