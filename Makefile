@@ -92,3 +92,25 @@ clean:
 decoder-llama-cpp: $(VENV)/.test
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 $(PIP) llama-cpp-python==0.3.36
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/decoder_runtimes.py --runtimes genai llama.cpp
+
+# Not part of make test: transformers' own model tests (ModelTesterMixin, from its source distribution at the locked
+# version; the distribution holds the mixins, not the per-family test files, so tools/hf_model_tests.py gives each
+# family a minimal tester) with multihead standing in for sdpa, then the same tests on transformers' sdpa. A test
+# failing in the first run and passing in the second is a difference; one failing in both is the minimal tester's.
+HF_TESTS = build/hf-model-tests
+HF_FAMILIES = llama gpt2 mistral qwen2 gemma2 bert
+hf-model-tests: SHELL := /bin/bash
+hf-model-tests: $(VENV)/.test
+	rm -rf $(HF_TESTS) && mkdir -p $(HF_TESTS)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(HF_TESTS) \
+		"$$(grep '^transformers==' constraints.txt)"
+	tar xzf $(HF_TESTS)/transformers-*.tar.gz -C $(HF_TESTS) --wildcards '*/tests/*'
+	$(BIN)/python -m pip install -q --no-deps --target $(HF_TESTS)/site parameterized==0.9.0
+	-PYTHONPATH=$(HF_TESTS)/site $(BIN)/python tools/hf_model_tests.py $(HF_TESTS)/transformers-*/tests $(HF_FAMILIES) \
+		-- -n $(JOBS) -rA > $(HF_TESTS)/multihead.log 2>&1
+	-PYTHONPATH=$(HF_TESTS)/site $(BIN)/python tools/hf_model_tests.py $(HF_TESTS)/transformers-*/tests $(HF_FAMILIES) \
+		--reference -- -n $(JOBS) -rA > $(HF_TESTS)/sdpa.log 2>&1
+	tail -n 2 $(HF_TESTS)/multihead.log $(HF_TESTS)/sdpa.log
+	@diff <(grep -E '^(PASSED|FAILED|ERROR) ' $(HF_TESTS)/multihead.log | sed 's/ - .*//' | sort) \
+		<(grep -E '^(PASSED|FAILED|ERROR) ' $(HF_TESTS)/sdpa.log | sed 's/ - .*//' | sort) \
+		&& echo "hf-model-tests: multihead (standing in for sdpa) and sdpa pass and fail the same tests"
