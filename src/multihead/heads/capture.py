@@ -39,7 +39,9 @@ __all__ = ["capture", "Captured"]
 class Captured(Mapping):
     """Name -> weights (B, H, Lq, Lk) of the module's last call, in the order the
     modules first ran. ``calls(name)`` gives every call's weights; ``skipped``
-    says which calls were not kept and why."""
+    says which calls were not kept and why; ``kv_heads`` {name: Hkv} how many key/value heads the module's last
+    call had (fewer than H: grouped, query head h reads key/value group h // (H // Hkv)), which the heatmaps and the
+    explorer label."""
 
     def __init__(self, model: nn.Module | None, include, detach: bool, to_cpu: bool, max_elements: int | None):
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
@@ -47,6 +49,7 @@ class Captured(Mapping):
         self.detach, self.to_cpu, self.max_elements = detach, to_cpu, max_elements
         self._calls: dict[str, list[Tensor]] = {}
         self.skipped: dict[str, str] = {}
+        self.kv_heads: dict[str, int] = {}
         self._anon: dict[int, str] = {}
 
     def _name(self, module) -> str | None:
@@ -80,6 +83,7 @@ class Captured(Mapping):
         if self.to_cpu:
             w = w.cpu()
         self._calls.setdefault(name, []).append(w)
+        self.kv_heads[name] = k.shape[1]
 
     def calls(self, name: str) -> list[Tensor]:
         return list(self._calls[name])

@@ -66,6 +66,8 @@ FULL_SIZE_KEY = "multihead_full_size"
 #: {feed-forward block's down projection: its width} where a block's width is not the config's intermediate_size
 #: (neurons cut unevenly: multihead.heads.neurons); load() builds those blocks at their widths
 FFN_KEY = "multihead_ffn_widths"
+#: one line in config.json: what opens the directory (transformers' from_pretrained, or multihead.hf.load only)
+LOADS_KEY = "multihead_loads_with"
 
 
 def attach(model: nn.Module, *, example: dict | None = None, packed: bool = False) -> nn.Module:
@@ -156,10 +158,16 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     """A transformers-style directory: ``save_pretrained``'s config.json (plus the head counts
     of every attention module, {name: [H, Hkv]}) and model.safetensors holding the model's own
     parameter names (tied weights stored once), so that :func:`load` rebuilds the pruned model.
-    A pruned model whose modules have separate q/k/v projections and one key/value head per query
+    A cut the same in every layer of a model whose config gives the counts (Llama, Qwen, Mistral, ...:
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``) is written as a standard config at the pruned
+    size: transformers' ``from_pretrained`` builds it as it is (verified before writing: a model built from that
+    config has the pruned model's parameters, shape for shape). Otherwise, a pruned model whose modules have
+    separate q/k/v projections and one key/value head per query
     head (BERT, MiniLM) is stored at its architecture's full size instead, each pruned head's rows
     and output columns zero: ``AutoModel.from_pretrained`` and sentence-transformers open the
-    directory as it is (same outputs, unpruned speed) and :func:`load` cuts the heads again.
+    directory as it is (same outputs, unpruned speed) and :func:`load` cuts the heads again. Any other cut (an
+    uneven one) keeps each layer's counts, which only :func:`load` reads. config.json's ``multihead_loads_with``
+    says in one line which of these the directory is.
 
     ``quantize="int8"``: :func:`load` returns the model quantized (:func:`multihead.quantize.quantize`
     of the float weights saved here, the same conversion as in memory, so the same outputs). A
@@ -182,24 +190,78 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     model.save_pretrained(path)
     for f in path.glob("model*.safetensors*"):  # transformers' (possibly sharded, renamed) weights
         f.unlink()
-    full = _full_size(model)
+    widths, inter = {b.width for b in ffn_blocks(model)}, getattr(model.config, "intermediate_size", None)
+    # every block cut alike: the config says it, transformers reads it
+    ffn = {"intermediate_size": widths.pop()} if len(widths) == 1 and isinstance(inter, int) else {}
+    counts = _even_counts(model)
+    standard = counts if counts is not None and _fits(model, _with(model.config, {**ffn, **counts})) else None
+    full = _full_size(model) if standard is None else None
     save_model(full if full is not None else model, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     mods = attention_modules(model).items()
     cfg[FULL_SIZE_KEY] = full is not None
-    cfg[HEADS_KEY] = {} if full is not None else {
+    cfg.update(ffn)
+    if standard is not None:  # every layer cut alike: the config says it, transformers builds the model at that size
+        cfg.update(standard)
+    cfg[HEADS_KEY] = {} if full is not None or standard is not None else {
         name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
         for name, m in mods if m.attention_hooks.layout is not None}
     cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
     cfg[PACKED_KEY] = hf_packed.is_packed(model)
     cfg[QUANTIZE_KEY] = quantize
-    widths, inter = {b.width for b in ffn_blocks(model)}, getattr(model.config, "intermediate_size", None)
-    if len(widths) == 1 and isinstance(inter, int):  # every block cut alike: the config says it, transformers reads it
-        cfg["intermediate_size"] = widths.pop()
-    elif any(w != inter for w in widths):
+    if not ffn and any(b.width != inter for b in ffn_blocks(model)):
         cfg[FFN_KEY] = {b.down: b.width for b in ffn_blocks(model)}
+    readable = _fits(full if full is not None else model, _with(model.config, {**ffn, **(standard or {})}))
+    cfg[LOADS_KEY] = (f"{type(model).__name__}.from_pretrained('{path}') (transformers) or multihead.hf.load('{path}')"
+                      if readable else
+                      f"multihead.hf.load('{path}') only: its layers keep their own head counts ({HEADS_KEY}) or "
+                      f"feed-forward widths ({FFN_KEY}), which a transformers config cannot say (from_pretrained refuses "
+                      "it: the weights' shapes differ from the config's)")
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def _even_counts(model: nn.Module) -> dict | None:
+    """``{"num_attention_heads": H, "num_key_value_heads": Hkv, "head_dim": D}`` when the model's heads were cut
+    and every attention module now has these same counts (a cut the same in every layer) in a family whose config
+    gives them; None otherwise (nothing cut, an uneven cut, a config without those keys). :func:`save` writes them
+    only where :func:`_fits` shows transformers builds the model at that size."""
+    cfg = model.config
+    if not all(isinstance(getattr(cfg, k, None), int) for k in ("num_attention_heads", "num_key_value_heads")):
+        return None
+    mods = attention_modules(model).values()
+    if not mods or any(m.attention_hooks.layout is None for m in mods):
+        return None
+    counts = {tuple(m.attention_hooks.layout.counts(m, m.attention_hooks.parent)) for m in mods}
+    dims = {m.attention_hooks.layout.head_dim(m) for m in mods}
+    if len(counts) != 1 or len(dims) != 1:
+        return None
+    (H, Hkv), D = counts.pop(), dims.pop()
+    if (H, Hkv) == (cfg.num_attention_heads, cfg.num_key_value_heads):
+        return None  # nothing cut: the config already says it
+    return {"num_attention_heads": H, "num_key_value_heads": Hkv, "head_dim": D}
+
+
+def _with(config, changes: dict):
+    """A copy of ``config`` with ``changes`` set."""
+    import copy
+
+    out = copy.deepcopy(config)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
+
+
+def _fits(model: nn.Module, config) -> bool:
+    """Whether transformers builds from ``config`` a model with exactly ``model``'s parameters, name for name and
+    shape for shape (built on the meta device: no memory, no weights)."""
+    try:
+        with torch.device("meta"), loading():
+            built = type(model)._from_config(config)
+    except Exception:  # noqa: BLE001 - a family whose config does not take the counts: it does not fit
+        return False
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    return shapes(built) == shapes(model)
 
 
 def _full_size(model: nn.Module) -> nn.Module | None:

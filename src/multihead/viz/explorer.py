@@ -80,8 +80,9 @@ def _image_data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells: int) -> dict:
-    """One module's entry of the page: its heads' maps (None for a pruned head), sizes and token labels."""
+def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells: int, kv: int | None = None) -> dict:
+    """One module's entry of the page: its heads' maps (None for a pruned head), sizes, token labels and ``kv``, its
+    key/value heads where they are fewer than its query heads (the page names each head's group), else None."""
     if w.dim() != 4 or not 0 <= batch < w.shape[0]:
         raise ValueError(f"{name}: expected weights (B, H, Lq, Lk) with B > batch={batch}; got {tuple(w.shape)}.")
     w = w[batch].detach().cpu()  # (H, Lq, Lk)
@@ -98,6 +99,7 @@ def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells
         "lq": Lq, "lk": Lk, "rows": rows, "cols": cols,
         "queries": _labels(tokens, Lq, "q"), "keys": _labels(kt, Lk, "k"),
         "heads": [None if e is None else e[0] for e in heads],
+        "kv": kv,
     }
 
 
@@ -174,6 +176,7 @@ def explorer(
     title: str = "multihead: attention explorer",
     max_cells: int = 1024,
     patching=None,
+    kv_heads: int | Mapping[str, int] | None = None,
 ) -> Explorer:
     """Write the explorer for ``captured`` (name -> (B, H, Lq, Lk)) to ``path``.
 
@@ -187,6 +190,9 @@ def explorer(
     patching: an activation-patching result (:func:`multihead.heads.patch`, all positions) shown on the heads:
         each thumbnail's border and the enlarged head's title give its effect (share of the way from the base
         run's metric to the source run's).
+    kv_heads: where query heads share key/value heads (grouped-query attention, H > Hkv), the number of key/value
+        heads: one for every module or {name: number}; by default the capture's own record (``captured.kv_heads``).
+        Each head is then labelled with its group ("kv group g": query head h reads group h // (H // Hkv)).
     path: where to write the page; None = no file (the page is in ``.html``).
     Returns an :class:`Explorer` (path-like; shows itself inline in a notebook).
     """
@@ -194,7 +200,11 @@ def explorer(
         raise ValueError("nothing to show: the capture is empty (did the model run inside multihead.capture()?).")
     if image is not None and patch_grid is None:
         raise ValueError("image needs patch_grid=(rows, cols), the patches' layout over the picture.")
-    modules = [_module_data(name, w, tokens, key_tokens, batch, max_cells) for name, w in captured.items()]
+    from multihead.viz.heatmaps import _kv_rows
+
+    kv = {n: _kv_rows(captured, kv_heads, [n], w.shape[1])[0] if w.dim() == 4 else None  # (B, H, Lq, Lk)
+          for n, w in captured.items()}
+    modules = [_module_data(name, w, tokens, key_tokens, batch, max_cells, kv[name]) for name, w in captured.items()]
     data = {"title": title, "modules": modules}
     if image is not None:
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}

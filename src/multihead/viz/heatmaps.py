@@ -64,13 +64,37 @@ class _Style(NamedTuple):
     R: int
     C: int
     row_names: list
+    kv: list  # each row's key/value heads where fewer than its query heads (grouped), else None
 
 
 def _title(r: int, c: int, st: _Style) -> str | None:
-    """Panel (r, c)'s title: the caller's (one a column, or one a panel), else the head's number on the first row."""
+    """Panel (r, c)'s title: the caller's (one a column, or one a panel), else the head's number (and its key/value
+    group, where the heads are grouped) on the first row, or on every row where the rows' groups differ."""
     titles = st.titles
-    return titles[c] if titles is not None and len(titles) == st.C else \
-        titles[r * st.C + c] if titles is not None else f"head {c}" if r == 0 or st.per_head else None
+    if titles is not None:
+        return titles[c] if len(titles) == st.C else titles[r * st.C + c]
+    if not (r == 0 or st.per_head or len(set(st.kv)) > 1):
+        return None
+    return f"head {c}" if st.kv[r] is None else f"head {c}\nkv group {c // (st.C // st.kv[r])}"
+
+
+def _kv_rows(weights, kv_heads, row_names: list, H: int) -> list:
+    """Each row's number of key/value heads where it is grouped (fewer than the H query heads), else None: from
+    ``kv_heads`` (one number, or {row name: number}), else from a capture's own record (``Captured.kv_heads``)."""
+    given = kv_heads if kv_heads is not None else getattr(weights, "kv_heads", None)
+    if given is None:
+        return [None] * len(row_names)
+    if isinstance(given, Mapping):
+        per = [given.get(n) for n in row_names]
+    elif isinstance(given, int) and not isinstance(given, bool):
+        per = [given] * len(row_names)
+    else:
+        raise TypeError(f"kv_heads must be a number of key/value heads or {{row name: number}}; got {given!r}.")
+    for n, k in zip(row_names, per):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1 or H % k):
+            raise ValueError(f"kv_heads: {n or 'the weights'} has {H} query heads, which {k!r} key/value heads do "
+                             f"not divide into groups; give a divisor of {H} (the module's num_key_value_heads).")
+    return [None if k is None or k == H else k for k in per]
 
 
 def _panel(ax, img, r: int, c: int, st: _Style, vmax: float):
@@ -120,6 +144,7 @@ def heatmaps(
     max_labels: int = 40,
     value_label: str = "attention weight",
     scale: str = "auto",
+    kv_heads: int | Mapping[str, int] | None = None,
 ):
     """A matplotlib Figure: one heatmap per (row, head), rows = layers (or what the
     first dim of a 4-D tensor is).
@@ -134,6 +159,11 @@ def heatmaps(
     bar measures (rollout values are not attention weights). Save with
     ``fig.savefig("heads.png")`` (or .svg, .pdf). A head whose weights are all NaN is not there (a pruned head,
     kept in its place so the others keep their numbers): its panel says "pruned".
+
+    ``kv_heads``: where the query heads share key/value heads (grouped-query attention, H > Hkv), each head's
+    title names its group under its number ("head 4", "kv group 1": query head h reads group h // (H // Hkv)).
+    One number for every row, or {row name: number}; by default a capture's own record
+    (:class:`multihead.heads.capture.Captured`'s ``kv_heads``), so a capture of a grouped model is labelled as it is.
     """
     from multihead.extras import require
 
@@ -148,7 +178,8 @@ def heatmaps(
         if labels is not None and len(labels) != n:
             raise ValueError(f"{name} has {len(labels)} labels but the weights have {n} {name}.")
     fig, axes = plt.subplots(R, C, figsize=(cell * C + 1.2, cell * R + 0.4), squeeze=False, sharex=True, sharey=True)
-    style = _Style(queries, keys, xlabel, ylabel, titles, cmap, max_labels, per_head, R, C, row_names)
+    kv = _kv_rows(weights, kv_heads, row_names, C)
+    style = _Style(queries, keys, xlabel, ylabel, titles, cmap, max_labels, per_head, R, C, row_names, kv)
     vmax = float(grid.nan_to_num(0.0).max()) if grid.numel() else 1.0
     im = None
     for r in range(R):

@@ -1,0 +1,94 @@
+"""How far a cut decoder language model is from the unpruned one, on text: the next-token KL divergence to the
+unpruned model's distributions and the perplexity of the text, each over every real next token; and recovery by
+distillation toward those distributions (:func:`multihead.apps.hf_models.recover`, ``causal=True``).
+
+    batches = text_batches(tokenizer, package_sentences(200))     # text neither the cut nor the recovery saw
+    f = fidelity(pruned, unpruned, batches)                        # f.kl, f.perplexity, f.reference_perplexity
+    recover(pruned, unpruned, text_batches(tokenizer, sentences()), steps=100)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Fidelity", "fidelity", "recover", "text_batches"]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """``kl``: the mean over next tokens of KL(unpruned || model) in nats; ``perplexity`` / ``reference_perplexity``:
+    exp of the mean negative log-likelihood of the text's next tokens under the model / the unpruned model;
+    ``tokens``: how many next tokens were scored."""
+
+    kl: float
+    perplexity: float
+    reference_perplexity: float
+    tokens: int
+
+
+def text_batches(tokenizer, texts: Sequence[str], *, size: int = 8, max_length: int = 64) -> list[dict]:
+    """``texts`` tokenized ``size`` at a time, padded on the right (a causal model's real tokens never see the
+    padding after them), truncated to ``max_length`` tokens: ``{"input_ids": (B, L), "attention_mask": (B, L)}``."""
+    if isinstance(texts, str) or not texts:
+        raise ValueError(f"texts must be a non-empty list of strings; got {texts!r:.80}.")
+    if tokenizer.pad_token is None:
+        raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token (e.g. to its eos_token) first.")
+    tokenizer.padding_side = "right"
+    out = []
+    for i in range(0, len(texts), size):
+        enc = tokenizer(list(texts[i:i + size]), padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})  # (B, L) each
+    return out
+
+
+def _next_logp(model: nn.Module, b: dict) -> Tensor:
+    """(B, L-1, V): the log-probabilities the model gives the token after each position but the last."""
+    return F.log_softmax(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].float(),
+                         -1)
+
+
+def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) -> Fidelity:
+    """``model`` (a cut causal LM) against ``reference`` (the unpruned one) on :func:`text_batches`' output, without
+    gradients, in eval mode: each position whose next token is real is scored."""
+    if not batches:
+        raise ValueError("no batches: give text_batches(tokenizer, texts).")
+    kl = nll = ref_nll = 0.0
+    n = 0
+    with torch.no_grad():
+        for b in batches:
+            am = b["attention_mask"]
+            live = (am[:, :-1] * am[:, 1:]).bool()  # (B, L-1): position t and its next token both real
+            nxt = b["input_ids"][:, 1:, None]  # (B, L-1, 1)
+            lp, ref = _next_logp(model, b), _next_logp(reference, b)  # (B, L-1, V)
+            kl += float((ref.exp() * (ref - lp)).sum(-1)[live].sum())
+            nll -= float(lp.gather(-1, nxt)[..., 0][live].sum())
+            ref_nll -= float(ref.gather(-1, nxt)[..., 0][live].sum())
+            n += int(live.sum())
+    if n == 0:
+        raise ValueError("the batches hold no next token to score: give texts of two tokens or more.")
+    return Fidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
+
+
+def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], steps: int, *,
+            lr: float = 3e-5) -> list[float]:
+    """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
+    is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.hf_models.recover`
+    with ``causal=True``, AdamW, the rate decaying along a half cosine). Returns the losses, one a step."""
+    from multihead.apps import hf_models
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1; got {steps!r}.")
+    if not batches:
+        raise ValueError("no batches: give text_batches(tokenizer, texts) (text the fidelity is not measured on).")
+    targets = []
+    with torch.no_grad():
+        for b in batches:
+            ids, am = b["input_ids"], b["attention_mask"]
+            targets.append(((ids, am), hf_models._logp(reference, ids, am)))  # (B, L, V) the unpruned log-probs
+    return hf_models.recover(model, targets, steps, causal=True, lr=lr)
