@@ -4,13 +4,27 @@ puts a gate on every head's output; :mod:`~multihead.heads.importance` scores he
 ablation, entropy); :mod:`~multihead.heads.surgery` is the one head-row selector and mean-into-bias
 fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pruning curve;
 :mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA; :mod:`~multihead.heads.patching`
-runs activation patching per head (a causal experiment on a chosen behaviour); :mod:`~multihead.heads.neurons`
+runs activation patching per head (a causal experiment on a chosen behaviour); :mod:`~multihead.heads.circuits`
+finds circuits: edge attribution between heads' outputs and their q/k/v inputs (EAP, EAP-IG), exact edge patching and
+faithfulness by intervention; :mod:`~multihead.heads.neurons`
 scores and cuts feed-forward neurons the same way (past the heads' share of the work).
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
 
 from multihead.heads import timm_forms as _timm_forms  # noqa: F401 - registers timm's SDPA forms with observe
 from multihead.heads.capture import Captured, capture
+from multihead.heads.circuits import (
+    MIB_BUDGETS,
+    CircuitGraph,
+    EdgeScores,
+    Faithfulness,
+    FaithfulnessCurve,
+    circuit_graph,
+    edge_attribution,
+    faithfulness,
+    faithfulness_curve,
+    patch_edges,
+)
 from multihead.heads.gates import attention_modules, gated
 from multihead.heads.importance import (
     METHODS,
@@ -34,7 +48,9 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["Captured", "Curve", "Importance", "METHODS", "Patching", "ablation_importance", "attention_modules", "attribution",
-           "capture", "entropy_importance", "ffn_blocks", "gated", "gradient_importance", "head_counts", "importance",
-           "mean_head_outputs", "observe", "observed", "patch", "path_patch", "plot_curve", "prune", "prune_neurons",
-           "pruning_curve", "resize", "save_curve", "unobserve"]
+__all__ = ["Captured", "CircuitGraph", "Curve", "EdgeScores", "Faithfulness", "FaithfulnessCurve", "Importance",
+           "METHODS", "MIB_BUDGETS", "Patching", "ablation_importance", "attention_modules", "attribution", "capture",
+           "circuit_graph", "edge_attribution", "entropy_importance", "faithfulness", "faithfulness_curve", "ffn_blocks",
+           "gated", "gradient_importance", "head_counts", "importance", "mean_head_outputs", "observe", "observed",
+           "patch", "patch_edges", "path_patch", "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize",
+           "save_curve", "unobserve"]

@@ -1,0 +1,856 @@
+"""Circuits: which heads talk to which, through their queries, keys and values -- edge attribution (EAP, EAP-IG),
+exact edge patching, and faithfulness by intervention.
+
+**The graph.** Writers: the input embedding (the residual stream where the first layer reads it), each head's output
+(where the gates act: each attention module's hook list), each MLP's output. Readers: each head's query input, each
+key/value head's key and value inputs (a grouped key/value head is one receiver for its group, never ungrouped
+copies), each MLP's input, the logits (the final residual, where the readout reads it). An edge joins a writer to
+every later reader: the residual stream carries it there. Where a layer normalises before reading, the edge is
+exact -- a reader's input is rebuilt from the writers and its q/k/v recomputed from that (the norm and the
+projections run again on the rebuilt input, through the module's own forward), as TransformerLens does.
+
+Models the graph expresses (checked from the module tree before any forward; anything else is refused by name):
+transformers' GPT-2, Llama, Qwen2 and Mistral decoder layers, multihead's pre-norm ``EncoderBlock``, and multihead
+attention modules that add straight onto the residual stream (``x = x + attn(x)``: the course's small models). On the
+first run it is also checked that each read point equals the embedding plus the writers before it, and that an
+attention module's output is the sum of its heads' writes plus a constant; a model failing either is refused.
+
+**Scores.** :func:`edge_attribution`: ``method="eap"`` scores every edge with one forward of each input and one
+backward (Syed et al. 2023): the metric's gradient at the reader's input (in the base run) dotted with the writer's
+change (source run - base run), summed over positions, averaged over the batch. ``method="eap-ig"`` (Hanna et al.
+2024) averages the gradient over ``steps`` points on the straight line from the base run's embedding to the source
+run's (alpha = 0, 1/steps, ..., (steps-1)/steps: ``steps=1`` is EAP). Gradients are kept only where read (the readers'
+q/k/v, the MLPs' outputs and the final residual). ``direction="denoise"`` (default, TransformerLens' convention): the
+base run is the corrupted input, so a score estimates how much patching that edge from the clean run moves the
+metric. :func:`patch_edges` computes that exactly for chosen edges (batched: ``chunk`` edges a forward).
+
+**Faithfulness.** :func:`faithfulness`: the clean run with every edge outside the circuit patched from the corrupted
+run, ``f = (m(C) - m(empty)) / (m(N) - m(empty))``; :func:`faithfulness_curve` over MIB's budgets (0.1% ... 100% of
+the edges) with CPR (area under f) and CMD (area of |1 - f|), both by the trapezoid rule over the budgets as
+fractions of the edges (MIB, Mueller et al. 2025).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from multihead.heads.gates import attention_modules
+from multihead.heads.patching import _call, _per_row, _repeat, _repeat_rows, _rows, _value
+
+__all__ = ["MIB_BUDGETS", "CircuitGraph", "EdgeScores", "Faithfulness", "FaithfulnessCurve", "circuit_graph",
+           "edge_attribution", "faithfulness", "faithfulness_curve", "patch_edges"]
+
+#: MIB's edge budgets, as fractions of the graph's edges (0.1% ... 100%)
+MIB_BUDGETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+#: block classes the graph expresses: (attention attribute, MLP attribute, the norm whose input the MLP reads). The
+#: attention reads the block's input (through its own norm, which its forward applies); the block adds the attention's
+#: and the MLP's outputs to the stream unnormalised.
+BLOCKS = {
+    "GPT2Block": ("attn", "mlp", "ln_2"),
+    "LlamaDecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
+    "Qwen2DecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
+    "MistralDecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
+    "EncoderBlock": ("attn", "ffn", "norm2"),
+}
+#: where a transformers model's final norm sits, beside its stack of blocks
+_FINAL_NORMS = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One attention layer of the stack: its module, the block whose input it reads (None: the module's own input),
+    the block's MLP and the module whose input the MLP reads."""
+
+    attn: str
+    block: str | None
+    mlp: str | None
+    mlp_norm: str | None
+
+
+@dataclass
+class CircuitGraph:
+    """The edges of a model: ``writers`` and ``readers`` (node names, in the stream's order) and ``edges`` (writer,
+    reader) pairs, every writer to every later reader. Names: ``"embed"``; ``"{module}.h{h}"`` a head's output;
+    ``"{module}.q{h}"``, ``"{module}.k{g}"``, ``"{module}.v{g}"`` a head's query input and a key/value head's key and
+    value inputs (g < Hkv); ``"{mlp}"`` an MLP's output and ``"{mlp}.in"`` its input; ``"logits"``."""
+
+    writers: list[str]
+    readers: list[str]
+    edges: list[tuple[str, str]]
+    units: list[_Unit]
+    readout: str
+    sizes: dict[str, tuple[int, int]]  # {module: (H, Hkv)}
+
+    def index(self, edges: Sequence[tuple[str, str]]) -> Tensor:
+        """The positions of ``edges`` in :attr:`edges` (refused by name when one is not in the graph)."""
+        where = self._where()
+        out = []
+        for e in edges:
+            e = (e[0], e[1])
+            if e not in where:
+                raise ValueError(f"edge {e!r} is not in the graph (a writer to a later reader); e.g. {self.edges[0]!r}.")
+            out.append(where[e])
+        return torch.tensor(out, dtype=torch.long)
+
+    def _where(self) -> dict[tuple[str, str], int]:
+        if getattr(self, "_cache", None) is None:
+            self._cache = {e: i for i, e in enumerate(self.edges)}
+        return self._cache
+
+    def matrix(self) -> tuple[Tensor, Tensor]:
+        """(writer index, reader index) of every edge, (n_edges,) each."""
+        w = {n: i for i, n in enumerate(self.writers)}
+        r = {n: i for i, n in enumerate(self.readers)}
+        return (torch.tensor([w[a] for a, _ in self.edges], dtype=torch.long),
+                torch.tensor([r[b] for _, b in self.edges], dtype=torch.long))
+
+
+@dataclass
+class EdgeScores:
+    """Scores of a graph's edges: ``scores`` (n_edges,) float64 in :attr:`CircuitGraph.edges` order (for
+    :func:`patch_edges`: only ``edges``, the chosen ones); ``base``/``source`` the metric of the base and source runs;
+    ``method`` "eap", "eap-ig" or "exact"; ``direction`` as :func:`edge_attribution`."""
+
+    graph: CircuitGraph
+    edges: list[tuple[str, str]]
+    scores: Tensor
+    base: float
+    source: float
+    method: str
+    direction: str
+    steps: int = 1
+
+    def top(self, n: int = 10) -> list[tuple[str, str, float]]:
+        """The ``n`` edges of largest |score|, strongest first: (writer, reader, score)."""
+        order = self.scores.abs().argsort(descending=True, stable=True)[:n]
+        return [(*self.edges[i], float(self.scores[i])) for i in order.tolist()]
+
+    def circuit(self, budget: float | str | None = None, *, top: int | None = None,
+                threshold: float | None = None) -> list[tuple[str, str]]:
+        """The edges kept: the top ``budget`` of the graph's edges by |score| (a fraction in (0, 1] or "5%": at least
+        one edge, ceil(budget x edges)), the ``top`` n, or every edge with |score| >= ``threshold``; one of the three."""
+        given = [x is not None for x in (budget, top, threshold)]
+        if sum(given) != 1:
+            raise ValueError("circuit takes one of budget= (a fraction of the edges), top= (a number of edges) or "
+                             f"threshold= (a |score|); got budget={budget!r}, top={top!r}, threshold={threshold!r}.")
+        if budget is not None:
+            top = _count(_budget(budget), len(self.edges))
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+                raise ValueError(f"top must be a whole number of edges >= 0; got {top!r}.")
+            return [(w, r) for w, r, _ in self.top(top)]
+        return [e for e, s in zip(self.edges, self.scores.tolist(), strict=True) if abs(s) >= threshold]
+
+    def to_markdown(self, n: int = 20) -> str:
+        """The top ``n`` edges as a table."""
+        lines = ["| writer | reader | score |", "|---|---|---:|"]
+        lines += [f"| {w} | {r} | {s:.4g} |" for w, r, s in self.top(n)]
+        return "\n".join(lines)
+
+
+@dataclass
+class Faithfulness:
+    """f = (m(C) - m(empty)) / (m(N) - m(empty)) of one circuit: ``circuit`` m(C) (the clean run, every other edge
+    patched from the corrupted run), ``full`` m(N) (the clean run), ``empty`` m(empty) (the corrupted run: every edge
+    patched); ``kept`` edges of ``total``."""
+
+    f: float
+    circuit: float
+    full: float
+    empty: float
+    kept: int
+    total: int
+
+
+@dataclass
+class FaithfulnessCurve:
+    """f at each budget (fractions of the edges; ``kept`` edges each), with CPR = area under f and CMD = area of
+    |1 - f| (trapezoid rule over the budgets as fractions)."""
+
+    budgets: list[float]
+    kept: list[int]
+    f: list[float]
+    full: float
+    empty: float
+    cpr: float
+    cmd: float
+
+    def to_markdown(self) -> str:
+        lines = ["| budget | edges | f |", "|---:|---:|---:|"]
+        lines += [f"| {b:.1%} | {k} | {f:.4f} |" for b, k, f in zip(self.budgets, self.kept, self.f, strict=True)]
+        return "\n".join(lines) + f"\n\nCPR {self.cpr:.4f} (higher better), CMD {self.cmd:.4f} (0 best)"
+
+
+def _budget(b) -> float:
+    """A budget as a fraction in (0, 1]: a number, or a string "5%"."""
+    v = b
+    if isinstance(b, str):
+        try:
+            v = float(b.strip().rstrip("%")) / 100 if b.strip().endswith("%") else float(b)
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
+        raise ValueError(f"an edge budget must be in (0, 100%] of the edges (a fraction such as 0.05, or '5%'); got "
+                         f"{b!r}.")
+    return float(v)
+
+
+def _count(frac: float, n: int) -> int:
+    return max(1, min(n, math.ceil(frac * n - 1e-9)))
+
+
+# ----------------------------------------------------------------------------------------------- the model's layout
+
+
+def _units(model: nn.Module, readout: str | None) -> tuple[list[_Unit], str, dict[str, nn.Module]]:
+    """The stack's attention layers (with their blocks) and the readout, from the module tree: refused by name where
+    a module kind is one the graph cannot express. No forward runs."""
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError("the model has no attention module multihead sees: attach it (multihead.hf.attach) or "
+                         "observe it (heads.observe) first.")
+    named = dict(model.named_modules())
+    units, stacks = [], set()
+    for n, m in mods.items():
+        parent_name = n.rsplit(".", 1)[0] if "." in n else ""
+        parent = named[parent_name]
+        kind = type(parent).__name__
+        if kind in BLOCKS:
+            a, mlp, norm = BLOCKS[kind]
+            if getattr(parent, a, None) is not m:
+                raise ValueError(f"{n} is a {type(m).__name__} in a {kind} other than its self-attention (cross-"
+                                 "attention reads another stream): the circuit graph cannot express it.")
+            pre = f"{parent_name}." if parent_name else ""
+            units.append(_Unit(n, parent_name, pre + mlp, pre + norm))
+            stacks.add(parent_name.rsplit(".", 1)[0] if "." in parent_name else "")
+        elif type(m).__name__ == "MultiHeadAttention" and (isinstance(parent, nn.ModuleList) or parent is model):
+            units.append(_Unit(n, None, None, None))
+        else:
+            raise ValueError(f"{n} sits in a {kind}, a block the circuit graph cannot express (it expresses "
+                             f"{', '.join(sorted(BLOCKS))}, and multihead attention modules adding straight onto the "
+                             "residual stream).")
+    if readout is None:
+        readout = _readout(model, named, units, stacks)
+    if readout not in named:
+        raise ValueError(f"readout {readout!r} is not a module of the model (the module whose input is the final "
+                         "residual stream: the final norm, or the unembedding).")
+    return units, readout, mods
+
+
+def _readout(model, named, units, stacks) -> str:
+    for s in stacks:  # a transformers stack: its final norm beside the blocks
+        base = s.rsplit(".", 1)[0] if "." in s else ""
+        for a in _FINAL_NORMS:
+            if isinstance(getattr(named[base], a, None), nn.Module):
+                return f"{base}.{a}" if base else a
+    # a model of its own: the last child registered after the attention modules' container, not an embedding
+    first = units[0].block or units[0].attn
+    top = first.split(".")[0]
+    children = list(model.named_children())
+    after = [c for c, mod in children[[c for c, _ in children].index(top) + 1:] if not isinstance(mod, nn.Embedding)]
+    if len(after) != 1:
+        raise ValueError("cannot tell which module reads the final residual stream (children after the attention "
+                         f"layers: {after}); pass readout='NAME' (the final norm, or the unembedding).")
+    return after[0]
+
+
+# ----------------------------------------------------------------------------------------------------- the runs
+
+
+class _Stop(Exception):  # noqa: N818 - not an error: ends a nested call once its q, k, v are recorded
+    pass
+
+
+class _Run:
+    """One forward with every hook the graph needs: records the read points, the writers' writes (in the residual
+    stream: a head's output through its rows of the output projection) and, for a gradient run, the readers' q/k/v;
+    with ``patched`` (c, U, R) bool, it rebuilds each reader's input with the marked writers' writes taken from
+    ``rep`` (c copies of the base input, batch c B)."""
+
+    def __init__(self, model, units, readout, mods, *, c=1, B=None, patched=None, rep=None, interp=None,
+                 grad=False):
+        self.model, self.units, self.readout, self.mods, self.grad = model, units, readout, mods, grad
+        self.named = dict(model.named_modules())
+        self.c, self.B, self.patched, self.rep, self.interp = c, B, patched, rep, interp
+        self.x: dict = {}  # ("attn", l) / ("mlp", l) / "readout" -> the residual stream read there
+        self.writes: list[Tensor] = []  # live writes, (c B, L, E) each, in writer order
+        self.deltas: list[Tensor] = []  # live - replacement, (c, B, L, E) each (interventions)
+        self.qkv: dict[int, tuple] = {}
+        self.out: dict[int, Tensor] = {}  # per-head outputs (c B, L, H, Dv)
+        self.y: dict[int, Tensor] = {}  # attention modules' outputs (c B, L, E)
+        self.mlp_y: dict[int, Tensor] = {}
+        self.order: list[int] = []
+        self.sizes: dict[int, tuple[int, int]] = {}
+        self.W: dict[int, Tensor] = {}  # (H, Dv, E): head h's rows of the output projection
+        self.nested: int | None = None
+        self.emb: dict[str, Tensor] = {}  # token embeddings' outputs (a stream that starts outside any block)
+        self.call_args: dict[int, tuple] = {}
+        self.r0: dict[int, int] = {}  # unit -> its first reader's index
+        self.rmlp: dict[int, int] = {}
+
+    # the writers and readers' indices follow the stream's order; sizes come from the call itself
+    def _add_writes(self, w: Tensor) -> None:
+        for t in w:  # w (n, c B, L, E)
+            self.writes.append(t)
+            if self.patched is not None:
+                u = len(self.writes) - 1
+                self.deltas.append((t - self.rep[u].to(t).repeat(self.c, 1, 1)).view(self.c, self.B, *t.shape[1:]))
+
+    def _delta(self, readers: list[int]) -> Tensor | None:
+        """(len(readers), c B, L, E): what each reader's input loses (live - replacement of its patched writers), or
+        None where no copy patches any of them."""
+        if self.patched is None or not self.deltas:
+            return None
+        U = len(self.deltas)
+        mask = self.patched[:, :U][:, :, readers].to(self.deltas[0])  # (c, U, R), on the stream's device
+        if not mask.any():
+            return None
+        D = torch.stack(self.deltas)  # (U, c, B, L, E)
+        d = torch.einsum("pur,upble->rpble", mask, D)
+        return d.reshape(len(readers), self.c * self.B, *d.shape[3:])  # (R, c, B, L, E) -> (R, c B, L, E)
+
+    def install(self, stack: contextlib.ExitStack) -> None:
+        for i, u in enumerate(self.units):
+            mod = self.mods[u.attn]
+            unit = self.named[u.block] if u.block is not None else mod
+            stack.callback(unit.register_forward_pre_hook(self._pre(i), with_kwargs=True).remove)
+            stack.callback(mod.attention_hooks.add_input(self._inputs(i)).remove)
+            stack.callback(mod.attention_hooks.add_transform(self._heads(i)).remove)
+            stack.callback(mod.register_forward_hook(self._attn_out(i)).remove)
+            if u.mlp is not None:
+                stack.callback(self.named[u.mlp_norm].register_forward_pre_hook(self._read(("mlp", i))).remove)
+                stack.callback(self.named[u.mlp].register_forward_hook(self._mlp_out(i)).remove)
+        stack.callback(self.named[self.readout].register_forward_pre_hook(self._read("readout")).remove)
+        if self.units[0].block is None:  # the stream starts outside any module: at the token embeddings
+            for n, e in self.named.items():
+                if isinstance(e, nn.Embedding):
+                    stack.callback(e.register_forward_hook(self._embedding(n)).remove)
+
+    def _embedding(self, name):
+        def hook(module, args, output):
+            if self.nested is not None or self.order:
+                return None
+            self.emb[name] = output.detach()
+            if self.interp is not None:  # EAP-IG: on the line between the base and the source run's embeddings
+                e0, e1 = self.interp["emb"][name]
+                return (e0 + self.interp["a"] * (e1 - e0)).requires_grad_(True)
+            if self.grad:
+                return output.detach().requires_grad_(True)
+            return None
+        return hook
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            if self.nested is not None:
+                return None
+            if i in self.order:
+                raise ValueError(f"{self.units[i].attn} is called more than once in one forward (a layer shared "
+                                 "across the stack, or a loop): the circuit graph takes each layer's one call.")
+            self.order.append(i)
+            x = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(x, Tensor) or x.dim() != 3:
+                raise ValueError(f"{self.units[i].block or self.units[i].attn}: its input is not the residual stream "
+                                 f"(B, L, E); got {type(x).__name__}.")
+            if self.units[i].block is None:
+                rest = list(args[1:3]) + [kwargs.get("keys"), kwargs.get("values")]
+                if any(isinstance(r, Tensor) and r is not x for r in rest):
+                    raise ValueError(f"{self.units[i].attn} is called with keys or values other than its queries "
+                                     "(cross-attention reads another stream): the circuit graph cannot express it.")
+            new = None
+            if i == 0 and self.units[0].block is not None and self.interp is not None:
+                a, (x0, x1) = self.interp["a"], self.interp["x0"]  # EAP-IG: the block's input (its residual with it)
+                new = (x0.to(x) + a * (x1.to(x) - x0.to(x))).requires_grad_(True)
+            elif i == 0 and self.units[0].block is not None and self.grad:  # the graph starts here
+                new = x.detach().requires_grad_(True)
+            if new is not None:
+                x = new
+                args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+            self.x[("attn", i)] = x
+            if i == 0:
+                self._add_writes(x.unsqueeze(0))  # the input embedding's write: the stream where it is first read
+            self.call_args[i] = (args, kwargs)
+            return (args, kwargs) if new is not None else None
+        return hook
+
+    def _inputs(self, i):
+        def hook(module, q: Tensor, k: Tensor, v: Tensor):
+            if self.nested is not None:
+                if self.nested == i:
+                    self.got = (q, k, v)
+                    raise _Stop
+                return q, k, v
+            H, Hkv = q.shape[1], k.shape[1]
+            self.sizes[i] = (H, Hkv)
+            self.r0[i] = sum(s[0] + 2 * s[1] + (self.units[j].mlp is not None) for j, s in self.sizes.items() if j < i)
+            readers = list(range(self.r0[i], self.r0[i] + H + 2 * Hkv))
+            d = self._delta(readers)
+            if d is not None:
+                q, k, v = self._rebuilt(i, q, k, v, readers, d)
+            self.qkv[i] = (q, k, v)
+            return q, k, v
+        return hook
+
+    def _rebuilt(self, i, q, k, v, readers, d):
+        """q, k, v with each patched reader's slice recomputed from its rebuilt input (the unit's own forward on the
+        stream minus that reader's delta; the nested call ends once q, k, v are known)."""
+        H, Hkv = self.sizes[i]
+        need = [j for j in range(len(readers)) if d[j].abs().amax() > 0]
+        if not need:
+            return q, k, v
+        x = self.x[("attn", i)]
+        n, cB = len(need), x.shape[0]
+        xs = torch.cat([x - d[j].to(x) for j in need])  # (n c B, L, E)
+        args, kwargs = self.call_args[i]
+        args, kwargs = _no_cache(_repeat_rows(args[1:], n, cB)), _no_cache(_repeat_rows(kwargs, n, cB))
+        u = self.units[i]
+        unit = self.named[u.block] if u.block is not None else self.mods[u.attn]
+        self.nested = i
+        try:
+            if "hidden_states" in kwargs and not args:
+                unit(**{**kwargs, "hidden_states": xs})
+            else:
+                unit(xs, *args, **{k_: w for k_, w in kwargs.items() if k_ != "hidden_states"})
+            raise RuntimeError(f"{u.attn}: its forward did not reach the attention call")
+        except _Stop:
+            pass
+        finally:
+            self.nested = None
+        qn, kn, vn = self.got
+        q, k, v = q.clone(), k.clone(), v.clone()
+        for t, j in enumerate(need):
+            rows = slice(t * cB, (t + 1) * cB)
+            if j < H:
+                q[:, j] = qn[rows, j]  # (c B, Lq, D): head j's query
+            elif j < H + Hkv:
+                k[:, j - H] = kn[rows, j - H]  # (c B, Lk, D): key/value head j - H's key
+            else:
+                v[:, j - H - Hkv] = vn[rows, j - H - Hkv]
+        return q, k, v
+
+    def _heads(self, i):
+        def transform(module, out: Tensor, live) -> Tensor:
+            if self.nested is not None:
+                return out
+            if out.dim() != 4:
+                raise ValueError(f"{self.units[i].attn}: its heads' output is packed ({tuple(out.shape)}, padding-"
+                                 "free); the circuit graph takes a padded batch: turn packing off "
+                                 "(multihead.hf.attach(..., packed=False)).")
+            self.out[i] = out
+            return out
+        return transform
+
+    def _attn_out(self, i):
+        def hook(module, args, output):
+            if self.nested is not None:
+                return None
+            y = output[0] if isinstance(output, tuple | list) else output
+            self.y[i] = y
+            out = self.out[i]  # (c B, L, H, Dv)
+            W = self.W.get(i)
+            if W is None:
+                W = self.W[i] = _o_weight(self.units[i].attn, module, out, y)
+            self._add_writes(torch.einsum("blhd,hde->hble", out.to(W.dtype), W).to(y.dtype))  # (H, c B, L, E)
+            return None
+        return hook
+
+    def _read(self, key):
+        def hook(module, args):
+            if self.nested is not None:
+                return None
+            x = args[0]
+            if key == "readout":
+                readers = [sum(s[0] + 2 * s[1] + (self.units[j].mlp is not None) for j, s in self.sizes.items())]
+            else:
+                i = key[1]
+                self.rmlp[i] = self.r0[i] + sum(self.sizes[i]) + self.sizes[i][1]
+                readers = [self.rmlp[i]]
+            self.x[key] = x
+            d = self._delta(readers)
+            if d is None:
+                return None
+            return (x - d[0].to(x), *args[1:])
+        return hook
+
+    def _mlp_out(self, i):
+        def hook(module, args, output):
+            if self.nested is not None:
+                return None
+            if not isinstance(output, Tensor):
+                raise ValueError(f"{self.units[i].mlp} returns {type(output).__name__}, not the tensor it writes into "
+                                 "the residual stream: the circuit graph cannot express it.")
+            self.mlp_y[i] = output
+            self._add_writes(output.unsqueeze(0))
+            return None
+        return hook
+
+
+def _no_cache(x):
+    """``x`` with every transformers ``Cache`` (a key/value cache) replaced by None: a nested call must not touch it."""
+    if isinstance(x, tuple | list):
+        return type(x)(_no_cache(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _no_cache(v) for k, v in x.items()}
+    return None if any(t.__name__ == "Cache" for t in type(x).__mro__) else x
+
+
+def _o_weight(name: str, module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
+    """(H, Dv, E): head h's rows of the module's output projection (its input features laid out head by head),
+    checked on the call: the heads' writes plus a constant (the bias) must give the module's output."""
+    from multihead.heads.surgery import out_in
+
+    hooks = module.__dict__["attention_hooks"]
+    if hooks.layout is not None:
+        o = hooks.layout.projections(module, hooks.parent)[3]
+    elif hasattr(module, "projections"):
+        o = module.projections()[3]
+    else:
+        raise ValueError(f"{name}: no head layout (which rows of its output projection hold head h): the circuit "
+                         "graph cannot express its heads' writes.")
+    H, Dv = out.shape[2], out.shape[3]
+    w = out_in(o).detach()  # (E, H Dv)
+    if w.shape[1] != H * Dv or y.shape[-1] != w.shape[0]:
+        raise ValueError(f"{name}: its output projection takes {w.shape[1]} features, its heads give {H} x {Dv}: the "
+                         "circuit graph cannot express its heads' writes.")
+    W = w.t().reshape(H, Dv, w.shape[0]).double()  # (H Dv, E) -> (H, Dv, E)
+    rest = y.detach().double() - torch.einsum("blhd,hde->ble", out.detach().double(), W)  # (B, L, E): the bias
+    off = float((rest - rest[:1, :1]).abs().max())
+    if off > 1e-4 * max(1.0, float(y.detach().abs().max())):
+        raise ValueError(f"{name}: its output is not the sum of its heads' writes plus a constant (off by {off:.3g}): "
+                         "a norm or scale after the heads; the circuit graph cannot express it.")
+    return W
+
+
+class _Model:
+    """The model's layout and how it is called, checked: the units, the readout, the modules, the call."""
+
+    def __init__(self, model, run, readout):
+        self.model = model
+        self.units, self.readout, self.mods = _units(model, readout)
+        self.call = run or _call
+
+    def forward(self, inputs, *, grad=False, **kw) -> tuple[object, _Run]:
+        r = _Run(self.model, self.units, self.readout, self.mods, grad=grad, **kw)
+        with contextlib.ExitStack() as stack, torch.set_grad_enabled(grad):
+            r.install(stack)
+            output = self.call(self.model, inputs)
+        if r.order != list(range(len(self.units))):
+            called = [self.units[i].attn for i in r.order]
+            raise ValueError(f"the attention layers ran in the order {called}, not the stack's "
+                             f"{[u.attn for u in self.units]} (or some did not run): the circuit graph takes each "
+                             "layer once, in order.")
+        return output, r
+
+    def graph(self, r: _Run) -> CircuitGraph:
+        writers, readers, edges = ["embed"], [], []
+        sizes = {}
+        for i, u in enumerate(self.units):
+            H, Hkv = r.sizes[i]
+            sizes[u.attn] = (H, Hkv)
+            rs = [f"{u.attn}.q{h}" for h in range(H)] + [f"{u.attn}.{x}{g}" for x in "kv" for g in range(Hkv)]
+            edges += [(w, q) for q in rs for w in writers]
+            readers += rs
+            writers = writers + [f"{u.attn}.h{h}" for h in range(H)]
+            if u.mlp is not None:
+                readers.append(f"{u.mlp}.in")
+                edges += [(w, f"{u.mlp}.in") for w in writers]
+                writers = writers + [u.mlp]
+        readers.append("logits")
+        edges += [(w, "logits") for w in writers]
+        return CircuitGraph(writers, readers, edges, self.units, self.readout, sizes)
+
+    def check_stream(self, r: _Run) -> None:
+        """Each read point equals the embedding plus every module's output before it (the residual stream is a sum)."""
+        x0 = r.x[("attn", 0)].detach().double()
+        acc = x0.clone()
+        scale = max(1.0, float(x0.abs().max()))
+
+        def same(key, where):
+            got = r.x[key].detach().double()
+            off = float((got - acc).abs().max())
+            if off > 1e-4 * max(scale, float(got.abs().max())):
+                raise ValueError(f"the residual stream read at {where} is not the input embedding plus the outputs "
+                                 f"written before it (off by {off:.3g}): a module between them the circuit graph "
+                                 "cannot express (a norm on the stream, a scaled residual); pass readout= if the "
+                                 "final norm or unembedding was misread.")
+
+        for i, u in enumerate(self.units):
+            same(("attn", i), u.block or u.attn)
+            acc = acc + r.y[i].detach().double()
+            if u.mlp is not None:
+                same(("mlp", i), u.mlp_norm)
+                acc = acc + r.mlp_y[i].detach().double()
+        same("readout", self.readout)
+
+
+def _inputs_checked(clean, corrupted) -> None:
+    """Clean and corrupted inputs of the same token counts (before any forward)."""
+    def shapes(x):
+        if isinstance(x, Tensor):
+            return [x.shape]
+        if isinstance(x, Mapping):
+            return [v.shape for v in x.values() if isinstance(v, Tensor)]
+        if isinstance(x, tuple | list):
+            return [v.shape for v in x if isinstance(v, Tensor)]
+        return []
+
+    a, b = shapes(clean), shapes(corrupted)
+    for sa, sb in zip(a, b, strict=False):
+        if len(sa) >= 2 and len(sb) >= 2 and sa[1] != sb[1]:
+            raise ValueError(f"clean is {sa[1]} tokens and corrupted {sb[1]}: edges are compared position by "
+                             "position, so both need the same token count; choose a corrupted input of the same "
+                             "length, or pad the shorter one (and mask it).")
+        if sa and sb and sa[0] != sb[0]:
+            raise ValueError(f"clean has {sa[0]} rows and corrupted {sb[0]}: each clean row is paired with its "
+                             "corrupted row; give both the same batch.")
+
+
+def _direction(direction: str, clean, corrupted):
+    if direction not in ("denoise", "noise"):
+        raise ValueError(f"direction must be 'denoise' (base = the corrupted run, edges patched from the clean one) "
+                         f"or 'noise' (base = the clean run); got {direction!r}.")
+    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+
+
+def _batch(r: _Run) -> int:
+    return r.x[("attn", 0)].shape[0]
+
+
+@contextlib.contextmanager
+def _eval(model):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def circuit_graph(model: nn.Module, inputs, *, run: Callable | None = None, readout: str | None = None) -> CircuitGraph:
+    """The model's edge graph (:class:`CircuitGraph`), from one forward of ``inputs`` without gradients (the head
+    counts are the call's). A module kind the graph cannot express is refused by name before the forward."""
+    m = _Model(model, run, readout)
+    with _eval(model):
+        _, r = m.forward(inputs)
+    m.check_stream(r)
+    return m.graph(r)
+
+
+def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, method: str = "eap", steps: int = 5,
+                     direction: str = "denoise", run: Callable | None = None,
+                     readout: str | None = None) -> EdgeScores:
+    """Every edge's attribution score (:class:`EdgeScores`, in :attr:`CircuitGraph.edges` order).
+
+    ``clean``, ``corrupted``: the model's inputs (a dict of keyword arguments, a tuple, or one tensor), batch B, the
+    same token count; ``metric(output)`` -> a scalar or a (B,) tensor (averaged), computed from the output so that its
+    gradient reaches the readers. ``method``: "eap" (one forward of each input, one backward of the base run) or
+    "eap-ig" (``steps`` forwards and backwards on the line between the two runs' embeddings). Score of edge u -> v:
+    sum over positions of (u's write in the source run - in the base run) . d metric / d (v's input), where a reader's
+    input is its own copy of the residual stream (a head's query, a key/value head's key or value, an MLP's input,
+    the final residual). ``readout``: the module whose input is the final residual (found for transformers models
+    and the course's; name it otherwise). Gradients reach no parameter's ``.grad``. Memory: one forward's graph (the
+    base run's, from the first layer's input on; EAP-IG one step at a time), plus (writers + readers) x B x L x E
+    float64 for the writers' changes and the readers' gradients. EAP-IG's points are a left Riemann sum: its error
+    falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow)."""
+    if method not in ("eap", "eap-ig"):
+        raise ValueError(f"method must be 'eap' or 'eap-ig'; got {method!r}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1 (EAP-IG's integration points); got {steps!r}.")
+    _inputs_checked(clean, corrupted)
+    base_in, src_in = _direction(direction, clean, corrupted)
+    m = _Model(model, run, readout)
+    with _eval(model):
+        with torch.no_grad():
+            src_output, src = m.forward(src_in)
+        m.check_stream(src)
+        graph = m.graph(src)
+        steps = steps if method == "eap-ig" else 1
+        grads, base_v, base_writes, base0, base_emb, B = None, 0.0, [], None, {}, 1
+        for s in range(steps):
+            interp = None if s == 0 else {"a": s / steps, "x0": (base0, src.x[("attn", 0)].detach()),
+                                          "emb": {n: (e, src.emb[n]) for n, e in base_emb.items()}}
+            output, r = m.forward(base_in, grad=True, interp=interp)
+            if s == 0:
+                base0, base_writes, B = r.x[("attn", 0)].detach(), [w.detach() for w in r.writes], _batch(r)
+                base_emb = dict(r.emb)
+                _per_row(metric, output, B)
+            elif (off := float((r.x[("attn", 0)].detach() - (base0 + interp["a"] * (interp["x0"][1] - base0))).abs()
+                                 .max())) > 1e-4 * max(1.0, float(base0.abs().max())):
+                raise ValueError(f"EAP-IG: the stream where the first layer reads it is not the line between the two "
+                                 f"runs' embeddings (off by {off:.3g}): the model starts its stream other than by "
+                                 "summing token embeddings; use method='eap'.")
+            g, value = _reader_grads(m, r, metric, output, B)
+            base_v = value if s == 0 else base_v
+            grads = g if grads is None else grads + g
+            del r, output  # the graph of this step goes
+        grads = grads / steps  # (R, B, L, E)
+        deltas = torch.stack([(a.detach().double() - b.double())
+                              for a, b in zip(src.writes, base_writes, strict=True)])  # (U, B, L, E)
+        full = deltas.flatten(1) @ grads.flatten(1).t()  # (U, B L E) @ (B L E, R) -> (U, R)
+        w, rr = graph.matrix()
+        scores = full[w.to(full.device), rr.to(full.device)].cpu()
+        return EdgeScores(graph, list(graph.edges), scores, base_v, _value(metric, src_output, B), method, direction,
+                          steps)
+
+
+def _reader_grads(m: _Model, r: _Run, metric, output, B: int) -> tuple[Tensor, float]:
+    """(R, B, L, E) float64: the metric's gradient at each reader's own copy of the residual stream, and the metric."""
+    value = metric(output)
+    total = value.double().mean() if isinstance(value, Tensor) else None
+    if total is None or not total.requires_grad:
+        raise ValueError("metric must return a tensor computed from the model's output (a scalar or (B,)), so that "
+                         "its gradient reaches the readers.")
+    n = len(m.units)
+    wrt = [t for i in range(n) for t in r.qkv[i]]
+    mlps = [i for i, u in enumerate(m.units) if u.mlp is not None]
+    wrt += [r.mlp_y[i] for i in mlps] + [r.x["readout"]]
+    g = torch.autograd.grad(total, wrt, retain_graph=True, allow_unused=True)
+    g = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(wrt, g, strict=True)]
+    if all(not gi.any() for gi in g):
+        raise ValueError("metric's gradient is zero at every reader: it does not depend on the model's output through "
+                         "the model (a constant, or a value of the inputs); compute it from the logits.")
+    out: list[Tensor] = []
+    gm = dict(zip(mlps, g[3 * n:3 * n + len(mlps)], strict=True))
+    for i in range(n):
+        x = r.x[("attn", i)]
+        for t, gt in zip(r.qkv[i], g[3 * i:3 * i + 3], strict=True):  # q (B, H, L, D), k and v (B, Hkv, L, D)
+            n_h = t.shape[1]
+            sel = torch.zeros(n_h, *gt.shape, dtype=gt.dtype, device=gt.device)  # (H, B, H, L, D): one head each
+            for h in range(n_h):
+                sel[h, :, h] = gt[:, h]
+            try:  # every head's copy of the stream in one vectorised backward through the norm and projections
+                (gx,) = torch.autograd.grad(t, x, sel, retain_graph=True, allow_unused=True, is_grads_batched=True)
+                gx = [torch.zeros_like(x)] * n_h if gx is None else list(gx)
+            except RuntimeError:  # an operation without a batching rule: one backward a head
+                gx = [torch.autograd.grad(t, x, sel[h], retain_graph=True, allow_unused=True)[0] for h in range(n_h)]
+                gx = [torch.zeros_like(x) if v is None else v for v in gx]
+            out += gx  # (B, L, E) each: head h's copy of the stream
+        if i in gm:
+            xm = r.x[("mlp", i)]
+            (gx,) = torch.autograd.grad(r.mlp_y[i], xm, gm[i], retain_graph=True, allow_unused=True)
+            out.append(torch.zeros_like(xm) if gx is None else gx)
+    out.append(g[-1])
+    return torch.stack(out).double(), float(total.detach())
+
+
+def _patched_runs(m: _Model, base_in, rep: _Run, B: int, masks: Tensor, metric, chunk: int) -> list[float]:
+    """The metric of each copy: the base input with copy p's marked edges (masks (P, U, R) bool) taken from ``rep``."""
+    got: list[float] = []
+    for i in range(0, masks.shape[0], chunk):
+        part = masks[i:i + chunk]
+        c = part.shape[0]
+        with torch.no_grad():
+            output, _ = m.forward(_repeat(base_in, c, B), c=c, B=B, patched=part,
+                                  rep=[w.detach() for w in rep.writes])
+        got += [_value(metric, _rows(output, p * B, (p + 1) * B, c * B), B) for p in range(c)]
+    return got
+
+
+def _edge_masks(graph: CircuitGraph, sets: list[Tensor]) -> Tensor:
+    """(P, U, R) bool: copy p marks the edges at indices ``sets[p]``."""
+    w, r = graph.matrix()
+    out = torch.zeros(len(sets), len(graph.writers), len(graph.readers), dtype=torch.bool)
+    for p, idx in enumerate(sets):
+        out[p, w[idx], r[idx]] = True
+    return out
+
+
+def patch_edges(model: nn.Module, clean, corrupted, metric: Callable, edges: Sequence[tuple[str, str]], *,
+                direction: str = "denoise", chunk: int = 16, run: Callable | None = None,
+                readout: str | None = None) -> EdgeScores:
+    """Exact edge patching (ACDC-style verification of attribution scores): for each edge, the base run with that
+    edge's writer taken from the source run at that reader only (the reader's input rebuilt; everything else
+    computed as usual). ``scores``: the metric's change from the base run, the quantity :func:`edge_attribution`
+    estimates. ``chunk`` edges a forward."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number >= 1 (edges per forward); got {chunk!r}.")
+    _inputs_checked(clean, corrupted)
+    base_in, src_in = _direction(direction, clean, corrupted)
+    m = _Model(model, run, readout)
+    with _eval(model), torch.no_grad():
+        src_output, src = m.forward(src_in)
+        m.check_stream(src)
+        graph = m.graph(src)
+        idx = graph.index(edges)
+        base_output, base = m.forward(base_in)
+        B = _batch(base)
+        _per_row(metric, base_output, B)
+        base_v = _value(metric, base_output, B)
+        got = _patched_runs(m, base_in, src, B, _edge_masks(graph, [idx[p:p + 1] for p in range(len(idx))]), metric,
+                            chunk)
+    return EdgeScores(graph, [tuple(e) for e in edges], torch.tensor(got, dtype=torch.float64) - base_v, base_v,
+                      _value(metric, src_output, B), "exact", direction)
+
+
+def _faith(m, clean, corrupted, metric, circuits: list[list], chunk) -> tuple[CircuitGraph, list[float], float, float,
+                                                                              list[int]]:
+    with torch.no_grad():
+        corr_output, corr = m.forward(corrupted)
+        m.check_stream(corr)
+        graph = m.graph(corr)
+        clean_output, cl = m.forward(clean)
+        B = _batch(cl)
+        _per_row(metric, clean_output, B)
+        full, empty = _value(metric, clean_output, B), _value(metric, corr_output, B)
+        if full == empty:
+            raise ValueError("the clean and corrupted runs give the same metric: f = (m(C) - m(empty)) / (m(N) - "
+                             "m(empty)) is undefined; choose inputs the metric separates.")
+        n = len(graph.edges)
+        outside, kept = [], []
+        for c in circuits:
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[graph.index(c)] = True
+            kept.append(int(keep.sum()))
+            outside.append((~keep).nonzero().flatten())
+        got = _patched_runs(m, clean, corr, B, _edge_masks(graph, outside), metric, chunk)
+    return graph, got, full, empty, kept
+
+
+def faithfulness(model: nn.Module, clean, corrupted, metric: Callable, circuit: Sequence[tuple[str, str]], *,
+                 run: Callable | None = None, readout: str | None = None) -> Faithfulness:
+    """A circuit's faithfulness by intervention: the clean run with every edge outside ``circuit`` (writer, reader
+    pairs; a triple's score is ignored) patched from the corrupted run, ``f = (m(C) - m(empty)) / (m(N) -
+    m(empty))`` (:class:`Faithfulness`)."""
+    _inputs_checked(clean, corrupted)
+    m = _Model(model, run, readout)
+    with _eval(model):
+        graph, got, full, empty, kept = _faith(m, clean, corrupted, metric, [[e[:2] for e in circuit]], 1)
+    return Faithfulness((got[0] - empty) / (full - empty), got[0], full, empty, kept[0], len(graph.edges))
+
+
+def faithfulness_curve(model: nn.Module, clean, corrupted, metric: Callable, scores: EdgeScores, *,
+                       budgets: Sequence[float | str] = MIB_BUDGETS, chunk: int = 4, run: Callable | None = None,
+                       readout: str | None = None) -> FaithfulnessCurve:
+    """f at each budget (the top ceil(budget x edges) of ``scores`` by |score|), with CPR and CMD
+    (:class:`FaithfulnessCurve`); ``chunk`` budgets a forward. Budgets outside (0, 100%] are refused first."""
+    fr = [_budget(b) for b in budgets]
+    if not fr:
+        raise ValueError("budgets must name at least one edge budget in (0, 100%].")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number >= 1 (budgets per forward); got {chunk!r}.")
+    if scores.method == "exact":
+        raise ValueError("scores must score every edge of the graph (edge_attribution's), not patch_edges' chosen ones.")
+    _inputs_checked(clean, corrupted)
+    m = _Model(model, run, readout)
+    circuits = [scores.circuit(b) for b in fr]
+    with _eval(model):
+        graph, got, full, empty, kept = _faith(m, clean, corrupted, metric, circuits, chunk)
+    if graph.edges != scores.edges:
+        raise ValueError("scores were computed on another graph (another model, or other head counts).")
+    f = [(v - empty) / (full - empty) for v in got]
+    cpr = _trapezoid(fr, f)
+    cmd = _trapezoid(fr, [abs(1 - x) for x in f])
+    return FaithfulnessCurve(fr, kept, f, full, empty, cpr, cmd)
+
+
+def _trapezoid(x: list[float], y: list[float]) -> float:
+    if len(x) < 2:
+        return float("nan")
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    return sum((x[order[i + 1]] - x[order[i]]) * (y[order[i + 1]] + y[order[i]]) / 2 for i in range(len(x) - 1))
