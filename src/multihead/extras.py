@@ -96,7 +96,7 @@ class _Lines:
             total = len(iterable)
         self.total, self.n, self.postfix = total, 0, ""
         self.start = self.last = time.monotonic()
-        self.closed = False
+        self.closed, self.shown = False, None  # shown: the (n, postfix) of the last line written
 
     def __iter__(self) -> Iterator:
         try:
@@ -134,14 +134,15 @@ class _Lines:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._write()
+            if self.shown != (self.n, self.postfix):  # the end, unless the last line already said it
+                self._write()
 
     def _maybe_write(self) -> None:
         if not self.closed and time.monotonic() - self.last >= self.every:
             self._write()
 
     def _write(self) -> None:
-        self.last = time.monotonic()
+        self.last, self.shown = time.monotonic(), (self.n, self.postfix)
         if self.file is None:
             return
         from tqdm import tqdm
