@@ -71,6 +71,12 @@ class FourLinear(nn.Module):
         return x.reshape(b, n, self.num_heads, self.d_k).permute(0, 2, 1, 3)
 
     def forward(self, q, k, v, mask=None):
+        if mask is not None and "mask in place" in self.bug:  # 1 = blocked made additive in the caller's tensor
+            mask *= -1e9
+        if mask is not None and "cache mask" in self.bug:  # the first mask of each shape kept for every later call
+            if getattr(self, "_mask", None) is None or self._mask.shape != mask.shape:
+                self._mask = mask
+            mask = self._mask
         Q = self.heads(self.W_q(k if "q from k" in self.bug else q))
         K = self.heads(self.W_k(v if "k from v" in self.bug else k))
         if "v as k" in self.bug:
@@ -86,6 +92,8 @@ class FourLinear(nn.Module):
             o = o.permute(0, 2, 1, 3).reshape(b, n, h * d)
         if "no out" in self.bug:
             return o
+        if "new layer" in self.bug:  # the output projection built in forward: new weights at every call
+            return nn.Linear(o.shape[-1], o.shape[-1])(o)
         return self.W_o(o) + (q if "residual" in self.bug else 0)
 
 
@@ -101,12 +109,17 @@ class Fused(nn.Module):
 
     def forward(self, x):
         b, n, c = x.shape
+        if "batch 3" in self.bug:  # the batch size written in
+            b = 3
         if self.layout == "blocks":
             q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         else:
             q, k, v = self.qkv(x).reshape(b, n, self.heads, 3, c // self.heads).permute(3, 0, 2, 1, 4)
         if "split" in self.bug:
             q, k, v = (t.transpose(1, 2).reshape(b, self.heads, n, -1) for t in (q, k, v))
+        if "batch keys" in self.bug:  # every sequence's keys and values in one pool: the batch rows tied together
+            k, v = (t.transpose(0, 1).reshape(1, self.heads, b * n, -1).expand(b, -1, -1, -1) for t in (k, v))
+            # (B, H, L, D) -> (H, B, L, D) -> (1, H, B*L, D) -> (B, H, B*L, D)
         o = weigh(q, k, v, None, self.bug)
         return self.proj(o.transpose(1, 2).reshape(b, n, c))
 
@@ -143,7 +156,8 @@ class PerHead(nn.Module):
     def __init__(self, d_model=32, h=4, bug=()):
         super().__init__()
         self.bug = set(bug)
-        self.attn_heads = nn.ModuleList(Head(d_model, d_model // h) for _ in range(h))
+        self.attn_heads = nn.ModuleList([Head(d_model, d_model // h)] * h if "one head" in self.bug else
+                                        [Head(d_model, d_model // h) for _ in range(h)])
         self.out = nn.Linear(d_model, d_model)
 
     def forward(self, q, k, v, mask=None):
@@ -230,6 +244,36 @@ class Listed(nn.Module):
         return self.linears[3](o.transpose(1, 2).reshape(b, -1, self.h * Q.shape[-1]))
 
 
+class SequenceFirst(nn.Module):
+    """torch.nn's default layout: (L, B, E) in and out, a (B, Lk) key-padding mask (True = padding) by keyword."""
+
+    def __init__(self, d_model=32, num_heads=4, bug=()):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d_model, num_heads)
+
+    def forward(self, q, k, v, key_padding_mask=None):
+        return self.attn(q, k, v, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+class DictReturn(nn.Module):
+    """Returns {"output": (B, Lq, E), "attention": (B, H, Lq, Lk)}; a bool keep mask."""
+
+    def __init__(self, d_model=32, num_heads=4, bug=()):
+        super().__init__()
+        self.h, self.bug = num_heads, set(bug)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, q, k, v, mask=None):
+        B, Lq, E = q.shape
+        Q, K, V = (p(x).view(B, x.shape[1], self.h, -1).transpose(1, 2)  # (B, L, E) -> (B, H, L, D)
+                   for p, x in ((self.q_proj, q), (self.k_proj, k), (self.v_proj, v)))
+        s = Q @ K.transpose(-1, -2) / (Q.shape[-1] if "scale d_k" in self.bug else math.sqrt(Q.shape[-1]))
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        w = s.softmax(-1)  # (B, H, Lq, Lk)
+        return {"output": self.out_proj((w @ V).transpose(1, 2).reshape(B, Lq, E)), "attention": w}
+
+
 # (style, constructor, call, mask, causal) for each style
 STYLES = {
     "four Linear": (FourLinear, "qkv_mask", "block", False),
@@ -240,6 +284,10 @@ STYLES = {
     "wrapper, causal": (Wrapper, "qkv", None, True),
     "additive mask": (Additive, "qkv_mask", "additive", False),
     "unnamed list, valid_lens": (Listed, "qkv_mask", "valid_lens", False),
+    # conventions found, not listed: each graded on the course's own (B, 1, Lq, Lk) mask
+    "sequence-first, key padding": (SequenceFirst, "qkv_mask", "block", False),
+    "dict output": (DictReturn, "qkv_mask", "keep", False),
+    "additive mask given a keep mask": (Additive, "qkv_mask", "keep", False),
 }
 
 # (style, bugs, the finding names expected)
@@ -288,6 +336,17 @@ BUGGY = [
     ("unnamed list, valid_lens", {"repeat"}, ["lengths repeated with repeat instead of repeat_interleave"]),
     ("wrapper, causal", {"times sqrt", "nan_to_num"}, ["scores scaled by sqrt(d_k)"]),
     ("fused", {"log_softmax"}, ["log_softmax instead of softmax"]),
+    # mistakes one call cannot show, each named by its property
+    ("four Linear", {"mask in place"}, ["changes its caller's tensors"]),
+    ("four Linear", {"cache mask"}, ["keeps state between calls"]),
+    ("four Linear", {"new layer"}, ["builds a layer / draws random numbers inside forward"]),
+    ("fused", {"batch keys"}, ["batch rows tied together"]),
+    ("fused", {"batch 3"}, ["the batch size is hard-coded"]),
+    ("per-head lists", {"one head"}, ["the heads share one set of weights"]),
+    # a mistake in a module graded on a convention found
+    ("dict output", {"scale d_k"}, ["scores divided by d_k"]),
+    ("additive mask given a keep mask", {"scale twice"}, ["scores divided by d_k"]),
+    ("additive mask given a keep mask", {"axis queries"}, ["softmax over the wrong axis"]),
 ]
 
 # two bugs at once

@@ -46,6 +46,29 @@ def test_two_bugs_at_once_are_both_named(style, bugs, names):
     assert sorted(f.name for f in rep.diagnosis) == sorted(names), str(rep)
 
 
+@pytest.mark.parametrize("style, form", [
+    ("sequence-first, key padding", "the mask given as sequence-first (L, B, E) inputs, (B, Lk) bool: under (B, 1, "
+     "Lq, Lk) 1/0 floats it raised"),
+    ("dict output", "the output read from the dict's 'output'"),
+    ("additive mask given a keep mask", "the mask given as (B, 1, Lq, Lk) additive floats (0 kept, -inf blocked): "
+     "under (B, 1, Lq, Lk) bool it let masked keys change the output"),
+])
+def test_a_convention_correct_code_uses_is_found_and_the_report_says_it(style, form):
+    """Issue 65: torch.nn's sequence-first layout with a (B, Lk) key-padding mask ('cannot be graded'), a dict
+    returned ({"output", "attention"}: NOT OK) and an additive float mask given the course's boolean one (NOT OK,
+    'mask applied wrongly') are found by trying the forms correct code uses and graded OK on theirs, which the report
+    says; a module no form explains is graded on the course's form (the bugs in these styles: BUGGY)."""
+    rep = grade(style)
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    assert rep.check("runs on probe inputs").detail.startswith(form), rep.check("runs on probe inputs").detail
+
+
+def test_a_module_that_ignores_its_mask_is_graded_on_the_courses_form():
+    rep = grade("four Linear", {"ignore mask"})
+    assert rep.check("masked keys have no influence").passed is False and rep.check("runs on probe inputs").detail \
+        == "", str(rep)
+
+
 def test_the_finding_says_the_stage_what_was_expected_and_found():
     rep = grade("four Linear", {"scale d_model"})
     (f,) = rep.diagnosis

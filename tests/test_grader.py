@@ -433,10 +433,11 @@ def test_the_courses_decoder_self_attention_is_graded_causal_through_lengths_per
     assert code == 0 and re.search(r"causal: no influence from the future\s+pass", out), out
 
 
-def test_a_module_that_writes_into_its_mask_is_graded_on_copies():
+def test_a_module_that_writes_into_its_mask_is_graded_on_copies_and_named():
     """``mask.logical_not_()`` (keep -> block, in place): in process the module was given the probe's own mask, an
     expanded view, and raised ('more than one element of the written-to tensor ...': NOT OK), where it would also
-    have changed the mask every later comparison reads; each call now gets copies of the inputs and the mask."""
+    have changed the mask every later comparison reads; each call now gets copies of the inputs and the mask, so
+    every other check stands -- and the write into the caller's mask is itself a mistake, named (issue 65)."""
     from torch import nn
 
     class InPlaceMask(nn.Module):
@@ -454,7 +455,10 @@ def test_a_module_that_writes_into_its_mask_is_graded_on_copies():
 
     torch.manual_seed(0)
     rep = multihead.check(InPlaceMask(), call="qkv_mask", mask="keep")
-    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    assert rep.check("matches the float64 reference").passed, str(rep)
+    assert rep.check("inputs unchanged by a call").figure == "mask changed", str(rep)
+    assert [f.name for f in rep.diagnosis] == ["changes its caller's tensors"] and not rep.ok, str(rep)
+    assert "mask.logical_not_()" in rep.diagnosis[0].advice
 
 
 def _in_process_and_sandboxed(src: str, name: str, tmp_path: Path, capsys, *, call: str, mask: str):
@@ -686,9 +690,11 @@ def test_a_submission_that_imports_a_package_missing_where_the_grader_runs_says_
     assert "it is the submission's own helpers.py beside it" in err and "pip install" not in err, err
 
 
-def test_a_module_returning_a_dict_is_told_its_keys_and_the_call_that_picks_the_output():
-    """Which entry of a returned mapping is the output is not guessed: the call fails naming the keys and the
-    call that picks it, and with that call the module is OK."""
+def test_a_module_returning_a_dict_is_read_by_its_one_output_shaped_tensor_or_told_its_keys():
+    """A returned mapping (a dict, transformers' ModelOutput) whose one tensor has the output's shape is read by it,
+    which the report says (issue 65: a correct module returning {"output", "attention"} was NOT OK); where none or
+    several have it, the call fails naming the keys and the call that picks the output, and with that call the
+    module is OK."""
     from torch import nn
 
     class DictOut(nn.Module):
@@ -705,8 +711,13 @@ def test_a_module_returning_a_dict_is_told_its_keys_and_the_call_that_picks_the_
             return {"hidden": self.o((w @ V).transpose(1, 2).reshape(B, Lq, 24)), "attn": w}
 
     rep = multihead.check(DictOut(), call="qkv")
+    assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
+    assert rep.check("runs on probe inputs").detail == "the output read from the dict's 'hidden'", str(rep)
+    assert rep.check("returned weights rows sum to 1").passed, str(rep)  # 'attn', (B, H, Lq, Lk)
+    twice = lambda m, q, k, v, mask: {"hidden": m(q, k, v)["hidden"], "again": m(q, k, v)["hidden"]}  # noqa: E731
+    rep = multihead.check(DictOut(), call=twice)
     ran = rep.check("runs on probe inputs")
-    assert not rep.ok and "returned a dict with keys ['hidden', 'attn']" in ran.detail, ran.detail
+    assert not rep.ok and "returned a dict with keys ['hidden', 'again'], more than one tensor" in ran.detail, ran.detail
     assert "call=lambda m, q, k, v, mask: m(q, k, v)['hidden']" in ran.detail and "mask (" not in ran.detail
     rep = multihead.check(DictOut(), call=lambda m, q, k, v, mask: m(q, k, v)["hidden"])
     assert rep.ok and rep.check("matches the float64 reference").passed, str(rep)
@@ -964,6 +975,148 @@ def test_a_submission_reads_and_reaches_nothing_but_itself(tmp_path):
     assert received() == []
     udp.close()
     unix.close()
+
+
+HOSTILE = {
+    # the grader's environment put into the error the feedback and the table show
+    "environ": HONEST.replace("        B, Lq, E = q.shape", "        import os\n"
+                              "        raise RuntimeError('env: ' + repr(dict(os.environ)))"),
+    # clear screen, a window title, a forged green verdict, a bidirectional override: in the error and the output
+    "escapes": HONEST.replace("        B, Lq, E = q.shape", "        print('\\x1b[2J\\x1b]0;pwned\\x07')\n"
+                              "        raise RuntimeError('\\x1b[2J\\x1b]0;pwned\\x07\\n\\x1b[1;32mALL SUBMISSIONS OK"
+                              "\\x1b[0m\\u202e' + 'x' * 5000)"),
+}
+
+
+def test_nothing_of_the_teachers_machine_reaches_a_student_or_the_console(tmp_path, capsys, monkeypatch):
+    """The sandbox kept the grader's environment (a submission printing os.environ showed the teacher's tokens in
+    its own feedback and the class table); a submission's escape sequences reached the teacher's terminal raw; a
+    link to a file outside the class folder was read (its row named the teacher's file). The sandbox's environment
+    is now built, a submission's text is escaped and capped wherever it is shown, and what is not a regular file
+    inside the class folder is refused in its own row, never read."""
+    from multihead.grader import runner
+
+    token = f"tok-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("MULTIHEAD_TEST_SECRET_TOKEN", token)
+    monkeypatch.setattr(runner, "_ZYGOTE", [])  # a fork server started now, with the token in the grader's env
+    subs, teacher = tmp_path / "class", tmp_path / "teacher"
+    subs.mkdir()
+    teacher.mkdir()
+    (subs / "honest.py").write_text(HONEST)
+    for name, body in HOSTILE.items():
+        (subs / f"{name}.py").write_text(body)
+    (teacher / "answers.py").write_text(HONEST)
+    (subs / "link.py").symlink_to(teacher / "answers.py")
+    (subs / "folder.py").mkdir()
+    report, fb = tmp_path / "grades.csv", tmp_path / "feedback"
+    try:
+        code = main(["check", str(subs), "--name", "MHA", "--call", "qkv", "--seed", "2", "--timeout", "90",
+                     "--report", str(report), "--feedback", str(fb), "--jobs", "2"])
+    finally:
+        for z in runner._ZYGOTE:
+            z.sock.close()
+            z.proc.wait(timeout=10)
+    out, err = capsys.readouterr()
+    rows = {Path(r["file"]).stem: r for r in csv.DictReader(report.open())}
+    assert code == 1 and rows["honest"]["status"] == "ok", out
+    assert rows["environ"]["status"] == "error" and "env: {" in rows["environ"]["finding"], rows["environ"]
+    assert "PATH" in rows["environ"]["finding"] and "answers" not in out
+    assert rows["link"]["status"] == "error" and "symbolic link to a file outside the class folder" in \
+        rows["link"]["finding"] and "answers" not in rows["link"]["finding"], rows["link"]
+    assert rows["folder"]["status"] == "error" and "is a folder, not a regular file" in rows["folder"]["finding"]
+    shown = rows["escapes"]["finding"]
+    assert "\\x1b[1;32mALL SUBMISSIONS OK" in shown and "more characters]" in shown and len(shown) < 2500, shown
+    written = [out, err, report.read_text()] + [f.read_text() for f in fb.rglob("*.md")]
+    assert len(written) == 3 + 5  # the console, the report, a feedback file per row
+    for text in written:
+        assert token not in text and "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+
+
+BANNED = {
+    "torch_mha": textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class MHA(nn.Module):
+            def __init__(self, d_model=24, num_heads=3):
+                super().__init__()
+                self.inner = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+
+            def forward(self, q, k, v):
+                return self.inner(q, k, v, need_weights=False)[0]
+        '''),
+    # SDPA under another name: rebinding torch's own and calling it through a wrapper of its own
+    "sdpa_renamed": HONEST.replace("        w = torch.softmax(Q @ K.transpose(-1, -2) / self.scale_by, -1)\n"
+                                   "        return self.W_o((w @ V)",
+                                   "        return self.W_o(attend(Q, K, V)") + textwrap.dedent('''
+        import torch.nn.functional as F
+        _real = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = lambda *a, **k: _real(*a, **k)
+
+        def attend(Q, K, V):
+            return F.scaled_dot_product_attention(Q, K, V)
+        '''),
+}
+
+
+def test_forbidden_calls_are_refused_by_observation_and_a_bad_name_in_one_line(tmp_path, capsys):
+    """--forbid nn.MultiheadAttention,F.scaled_dot_product_attention: a submission whose forward uses one is NOT OK,
+    the call named, whatever its code calls it (torch's function rebound to a wrapper of the submission's own is still
+    seen); one that uses neither is OK; a name torch does not have is refused in one line before any grading."""
+    subs = tmp_path / "class"
+    subs.mkdir()
+    (subs / "honest.py").write_text(HONEST)
+    for name, body in BANNED.items():
+        (subs / f"{name}.py").write_text(body)
+    report = tmp_path / "grades.csv"
+    forbid = "nn.MultiheadAttention,F.scaled_dot_product_attention"
+    code = main(["check", str(subs), "--name", "MHA", "--seed", "4", "--timeout", "90", "--forbid", forbid,
+                 "--report", str(report)])
+    out = capsys.readouterr().out
+    rows = {Path(r["file"]).stem: r for r in csv.DictReader(report.open())}
+    assert code == 1 and rows["honest"]["status"] == "ok", out
+    assert rows["torch_mha"]["status"] == "not ok" and rows["torch_mha"]["finding"].startswith(
+        "uses nn.MultiheadAttention, which the course forbids"), rows["torch_mha"]
+    assert rows["sdpa_renamed"]["finding"].startswith("uses F.scaled_dot_product_attention, which the course "
+                                                      "forbids"), rows["sdpa_renamed"]
+    assert main(["check", str(subs), "--name", "MHA", "--forbid", "nn.MultiHeadAttention"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--forbid 'nn.MultiHeadAttention': torch has no such function or module" in err
+
+
+def test_gradebooks_canvas_and_moodle_import_from_a_roster(tmp_path, capsys):
+    """--report grades.canvas.csv / grades.moodle.csv with --roster: the columns those LMSs import, each student found
+    by their submission's path under the class folder; a roster that misses a submission, lacks a column, or a
+    gradebook without a roster: one line, exit 2, before any grading."""
+    subs = tmp_path / "class"
+    for learner, kind in (("alice", "honest"), ("bob", "wrong")):
+        (subs / learner).mkdir(parents=True)
+        (subs / learner / "mha.py").write_text(ADVERSARIES[kind])
+    roster = tmp_path / "roster.csv"
+    roster.write_text("file,Student,ID,SIS User ID,Email address\nalice/mha.py,Alice A,101,s101,alice@uni.edu\n"
+                      "bob/mha.py,Bob B,102,s102,bob@uni.edu\n")
+    canvas, moodle = tmp_path / "grades.canvas.csv", tmp_path / "grades.moodle.csv"
+    args = ["check", str(subs), "--name", "MHA", "--seed", "6", "--timeout", "90", "--roster", str(roster)]
+    assert main([*args, "--report", str(canvas)]) == 1
+    got = list(csv.reader(canvas.open()))
+    assert got[0] == ["Student", "ID", "SIS User ID", "Multi-head attention"] and got[1][0] == "Points Possible"
+    possible = float(got[1][-1])
+    assert got[2][:3] == ["Alice A", "101", "s101"] and float(got[2][3]) == possible, got
+    assert got[3][:3] == ["Bob B", "102", "s102"] and float(got[3][3]) < possible, got
+    assert main([*args, "--report", str(moodle)]) == 1
+    got = list(csv.DictReader(moodle.open()))
+    assert [r["Email address"] for r in got] == ["alice@uni.edu", "bob@uni.edu"], got
+    assert got[1]["Feedback"].startswith("scores divided by d_k") and float(got[0]["Multi-head attention"]) == possible
+    capsys.readouterr()
+    roster.write_text("file,Student,ID\nalice/mha.py,Alice A,101\n")
+    assert main([*args, "--report", str(canvas)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no row for bob/mha.py" in err, err
+    roster.write_text("file,Name\nalice/mha.py,Alice A\nbob/mha.py,Bob B\n")
+    assert main([*args, "--report", str(moodle)]) == 2
+    assert "must have the columns file and one of Email address, Username, ID number" in capsys.readouterr().err
+    assert main(["check", str(subs), "--name", "MHA", "--report", str(canvas)]) == 2
+    assert "is a gradebook: give --roster FILE" in capsys.readouterr().err
 
 
 def test_a_machine_that_cannot_confine_is_told_what_is_not_confined(monkeypatch, tmp_path):

@@ -300,6 +300,9 @@ def _check_options(p: argparse.ArgumentParser) -> None:
                    help="the score scale the course uses, when it is not 1/sqrt(one head's size): e.g. the Keras "
                         "tutorial's code divides by the square root of its total d_k (h heads x d_k / h)")
     p.add_argument("--strict", action="store_true", help="warnings (NaN on fully masked rows, ...) fail too")
+    p.add_argument("--forbid", default=None, metavar="NAMES",
+                   help="torch functions and modules the course forbids, comma-separated (e.g. nn.MultiheadAttention,"
+                        "F.scaled_dot_product_attention): a submission whose forward uses one is NOT OK, naming it")
     p.add_argument("--timeout", type=_positive(float), default=60.0,
                    help="wall-clock seconds each submission may take (its CPU time: twice that)")
     p.add_argument("--memory", default="4G", help="address space each submission may use, e.g. 4G, 512M")
@@ -311,7 +314,13 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feedback", default=None, metavar="DIR", help="write one markdown feedback file per submission")
     p.add_argument("--summary", default=None, metavar="DIR",
                    help="write the class summary: each mistake and how many made it (summary.md, summary.png)")
-    p.add_argument("--report", default=None, help="write the table as FILE.csv or FILE.json")
+    p.add_argument("--report", default=None,
+                   help="write the table as FILE.csv or FILE.json, or the gradebook an LMS imports as FILE.canvas.csv "
+                        "or FILE.moodle.csv (with --roster)")
+    p.add_argument("--roster", default=None, metavar="FILE",
+                   help="for a .canvas.csv / .moodle.csv report: a CSV with a file column (each submission's path "
+                        "under the class folder) and the students' columns (Canvas: Student, ID; Moodle: Email "
+                        "address, Username or ID number)")
 
 
 def _patch_options(p: argparse.ArgumentParser) -> None:

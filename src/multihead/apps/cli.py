@@ -273,6 +273,7 @@ def _check(args) -> int:
     2 cannot be graded."""
     from multihead.grader import classroom
     from multihead.grader.runner import Limits, parse_size
+    from multihead.grader.subject import forbidden
 
     if args.merge:
         return _merge(args)
@@ -287,6 +288,7 @@ def _check(args) -> int:
         return 2
     # the whole class's feedback names (a slice's among them), and each file's name in the class
     names, (in_class, class_id) = classroom.feedback_names([f for f, _ in files]), classroom.names_in_class(files)
+    args.roster_rows = _roster(args, files)  # checked against the whole class, before any grading
     if part is not None:
         files = classroom.shard(files, *part)
     if _not_honoured(args, mask):
@@ -294,7 +296,8 @@ def _check(args) -> int:
     memory = parse_size(args.memory)  # a ValueError is one line and exit 2 (main)
     scheme = classroom.load_points(args.points) if args.points else None
     opts = dict(init=args.init, call=args.call, mask=mask, causal=args.causal, embed_dim=args.embed_dim,
-                strict=args.strict, seed=args.seed, scale=args.scale)
+                strict=args.strict, seed=args.seed, scale=args.scale,
+                forbid=forbidden((args.forbid or "").split(",")))  # a name torch lacks: one line, exit 2 (main)
     one = args.target[0] if args.target else ""
     if part is None and len(args.target) == 1 and (one.rpartition(":")[0].endswith(classroom.SOURCES)
                                                    or Path(one).is_file()):
@@ -340,6 +343,22 @@ def _not_honoured(args, mask: str | None) -> bool:
     return False
 
 
+def _roster(args, files) -> dict | None:
+    """The roster a gradebook report needs, read and checked against the class before any grading (a ValueError:
+    one line, exit 2); None for another report."""
+    from multihead.grader import classroom
+
+    kind = classroom.gradebook(args.report)
+    if kind is None:
+        if args.roster:
+            raise ValueError("--roster is for a gradebook report: give --report FILE.canvas.csv or FILE.moodle.csv")
+        return None
+    if not args.roster:
+        raise ValueError(f"--report {args.report} is a gradebook: give --roster FILE (file, and the students' "
+                         "columns)")
+    return classroom.load_roster(args.roster, files, kind)
+
+
 def _class_table(rows: list[dict]) -> None:
     from multihead.grader import classroom
 
@@ -356,6 +375,7 @@ def _merge(args) -> int:
     if args.target or args.shard or args.feedback:
         raise ValueError("--merge joins reports: give no files to grade, no --shard and no --feedback with it")
     rows = classroom.merge(args.merge)
+    args.roster_rows = _roster(args, [(Path(r["name"]), None) for r in rows])
     _class_table(rows)
     return _written(args, rows)
 
@@ -365,7 +385,7 @@ def _written(args, rows: list[dict]) -> int:
     from multihead.grader import classroom
 
     if args.report:
-        classroom.write_report(rows, Path(args.report))
+        classroom.write_report(rows, Path(args.report), getattr(args, "roster_rows", None))
         print(f"report: {args.report}")
     if args.summary:
         md, png = classroom.write_summary(rows, Path(args.summary))

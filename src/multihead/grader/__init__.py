@@ -34,7 +34,7 @@ from torch import nn
 
 from multihead.grader.report import CHECKS, POINTS, Check, Finding, Report
 from multihead.grader.session import CONVENTIONS
-from multihead.grader.subject import CALLS, HOW, SELF_CALLS, LocalSubject
+from multihead.grader.subject import CALLS, HOW, SELF_CALLS, LocalSubject, forbidden
 from multihead.grader.verdict import Options, grade_subject
 
 __all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "check", "grade"]
@@ -76,22 +76,25 @@ def check_call(call, mask) -> None:
 
 def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None = None, embed_dim: int | None = None,
           causal: bool = False, self_attention: bool | None = None, mapping: dict | None = None,
-          seed: int = 0, strict: bool = False) -> Report:
+          seed: int = 0, strict: bool = False, forbid: tuple | list = ()) -> Report:
     """Grade ``module`` in this process (see :mod:`multihead.grader`). ``embed_dim``: the input size, when
     no layer tells it; ``causal``: the module is meant to be causal (future positions must have no
     influence), on top of any mask it is given; ``self_attention``: queries, keys and values are the same
     tensor (default: for ``call`` "x" and "x_mask"); ``mapping``: the names of the q/k/v/o (or qkv) submodules or
     Parameters, the head count (``heads``) and the score scale (``scale``) when they cannot be found;
-    ``seed``: the probes' random seed; ``strict``: warnings fail too. A lazy module (``nn.LazyLinear``, a
+    ``seed``: the probes' random seed; ``strict``: warnings fail too; ``forbid``: torch functions and modules the
+    course forbids (``("nn.MultiheadAttention", "F.scaled_dot_product_attention")``), refused when forward uses one
+    (observed, whatever the code's text). A lazy module (``nn.LazyLinear``, a
     Keras layer not built yet) is built by a first call. The module comes back as it was: training flags, gradients, parameters
     and buffers, and the random number generators' states.
 
     Raises before calling the module: TypeError for a module that is not a torch Module or a call that
     cannot take (module, q, k, v, mask); ValueError for a module without parameters, an unknown mask
-    convention, or a call that cannot pass the mask it is given."""
+    convention, a call that cannot pass the mask it is given, or a forbidden name torch does not have."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"check takes a torch.nn.Module; got {type(module).__name__}.")
     check_call(call, mask)
+    banned = forbidden([forbid] if isinstance(forbid, str) else forbid)
     unbuilt = any(type(m).__module__.split(".")[0] == "keras" and getattr(m, "built", True) is False
                   for m in module.modules())  # a Keras layer's weights are made by its first call
     if not list(module.parameters()) and not unbuilt:
@@ -102,7 +105,7 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
         opts = Options(mask, causal, call in SELF_CALLS if self_attention is None else bool(self_attention), embed_dim,
                        mapping, seed, strict, HOW.get(call, "call(module, q, k, v, mask)") if not callable(call)
                        else "call(module, q, k, v, mask)", call if isinstance(call, str) else None,
-                       kv_same=callable(call) and _reads_argument(call, 3) is False)
+                       kv_same=callable(call) and _reads_argument(call, 3) is False, forbid=banned)
         return grade_subject(subject, opts)
     finally:
         subject.close()

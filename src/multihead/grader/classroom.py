@@ -13,20 +13,21 @@ import csv
 import glob
 import hashlib
 import json
+import os
 import secrets
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
-from multihead.grader.report import Report, points_scheme
+from multihead.grader.report import Report, points_scheme, safe
 from multihead.grader.runner import Limits, SandboxError, SandboxSubject
-from multihead.grader.subject import HOW, SELF_CALLS
+from multihead.grader.subject import HOW, SELF_CALLS, forbidden
 from multihead.grader.verdict import Options, grade_subject
 
-__all__ = ["FIELDS", "grade_file", "grade_many", "kwargs_of", "load_points", "merge", "names_in_class", "parse_shard",
-           "read_report", "shard", "summary", "table", "targets", "feedback_names", "write_feedback", "write_report",
-           "write_summary"]
+__all__ = ["FIELDS", "GRADEBOOKS", "feedback_names", "grade_file", "grade_many", "gradebook", "kwargs_of",
+           "load_points", "load_roster", "merge", "names_in_class", "parse_shard", "read_report", "refused", "shard",
+           "summary", "table", "targets", "write_feedback", "write_gradebook", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
           "shard", "name", "class")
@@ -54,9 +55,40 @@ def targets(items: list[str], name: str | None) -> list[tuple[Path, str | None]]
         p = Path(item)
         files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in SOURCES) if p.is_dir() else \
             sorted(Path(f) for f in glob.glob(item, recursive=True))
-        out += [(f, name) for f in files if f.is_file() and f.suffix in SOURCES
+        # what is named as a submission but is no regular file (a folder named *.py, a device, a link) is kept: its
+        # row says why it is refused (grade_file), where leaving it out would say nothing
+        out += [(f, name) for f in files if (f.is_file() or f.is_symlink() or f.exists()) and f.suffix in SOURCES
                 and ".ipynb_checkpoints" not in f.parts]
     return out
+
+
+def refused(path: Path, folder: Path | None = None) -> str:
+    """Why ``path`` is not graded, or '': a submission must be a regular file (not a folder, a device, a pipe) and,
+    with ``folder`` (the class's), inside it once every link is followed -- a link out of the folder is refused,
+    never read (the row would name the file it points to, and its grade would be another file's). The reason names
+    the submission, never where a link points."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return f"{safe(path)} does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        real = Path(os.path.realpath(path))
+        inside = folder is None or real.is_relative_to(os.path.realpath(folder))
+        if not inside:
+            return (f"refused: {safe(path)} is a symbolic link to a file outside the class folder; a submission must "
+                    "be a regular file inside it")
+        try:
+            st = os.stat(path)
+        except OSError:
+            return f"refused: {safe(path)} is a symbolic link to nothing"
+    kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or
+            stat.S_ISBLK(st.st_mode) else "a pipe" if stat.S_ISFIFO(st.st_mode) else "a socket"
+            if stat.S_ISSOCK(st.st_mode) else "")
+    if kind:
+        return f"refused: {safe(path)} is {kind}, not a regular file; a submission must be a regular file"
+    return ""
 
 
 #: what a submission may be: a Python file, or a notebook (its definitions: :mod:`multihead.grader.notebook`)
@@ -100,19 +132,23 @@ def _row(path: Path, status: str, report: Report | None = None, finding: str = "
 def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
                causal: bool = False, embed_dim: int | None = None, strict: bool = False, limits: Limits | None = None,
                seed: int | None = None, scheme: dict | None = None,
-               scale: float | None = None) -> tuple[dict, Report | None]:
+               scale: float | None = None, folder: Path | None = None,
+               forbid: tuple = ()) -> tuple[dict, Report | None]:
     """Grade ``NAME(**init)`` from ``path`` in a sandbox: (its row, its report or None when it could not
     be graded -- status error or timeout, the reason in ``finding``). ``scale``: the score scale the course
-    uses (default 1/sqrt(one head's size))."""
+    uses (default 1/sqrt(one head's size)); ``folder``: the class's folder, which the file must be inside
+    (:func:`refused`); ``forbid``: torch functions and modules the course forbids
+    (:func:`~multihead.grader.subject.forbidden`), refused when the module's forward uses one."""
     t0 = time.perf_counter()
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
-    if not Path(path).is_file():
-        return _row(path, "error", finding=f"{path} does not exist", scheme=scheme, seed=seed), None
+    why = refused(Path(path), folder)
+    if why:
+        return _row(path, "error", finding=why, scheme=scheme, seed=seed), None
     if not name:
         return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme,
                     seed=seed), None
     opts = Options(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
-                   seed, strict, HOW[call], call)
+                   seed, strict, HOW[call], call, forbid=forbidden(forbid))
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
             report = grade_subject(subject, opts)
@@ -137,11 +173,11 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`).
     Warns (RuntimeWarning), in one line, where this machine cannot confine a sandbox (:mod:`multihead.grader.confine`:
     files, network, sockets, other processes) and says what is not confined."""
-    import os
     import warnings
 
     from multihead.grader import confine
 
+    opts["forbid"] = forbidden(opts.get("forbid") or ())  # a name torch does not have: refused before any grading
     gaps = confine.unconfined()
     if gaps:
         warnings.warn(f"this machine cannot confine a submission's process from: {'; '.join(gaps)}. Grade on Linux "
@@ -152,9 +188,11 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
 
     names = names or feedback_names([p for p, _ in files])  # given: the whole class's, for a slice of it
 
+    folder = _common_folder([p for p, _ in files]) if files else None  # a submission must be inside it
+
     def one(item):
         path, name = item
-        row, report = grade_file(path, name, limits=limits, seed=seed, scheme=scheme, **opts)
+        row, report = grade_file(path, name, limits=limits, seed=seed, scheme=scheme, folder=folder, **opts)
         if feedback is not None:
             write_feedback(row, report, Path(feedback), names[path])
         return row
@@ -167,31 +205,104 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
 def table(rows: list[dict]) -> str:
     """The class table, each file named by its path under the submissions' common folder (``alice/mha.py``: the
     bare name told two learners' ``mha.py`` apart by nothing)."""
-    shown = _under_common_folder([Path(r["file"]) for r in rows])
+    shown = [safe(n, 300) for n in _under_common_folder([Path(r["file"]) for r in rows])]
     w = max([len(n) for n in shown] + [4])
     lines = [f"{'file':<{w}}  {'status':<7}  {'points':>9}  finding", "-" * (w + 50)]
     for r, name in zip(rows, shown, strict=True):
         pts = f"{r['points']:g}/{r['possible']:g}"
-        lines.append(f"{name:<{w}}  {r['status']:<7}  {pts:>9}  {r['finding'] or r['failed']}")
+        lines.append(f"{name:<{w}}  {r['status']:<7}  {pts:>9}  {safe(r['finding'] or r['failed'])}")
     n_ok = sum(r["ok"] for r in rows)
     lines.append(f"\n{n_ok} of {len(rows)} OK")
     return "\n".join(lines)
 
 
 def _safe(value):
-    """A spreadsheet cell that cannot run as a formula: text starting with = + - @ (or a tab or CR) gets a
-    leading apostrophe."""
+    """A spreadsheet cell that cannot run as a formula (text starting with = + - @ gets a leading apostrophe) and
+    holds no control character (:func:`~multihead.grader.report.safe`)."""
+    if isinstance(value, str):
+        value = safe(value)
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
         return "'" + value
     return value
 
 
-def write_report(rows: list[dict], path: Path) -> None:
+#: the gradebook files an LMS imports, by how the report's name ends: the roster's columns each needs (one of)
+GRADEBOOKS = {".canvas.csv": ("Student", "ID"), ".moodle.csv": ("Email address", "Username", "ID number")}
+#: the gradebook's column of points (Canvas creates an assignment of this name; Moodle maps it on import)
+ASSIGNMENT = "Multi-head attention"
+
+
+def gradebook(path: str | Path | None) -> str | None:
+    """".canvas.csv" or ".moodle.csv" where the report ``path`` is one of those gradebooks, else None."""
+    name = str(path or "").lower()
+    return next((k for k in GRADEBOOKS if name.endswith(k)), None)
+
+
+def load_roster(path: str | Path, files: list[tuple[Path, str | None]], kind: str) -> dict[str, dict]:
+    """The roster (a CSV: a ``file`` column -- each submission's path under the class folder, as the class table
+    names it -- and the students' columns the ``kind`` of gradebook needs, :data:`GRADEBOOKS`): {file: its row}. A
+    ValueError naming what is wrong -- no such file, a column missing, a submission without a row -- before any
+    grading."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--roster {p} does not exist.")
+    with p.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    cols = list(rows[0]) if rows else []
+    need = GRADEBOOKS[kind]
+    if "file" not in cols or (kind == ".canvas.csv" and not all(c in cols for c in need)) or \
+            (kind == ".moodle.csv" and not any(c in cols for c in need)):
+        what = " and ".join(need) if kind == ".canvas.csv" else "one of " + ", ".join(need)
+        raise ValueError(f"--roster {p} must have the columns file and {what} for a {kind} gradebook; it has "
+                         f"{', '.join(cols) or 'none'}.")
+    by_file = {r["file"]: r for r in rows}
+    names, _ = names_in_class(files)
+    missing = [n for n in names.values() if n not in by_file]
+    if missing:
+        raise ValueError(f"--roster {p} has no row for {missing[0]}" + (f" (and {len(missing) - 1} more submissions)"
+                                                                       if len(missing) > 1 else "") +
+                         ": add a row whose file column is that path under the class folder.")
+    return by_file
+
+
+def write_gradebook(rows: list[dict], path: Path, roster: dict[str, dict]) -> None:
+    """A gradebook an LMS imports, by the name's ending (:func:`gradebook`): Canvas -- Student, ID (and SIS User ID,
+    SIS Login ID, Section where the roster has them), then the points in a column :data:`ASSIGNMENT`; Moodle -- the
+    roster's identifying columns, the points and the feedback line. One row a submission, its student found in the
+    roster by its path under the class folder (``row["name"]``, else its path under the rows' common folder)."""
+    kind = gradebook(path)
+    shown = _under_common_folder([Path(r["file"]) for r in rows])
+    ids = (["Student", "ID", "SIS User ID", "SIS Login ID", "Section"] if kind == ".canvas.csv" else
+           list(GRADEBOOKS[kind]))
+    first = next(iter(roster.values()), {})
+    ids = [c for c in ids if c in first]
+    head = ids + [ASSIGNMENT] + (["Feedback"] if kind == ".moodle.csv" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(head)
+        if kind == ".canvas.csv":  # Canvas reads the points possible from this row
+            wr.writerow(["Points Possible"] + [""] * (len(ids) - 1) + [f"{rows[0]['possible']:g}" if rows else ""])
+        for r, name in zip(rows, shown, strict=True):
+            student = roster.get(r.get("name") or name) or roster[name]
+            cells = [student[c] for c in ids] + [f"{r['points']:g}"]
+            if kind == ".moodle.csv":
+                cells.append(r["finding"] or r["status"])
+            wr.writerow([_safe(c) for c in cells])
+
+
+def write_report(rows: list[dict], path: Path, roster: dict[str, dict] | None = None) -> None:
     """CSV or JSON by the suffix; both load back (csv.DictReader, json.load) to the same rows (CSV cells
-    that would start a formula are prefixed with an apostrophe)."""
+    that would start a formula are prefixed with an apostrophe); a name ending .canvas.csv or .moodle.csv: the
+    gradebook that LMS imports (:func:`write_gradebook`, ``roster`` from :func:`load_roster`)."""
     path = Path(path)
+    if gradebook(path):
+        if roster is None:
+            raise ValueError(f"--report {path} is a gradebook: give --roster FILE (file, and the students' columns).")
+        write_gradebook(rows, path, roster)
+        return
     if path.suffix.lower() not in (".json", ".csv"):
-        raise ValueError(f"--report must end in .csv or .json; got {path}")
+        raise ValueError(f"--report must end in .csv or .json (or .canvas.csv, .moodle.csv); got {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
         path.write_text(json.dumps(rows, indent=1))
@@ -300,13 +411,16 @@ def merge(paths: list[str | Path]) -> list[dict]:
 
 def _under_common_folder(paths: list[Path]) -> list[str]:
     """Each path relative to the paths' common folder ("alice/mha.py"), as text."""
-    import os
-
     if not paths:
         return []
-    full = [Path(p).resolve() for p in paths]
-    root = Path(os.path.commonpath([f.parent for f in full]))
+    full = [Path(os.path.abspath(p)) for p in paths]  # links not followed: a link's row names the link
+    root = _common_folder(paths)
     return [f.relative_to(root).as_posix() for f in full]
+
+
+def _common_folder(paths: list[Path]) -> Path:
+    """The folder holding every one of ``paths`` (absolute, links not followed): the class's folder."""
+    return Path(os.path.commonpath([Path(os.path.abspath(p)).parent for p in paths]))
 
 
 def feedback_names(paths: list[Path]) -> dict[Path, Path]:
@@ -326,9 +440,9 @@ def write_feedback(row: dict, report: Report | None, folder: Path, name: Path | 
     graded."""
     out = folder / (name or f"{Path(row['file']).stem}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
-    title = f"{Path(row['file']).name}: {row['points']:g} of {row['possible']:g} points"
+    title = f"{safe(Path(row['file']).name, 300)}: {row['points']:g} of {row['possible']:g} points"
     if report is None:
-        out.write_text(f"# {title}\n\n**Could not be graded** ({row['status']}): {row['finding']}\n")
+        out.write_text(f"# {title}\n\n**Could not be graded** ({row['status']}): {safe(row['finding'])}\n")
     else:
         out.write_text(report.feedback(title))
     return out
@@ -356,13 +470,13 @@ def write_summary(rows: list[dict], folder: Path) -> tuple[Path, Path]:
     counts = summary(rows)
     n = len(rows)
     md = [f"# Class summary: {sum(r['ok'] for r in rows)} of {n} OK", "", "| mistake | submissions |", "|---|---:|"]
-    md += [f"| {name.replace('|', chr(92) + '|')} | {k} |" for name, k in counts] or ["| (none) | 0 |"]
+    md += [f"| {safe(name).replace('|', chr(92) + '|')} | {k} |" for name, k in counts] or ["| (none) | 0 |"]
     (folder / "summary.md").write_text("\n".join(md) + "\n")
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 0.45 * max(len(counts), 1) + 1.2))
     ax = fig.subplots()
-    names = [c[0] for c in counts][::-1]
+    names = [safe(c[0], 120) for c in counts][::-1]
     ax.barh(range(len(names)), [c[1] for c in counts][::-1], color="#4c72b0")
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlabel(f"submissions (of {n})")

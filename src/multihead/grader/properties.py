@@ -4,7 +4,10 @@ its :class:`~multihead.grader.report.Check` (and, where the property itself name
 :class:`~multihead.grader.report.Finding`).
 
 A correct multi-head attention module, whatever its style, has every one of these properties:
-deterministic in eval mode; each sequence independent of the others; masked keys without
+deterministic in eval mode (no dropout, no random draw in forward); the caller's tensors unchanged by a call; no
+state kept between calls (a call after others gives what a fresh copy of the module gives); each head its own
+weights; each sequence independent of the others, in batches of any size; none of the calls a course forbids;
+masked keys without
 influence; causal when meant to be; gradients reaching every parameter; positions permuted ->
 outputs permuted (self-attention); the keys' order irrelevant and, with every value vector equal,
 an output that does not depend on the queries or keys (each query's weights sum to 1: cross-attention);
@@ -18,6 +21,7 @@ from torch import Tensor
 
 from multihead.grader.report import Check, Finding
 from multihead.grader.session import Inputs, Session
+from multihead.grader.subject import NO_FRESH, Description, Reply
 
 __all__ = ["Base", "rel"]
 
@@ -43,26 +47,149 @@ class Base:
         self.x, self.out, self.weights = x, out, weights
 
 
-def determinism(s: Session, b: Base) -> tuple[Check, Finding | None]:
-    again = s.out(b.x.q, b.x.k, b.x.v, b.x.keep, b.x.lens)
-    det = again.shape == b.out.shape and torch.equal(again.nan_to_num(), b.out.nan_to_num())
-    c = Check("eval mode deterministic", det, "" if det else f"max diff {float((again - b.out).abs().max()):.3g}")
-    f = None if det else Finding("dropout active in eval", "apply dropout only in training (nn.Dropout follows "
-                                 "module.eval(); F.dropout needs training=self.training).", "normalisation",
-                                 "the same output for the same input in eval mode", "outputs that change")
-    return c, f
-
-
-def batch_independence(s: Session, b: Base, det: bool) -> Check:
-    if not det:  # two calls already differ: a difference here says nothing about the other sequences
-        return Check("batch independence", None, "not measured", "the output changes from call to call in eval mode "
-                     "(see above)")
+def again(s: Session, b: Base, forbid: tuple = ()) -> Reply:
+    """The base call made again, its random draws (and its use of what ``forbid`` names) watched: what
+    :func:`determinism`, :func:`inputs_unchanged` and :func:`no_forbidden` read."""
     x = b.x
-    one = s.out(x.q[1:2], x.k[1:2], x.v[1:2], None if x.keep is None else x.keep[1:2],
-                None if x.lens is None else x.lens[1:2])
-    e = rel(one[0], b.out[1])
-    return Check("batch independence", e < TOL, f"rel. diff {e:.2e}",
-                 "" if e < TOL else "a sequence's output depends on the other sequences of the batch")
+    return s.call(x.q, x.k, x.v, x.keep, x.lens, watch=True, forbid=tuple(forbid))
+
+
+def no_forbidden(r: Reply, forbid: tuple) -> tuple[Check, Finding | None]:
+    """The call used none of the torch functions and modules the course forbids (``r``: :func:`again`, observed:
+    a function called, a module's forward run -- whatever the file's text says)."""
+    if not r.called:
+        return Check("no forbidden calls", True, "", f"watched: {', '.join(forbid)}"), None
+    used = ", ".join(r.called)
+    return Check("no forbidden calls", False, f"uses {used}"), Finding(
+        f"uses {used}, which the course forbids", f"compute attention yourself, without {used}: the projections, "
+        "Q Kᵀ scaled, the mask, the softmax and the weighted values, each written out.", "forbidden calls",
+        f"none of {', '.join(forbid)}", f"forward calls {used}")
+
+
+def determinism(s: Session, b: Base, r: Reply) -> tuple[Check, Finding | None]:
+    """The same input twice in eval mode gives the same output (``r``: :func:`again`). What changes it is named by
+    what the call was seen doing: a dropout that drops in eval, or random numbers drawn in forward (a layer built
+    there); neither seen, the finding is left to :func:`no_state`."""
+    if r.error is not None or r.out is None:
+        return Check("eval mode deterministic", False, "raises", r.error or "no output"), None
+    again = r.out.double()
+    det = again.shape == b.out.shape and torch.equal(again.nan_to_num(), b.out.nan_to_num())
+    figure = "" if det else f"max diff {float((again - b.out).abs().max()):.3g}" if again.shape == b.out.shape \
+        else f"shape {tuple(again.shape)}"
+    c = Check("eval mode deterministic", det, figure)
+    if det:
+        return c, None
+    if "dropout" in r.drawn:
+        return c, Finding("dropout active in eval", "apply dropout only in training (nn.Dropout follows module.eval(); "
+                          "F.dropout needs training=self.training).", "normalisation",
+                          "the same output for the same input in eval mode", "outputs that change: a dropout drops "
+                          "in eval mode")
+    if r.drawn:
+        drawn = ", ".join(dict.fromkeys(r.drawn))
+        return c, Finding("builds a layer / draws random numbers inside forward", "build every layer and draw every "
+                          "weight once, in __init__ (self.W_o = nn.Linear(...)), and call it in forward: a layer built "
+                          "(or torch.randn drawn) in forward is new at every call and is never trained.", "projections",
+                          "the same output for the same input in eval mode, from the module's own parameters",
+                          f"outputs that change: forward draws random numbers ({drawn})")
+    return c, None
+
+
+def inputs_unchanged(s: Session, b: Base, r: Reply) -> tuple[Check, Finding | None]:
+    """The caller's tensors are the same after a call (``r``: :func:`again`, whose inputs the subject compared with
+    copies): values and shape of q, k, v and the mask. (Every call is given copies, so the other checks stand.)"""
+    if r.error is not None:
+        return Check("inputs unchanged by a call", None, "n/a", "the call raised"), None
+    if not r.changed:
+        return Check("inputs unchanged by a call", True), None
+    names = ", ".join(r.changed)
+    return Check("inputs unchanged by a call", False, f"{names} changed"), Finding(
+        "changes its caller's tensors", "compute new tensors instead of writing into the inputs: q = q * s (not q *= s "
+        "or q.mul_(s)), m = mask.unsqueeze(1) (not mask.unsqueeze_(1)), ~mask (not mask.logical_not_()): the "
+        "caller's tensors are theirs, used again after the call.", "inputs",
+        "q, k, v and the mask as they were given, after the call", f"the call wrote into {names}")
+
+
+def no_state(s: Session, b: Base) -> tuple[Check, Finding | None]:
+    """A call with other inputs (and another mask) after every call so far gives what a fresh copy of the module,
+    never called, gives: nothing of one call (cached keys or mask, a counter) is kept for the next."""
+    x = s.inputs()
+    if x.lens is not None:  # another mask too: each sequence's padding moves to another row
+        x = x._replace(lens=x.lens.flip(0), keep=x.keep.flip(0))
+    live = s.call(x.q, x.k, x.v, x.keep, x.lens)
+    fresh = s.call(x.q, x.k, x.v, x.keep, x.lens, fresh=True)
+    if fresh.error is not None and fresh.error.startswith(NO_FRESH):
+        return Check("no state between calls", None, "n/a", fresh.error), None
+    if (live.error is None) != (fresh.error is None) or (live.out is None) != (fresh.out is None):
+        e = float("inf")
+    elif live.out is None:
+        return Check("no state between calls", None, "n/a", "the call raised"), None
+    else:
+        e = rel(live.out, fresh.out) if live.out.shape == fresh.out.shape else float("inf")
+    ok = e < TOL
+    c = Check("no state between calls", ok, f"rel. diff {e:.2e}")
+    return c, None if ok else Finding(
+        "keeps state between calls", "compute every call from its own inputs: keep nothing of one call for the next "
+        "(cached keys, values or mask, a counter, a running statistic); a cache belongs to the caller, passed in and "
+        "returned.", "inputs", "a call with other inputs gives what a fresh module gives",
+        f"outputs {'that differ by ' + format(e, '.2e') + ' (relative)' if e < float('inf') else 'unlike'} those of "
+        "a fresh copy of the module given the same inputs")
+
+
+def _rows(x: Inputs, idx: list[int]) -> Inputs:
+    """The probe's sequences ``idx`` (repeats allowed) as a batch; one tensor stays one (self-attention)."""
+    i = torch.tensor(idx)
+    q = x.q[i]
+    k = q if x.k is x.q else x.k[i]
+    v = q if x.v is x.q else k if x.v is x.k else x.v[i]
+    return Inputs(q, k, v, None if x.lens is None else x.lens[i], None if x.keep is None else x.keep[i])
+
+
+#: the batches the batch check runs: each sequence alone, two, and five (the batch size is not hard-coded)
+BATCHES = ([0], [1], [2], [0, 1], [0, 1, 2, 0, 1])
+
+
+def batch_independence(s: Session, b: Base, det: bool) -> tuple[Check, Finding | None]:
+    """Each sequence's output is the one it has run alone, and in batches of 1, 2, 3 and 5 (:data:`BATCHES`)."""
+    if not det:  # two calls already differ: a difference here says nothing about the other sequences
+        return Check("batch independence", None, "not measured", "the output of a call depends on more than its "
+                     "inputs: it changes from call to call in eval mode, or with the calls before (see above)"), None
+    worst, at = 0.0, 0
+    for idx in BATCHES:
+        if max(idx) >= b.x.q.shape[0]:
+            continue
+        x = _rows(b.x, idx)
+        r = s.call(x.q, x.k, x.v, x.keep, x.lens)
+        if r.error is not None or r.out is None:
+            return Check("batch independence", False, f"raises at batch size {len(idx)}", r.error or "no output"), \
+                Finding("the batch size is hard-coded", "read the batch size from the input (B = q.shape[0]) and "
+                        "reshape with it (or with -1): a module must take any batch.", "heads split",
+                        f"any batch size (tried {', '.join(str(len(i)) for i in BATCHES)})",
+                        f"raises at batch size {len(idx)}: {(r.error or 'no output')[:200]}")
+        out = r.out.double()
+        e = rel(out, b.out[torch.tensor(idx)]) if out.shape[1:] == b.out.shape[1:] and len(out) == len(idx) else \
+            float("inf")
+        if e > worst:
+            worst, at = e, len(idx)
+    ok = worst < TOL
+    c = Check("batch independence", ok, f"rel. diff {worst:.2e}", "" if ok else
+              f"a sequence's output depends on the other sequences of the batch (batch size {at})")
+    return c, None if ok else Finding(
+        "batch rows tied together", "keep the batch axis apart: split heads as (B, L, E) -> (B, L, H, D) with B from "
+        "the input, and take every product, softmax and sum over one sequence's own keys; never merge the batch "
+        "with the positions or the heads.", "heads split", "each sequence's output equal to that sequence run alone",
+        f"outputs that differ by {worst:.2e} (relative) from the sequences run alone (batch size {at})")
+
+
+def own_weights(desc: Description) -> tuple[Check, Finding | None]:
+    """Every head its own weights: no submodule with parameters (or Parameter) sits twice in one list or dict."""
+    if not desc.shared:
+        return Check("heads have their own weights", True), None
+    names = "; ".join(" = ".join(g[:4]) + (" = ..." if len(g) > 4 else "") for g in desc.shared[:3])
+    return Check("heads have their own weights", False, f"{sum(len(g) for g in desc.shared)} entries, "
+                 f"{len(desc.shared)} module{'s' * (len(desc.shared) != 1)}", names), Finding(
+        "the heads share one set of weights", "build each head anew: nn.ModuleList(Head(...) for _ in range(h)); "
+        "[Head(...)] * h (or a list of one head repeated) puts one head, its weights, h times.", "projections",
+        "each head its own W_q, W_k, W_v", f"one module, the same weights, under {names}")
 
 
 def masked_keys(s: Session, b: Base) -> Check:

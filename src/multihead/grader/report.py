@@ -8,13 +8,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "points_scheme"]
+__all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "points_scheme", "safe"]
+
+#: the most characters of a submission's text (an error, a name) shown in a report, a feedback file or the table
+CAP = 2000
+
+
+def safe(text, limit: int = CAP) -> str:
+    """A submission's text made safe to show on the trusted side (the console, a report, feedback, the class table):
+    every character that is not printable -- control characters, escape sequences' ESC, newlines, bidirectional
+    overrides -- shown escaped as text (``\\x1b``, ``\\n``, ``\\u202e``), and at most ``limit`` characters kept
+    (the rest counted). Idempotent: safe text comes back unchanged."""
+    s = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(text))
+    return s if len(s) <= limit else f"{s[:limit]}... [{len(s) - limit} more characters]"
+
 
 #: every check the grader can make, in the order it makes them
 CHECKS = (
     "runs on probe inputs",
     "output shape and dtype",
     "eval mode deterministic",
+    "inputs unchanged by a call",
+    "no state between calls",
+    "heads have their own weights",
+    "no forbidden calls",
     "batch independence",
     "masked keys have no influence",
     "fully masked rows finite",
@@ -111,15 +128,15 @@ class Report:
         lines = [f"{'check':<{w}}  result  figure", "-" * (w + 30)]
         for c in self.checks:
             mark = {True: "pass", None: "n/a"}.get(c.passed, "FAIL" if c.severity == "failure" else "warn")
-            lines.append(f"{c.name:<{w}}  {mark:<6}  {c.figure}" + (f"  ({c.detail})" if c.detail else ""))
+            lines.append(f"{c.name:<{w}}  {mark:<6}  {safe(c.figure)}" + (f"  ({safe(c.detail)})" if c.detail else ""))
         if self.diagnosis:
             lines += ["", "diagnosis:"]
             for f in self.diagnosis:
-                lines.append(f"- {f.name}" + (f" [stage: {f.stage}]" if f.stage else ""))
+                lines.append(f"- {safe(f.name)}" + (f" [stage: {safe(f.stage)}]" if f.stage else ""))
                 if f.expected or f.found:
-                    lines.append(f"    expected: {f.expected}")
-                    lines.append(f"    found:    {f.found}")
-                lines.append(f"    fix:      {f.advice}")
+                    lines.append(f"    expected: {safe(f.expected)}")
+                    lines.append(f"    found:    {safe(f.found)}")
+                lines.append(f"    fix:      {safe(f.advice)}")
         lines.append("")
         if self.ok:
             n = len(self.warnings)
@@ -133,10 +150,10 @@ class Report:
         """One line: the first finding, or the first failed check."""
         if self.diagnosis:
             f = self.diagnosis[0]
-            return f"{f.name}" + (f" [{f.stage}]" if f.stage else "") + (
-                f" (+{len(self.diagnosis) - 1} more)" if len(self.diagnosis) > 1 else "")
+            return safe(f"{f.name}" + (f" [{f.stage}]" if f.stage else "") + (
+                f" (+{len(self.diagnosis) - 1} more)" if len(self.diagnosis) > 1 else ""))
         bad = self.failures or (self.warnings if self.strict else [])
-        return bad[0].name + (f": {bad[0].detail}" if bad[0].detail else "") if bad else ""
+        return safe(bad[0].name + (f": {bad[0].detail}" if bad[0].detail else "")) if bad else ""
 
     def points(self, scheme: dict[str, float] | None = None) -> tuple[float, float]:
         """(earned, possible) under ``scheme`` (default :data:`POINTS`). A check earns its points when it
@@ -161,7 +178,7 @@ class Report:
     def feedback(self, title: str = "") -> str:
         """Markdown for the learner: the verdict, each check, and each finding with its stage, what was
         expected, what was found and the fix -- no reference outputs, weights or code."""
-        lines = [f"# {title or 'Your multi-head attention'}", ""]
+        lines = [f"# {_md(title) if title else 'Your multi-head attention'}", ""]
         lines.append("**OK**: it computes multi-head attention." if self.ok else "**Not OK** yet: see below.")
         lines += ["", "| check | result |", "|---|---|"]
         for c in self.checks:
@@ -183,9 +200,10 @@ class Report:
 
 
 #: checks every module is given (the others depend on the call, the mask and ``causal``)
-_ALWAYS = {"runs on probe inputs", "output shape and dtype", "eval mode deterministic", "batch independence",
+_ALWAYS = {"runs on probe inputs", "output shape and dtype", "eval mode deterministic", "inputs unchanged by a call",
+           "no state between calls", "heads have their own weights", "batch independence",
            "gradients reach every parameter", "matches the float64 reference"}
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+    return safe(text).replace("|", "\\|")

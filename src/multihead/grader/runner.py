@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from multihead.grader import sandbox, wire
+from multihead.grader.report import safe
 from multihead.grader.subject import Description, Probe, Reply
 
 __all__ = ["Limits", "SandboxError", "SandboxSubject", "parse_size"]
@@ -128,14 +129,14 @@ class SandboxSubject:
             raise SandboxError("error", self._ended(what)) from None
         except ValueError as e:
             self.close()
-            raise SandboxError("error", f"the submission's process sent a malformed message while {what}: {e}"
-                               ) from None
+            raise SandboxError("error", f"the submission's process sent a malformed message while {what}: "
+                               f"{safe(e, 300)}") from None
         if h.get("ready") is False:
             self.close()
             stage = {"import": f"importing {self.path}", "lookup": "looking the class up",
-                     "build": f"building {self.name}"}.get(h.get("stage"), str(h.get("stage")))
-            where = f" ({h['where']})" if h.get("where") else ""
-            msg = str(h.get("error"))
+                     "build": f"building {self.name}"}.get(h.get("stage"), safe(h.get("stage"), 100))
+            where = f" ({safe(h['where'], 300)})" if h.get("where") else ""
+            msg = safe(h.get("error"))  # the submission's text: escaped and capped before it is shown anywhere
             if h.get("stage") == "lookup":
                 raise SandboxError("error", msg)
             if msg.startswith("ModuleNotFoundError: No module named 'd2l'"):  # the course's own helper package
@@ -157,7 +158,7 @@ class SandboxSubject:
         """Why the process ended, from the warden's status and the last line it printed."""
         status = self.close()
         lines = [ln for ln in self._output.splitlines() if ln.strip()]
-        tail = f": {lines[-1][:300]}" if lines else ""
+        tail = f": {safe(lines[-1], 300)}" if lines else ""
         if status.get("why"):
             return f"the submission's process was stopped while {what}: {status['why']}"
         code = status.get("exit")
@@ -224,11 +225,24 @@ def _missing_module_hint(msg: str, path: Path) -> str:
             f"provides {top!r} into the grader's environment ({sys.executable} -m pip install ...), then grade again")
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+#: the grader's environment variables a submission's process is given (all others, a teacher's tokens among them,
+#: never reach it): where programs and libraries are, the locale, the time zone, how Python and Keras start
+ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_MESSAGES", "TZ", "LD_LIBRARY_PATH",
+            "PYTHONPATH", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "KERAS_BACKEND", "CUDA_VISIBLE_DEVICES")
+
+
+def _env(home: str | None = None) -> dict:
+    """The environment of the sandbox's processes, built, not inherited: the variables of :data:`ENV_KEPT` that
+    the grader has, one thread for torch, unbuffered output, Keras on torch, the grader's own code on the import
+    path, and HOME and TMPDIR ``home`` (the sandbox's scratch folder; the fork server's own empty folder)."""
+    env = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
+    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.setdefault("KERAS_BACKEND", "torch")  # a learner's Keras 3 layer is graded as the torch module it then is
+    env.setdefault("PATH", os.defpath)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if home is not None:
+        env["HOME"] = env["TMPDIR"] = home
     return env
 
 
@@ -288,7 +302,7 @@ def _exec_warden(request: dict):
             request["name"], json.dumps(request["init"]), request["call"], str(request["seed"]), request["scratch"]]
     warden = [sys.executable, "-m", "multihead.grader.warden", request["log"], str(request["memory"]),
               str(request["cpu"]), str(request["processes"]), "--", *argv]
-    env = dict(_env(), MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")
+    env = dict(_env(request["scratch"]), MULTIHEAD_SANDBOX_FDS=f"{req_r},{rep_w}")
     proc = subprocess.Popen(warden, pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.close(req_r)
@@ -301,8 +315,10 @@ class _Zygote:
 
     def __init__(self):
         self.sock, theirs = socket.socketpair()
+        self.home = tempfile.mkdtemp(prefix="multihead-zygote-")  # its HOME and TMPDIR; each sandbox gets its own
+        atexit.register(shutil.rmtree, self.home, True)
         self.proc = subprocess.Popen([sys.executable, "-m", "multihead.grader.zygote", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env=_env(), stdin=subprocess.DEVNULL,
+                                     pass_fds=(theirs.fileno(),), env=_env(self.home), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         theirs.close()
         self.lock = threading.Lock()

@@ -101,7 +101,7 @@ def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, s
     import torch
 
     from multihead.grader import wire
-    from multihead.grader.subject import caller, describe, run
+    from multihead.grader.subject import Pristine, caller, describe, run
 
     torch.set_num_threads(1)
     module, failed = _build(handed(scratch, path), name, init, seed)
@@ -109,6 +109,7 @@ def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, s
         _error(rep, *failed)
         return
     module.eval()
+    pristine = Pristine()  # the module as built: a fresh copy of it answers a call that asks for one
     fn = caller(call)
     n_params = sum(1 for _ in module.parameters())
     wire.send(rep, {"ready": True, "params": n_params, "unconfined": gaps})
@@ -120,7 +121,7 @@ def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, s
         if header.get("op") == "describe":
             wire.send(rep, *wire.description_out(describe(module)))
         elif header.get("op") == "call":
-            wire.send(rep, *wire.reply_out(run(module, fn, wire.probe_in(header, tensors))))
+            wire.send(rep, *wire.reply_out(run(module, fn, wire.probe_in(header, tensors), pristine)))
         else:
             return
 

@@ -34,19 +34,30 @@ class Inputs(NamedTuple):
 MASK_SHAPES = ("(B, 1, Lq, Lk)", "(B, Lq, Lk)", "(B, Lk)")
 
 
-def mask_form(conv: str | None, other_dtype: bool = False, shape: str = MASK_SHAPES[0]) -> str:
-    """How :func:`mask_value` gives the mask, in words: '(B, Lk) bool'."""
-    kind = "floats" if conv == "additive" else "bool" if (conv == "keep") != other_dtype else "1/0 floats"
-    return f"{shape} {kind}"
+def mask_form(conv: str | None, other_dtype: bool = False, shape: str = MASK_SHAPES[0], given: str | None = None,
+              seq_first: bool = False) -> str:
+    """How :func:`mask_value` gives the mask (and the inputs), in words: '(B, Lk) bool'; ``given``: the convention
+    the mask was found to be read in, where it is not ``conv`` ("additive", "valid_lens"); ``seq_first``: the inputs
+    given sequence-first."""
+    layout = "sequence-first (L, B, E) inputs, " if seq_first else ""
+    if conv is None:
+        return "sequence-first (L, B, E)" if seq_first else "batch-first (B, L, E)"
+    if (given or conv) == "valid_lens":
+        return f"{layout}lengths (B,)"
+    kind = ("additive floats (0 kept, -inf blocked)" if given == "additive" else "floats") if (given or conv) == \
+        "additive" else "bool" if (conv == "keep") != other_dtype else "1/0 floats"
+    return f"{layout}{shape} {kind}"
 
 
 def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False,
-               shape: str = MASK_SHAPES[0], lens_2d: bool = False):
+               shape: str = MASK_SHAPES[0], lens_2d: bool = False, shift: float = 0.0):
     """The mask in the module's convention, (B, 1, Lq, Lk) or ``shape``, or the lengths for valid_lens.
     ``other_dtype``: "keep" as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the
     same mask, for a module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a
     number). (B, Lk) holds a mask only where every query keeps the same keys: any other is refused. ``lens_2d``:
-    the lengths per query row (B, Lq), as the course's decoder masks its own future (valid_lens 1, 2, ..., Lq)."""
+    the lengths per query row (B, Lq), as the course's decoder masks its own future (valid_lens 1, 2, ..., Lq).
+    ``shift``: added to an additive mask everywhere (softmax does not see it: what tells a mask added to the scores
+    from one read as a boolean)."""
     if conv is None or keep is None:
         return None
     if conv == "valid_lens" and lens_2d:
@@ -67,7 +78,7 @@ def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other
         return keep.float() if other_dtype else keep
     if conv == "block":
         return ~keep if other_dtype else (~keep).float()
-    return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))  # additive
+    return torch.full(keep.shape, float(shift)).masked_fill(~keep, float("-inf"))  # additive
 
 
 def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: bool, g: torch.Generator,
@@ -88,6 +99,11 @@ def probes(E: int, Lq: int, Lk: int, *, self_attn: bool, masked: bool, causal: b
         tri = torch.ones(Lq, Lk, dtype=torch.bool).tril()
         keep = tri[None, None].expand(Bx, 1, Lq, Lk) if keep is None else keep & tri
     return Inputs(q, k, v, lens, keep)
+
+
+def _seq_first(t):
+    """A 3-D tensor's first two axes swapped, (B, L, ·) <-> (L, B, ·); anything else as it is."""
+    return t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() == 3 else t
 
 
 @dataclass
@@ -122,6 +138,13 @@ class Session:
     mask_tried: tuple = ()
     #: valid_lens given per query row (B, Lq): a causal module masking its future through them (the course's decoder)
     lens_2d: bool = False
+    #: the convention the mask is given in where the module was found to read it another way than ``conv`` (the same
+    #: mask: "additive", 0 kept and -inf blocked, or "valid_lens", each sequence's length); None: ``conv``
+    given: str | None = None
+    #: added to an additive mask (:func:`mask_value`)
+    shift: float = 0.0
+    #: the inputs given sequence-first, (L, B, E), and the output read back as (B, L, ·): torch.nn's default layout
+    seq_first: bool = False
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk
@@ -142,9 +165,19 @@ class Session:
             k2 = q2 if k is q else k.to(self.dtype)
             q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
-        return self.subject.call(Probe(q, k, v, mask_value(self.conv, keep, lens, self.other_mask, self.mask_shape, self.lens_2d),
-                                       same,
-                                       **kw))
+        mask = mask_value(self.given or self.conv, keep, lens, self.other_mask, self.mask_shape, self.lens_2d,
+                          self.shift)
+        if not self.seq_first:
+            return self.subject.call(Probe(q, k, v, mask, same, **kw))
+        t = _seq_first  # (B, L, ·) <-> (L, B, ·), one tensor staying one
+        q2 = t(q)
+        k2 = q2 if k is q else t(k)
+        v2 = q2 if v is q else k2 if v is k else t(v)
+        if kw.get("cotangent") is not None:
+            kw["cotangent"] = t(kw["cotangent"])
+        r = self.subject.call(Probe(q2, k2, v2, mask, same, **kw))
+        return r._replace(out=t(r.out), grads={n: t(g) if n in ("q", "k", "v") else g for n, g in r.grads.items()},
+                          records={n: [(t(a), t(b)) for a, b in lst] for n, lst in r.records.items()})
 
     def out(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None = None, lens: Tensor | None = None) -> Tensor:
         """The output (float64), or a RuntimeError with what the module raised."""

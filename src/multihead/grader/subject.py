@@ -19,8 +19,11 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["CALLS", "HOW", "SELF_CALLS", "Description", "LocalSubject", "Probe", "Reply", "caller", "describe", "run"]
+__all__ = ["CALLS", "HOW", "SELF_CALLS", "Description", "LocalSubject", "Probe", "Reply", "caller", "describe", "forbidden",
+           "run"]
 
 #: the calls a module can be graded through (a sandboxed file is called by name; a function only in-process)
 CALLS = ("x", "x_mask", "qkv", "qkv_mask")
@@ -51,6 +54,12 @@ class Probe(NamedTuple):
     cotangent: Tensor | None = None
     order: bool = False
     kept: bool = False
+    #: call a fresh copy of the module as it was built (never called), not the module itself
+    fresh: bool = False
+    #: report the random draws the call made (dropout in training mode, torch.randn, a layer's initialisation)
+    watch: bool = False
+    #: torch functions and modules the course forbids (:func:`forbidden`): report which the call used
+    forbid: tuple = ()
 
 
 class Reply(NamedTuple):
@@ -66,6 +75,14 @@ class Reply(NamedTuple):
     grads: dict = {}
     order: tuple = ()
     kept: tuple = ()
+    #: the inputs the call wrote into ("q", "k", "v", "mask"): their values or shape changed
+    changed: tuple = ()
+    #: with ``watch``: the random draws the call made ("dropout", "randn", "kaiming_uniform_", ...)
+    drawn: tuple = ()
+    #: where the output was found when the module returned a mapping or a sequence ("the dict's 'output'"), else ''
+    picked: str = ""
+    #: of ``probe.forbid``, what the call used (a function called, a module's forward run)
+    called: tuple = ()
 
 
 @dataclass
@@ -87,6 +104,9 @@ class Description:
     forward: tuple = ()
     lazy: bool = False
     float64: bool = False
+    #: groups of names under which one submodule (or Parameter) holding weights sits in one list or dict of the
+    #: module (``[Head(...)] * h``): the heads share one set of weights
+    shared: tuple = ()
 
     @property
     def root(self) -> str:
@@ -138,6 +158,7 @@ def describe(module: nn.Module) -> Description:
     d.float64 = bool(floats) and all(t == torch.float64 for t in floats)
     scale = module.__dict__.get("scale")
     d.scale = float(scale) if isinstance(scale, int | float) and not isinstance(scale, bool) else None
+    d.shared = _shared(module)
     try:
         params = [p for p in inspect.signature(module.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -145,6 +166,25 @@ def describe(module: nn.Module) -> Description:
     except (TypeError, ValueError):
         pass
     return d
+
+
+def _shared(module: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Each submodule holding parameters (or each Parameter) found at two or more places of one container -- a
+    ModuleList, Sequential, ModuleDict, ParameterList or ParameterDict (``nn.ModuleList([Head(d)] * h)``) -- as the
+    names it sits under there."""
+    groups = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList | nn.Sequential | nn.ModuleDict):
+            items = [(k, c) for k, c in m._modules.items() if c is not None and any(True for _ in c.parameters())]
+        elif isinstance(m, nn.ParameterList | nn.ParameterDict):
+            items = [(k, p) for k, p in m._parameters.items() if p is not None]
+        else:
+            continue
+        seen: dict[int, list[str]] = {}
+        for k, c in items:
+            seen.setdefault(id(c), []).append(f"{name}.{k}" if name else str(k))
+        groups += [tuple(names) for names in seen.values() if len(names) > 1]
+    return tuple(groups)
 
 
 #: the names a forward's keyword-only mask parameter goes by
@@ -183,24 +223,49 @@ def caller(call) -> Callable:
 
 #: how a reply's error starts when the module returned something the grader does not read as an output
 RETURNED = "TypeError: the module returned"
+#: how a reply's error starts when a fresh copy of the module could not be called
+NO_FRESH = "no fresh copy"
 
 
-def _output(r) -> tuple[Tensor | None, Tensor | None]:
-    """(output, weights or None) from what the module returns: a tensor, or a tuple / list whose first element
-    is the output (and a tensor second element the weights). A mapping is not guessed from: TypeError naming
-    its keys and the call that picks the output."""
+def _output(r, q: Tensor, Lk: int) -> tuple[Tensor | None, Tensor | None, str]:
+    """(output, weights or None, where the output was found) from what the module returns: a tensor; a tuple or list
+    whose first element is the output (and a tensor second element the weights), or whose one output-shaped tensor
+    -- 3-D, its first two sizes the queries' (``q``) -- is; a mapping (a dict, transformers' ModelOutput) whose one
+    output-shaped tensor is the output (the one whose last size is the queries' where several are), and a tensor
+    whose last two sizes are (Lq, Lk) the weights. A mapping whose output is not one tensor: TypeError naming its
+    keys and the call that picks the output."""
+    def shaped(t) -> bool:
+        return isinstance(t, Tensor) and t.dim() == 3 and tuple(t.shape[:2]) == tuple(q.shape[:2])
+
+    def weights_of(items, out):
+        return next((t for _, t in items if isinstance(t, Tensor) and t is not out and t.dim() >= 3
+                     and tuple(t.shape[-2:]) == (q.shape[1], Lk)), None)
+
     if isinstance(r, tuple | list):
         first = r[0] if r else None
-        return (first if isinstance(first, Tensor) else None,
-                r[1] if len(r) > 1 and isinstance(r[1], Tensor) else None)
+        if isinstance(first, Tensor) or not r:
+            return first, r[1] if len(r) > 1 and isinstance(r[1], Tensor) else None, ""
+        found = [(i, t) for i, t in enumerate(r) if shaped(t)]
+        if len(found) == 1:
+            return found[0][1], weights_of(list(enumerate(r)), found[0][1]), f"element {found[0][0]} of its " \
+                f"{type(r).__name__}"
+        return None, None, ""
     if isinstance(r, Mapping):
         keys, said = list(r), RETURNED[len("TypeError: "):]
         if not keys:
             raise TypeError(f"{said} an empty {type(r).__name__}")
-        raise TypeError(f"{said} a {type(r).__name__} with keys {keys[:6]}: grade it through a call that returns the "
-                        f"output tensor, e.g. call=lambda m, q, k, v, mask: m(q, k, v)[{keys[0]!r}] (for the "
-                        "command: a class whose forward returns it)")
-    return (r if isinstance(r, Tensor) else None), None
+        items = list(r.items())
+        found = [(k, t) for k, t in items if shaped(t)]
+        if len(found) > 1:
+            found = [(k, t) for k, t in found if t.shape[-1] == q.shape[-1]]
+        if len(found) == 1:
+            k, out = found[0]
+            return out, weights_of(items, out), f"the {type(r).__name__}'s {k!r}"
+        raise TypeError(f"{said} a {type(r).__name__} with keys {keys[:6]}"
+                        f"{' and no' if not found else ', more than one'} tensor of the output's shape (B, Lq, ·): "
+                        f"grade it through a call that returns the output tensor, e.g. call=lambda m, q, k, v, mask: "
+                        f"m(q, k, v)[{keys[0]!r}] (for the command: a class whose forward returns it)")
+    return (r if isinstance(r, Tensor) else None), None, ""
 
 
 def _kept(module: nn.Module, last: tuple[int, int]) -> tuple[str, ...]:
@@ -218,10 +283,136 @@ def _kept(module: nn.Module, last: tuple[int, int]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
+#: the random draws :class:`_Draws` reports (a dropout counts only in training mode; torch.nn.init's functions too)
+RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "normal",
+                    "bernoulli", "multinomial", "poisson", "normal_", "uniform_", "bernoulli_", "random_",
+                    "exponential_", "geometric_", "log_normal_", "cauchy_"})
+_DROPOUTS = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"})
+
+
+#: how a forbidden name may start, and what it stands for
+ALIASES = {"F.": "torch.nn.functional.", "nn.": "torch.nn.", "torch.": "torch."}
+
+
+def forbidden(names) -> tuple[str, ...]:
+    """The names of torch functions or modules a course forbids (``nn.MultiheadAttention``,
+    ``F.scaled_dot_product_attention``, ``torch.bmm``), checked: a ValueError naming one torch does not have."""
+    out = []
+    for name in [n.strip() for n in names if n.strip()]:
+        try:
+            resolve(name)
+        except (AttributeError, ValueError):
+            raise ValueError(f"--forbid {name!r}: torch has no such function or module; name them as nn.X, F.X or "
+                             "torch.X, e.g. --forbid nn.MultiheadAttention,F.scaled_dot_product_attention") from None
+        out.append(name)
+    return tuple(out)
+
+
+def resolve(name: str):
+    """The torch object ``name`` stands for (:data:`ALIASES`)."""
+    import importlib
+
+    prefix = next((p for p in ALIASES if name.startswith(p)), None)
+    if prefix is None:
+        raise ValueError(name)
+    parts = name[len(prefix):].split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ValueError(name)
+    space = ALIASES[prefix].rstrip(".")
+    obj = _TORCH[space].get(parts[0]) if space in _TORCH else None  # as it was before any submission ran
+    if obj is None:
+        obj = getattr(importlib.import_module(space), parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(name)
+    return obj
+
+
+#: torch's namespaces as this module found them, before any submission is imported (the sandbox imports this module
+#: first): a submission that rebinds F.scaled_dot_product_attention to a wrapper of its own still calls this one
+_TORCH = {"torch": dict(vars(torch)), "torch.nn": dict(vars(nn)), "torch.nn.functional": dict(vars(F))}
+
+
+class _Draws(TorchFunctionMode):
+    """The random draws made while it is active, by name: torch's random functions, torch.nn.init's (a layer built
+    inside forward), and a dropout asked to drop (``training=True``), as "dropout"; and of ``forbid`` (name ->
+    function), the functions called."""
+
+    def __init__(self, forbid: dict | None = None):
+        super().__init__()
+        self.names: list[str] = []
+        self.forbid = {id(f): n for n, f in (forbid or {}).items()}
+        self.called: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if id(func) in self.forbid:
+            self.called.append(self.forbid[id(func)])
+        name = getattr(func, "__name__", "")
+        if name in _DROPOUTS:
+            training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+            if training:
+                self.names.append("dropout")
+        elif name in RANDOM or getattr(func, "__module__", "") == "torch.nn.init":
+            self.names.append(name)
+        return func(*args, **kwargs)
+
+
+def _changed(given, original) -> bool:
+    """Whether the tensor the module was given (a copy of ``original``) no longer equals it (values or shape)."""
+    if not isinstance(given, Tensor) or not isinstance(original, Tensor):
+        return False
+    if given.shape != original.shape or given.dtype != original.dtype:
+        return True
+    a, b = given.detach(), original.detach()
+    if a.is_floating_point():
+        return not torch.equal(a.nan_to_num(), b.nan_to_num()) or not torch.equal(a.isnan(), b.isnan())
+    return not torch.equal(a, b)
+
+
+class Pristine:
+    """The module as it was built, copied before its first call (a lazy module: before the first call after the one
+    that builds it); :meth:`fresh` gives a new copy of it for a call, so that no call reaches it."""
+
+    def __init__(self):
+        self._copy, self.why = None, ""
+
+    def note(self, module: nn.Module) -> None:
+        """Before each call of ``module``: copy it, the first time it is built."""
+        if self._copy is not None or self.why:
+            return
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()) or any(
+                type(m).__module__.split(".")[0] == "keras" and getattr(m, "built", True) is False
+                for m in module.modules()):
+            return
+        import copy
+
+        try:
+            self._copy = copy.deepcopy(module)
+        except Exception as e:  # noqa: BLE001 - the learner's module may hold what cannot be copied
+            self.why = f"the module cannot be copied ({type(e).__name__}: {e})"
+
+    def fresh(self) -> nn.Module:
+        import copy
+
+        if self._copy is None:
+            raise RuntimeError(self.why or "no copy of the module as built")
+        return copy.deepcopy(self._copy)
+
+
+def run(module: nn.Module, call: Callable, probe: Probe, pristine: Pristine | None = None) -> Reply:
     """Call ``module`` through ``call`` as ``probe`` asks (no grad unless a cotangent is given), with
     forward hooks only on the layers named in ``probe.record`` / ``probe.replace`` (and pre-hooks on the
-    Linear-like layers for ``order``); every hook is removed afterwards."""
+    Linear-like layers for ``order``); every hook is removed afterwards. ``probe.fresh``: a new copy of the module
+    as built (``pristine``) is called instead; ``probe.watch``: the random draws are reported."""
+    if pristine is not None:
+        pristine.note(module)
+    if probe.fresh:
+        try:
+            module = (pristine or Pristine()).fresh()
+        except RuntimeError as e:
+            return Reply(None, error=f"{NO_FRESH}: {e}")
     records: dict[str, list] = {n: [] for n in probe.record}
     replace = dict(probe.replace or {})
     order: list[str] = []
@@ -253,9 +444,21 @@ def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
         if grad:
             for p in module.parameters():
                 p.grad = None
+        banned = {n: resolve(n) for n in probe.forbid}
+        classes = [(n, c) for n, c in banned.items() if isinstance(c, type)]
+        draws = _Draws({n: f for n, f in banned.items() if not isinstance(f, type)}) if probe.watch or banned \
+            else None
+        if classes:  # a forbidden module seen when its forward runs
+            handles.append(nn.modules.module.register_module_forward_pre_hook(
+                lambda m, a: draws.called.extend(n for n, c in classes if isinstance(m, c))))
         try:
             with torch.set_grad_enabled(grad):
-                out, weights = _output(call(module, q, k, v, mask))
+                if draws is not None:
+                    with draws:
+                        got = call(module, q, k, v, mask)
+                else:
+                    got = call(module, q, k, v, mask)
+                out, weights, picked = _output(got, q, k.shape[1])
                 grads = {}
                 if grad and out is not None and out.shape == probe.cotangent.shape:
                     (out * probe.cotangent.to(out.dtype)).sum().backward()
@@ -267,8 +470,13 @@ def run(module: nn.Module, call: Callable, probe: Probe) -> Reply:
         kept = _kept(module, (q.shape[1], k.shape[1])) if probe.kept else ()
         recs = {n: [(None if x is None else x.detach(), None if y is None else y.detach()) for x, y in lst]
                 for n, lst in records.items()}
+        changed = tuple(n for n, given, original in (("q", q, probe.q), ("k", k, probe.k), ("v", v, probe.v),
+                                                      ("mask", mask, probe.mask))
+                        if not (n != "q" and given is q) and _changed(given, original))
         return Reply(None if out is None else out.detach(), None if weights is None else weights.detach(), None,
-                     recs, {n: g.detach() for n, g in grads.items() if g is not None}, tuple(order), kept)
+                     recs, {n: g.detach() for n, g in grads.items() if g is not None}, tuple(order), kept, changed,
+                     tuple(draws.names) if draws is not None else (), picked,
+                     tuple(dict.fromkeys(draws.called)) if draws is not None else ())
     finally:
         for h in handles:
             h.remove()
@@ -316,12 +524,13 @@ class LocalSubject:
         self.module, self._call = module, caller(call)
         self._kept = _Kept(module)
         module.eval()
+        self._pristine = Pristine()
 
     def describe(self) -> Description:
         return describe(self.module)
 
     def call(self, probe: Probe) -> Reply:
-        return run(self.module, self._call, probe)
+        return run(self.module, self._call, probe, self._pristine)
 
     def close(self) -> None:
         self._kept.restore()

@@ -54,6 +54,8 @@ class Options:
     call: str | None = "qkv"
     #: the call never reads its values argument: keys and values are probed as one tensor (``m(q, context=k)``)
     kv_same: bool = False
+    #: torch functions and modules the course forbids (:func:`~multihead.grader.subject.forbidden`)
+    forbid: tuple = ()
 
 
 def _size_from(desc: Description, mapping: dict | None) -> int | None:
@@ -157,35 +159,91 @@ def _gave(s: Session, x, r, leaks: bool = True) -> str:
     return ""
 
 
+def _behaves(s: Session, x, r) -> str:
+    """What a call under the session's current form gave, in words: '' where it behaves as attention should -- as
+    :func:`_gave` with masked keys without influence, an additive mask whose output does not change when one constant
+    is added to the whole mask (softmax does not see it; a mask read as a boolean does), and the second sequence run
+    alone giving its row of the batch's output (a layout read the wrong way round ties the rows together)."""
+    what = _gave(s, x, r)
+    if what:
+        return what
+    if s.given == "additive":
+        s.shift = 0.5
+        try:
+            r2 = s.call(x.q, x.k, x.v, x.keep, x.lens)
+        finally:
+            s.shift = 0.0
+        if r2.error is not None or r2.out is None or r2.out.shape != r.out.shape or props.rel(r2.out, r.out) >= props.TOL:
+            return "changed its output when one constant was added to the whole mask (it does not add it to the scores)"
+    one = props._rows(x, [1])
+    r1 = s.call(one.q, one.k, one.v, one.keep, one.lens)
+    if r1.error is not None or r1.out is None:
+        return f"raised {(r1.error or 'no tensor returned')[:160]} on one sequence alone"
+    if r1.out.shape[1:] != r.out.shape[1:] or props.rel(r1.out[0], r.out[1]) >= props.TOL:
+        return "gave a sequence an output that depends on the other sequences of the batch"
+    return ""
+
+
+def _forms(s: Session) -> list[tuple]:
+    """Every way the module could be called, (sequence-first, given, other dtype, mask shape), the grader's own
+    first: batch-first then sequence-first inputs; the mask in the convention's two dtypes, then as an additive mask
+    (0 kept, -inf blocked: the same mask), in each shape of :data:`MASK_SHAPES`, then as each sequence's length (where
+    no mask hides the future). The polarity of a boolean mask is the course's (a module that reads it the other way
+    round is wrong, not another convention)."""
+    shapes = [sh for sh in MASK_SHAPES if not (s.causal and sh == MASK_SHAPES[2])]
+    if s.conv in ("keep", "block"):
+        kinds = [(g, o, sh) for sh in shapes for g, o in ((None, False), (None, True), ("additive", False))]
+    elif s.conv == "additive":
+        kinds = [(None, False, sh) for sh in shapes]
+    else:
+        kinds = [(None, False, MASK_SHAPES[0])]
+    if s.conv in ("keep", "block", "additive") and not s.causal:
+        kinds.append(("valid_lens", False, MASK_SHAPES[0]))
+    return [(sf, *k) for sf in (False, True) for k in kinds]
+
+
+def _set_form(s: Session, form: tuple) -> None:
+    s.seq_first, s.given, s.other_mask, s.mask_shape = form
+
+
+def _form_words(s: Session) -> str:
+    return mask_form(s.conv, s.other_mask, s.mask_shape, s.given, s.seq_first)
+
+
 def _mask_as_taken(s: Session, x, first):
-    """The first call again with the same mask in another form, where the grader's form failed in a way a mask form
-    can cause (it raised; an output of another shape, a broadcast; NaN or inf where the reference is finite): the
-    convention's other dtype (bool <-> 1/0), then (B, Lq, Lk), then (B, Lk) (a key-padding mask). The first form that
-    behaves as a mask should (masked keys without influence too) is kept for every call after; failing that, the
-    first that runs and gives a finite (B, Lq, ·) output (a module that ignores its mask is then caught by the
-    checks); else the grader's own form and ``first``. A module that runs right-shaped and finite on the grader's
-    form is graded on it, its mistakes included. ``s.mask_tried``: each form tried before the one kept, with what
-    it gave."""
-    what = _gave(s, x, first, leaks=False)
-    if not what or s.conv in (None, "valid_lens"):
+    """The form of the call under which the module behaves as attention should (:func:`_behaves`), among the forms
+    correct code uses (:func:`_forms`): tried in order when the grader's own form does not behave -- it raised, gave
+    an output of another shape (a broadcast), NaN or inf where the reference is finite, let masked keys change the
+    output, or tied the batch's sequences together. The first form that behaves is kept for every call after;
+    failing that, the grader's own form where it ran right-shaped and finite (the module is graded on it, its
+    mistakes included), else the first form that runs right-shaped and finite (the checks then say what is wrong),
+    else the grader's own form and ``first``. ``s.mask_tried``: each form tried before the one kept, with what it
+    gave."""
+    what = _behaves(s, x, first)
+    if not what:
         return first
-    tried, fallback = [(mask_form(s.conv), what)], None
-    for other, shape in [(other, shape) for shape in MASK_SHAPES for other in (False, True)][1:]:
-        if (other and s.conv not in ("keep", "block")) or (shape == MASK_SHAPES[2] and s.causal):
+    ran = not _gave(s, x, first, leaks=False)
+    tried, fallback = [(_form_words(s), what)], None
+    for form in _forms(s)[1:]:
+        _set_form(s, form)
+        try:
+            r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
+        except ValueError:  # a mask this form cannot hold (lengths of a mask whose rows are not prefixes)
             continue
-        s.other_mask, s.mask_shape = other, shape
-        r = s.call(x.q, x.k, x.v, x.keep, x.lens, order=True)
-        gave = _gave(s, x, r)
+        gave = _behaves(s, x, r)
         if not gave:
             s.mask_tried = tuple(tried)
             return r
-        if fallback is None and (gave.startswith("let masked keys") or gave.endswith("on other keys")):
-            fallback = (other, shape, r, tuple(tried))
-        tried.append((mask_form(s.conv, other, shape), gave))
+        if fallback is None and not ran and (gave.startswith("let masked keys") or gave.endswith("on other keys")
+                                             or gave.startswith("gave a sequence")):
+            fallback = (form, r, tuple(tried))
+        tried.append((_form_words(s), gave))
     if fallback is not None:
-        s.other_mask, s.mask_shape, r, s.mask_tried = fallback
+        form, r, s.mask_tried = fallback
+        _set_form(s, form)
         return r
-    s.other_mask, s.mask_shape, s.mask_tried = False, MASK_SHAPES[0], ()
+    _set_form(s, (False, None, False, MASK_SHAPES[0]))
+    s.mask_tried = ()
     return first
 
 
@@ -240,11 +298,14 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
         rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
                                 f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
         return None
-    adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0]
-    given = mask_form(s.conv, s.other_mask, s.mask_shape)
-    others = "; ".join(f"under {form} it {gave}" for form, gave in s.mask_tried)
-    rep.checks.append(Check("runs on probe inputs", True, "", f"the mask given as {given}: {others}" if adapted
-                            else ""))
+    adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0] or s.given is not None or s.seq_first
+    given = _form_words(s)
+    others = "; ".join(f"under {form} it {gave}" for form, gave in s.mask_tried[:3]) + (
+        f"; {len(s.mask_tried) - 3} other forms did not behave either" if len(s.mask_tried) > 3 else "")
+    how = (f"the mask given as {given}" if s.conv is not None else f"the inputs given {given}") + f": {others}"
+    read = f"the output read from {r.picked}" if r.picked else ""
+    rep.checks.append(Check("runs on probe inputs", True, "", "; ".join(t for t in (how if adapted else "", read)
+                                                                        if t)))
     out = r.out
     ok = out.dim() == 3 and tuple(out.shape[:2]) == (B, x.q.shape[1]) and out.dtype == x.q.dtype
     rep.checks.append(Check("output shape and dtype", ok, str(tuple(out.shape)), f"expected ({B}, {x.q.shape[1]}, ·) "
@@ -260,15 +321,46 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
     return props.Base(x, r.out.double(), r.weights)
 
 
-def _properties(s: Session, b: props.Base, desc: Description, rep: Report) -> tuple[bool, list[Finding]]:
-    """Every black-box check; (deterministic, the findings the properties themselves name)."""
+def _across_calls(s: Session, b: props.Base, desc: Description, rep: Report,
+                  forbid: tuple = ()) -> tuple[bool, bool, list[Finding]]:
+    """The properties a call shows only beside another (:mod:`multihead.grader.properties`): the same input twice,
+    the caller's tensors after a call, a call after others against a fresh module's, the heads' own weights.
+    (each call a function of its inputs alone -- deterministic, no state kept --, no weights shared, the findings
+    these properties name)."""
     named: list[Finding] = []
-    c, f = props.determinism(s, b)
-    rep.checks.append(c)
+    r = props.again(s, b, forbid)
+    c, f = props.determinism(s, b, r)
     det = bool(c.passed)
-    if f is not None:
-        named.append(f)
-    rep.checks.append(props.batch_independence(s, b, det))
+    rep.checks.append(c)
+    ci, fi = props.inputs_unchanged(s, b, r)
+    rep.checks.append(ci)
+    state = None
+    if det or f is None:  # a random draw explains two calls that differ: a fresh module's would differ too
+        cs, state = props.no_state(s, b)
+        rep.checks.append(cs)
+    if f is None and state is None and not det:
+        f = Finding("the output changes from call to call", "make forward a function of its inputs and parameters: "
+                    "no dropout in eval, no random numbers (torch, random, numpy) drawn in forward.", "normalisation",
+                    "the same output for the same input in eval mode", "outputs that change")
+    co, fo = props.own_weights(desc)
+    rep.checks.append(co)
+    fb = None
+    if forbid:
+        cb, fb = props.no_forbidden(r, forbid)
+        rep.checks.append(cb)
+    named += [x for x in (fb, f, state, fo, fi) if x is not None]
+    return det and state is None, fo is None and fb is None, named
+
+
+def _properties(s: Session, b: props.Base, desc: Description, rep: Report,
+                forbid: tuple = ()) -> tuple[bool, list[Finding]]:
+    """Every black-box check; (whether the module can be read on: deterministic, no state kept, no weights shared,
+    no forbidden call; the findings the properties themselves name)."""
+    det, own, named = _across_calls(s, b, desc, rep, forbid)
+    c, f = props.batch_independence(s, b, det)
+    rep.checks.append(c)
+    named += [f] if f is not None else []
+    det = det and own
     if s.conv is not None:
         rep.checks += [props.masked_keys(s, b), props.fully_masked(s, b)]
     if s.causal:
@@ -434,7 +526,7 @@ def grade_subject(subject, opts: Options) -> Report:
     if b is None:
         rep.diagnosis += lengths
         return rep
-    det, named = _properties(s, b, desc, rep)
+    det, named = _properties(s, b, desc, rep, opts.forbid)
     if not det:
         rep.diagnosis += named + lengths
         return rep

@@ -17,6 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from multihead.grader.report import safe
 from multihead.grader.subject import Description, Probe, Reply
 
 __all__ = ["Closed", "Deadline", "recv", "send"]
@@ -83,13 +84,14 @@ def probe_out(p: Probe) -> tuple[dict, dict]:
     for i, x in enumerate((p.replace or {}).values()):
         t[f"replace.{i}"] = x
     return ({"op": "call", "same": p.same, "record": list(p.record), "replace": list(p.replace or {}),
-             "order": p.order, "kept": p.kept}, t)
+             "order": p.order, "kept": p.kept, "fresh": p.fresh, "watch": p.watch, "forbid": list(p.forbid)}, t)
 
 
 def probe_in(h: dict, t: dict) -> Probe:
     return Probe(t["q"], t["k"], t["v"], t.get("mask"), bool(h.get("same")), tuple(h.get("record", ())),
                  {n: t[f"replace.{i}"] for i, n in enumerate(h.get("replace", ()))}, t.get("cotangent"),
-                 bool(h.get("order")), bool(h.get("kept")))
+                 bool(h.get("order")), bool(h.get("kept")), bool(h.get("fresh")), bool(h.get("watch")),
+                 tuple(str(n) for n in h.get("forbid", ())))
 
 
 def reply_out(r: Reply) -> tuple[dict, dict]:
@@ -109,7 +111,8 @@ def reply_out(r: Reply) -> tuple[dict, dict]:
                 t[f"rec.{name}.{i}.out"] = y
     for name, g in r.grads.items():
         t[f"grad.{name}"] = g
-    return {"error": r.error, "records": rec, "order": list(r.order), "kept": list(r.kept)}, t
+    return {"error": r.error, "records": rec, "order": list(r.order), "kept": list(r.kept), "changed": list(r.changed),
+            "drawn": list(r.drawn), "picked": r.picked, "called": list(r.called)}, t
 
 
 def reply_in(h: dict, t: dict) -> Reply:
@@ -117,8 +120,10 @@ def reply_in(h: dict, t: dict) -> Reply:
                       for i, (has_x, has_y) in enumerate(calls)] for name, calls in h.get("records", {}).items()}
     grads = {k[5:]: v for k, v in t.items() if k.startswith("grad.")}
     err = h.get("error")
-    return Reply(t.get("out"), t.get("weights"), None if err is None else str(err), records, grads,
-                 tuple(str(x) for x in h.get("order", ())), tuple(str(x) for x in h.get("kept", ())))
+    return Reply(t.get("out"), t.get("weights"), None if err is None else safe(err), records, grads,
+                 tuple(str(x) for x in h.get("order", ())), tuple(str(x) for x in h.get("kept", ())),
+                 tuple(safe(x, 20) for x in h.get("changed", ())), tuple(safe(x, 40) for x in h.get("drawn", ())),
+                 safe(h.get("picked") or "", 200), tuple(safe(x, 100) for x in h.get("called", ())))
 
 
 def description_out(d: Description) -> tuple[dict, dict]:
@@ -131,7 +136,7 @@ def description_out(d: Description) -> tuple[dict, dict]:
         t[f"param.{name}"] = p
     return ({"modules": d.modules, "linear": {n: b is not None for n, (_, b) in d.linear.items()},
              "trainable": list(d.trainable), "ints": d.ints, "scale": d.scale, "forward": [list(f) for f in d.forward],
-             "lazy": d.lazy, "float64": d.float64}, t)
+             "lazy": d.lazy, "float64": d.float64, "shared": [list(g) for g in d.shared]}, t)
 
 
 def description_in(h: dict, t: dict) -> Description:
@@ -144,5 +149,5 @@ def description_in(h: dict, t: dict) -> Description:
                        tuple(str(x) for x in h.get("trainable", ())), ints,
                        float(scale) if isinstance(scale, int | float) else None,
                        tuple((str(n), bool(r)) for n, r in h.get("forward", ())), bool(h.get("lazy")),
-                       bool(h.get("float64")))
+                       bool(h.get("float64")), tuple(tuple(str(n) for n in g) for g in h.get("shared", ())))
 
