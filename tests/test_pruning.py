@@ -168,11 +168,16 @@ def test_the_speed_table_takes_what_the_time_budget_leaves_and_marks_unsettled_m
 
 
 def test_prune_keeps_to_its_time_budget(trained, tmp_path, capsys):
-    """A budget spent before the speed table: every batch size still gets 3 rounds, and the report
-    says the budget cut the timing short instead of running on."""
+    """A deadline spent before the speed table (the plan is an estimate): every batch size still gets 3 rounds, and
+    the report says the budget cut the timing short instead of running on. Through the command, a budget that
+    cannot hold the work is refused before any (tests/test_pruning_target.py)."""
+    import time
+
+    from multihead.apps import pruning
+
     out = tmp_path / "p"
-    assert main(["prune", "--model", "toy", "--fraction", "0.125", "--step", "0.125", "--checkpoints",
-                 str(trained["dir"] / "transformer"), "--out", str(out), "--time-budget", "1s"]) == 0
+    setup = pruning.toy_setup(trained["dir"] / "transformer")
+    pruning.run(setup, out, pruning.Options(0.125, step=0.125, deadline=time.monotonic() + 1.0, progress=False))
     report = json.loads((out / "report.json").read_text())
     assert all(t["rounds"] >= 3 for per in report["speed"].values() for t in per.values())
     assert any("the time budget left 0 s for this batch size" in n for n in report["timing_notes"])

@@ -1,8 +1,11 @@
-"""The cut where prediction happens: a pruned encoder's exported files (:func:`multihead.hf.export`) against the
-unpruned model's files in the same runtime (ONNX Runtime fp32 and int8, OpenVINO fp32 and int8), timed
-interleaved at each batch size, each speed-up beside the arithmetic bound of the work the cut removed
+"""The cut where prediction happens: a pruned encoder's exported files (:func:`multihead.hf.export`) against what
+users run today -- the unpruned transformers model made into each runtime's files the way that runtime's
+documentation does it (:func:`multihead.apps.runtimes.standard_files`; with ONNX Runtime's transformer optimizer
+too, the faster of the two being the peer) -- in the same runtime (ONNX Runtime fp32 and int8, OpenVINO fp32 and
+int8), timed interleaved at each batch size, each speed-up beside the arithmetic bound of the work the cut removed
 (:func:`work`: the floating-point operations of the padded call, as the runtimes compute padding), with the pruned
-file's fidelity per kind of text. Used by ``prune --hf`` and ``multihead bench --pruned``."""
+file's fidelity per kind of text. multihead's own export of the unpruned model is a row of the table, never its
+baseline. Used by ``prune --hf`` and ``multihead bench --pruned``."""
 
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ from torch.overrides import TorchFunctionMode
 
 from multihead.apps import runtimes, timing
 
-#: (label, the key of :func:`multihead.hf.export`'s result, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", "onnx", runtimes.ort_session), ("ONNX Runtime int8", "onnx_int8", runtimes.ort_session),
-            ("OpenVINO fp32", "openvino", runtimes.openvino_model),
-            ("OpenVINO int8", "openvino_int8", runtimes.openvino_model))
+#: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
+#: faster counts --, how a file is opened)
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized"), runtimes.ort_session),
+            ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8"), runtimes.ort_session),
+            ("OpenVINO fp32", ("openvino",), runtimes.openvino_model),
+            ("OpenVINO int8", ("openvino_int8",), runtimes.openvino_model))
 
 
 def pooled(model, ids, am):
@@ -103,30 +108,57 @@ def _pair(t_full: timing.Timing, t_pruned: timing.Timing) -> tuple[float, float,
     return t_full.median / t_pruned.median, t_full.min / t_pruned.max, t_full.max / t_pruned.min
 
 
-def compare(full: nn.Module, pruned: nn.Module, files_full: dict[str, Path], files_pruned: dict[str, Path],
-            inputs: dict[int, list[dict]], *, max_seconds: float = 20.0, log: Callable | None = None) -> list[dict]:
-    """Each runtime both folders have, unpruned file against pruned file, timed in the same interleaved rounds
-    (per batch size, every runtime's pair together) on ``inputs`` ({batch size: batches}): rows {runtime, batch,
-    unpruned_ms, pruned_ms, speedup, range, bound, share} where ``bound`` is :func:`work`'s ratio on the same
-    batches and ``share`` how much of the bound's gain the file delivers ((speed-up - 1) / (bound - 1))."""
-    engines = {label: (make(files_full[key]), make(files_pruned[key]))
-               for label, key, make in RUNTIMES if key in files_full and key in files_pruned}
+def _fastest(per: dict, label: str, side: str, sides: dict) -> tuple:
+    """(key, timing) of the fastest file of ``side`` in runtime ``label`` (by median), or (None, None)."""
+    got = {k: per[(label, side, k)] for k in sides[side]}
+    return min(got.items(), key=lambda kv: kv[1].median) if got else (None, None)
+
+
+def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files_full: dict[str, Path] | None,
+            files_pruned: dict[str, Path], inputs: dict[int, list[dict]], *, max_seconds: float = 20.0,
+            log: Callable | None = None) -> list[dict]:
+    """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
+    (``standard``: :func:`multihead.apps.runtimes.standard_files`), multihead's own export of it (``files_full``; None
+    leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
+    in the same interleaved rounds (per batch size, every runtime together) on ``inputs`` ({batch size: batches}).
+    Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
+    unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's: below 1 is slower),
+    pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer), range, bound, share} where
+    ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the pruned file
+    delivers ((speed-up - 1) / (bound - 1))."""
+    engines: dict[str, dict[str, dict]] = {}  # runtime -> {"standard"/"unpruned"/"pruned": {key: model}}
+    for label, keys, make in RUNTIMES:
+        sides = {"standard": {k: make(standard[k]) for k in keys if k in standard},
+                 "unpruned": {k: make(files_full[k]) for k in keys if files_full and k in files_full},
+                 "pruned": {k: make(files_pruned[k]) for k in keys if k in files_pruned}}
+        if sides["standard"] and sides["pruned"]:
+            engines[label] = sides
     rows = []
     for B, batches in inputs.items():
         bound = sum(work(full, b) for b in batches) / sum(work(pruned, b) for b in batches)
         calls = {}
-        for label, (u, p) in engines.items():
-            calls[f"{label}, unpruned"] = lambda u=u, xs=batches: [u(b["input_ids"], b["attention_mask"]) for b in xs]
-            calls[f"{label}, pruned"] = lambda p=p, xs=batches: [p(b["input_ids"], b["attention_mask"]) for b in xs]
-        t = timing.interleaved(calls, warmup=1, max_seconds=max_seconds, late_rounds=3,
-                               progress=f"runtimes, batch {B}" if log is not None else None)
-        for label in engines:
-            a, b = t[f"{label}, unpruned"].scaled(1 / len(batches)), t[f"{label}, pruned"].scaled(1 / len(batches))
-            s, lo, hi = _pair(a, b)
-            rows.append({"runtime": label, "batch": B, "unpruned_ms": a.to_json(), "pruned_ms": b.to_json(),
+        for label, sides in engines.items():
+            for side, models in sides.items():
+                for k, m in models.items():
+                    calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
+        names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
+        t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
+                               late_rounds=3, progress=f"runtimes, batch {B}" if log is not None else None)
+        per = {c: t[names[c]].scaled(1 / len(batches)) for c in calls}
+        for label, sides in engines.items():
+            peer_key, peer = _fastest(per, label, "standard", sides)
+            un_key, un = _fastest(per, label, "unpruned", sides)
+            pr_key, pr = _fastest(per, label, "pruned", sides)
+            s, lo, hi = _pair(peer, pr)
+            rows.append({"runtime": label, "batch": B, "peer": runtimes.STANDARD[peer_key], "peer_ms": peer.to_json(),
+                         "standard": {runtimes.STANDARD[k]: per[(label, "standard", k)].to_json()
+                                      for k in sides["standard"]},
+                         "unpruned_ms": un.to_json() if un is not None else None, "unpruned_file": un_key,
+                         "unpruned_vs_peer": round(peer.median / un.median, 3) if un is not None else None,
+                         "pruned_ms": pr.to_json(), "pruned_file": pr_key,
                          "speedup": round(s, 3), "range": [round(lo, 3), round(hi, 3)], "bound": round(bound, 3),
                          "share": round((s - 1) / (bound - 1), 2) if bound > 1.001 else None,
-                         "busy": timing.busy_note({k: v for k, v in t.items() if k.startswith(label + ",")})})
+                         "busy": timing.busy_note({names[c]: t[names[c]] for c in calls if c[0] == label})})
     return rows
 
 
@@ -135,29 +167,36 @@ def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict
     on every batch of every kind of text (a pruned file against the unpruned model: what the cut and the runtime's
     rounding cost together)."""
     out = {}
-    for label, key, make in RUNTIMES:
-        if key not in files:
-            continue
-        m = make(files[key])
-        with torch.no_grad():
-            out[label] = {kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"])
-                                                  * pooled(full, b["input_ids"], b["attention_mask"])).sum(-1)
-                                                 for b in batches]).mean())
-                          for kind, batches in kinds.items()}
+    for label, keys, make in RUNTIMES:
+        for key in keys:
+            if key not in files:
+                continue
+            m = make(files[key])
+            with torch.no_grad():
+                out[label if key == keys[0] else f"{label}, ORT optimizer"] = {
+                    kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"])
+                                            * pooled(full, b["input_ids"], b["attention_mask"])).sum(-1)
+                                           for b in batches]).mean())
+                    for kind, batches in kinds.items()}
     return out
 
 
 def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -> str:
-    """The table: per runtime and batch size, the unpruned and pruned files' ms per batch (median, min-max), the
-    speed-up (range) "of a bound", and the fidelity per kind of text when given."""
-    lines = ["| runtime | batch | unpruned file, ms | pruned file, ms | speed-up | bound (work removed) | of the "
-             "bound's gain |", "|---|---:|---:|---:|---:|---:|---:|"]
+    """The table: per runtime and batch size, the peer (the fastest standard file of the unpruned model), multihead's
+    own file of the unpruned model (and its ratio to the peer), the pruned file, ms per batch (median, min-max), the
+    speed-up over the peer (range) "of a bound", and the fidelity per kind of text when given."""
+    def ms(t):
+        return f"{t['median_ms']:.2f} ({t['min_ms']:.2f}-{t['max_ms']:.2f})"
+
+    lines = ["| runtime | batch | peer: the standard export, ms | multihead's unpruned file, ms | pruned file, ms | "
+             "speed-up over the peer | bound (work removed) | of the bound's gain |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        u, p = r["unpruned_ms"], r["pruned_ms"]
         share = f"{r['share']:.0%}" if r["share"] is not None else "-"
-        lines.append(f"| {r['runtime']} | {r['batch']} | {u['median_ms']:.2f} ({u['min_ms']:.2f}-{u['max_ms']:.2f}) | "
-                     f"{p['median_ms']:.2f} ({p['min_ms']:.2f}-{p['max_ms']:.2f}) | {r['speedup']:.2f}x "
-                     f"({r['range'][0]:.2f}-{r['range'][1]:.2f}) | {r['bound']:.2f}x | {share} |")
+        un = (f"{ms(r['unpruned_ms'])}, {r['unpruned_vs_peer']:.2f}x" if r.get("unpruned_ms") else "-")
+        lines.append(f"| {r['runtime']} | {r['batch']} | {r['peer']}: {ms(r['peer_ms'])} | {un} | "
+                     f"{ms(r['pruned_ms'])} ({r['pruned_file']}) | {r['speedup']:.2f}x ({r['range'][0]:.2f}-"
+                     f"{r['range'][1]:.2f}) | {r['bound']:.2f}x | {share} |")
     if fid:
         kinds = list(next(iter(fid.values())))
         lines += ["", "| pruned file | " + " | ".join(f"mean cosine, {k}" for k in kinds) + " |",

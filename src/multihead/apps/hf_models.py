@@ -335,20 +335,29 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.scores_fn = scores_fn
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
-    setup.more_peers = (lambda: []) if causal else (lambda: _unpruned_files_or_export(setup, peer, speed[16][0]))
+    setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0], _calibration(imp)))
     setup.ffn_fn = lambda m, fraction: _cut_ffn(m, fraction, imp)
     if not causal:
-        _for_runtimes(setup, imp, runtime_texts(tok, kinds, held_out, long, limit))
+        _for_runtimes(setup, imp, runtime_texts(tok, kinds, held_out, long, limit), peer, speed[16][0])
     return setup
 
 
-def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict]) -> None:
-    """An encoder's setup made ready for the runtimes: the kept model written where users run it (calibrated on the
-    importance text), the text its files are timed and scored on, and its served form timed beside it."""
-    import multihead.hf as mhf
+def _calibration(imp: list) -> list[dict]:
+    """The importance text as calibration batches (OpenVINO's static int8): text the timing never uses."""
+    return [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
 
-    calibration = [{"input_ids": ids, "attention_mask": am} for (ids, am), _ in imp]
+
+def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict], peer: nn.Module, example: tuple) -> None:
+    """An encoder's setup made ready for the runtimes: the kept model written where users run it (calibrated on the
+    importance text), the unpruned ``peer`` (the transformers model as loaded) made into the standard files the
+    runtime table times it against, the text its files are timed and scored on, and its served form timed beside."""
+    import multihead.hf as mhf
+    from multihead.apps import runtimes
+
+    calibration = _calibration(imp)
     setup.export_fn = lambda m, folder: _export(m, folder, calibration)
+    setup.standard_fn = lambda: runtimes.standard_files(peer, {"input_ids": example[0], "attention_mask": example[1]},
+                                                        calibration)
     setup.runtime_texts = texts
     setup.serve_fn = mhf.serve
 
@@ -399,29 +408,16 @@ def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit
     return inputs, {kind: batch(items, 16, cap) for kind, (items, cap) in texts.items()}
 
 
-def _unpruned_files_or_export(setup: Setup, peer: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:
-    """The speed table's other runtimes of the unpruned encoder: opened from the files the runtime table exported
-    (``setup.unpruned_files``: the same model, exported once per run), else exported from ``peer``."""
-    from multihead.apps import runtimes
-
-    files = getattr(setup, "unpruned_files", None)
-    if not files:
-        return runtime_peers(peer, example)
-    run = lambda m, x: m(input_ids=x[0], attention_mask=x[1])  # noqa: E731
-    out = [("ONNX Runtime int8 (unpruned)", runtimes.ort_session(files["onnx_int8"]), run)]
-    if "openvino" in files:
-        out.append(("OpenVINO fp32 (unpruned)", runtimes.openvino_model(files["openvino"]), run))
-    return out
-
-
-def runtime_peers(model: nn.Module, example: tuple) -> list[tuple[str, object, Callable]]:
-    """ONNX Runtime's int8 and OpenVINO's fp32 models of the unpruned encoder ``model`` (exported once with
-    the (ids, am) ``example``), those whose extra (onnx, openvino) is installed: [(name, model, run_fn)]."""
+def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | None = None
+                  ) -> list[tuple[str, object, Callable]]:
+    """The unpruned transformers encoder ``model`` in ONNX Runtime and OpenVINO, from its standard files
+    (:func:`multihead.apps.runtimes.standard_files`, exported once with the (ids, am) ``example``), those whose extra
+    (onnx, openvino) is installed: [(name, model, run_fn)]."""
     from multihead.apps import runtimes
 
     ids, am = example
     return [(name, m, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))
-            for name, m in runtimes.peers(model, {"input_ids": ids, "attention_mask": am}).items()]
+            for name, m in runtimes.peers(model, {"input_ids": ids, "attention_mask": am}, None, calibration).items()]
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,

@@ -1,7 +1,7 @@
-"""Other runtimes of the same checkpoint, timed beside ours by ``prune --hf`` and bench W7: ONNX Runtime's int8
-model (the ``onnx`` extra) and OpenVINO's fp32 model (the ``openvino`` extra), both from one ONNX file
-(:func:`export`, through :func:`multihead.hf.export_onnx`), both called like the transformers model;
-:func:`peers` makes those this machine has."""
+"""Other runtimes of the same checkpoint, timed beside ours by ``prune --hf`` and bench W7: the unpruned transformers
+model made into ONNX Runtime's and OpenVINO's files the way each runtime's documentation does it
+(:func:`standard_files`: the peer of every runtime table), each called like the transformers model; :func:`peers`
+opens those this machine has; :func:`export` writes a model through :func:`multihead.hf.export_onnx`."""
 
 from __future__ import annotations
 
@@ -99,15 +99,9 @@ def ort_int8(f: Path) -> RuntimeModel:
     """The ONNX file ``f`` dynamically quantized to int8 by onnxruntime (QInt8 weights, one scale per output
     channel: on all-MiniLM-L6-v2 pruned 40%, mean cosine 0.970 where one scale per tensor gives 0.947, in about
     the same time), in :func:`ort_session`."""
-    from multihead.extras import quiet_logs, require
+    from multihead.hf.export import quantize_standard
 
-    require("onnxruntime", "the ONNX Runtime peer")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
-        quantize_dynamic(str(f), str(f.with_name("int8.onnx")), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"])
-    return ort_session(f.with_name("int8.onnx"))
+    return ort_session(quantize_standard(f, f.with_name("int8.onnx")))
 
 
 def openvino_fp32(f: Path) -> RuntimeModel:
@@ -123,10 +117,84 @@ def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
     return openvino_model(quantized_ir(f, Path(tempfile.mkdtemp()) / "int8.xml", calibration))
 
 
+class _Hidden(torch.nn.Module):
+    """A transformers encoder called with its token tensors, giving its last hidden state: what a user wraps to export
+    the model for sentence embeddings (the pooler left out, as sentence-transformers and fastembed read it)."""
+
+    def __init__(self, model, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        types = {"token_type_ids": token_type_ids} if "token_type_ids" in self.names else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **types).last_hidden_state  # (B, L, E)
+
+
+#: the standard files' labels: (key, how the runtime's documentation makes it)
+STANDARD = {"onnx": "torch.onnx.export", "onnx_int8": "torch.onnx.export + quantize_dynamic",
+            "onnx_optimized": "torch.onnx.export + ORT optimizer",
+            "onnx_optimized_int8": "torch.onnx.export + ORT optimizer + quantize_dynamic",
+            "openvino": "openvino.convert_model", "openvino_int8": "openvino.convert_model + NNCF"}
+
+
+def standard_files(model, example: dict, calibration: list[dict] | None = None, *, openvino: bool = True,
+                   log=None) -> dict[str, Path]:
+    """The unpruned transformers encoder ``model``, as loaded (its own attention, sdpa by default), made into runtime
+    files the way each runtime's documentation does it -- the peer every runtime table times the pruned files
+    against: ``torch.onnx.export`` of the model (its defaults, both sizes dynamic), ONNX Runtime's
+    ``quantize_dynamic`` (int8 weights, per channel), ONNX Runtime's transformer optimizer (where it has a pass for
+    the model type) and the optimized file quantized the same way; OpenVINO's ``convert_model`` of the ONNX file and
+    NNCF's static int8 (with ``calibration``) where the openvino extra is installed. {key: path} (keys as
+    :data:`STANDARD`), exported once per process for the same weights."""
+    from multihead.extras import quiet_logs, require
+    from multihead.hf.export import _export_example, input_names, openvino_int8, optimize, quantize_standard
+
+    require("onnxscript", "the standard ONNX export")
+    names = input_names(model)
+    key = _fingerprint(model)
+    key = None if key is None else f"{key}:{openvino}:{bool(calibration)}"
+    if key is not None and key in _STANDARD and all(f.is_file() for f in _STANDARD[key].values()):
+        return _STANDARD[key]
+    d = Path(tempfile.mkdtemp())
+    xs = _export_example(example, names)  # (B, L) each, B, L >= 2
+    B, L = torch.export.Dim("B"), torch.export.Dim("L", max=int(model.config.max_position_embeddings))
+    was = model.training
+    model.eval()
+    try:
+        with quiet_logs("torch.onnx"):
+            torch.onnx.export(_Hidden(model, names).eval(), xs, str(d / "model.onnx"), input_names=names,
+                              output_names=["last_hidden_state"], dynamic_shapes={n: {0: B, 1: L} for n in names})
+    finally:
+        model.train(was)
+    f = d / "model.onnx"
+    out = {"onnx": f, "onnx_int8": quantize_standard(f, d / "model_int8.onnx")}
+    fused = optimize(model, f, d / "model_optimized.onnx")
+    if fused["written"]:
+        out["onnx_optimized"] = d / "model_optimized.onnx"
+        out["onnx_optimized_int8"] = quantize_standard(d / "model_optimized.onnx", d / "model_optimized_int8.onnx")
+    if openvino:
+        try:
+            ov = require("openvino", "OpenVINO's standard conversion")
+            ov.save_model(ov.convert_model(str(f)), str(d / "openvino_model.xml"), compress_to_fp16=False)
+            out["openvino"] = d / "openvino_model.xml"
+            if calibration:
+                out["openvino_int8"] = openvino_int8(out["openvino"], d / "openvino_model_int8.xml", calibration)
+        except ImportError as e:
+            if log is not None:
+                log(f"  OpenVINO's standard files not made: {e}")
+    if key is not None:
+        _STANDARD[key] = out
+    return out
+
+
+_STANDARD: dict[str, dict[str, Path]] = {}
+
+
 def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:
-    """{name: runtime model} of the unpruned encoder ``model`` in every runtime whose extra is installed
-    (exported once); a missing extra is told to ``log`` when given. ``calibration``: batches for OpenVINO's int8
-    model (static quantization; without them it is not made)."""
+    """{name: runtime model} of the unpruned transformers encoder ``model`` (as loaded, not attached) in every runtime
+    whose extra is installed, from its standard files (:func:`standard_files`: made as users make them, once); a
+    missing extra is told to ``log`` when given. ``calibration``: batches for OpenVINO's int8 model (static
+    quantization; without them it is not made)."""
     from multihead.extras import require
 
     try:
@@ -135,15 +203,12 @@ def peers(model, example: dict, log=None, calibration: list[dict] | None = None)
         if log is not None:
             log(f"  no other runtime timed: {e}")
         return {}
-    f = export(model, example)
+    files = standard_files(model, example, calibration, log=log)
+    labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
+              ("openvino", "OpenVINO fp32"), ("openvino_int8", "OpenVINO int8, NNCF static")]
     out = {}
-    makers = [("ONNX Runtime int8 (unpruned)", ort_int8), ("OpenVINO fp32 (unpruned)", openvino_fp32)]
-    if calibration:
-        makers.append(("OpenVINO int8, NNCF static (unpruned)", lambda f: openvino_int8(f, calibration)))
-    for name, make in makers:
-        try:
-            out[name] = make(f)
-        except ImportError as e:
-            if log is not None:
-                log(f"  {name} not timed: {e}")
+    for k, label in labels:
+        if k in files:
+            out[f"{label} (unpruned, standard export)"] = (ort_session if k.startswith("onnx") else openvino_model)(
+                files[k])
     return out

@@ -10,14 +10,25 @@ layout sentence-transformers and fastembed read::
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra)
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
-A pruned model is written at its pruned size: each attention module's projections hold its kept heads only
-(checked on the written graph), and a model whose heads are cut by gates or stored as zeros is refused, naming the
-module. Every file is run once on padded batches and compared with the torch model before it is kept.
+    DIR/onnx/model_optimized.onnx       model.onnx after ONNX Runtime's transformer optimizer (its fusions: layer
+    DIR/onnx/model_optimized_int8.onnx  norms with the residual add, GELU with its bias, ...; ONNX Runtime only), and
+                                        quantized the same way: written where the optimizer knows the model's type
+    DIR/onnx/export.json                the attention the graph holds ("sdpa" or "multihead"), what the optimizer
+                                        fused (op: count) and what it could not
+
+The graph is the model's own transformers graph with transformers' SDPA attention -- the graph ``torch.onnx.export``
+gives for the unpruned model, the one users export and ONNX Runtime's optimizer knows -- at the pruned size: each
+attention module's projections hold its kept heads only (checked on the written graph); a family without SDPA is
+exported through multihead's attention function. A model whose heads are cut by gates or stored as zeros is
+refused, naming the module. Every file is run once on padded batches and compared with the torch model before it
+is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import warnings
 from pathlib import Path
 
@@ -28,6 +39,10 @@ from multihead.hf.attention import PreTrainedModel, attention_modules
 from multihead.hf.layouts import probe_inputs
 
 ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
+ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_optimized_int8.onnx", "export.json"
+#: transformers' model types ONNX Runtime's transformer optimizer has a pass for (``optimizer.MODEL_TYPES``'s names)
+ORT_MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "distilbert": "bert", "electra": "bert",
+                   "mpnet": "bert", "camembert": "bert", "deberta-v2": "bert", "gpt2": "gpt2"}
 OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE = "openvino", "openvino_model.xml", "openvino_model_int8.xml"
 
 
@@ -102,15 +117,41 @@ def _refuse_full_size(model: nn.Module) -> None:
                              "pruned size.")
 
 
-def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None) -> Path:
+@contextlib.contextmanager
+def standard_attention(model: nn.Module):
+    """Inside: ``model`` computes attention with transformers' own SDPA function (the graph users export, at whatever
+    size each module now has: transformers' modules reshape with -1 heads) where its class supports SDPA; multihead's
+    function otherwise. Yields the implementation used; the model's own is restored after."""
+    previous = model.config._attn_implementation
+    use = "sdpa" if getattr(model, "_supports_sdpa", False) else previous
+    if use == previous:
+        yield previous
+        return
+    model.set_attn_implementation(use)
+    try:
+        yield use
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None, standard: bool = True) -> Path:
     """Write ``model`` (pruned or not) as an ONNX file taking ``input_ids`` and ``attention_mask`` (and
     ``token_type_ids`` where the model has token types: :func:`input_names`), each (B, L), both sizes dynamic
     (L up to the config's ``max_position_embeddings``), and giving its first output, named ``last_hidden_state``
-    (or ``logits``). Uses ``torch.onnx.export`` (the ``onnx`` extra). A pruned model is written at its pruned
-    size; a padding-free model is exported padded (the same outputs on real tokens; ONNX gets one static graph).
+    (or ``logits``). Uses ``torch.onnx.export`` (the ``onnx`` extra) on the model's transformers graph with SDPA
+    attention (:func:`standard_attention`; ``standard=False``: through multihead's attention function). A pruned
+    model is written at its pruned size; a padding-free model is exported padded (the same outputs on real tokens;
+    ONNX gets one static graph).
     Refused with a clear error: a quantized model (export the float one and quantize in ONNX Runtime), heads cut
     by gates or stored as zeros (:func:`_refuse_full_size`), a model whose forward takes no ``attention_mask``, a
     decoder whose call would make a cache, and masks other than a (B, L) 0/1 padding mask in ``example``."""
+    _export_onnx(model, Path(path), example, standard)
+    return Path(path)
+
+
+def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: bool) -> str:
+    """:func:`export_onnx`'s work; returns the attention implementation the graph holds ("sdpa", or multihead's
+    name where ``standard`` is False or transformers' SDPA graph cannot be exported)."""
     from multihead.extras import quiet_logs, require
     from multihead.hf import packed as hf_packed
     from multihead.quantize import is_quantized
@@ -141,17 +182,29 @@ def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = No
         B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
         with torch.no_grad():
             out_name = next(iter(model(**dict(zip(names, xs))).keys()))  # last_hidden_state, logits, ...
-        with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's to act on
-            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
-            torch.onnx.export(_TokensToHidden(model, "token_type_ids" in names).eval(), xs, str(path), dynamo=True,
-                              input_names=names, output_names=[out_name],
-                              dynamic_shapes={n: {0: B, 1: L} for n in names}, verbose=False)
+
+        def write() -> None:
+            with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's
+                warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+                warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
+                torch.onnx.export(_TokensToHidden(model, "token_type_ids" in names).eval(), xs, str(path), dynamo=True,
+                                  input_names=names, output_names=[out_name],
+                                  dynamic_shapes={n: {0: B, 1: L} for n in names}, verbose=False)
+
+        own = model.config._attn_implementation
+        if standard:
+            try:
+                with standard_attention(model) as used:
+                    write()
+                return used
+            except Exception:  # noqa: BLE001 - transformers' SDPA graph cannot be exported here (a layer with no head
+                pass  # left: its -1 reshape of zero elements): multihead's attention function's graph below
+        write()
+        return own
     finally:
         if packing is not None:
             packing.enabled = was
         model.train(model_training)
-    return Path(path)
 
 
 def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | None = None,
@@ -161,28 +214,42 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     is too and ``calibration`` is given (a list of batches {"input_ids", "attention_mask"[, "token_type_ids"]}
     (B, L) of text like the model's: static quantization needs the activations' ranges). Each fp32 file is run
     on two padded batches and must equal the torch model on the real tokens (float rounding), else it is
-    deleted and RuntimeError says by how much. Returns {"onnx", "onnx_int8"[, "openvino", "openvino_int8"]:
-    path}. A plain ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs. ``openvino``:
+    deleted and RuntimeError says by how much. Returns {"onnx", "onnx_int8"[, "onnx_optimized",
+    "onnx_optimized_int8"][, "openvino", "openvino_int8"]: path}. A plain ``onnxruntime.InferenceSession(path)``
+    runs a file on the tokenizer's outputs. ``openvino``:
     None writes the OpenVINO files where the extra is installed, True requires them (ImportError naming the extra),
     False leaves them out."""
-    from multihead.extras import quiet_logs, require
+    from multihead.extras import require
 
     ort = require("onnxruntime", "multihead.hf.export")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     folder = Path(folder)
     (folder / ONNX_DIR).mkdir(parents=True, exist_ok=True)
-    f = export_onnx(model, folder / ONNX_DIR / ONNX_FILE, example=example)
     names = input_names(model)
     so = ort.SessionOptions()  # the check runs beside torch: as many threads as torch, none left spinning
     so.intra_op_num_threads, so.inter_op_num_threads = torch.get_num_threads(), 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
-    verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
-    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
-        quantize_dynamic(str(f), str(f.with_name(ONNX_INT8_FILE)), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"])
+
+    def check(f: Path) -> None:
+        session = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
+        verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
+
+    f = folder / ONNX_DIR / ONNX_FILE
+    attention = _export_onnx(model, f, example, standard=True)
+    try:
+        check(f)
+    except Exception:  # noqa: BLE001 - transformers' SDPA graph fails in ONNX Runtime or computes something else than
+        if attention == model.config._attn_implementation:  # multihead here (a layer with no head left: a -1 reshape
+            raise  # of zero elements); multihead's attention function's graph then, itself checked
+        attention = _export_onnx(model, f, example, standard=False)
+        check(f)
+    quantize_standard(f, f.with_name(ONNX_INT8_FILE))
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
+    fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
+    (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "optimizer": fused}, indent=2))
+    if fused.get("written"):
+        check(f.with_name(ONNX_OPT_FILE))
+        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE))
+        written |= {"onnx_optimized": f.with_name(ONNX_OPT_FILE), "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}
     if openvino is False:
         return written
     try:
@@ -200,6 +267,44 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         warnings.warn(f"export: OpenVINO cannot read {f} ({first[:200]}); no openvino/ folder written, the ONNX files "
                       "are.", RuntimeWarning, stacklevel=2)
     return written
+
+
+def quantize_standard(source: Path, out: Path) -> Path:
+    """``source`` quantized the way ONNX Runtime's documentation does it for transformers on a CPU:
+    ``quantize_dynamic`` with int8 weights, one scale per output channel, its default operators."""
+    from multihead.extras import quiet_logs, require
+
+    require("onnxruntime", "int8 quantization")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
+        quantize_dynamic(str(source), str(out), weight_type=QuantType.QInt8, per_channel=True,
+                         extra_options={"DefaultTensorType": 1})  # FLOAT where shape inference stops at a fused op
+    return out
+
+
+def optimize(model: nn.Module, source: Path, out: Path) -> dict:
+    """``source`` through ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``, the model type
+    from the config: :data:`ORT_MODEL_TYPES`), written to ``out`` when the optimizer knows the type: {"model_type",
+    "fused": {op: count}, "written": bool, "note": what it could not fuse (None when attention was fused too)}."""
+    from multihead.extras import quiet_logs
+
+    cfg = model.config
+    kind = ORT_MODEL_TYPES.get(getattr(cfg, "model_type", ""))
+    if kind is None:
+        return {"model_type": getattr(cfg, "model_type", None), "fused": {}, "written": False,
+                "note": f"ONNX Runtime's transformer optimizer has no pass for model type {cfg.model_type!r}"}
+    from onnxruntime.transformers import optimizer
+
+    with quiet_logs("onnxruntime"), quiet_logs(""):
+        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=0, hidden_size=0)
+        fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        opt.save_model_to_file(str(out))
+    attention = sum(v for k, v in fused.items() if "Attention" in k)
+    note = None if attention else (
+        "ONNX Runtime's optimizer fused no attention in this graph (transformers' SDPA masks are not the pattern it "
+        f"matches): it fused {', '.join(f'{k} x{v}' for k, v in fused.items()) or 'nothing'}")
+    return {"model_type": kind, "fused": fused, "written": True, "note": note}
 
 
 def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True, name: str | None = None):
