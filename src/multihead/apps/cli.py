@@ -207,7 +207,13 @@ def _prune(args) -> int:
     except ValueError as e:
         print(f"multihead prune: {e}", file=sys.stderr)
         return 2
-    report = pruning.run(setup, out, options)
+    return _report_and_exit(pruning.run(setup, out, options), out)
+
+
+def _report_and_exit(report: dict, out: Path) -> int:
+    """Print the report's lines; the exit code: 1 when a target was asked and no model tried met it, else 0."""
+    from multihead.apps import pruning
+
     _print_report(report, out)
     search = report.get("target")
     if search is not None and not search["met"]:

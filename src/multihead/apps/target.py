@@ -281,17 +281,22 @@ def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal 
             lo = mid
         else:
             hi = mid - 1
-    stopped = lo < hi  # the budget ended the search before it was settled
     passed = [i for i, f in tried.items() if goal.meets(f.fidelity)]
     chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: goal.margin(f.fidelity))
-    remaining = math.ceil(math.log2(hi - lo + 1)) if stopped else 0  # candidates the bisection still needed
-    record = {"target": goal.value, "kind": goal.kind, "higher_is_better": goal.higher, "met": bool(passed),
-              "stopped_by_time_budget": stopped, "chosen_fraction": rows[chosen.index]["fraction"],
-              "candidates_left": remaining,
-              "seconds_more_needed": round(remaining * cost(), 0) if stopped else 0.0,
-              "search_seconds": round(time.monotonic() - started, 1),
-              "tried": [{"fraction": rows[i]["fraction"], "heads_pruned": rows[i]["heads_pruned"],
-                         "fidelity": f.fidelity.to_json(), "passed": goal.meets(f.fidelity),
-                         "recovery_steps": (f.recovery or {}).get("steps"), "seconds": round(f.seconds, 1)}
-                        for i, f in sorted(tried.items())]}
-    return chosen, record
+    left = math.ceil(math.log2(hi - lo + 1)) if lo < hi else 0  # candidates the bisection still needed
+    return chosen, _record(goal, rows, tried, chosen, left, left * cost(), time.monotonic() - started)
+
+
+def _record(goal: Goal, rows: list[dict], tried: dict[int, Finished], chosen: Finished, left: int, more_s: float,
+            took: float) -> dict:
+    """The target search's record (report.json's ``target``): the goal, whether a model tried met it, the one
+    kept, whether the budget ended the search (``left`` candidates, about ``more_s`` seconds short) and every
+    model tried."""
+    return {"target": goal.value, "kind": goal.kind, "higher_is_better": goal.higher,
+            "met": any(goal.meets(f.fidelity) for f in tried.values()), "stopped_by_time_budget": left > 0,
+            "chosen_fraction": rows[chosen.index]["fraction"], "candidates_left": left,
+            "seconds_more_needed": round(more_s, 0), "search_seconds": round(took, 1),
+            "tried": [{"fraction": rows[i]["fraction"], "heads_pruned": rows[i]["heads_pruned"],
+                       "fidelity": f.fidelity.to_json(), "passed": goal.meets(f.fidelity),
+                       "recovery_steps": (f.recovery or {}).get("steps"), "seconds": round(f.seconds, 1)}
+                      for i, f in sorted(tried.items())]}
