@@ -54,7 +54,7 @@ def test_every_public_name_is_in_its_api_reference_page(site):
 
 def test_the_readme_is_the_home_page_with_its_links_made_relative(site):
     home = (site / "index.html").read_text()
-    assert "For practitioners" in home and 'href="learners.html"' in home and 'href="docs/' not in home
+    assert "For practitioners" in home and 'href="tutorials/learner.html"' in home and 'href="docs/' not in home
 
 
 def test_the_pictures_are_drawn_into_the_site(site):

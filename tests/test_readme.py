@@ -21,6 +21,8 @@ from torch import nn
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 PAGES = [README, *sorted((README.parent / "docs").rglob("*.md"))]
+#: the tutorials: each page runs as one session, step by step, and what each step prints is what the page shows
+TUTORIALS = sorted((README.parent / "docs" / "tutorials").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 HEADING = re.compile(r"^(#{2,3}) (.+)$", re.M)
 
@@ -36,9 +38,13 @@ def page_blocks() -> list[tuple[str, str, str, str]]:
     return out
 
 
+def _tutorial(page: str) -> bool:
+    return page.startswith("docs/tutorials/")
+
+
 def readme_blocks() -> list[tuple[str, str, str]]:
-    """(section heading, language, code) for every fenced block of every page, in order."""
-    return [(h, lang, code) for _, h, lang, code in page_blocks()]
+    """(section heading, language, code) for every fenced block of every page but the tutorials, in order."""
+    return [(h, lang, code) for page, h, lang, code in page_blocks() if not _tutorial(page)]
 
 
 # --- the names each section leaves to the reader --------------------------------------------
@@ -149,6 +155,17 @@ def _hf(ns, tmp_path):
               model=nn.Sequential(_SdpaAttention(), nn.Linear(16, 16)), example=x, x=x)
 
 
+def _fastembed(ns, tmp_path):
+    """The tiny BERT checkpoint, for the fastembed extra (ONNX Runtime inside); its tokenizer says its length limit,
+    as a sentence-transformers model's does (fastembed needs it)."""
+    pytest.importorskip("fastembed")
+    pytest.importorskip("onnx")
+    from transformers import AutoTokenizer
+
+    _hf(ns, tmp_path)
+    AutoTokenizer.from_pretrained(ns["path"], model_max_length=160).save_pretrained(ns["path"])
+
+
 class _SdpaAttention(nn.Module):
     """In timm's style: a fused qkv Linear, F.scaled_dot_product_attention, a projection."""
 
@@ -212,11 +229,15 @@ PLACEHOLDERS = {
     "For researchers": None,
     "A short tour": None,
     "The course's code, unchanged but for the import": _course,
-    "Compiled, decoding, small calls": _compiled,
+    "Compile and decode": _compiled,
     "Long sequences across processes": _long,
     "See the heads": _heads,
-    "Interop: weights in and out, and a real pretrained model": _interop,
-    "Your own model (Hugging Face transformers)": _hf,
+    "Draw a ViT's heads on a picture": _heads,
+    "Move weights in and out of torch.nn and Keras": _interop,
+    "See and cut the heads of a transformers model": _hf,
+    "See and cut the heads of any module that calls SDPA": _hf,
+    "Serve a pruned encoder with fastembed": _fastembed,
+    "Patch every head": None,
     "Cut the heads": _cut,
 }
 # blocks that are not code to run, with the reason
@@ -228,7 +249,14 @@ NOT_RUN = {
 
 
 def _python_blocks():
-    return [(page, h, code) for page, h, lang, code in page_blocks() if lang == "python"]
+    return [(page, h, code) for page, h, lang, code in page_blocks() if lang == "python" and not _tutorial(page)]
+
+
+def _shown_after(page: str, code: str) -> str | None:
+    """The output a page shows right after a python block (a ``text`` block), or None."""
+    blocks = [(lang, c) for p, _, lang, c in page_blocks() if p == page]
+    i = next(i for i, (lang, c) in enumerate(blocks) if lang == "python" and c == code)
+    return blocks[i + 1][1] if i + 1 < len(blocks) and blocks[i + 1][0] == "text" else None
 
 
 def _sh_blocks():
@@ -239,7 +267,7 @@ def test_every_block_is_accounted_for():
     for heading, lang, _ in readme_blocks():
         if lang == "python":
             assert heading in PLACEHOLDERS, f"README block under {heading!r} has no entry in PLACEHOLDERS"
-        elif (heading, lang) not in NOT_RUN:
+        elif (heading, lang) not in NOT_RUN and lang != "text":  # text: a python block's output, compared
             assert lang == "sh", f"README block under {heading!r} has language {lang!r}"
 
 
@@ -254,12 +282,14 @@ def test_section_headings_are_unique_across_the_pages():
 
 
 def test_the_readme_is_a_landing_page():
-    """At most ~150 lines, and it links to every page of the documentation (relative links, which work on a code
-    host and, rewritten by docs/hooks.py, in the built site)."""
+    """At most ~150 lines, and it links to every page of the documentation's top level and every tutorial (relative
+    links, which work on a code host and, rewritten by docs/hooks.py, in the built site)."""
     text = README.read_text()
     assert len(text.splitlines()) <= 150
-    for page in sorted((README.parent / "docs").glob("*.md")):
-        assert f"](docs/{page.name})" in text, f"the README does not link to docs/{page.name}"
+    docs = README.parent / "docs"
+    for page in [*sorted(docs.glob("*.md")), *TUTORIALS]:
+        rel = page.relative_to(docs).as_posix()
+        assert f"](docs/{rel})" in text, f"the README does not link to docs/{rel}"
 
 
 def _run_block(page: str, heading: str, code: str, ns: dict) -> None:
@@ -269,9 +299,9 @@ def _run_block(page: str, heading: str, code: str, ns: dict) -> None:
 
 def test_a_failing_block_names_its_page_and_section():
     with pytest.raises(NameError) as e:
-        _run_block("docs/cutting.md", "Cut the heads", "x = 1\nmodel_not_there(x)\n", {})
+        _run_block("docs/how-to/cut-heads.md", "Cut the heads", "x = 1\nmodel_not_there(x)\n", {})
     frame = e.traceback[-1]
-    assert str(frame.path) == "docs/cutting.md: Cut the heads" and frame.lineno + 1 == 2  # the block's second line
+    assert str(frame.path) == "docs/how-to/cut-heads.md: Cut the heads" and frame.lineno + 1 == 2  # the block's second line
 
 
 @pytest.mark.parametrize("page,heading,code", _python_blocks(), ids=[f"{p}: {h}" for p, h, _ in _python_blocks()])
@@ -285,9 +315,14 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
     ns: dict = {} if whole else {"torch": torch, "multihead": multihead}  # the others: the tour's imports
     if PLACEHOLDERS[heading] is not None:
         PLACEHOLDERS[heading](ns, tmp_path)
+    capsys.readouterr()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _run_block(page, heading, code, ns)
+    shown = _shown_after(page, code)
+    if shown is not None:  # the output the page shows under the block is what it printed
+        printed = capsys.readouterr().out
+        assert _tokens_match(printed, shown), f"{page}, {heading}: printed\n{printed}\nthe page shows\n{shown}"
     # none reaches the user: Python's default filters hide only other packages' deprecation warnings
     hidden = (DeprecationWarning, PendingDeprecationWarning)
     shown = [w for w in seen if not (issubclass(w.category, hidden) and "site-packages" in w.filename)]
@@ -302,23 +337,25 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
     elif heading == "A short tour":
         assert tuple(ns["out"].shape) == (2, 8, 7, 12) and tuple(ns["w"].shape) == (2, 8, 7, 9)
         assert "runs: sdpa" in capsys.readouterr().out
-    elif heading == "Compiled, decoding, small calls":
+    elif heading == "Compile and decode":
         assert tuple(ns["y_t"].shape) == (2, 1, 100)
     elif heading == "Long sequences across processes":
         torch.testing.assert_close(ns["y"], ns["model"](ns["x"], mask=ns["multihead"].masks.Causal()))
-    elif heading == "See the heads" and "vision" in ns:  # a vision model drawn on a picture
+    elif heading == "Draw a ViT's heads on a picture":
         for f in ("heads.png", "cls_attention.png", "rollout.png", "attention.html"):
             assert (tmp_path / "out" / "vit" / f).stat().st_size > 0, f
     elif heading == "See the heads":
         assert (tmp_path / "heads.png").stat().st_size > 0 and (tmp_path / "attention.html").stat().st_size > 0
         assert tuple(ns["captured"]["decoder.1.cross_attn"].shape) == (1, 4, 5, 5)
-    elif heading == "Your own model (Hugging Face transformers)" and "found" in ns:  # any module that calls SDPA
+    elif heading == "See and cut the heads of any module that calls SDPA":
         assert list(ns["found"]) == ["0"] and tuple(ns["cap"]["0"].shape) == (2, 4, 5, 5)
-    elif heading == "Your own model (Hugging Face transformers)":
+    elif heading == "See and cut the heads of a transformers model":
         loaded = ns["multihead"].hf.load(tmp_path / "pruned")
         with torch.no_grad():
             torch.testing.assert_close(loaded(**ns["batch"]).last_hidden_state[1, :6],
                                        ns["model"](**ns["batch"]).last_hidden_state[1, :6], atol=1e-5, rtol=1e-5)
+    elif heading == "Patch every head":
+        assert ns["result"].grid().shape == (2, 8) and ns["estimate"].agreement(ns["result"])["pearson"] > 0.5
     elif heading == "Cut the heads":
         assert sum(m.num_heads for m in (b.attn for b in ns["model"].layers)) == 6
         assert [r["fraction"] for r in ns["rows"]] == [0.0, 0.25, 0.5]
@@ -440,3 +477,72 @@ def test_readme_layout_names_files():
 def test_readme_quick_start_is_the_two_commands():
     block = dict(((h, lang), c) for h, lang, c in readme_blocks())[("Quick start", "sh")]
     assert [line.split("#")[0].strip() for line in block.strip().splitlines()] == ["make demo", "make test"]
+
+
+# --- the tutorials: one session per page, each step's output checked against what the page shows ----------------
+
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?[%x]?[,)\]]*$")
+
+
+def _tokens_match(printed: str, shown: str) -> bool:
+    """The same words in the same order; a number may differ in its last shown digit (another CPU rounds
+    differently): within 2% or 0.011 of the shown value."""
+    a, b = printed.split(), shown.split()
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        if not (_NUMBER.match(x) and _NUMBER.match(y)):
+            return False
+        fx, fy = (float(re.match(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", t).group(0)) for t in (x, y))
+        if abs(fx - fy) > max(0.011, 0.02 * abs(fy)) or x.lstrip("-+0123456789.e") != y.lstrip("-+0123456789.e"):
+            return False
+    return True
+
+
+def tutorial_steps(page: Path) -> list[tuple[str, str, str, str | None]]:
+    """(section heading, language, code, the output the page shows after it) for each step of a tutorial page: a
+    python block followed by a text block (what it prints), or a command line (sh)."""
+    rel = str(page.relative_to(README.parent))
+    blocks = [(h, lang, code) for p, h, lang, code in page_blocks() if p == rel]
+    steps = []
+    for i, (h, lang, code) in enumerate(blocks):
+        if lang == "text":
+            assert i and blocks[i - 1][1] == "python", f"{rel}: a text block under {h!r} follows no python block"
+            continue
+        assert lang in ("python", "sh"), f"{rel}: a {lang!r} block under {h!r}"
+        shown = blocks[i + 1][2] if i + 1 < len(blocks) and blocks[i + 1][1] == "text" else None
+        assert lang == "sh" or shown is not None, f"{rel}: the step under {h!r} shows no output"
+        steps.append((h, lang, code, shown))
+    return steps
+
+
+def test_the_output_check_is_real():
+    assert _tokens_match("torch.Size([2, 4, 100])", "torch.Size([2, 4, 100])")
+    assert _tokens_match("mean cosine 0.93", "mean cosine 0.94") and not _tokens_match("cosine 0.93", "cosine 0.99")
+    assert not _tokens_match("False", "True") and not _tokens_match("a b", "a b c") and not _tokens_match("2x", "2%")
+
+
+@pytest.mark.parametrize("page", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_a_tutorial_runs_step_by_step_and_prints_what_it_shows(page, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rel = str(page.relative_to(README.parent))
+    ns: dict = {}  # one session: the steps build on each other, each imports what it uses
+    steps = tutorial_steps(page)
+    assert len(steps) >= 4, rel
+    for heading, lang, code, shown in steps:
+        if lang == "sh":
+            for line in code.replace("\\\n", " ").splitlines():
+                if line.split("  #")[0].strip():
+                    _cli(_argv(line.split("  #")[0].strip(), {}))
+            continue
+        capsys.readouterr()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _run_block(rel, heading, code, ns)
+        hidden = (DeprecationWarning, PendingDeprecationWarning)
+        assert [f"{w.category.__name__}: {w.message}" for w in seen
+                if not (issubclass(w.category, hidden) and "site-packages" in w.filename)] == [], (rel, heading)
+        printed = capsys.readouterr().out
+        assert _tokens_match(printed, shown), f"{rel}, {heading}: printed\n{printed}\nthe page shows\n{shown}"
