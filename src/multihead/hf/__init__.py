@@ -174,7 +174,6 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     padding-free model (``attach(packed=True)``) is rebuilt padding-free."""
     from safetensors.torch import save_model
 
-    from multihead.hf import packed as hf_packed
     from multihead.quantize import check_dtype, is_quantized
 
     if not isinstance(model, PreTrainedModel):
@@ -197,28 +196,36 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     standard = counts if counts is not None and _fits(model, _with(model.config, {**ffn, **counts})) else None
     full = _full_size(model) if standard is None else None
     save_model(full if full is not None else model, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _write_config(model, path, full, {**ffn, **(standard or {})}, quantize)
+    return path
+
+
+def _write_config(model: nn.Module, path: Path, full: nn.Module | None, standard: dict, quantize: str | None) -> None:
+    """config.json as :func:`save` leaves it: ``save_pretrained``'s, with ``standard`` (the counts or width every
+    layer shares) set and multihead's entries: the head counts and feed-forward widths it cannot say, the kept heads,
+    packed, quantized, and the one line of what opens the folder."""
+    from multihead.hf import packed as hf_packed
+
     cfg = json.loads((path / "config.json").read_text())
     mods = attention_modules(model).items()
     cfg[FULL_SIZE_KEY] = full is not None
-    cfg.update(ffn)
-    if standard is not None:  # every layer cut alike: the config says it, transformers builds the model at that size
-        cfg.update(standard)
-    cfg[HEADS_KEY] = {} if full is not None or standard is not None else {
+    cfg.update(standard)
+    cfg[HEADS_KEY] = {} if full is not None or "head_dim" in standard else {
         name: list(m.attention_hooks.layout.counts(m, m.attention_hooks.parent))
         for name, m in mods if m.attention_hooks.layout is not None}
     cfg[KEPT_KEY] = {name: m.attention_hooks.kept for name, m in mods if m.attention_hooks.kept is not None}
     cfg[PACKED_KEY] = hf_packed.is_packed(model)
     cfg[QUANTIZE_KEY] = quantize
-    if not ffn and any(b.width != inter for b in ffn_blocks(model)):
+    inter = getattr(model.config, "intermediate_size", None)
+    if "intermediate_size" not in standard and any(b.width != inter for b in ffn_blocks(model)):
         cfg[FFN_KEY] = {b.down: b.width for b in ffn_blocks(model)}
-    readable = _fits(full if full is not None else model, _with(model.config, {**ffn, **(standard or {})}))
+    readable = _fits(full if full is not None else model, _with(model.config, standard))
     cfg[LOADS_KEY] = (f"{type(model).__name__}.from_pretrained('{path}') (transformers) or multihead.hf.load('{path}')"
                       if readable else
                       f"multihead.hf.load('{path}') only: its layers keep their own head counts ({HEADS_KEY}) or "
                       f"feed-forward widths ({FFN_KEY}), which a transformers config cannot say (from_pretrained refuses "
                       "it: the weights' shapes differ from the config's)")
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 def _even_counts(model: nn.Module) -> dict | None:
