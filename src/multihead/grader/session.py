@@ -50,7 +50,7 @@ def mask_form(conv: str | None, other_dtype: bool = False, shape: str = MASK_SHA
 
 
 def mask_value(conv: str | None, keep: Tensor | None, lens: Tensor | None, other_dtype: bool = False,
-               shape: str = MASK_SHAPES[0], lens_2d: bool = False, shift: float = 0.0):
+               shape: str = MASK_SHAPES[0], lens_2d: bool = False, *, shift: float = 0.0):
     """The mask in the module's convention, (B, 1, Lq, Lk) or ``shape``, or the lengths for valid_lens.
     ``other_dtype``: "keep" as float 1/0 instead of bool, "block" as bool True = blocked instead of float 1/0 (the
     same mask, for a module that only takes the other: ``masked_fill(mask, ...)`` needs bool, ``1 - mask`` a
@@ -166,7 +166,7 @@ class Session:
             q, k, v = q2, k2, q2 if v is q else k2 if v is k else v.to(self.dtype)
         same = self.self_attn and k is q and v is q
         mask = mask_value(self.given or self.conv, keep, lens, self.other_mask, self.mask_shape, self.lens_2d,
-                          self.shift)
+                          shift=self.shift)
         if not self.seq_first:
             return self.subject.call(Probe(q, k, v, mask, same, **kw))
         t = _seq_first  # (B, L, ·) <-> (L, B, ·), one tensor staying one

@@ -11,6 +11,7 @@ verdict, which is computed from these records alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 from collections.abc import Callable, Mapping
@@ -401,6 +402,53 @@ class Pristine:
         return copy.deepcopy(self._copy)
 
 
+def _hook(module: nn.Module, probe: Probe, records: dict, order: list, handles: list) -> None:
+    """Forward hooks on the layers ``probe.record`` names (their (input, output) appended to ``records``) or
+    ``probe.replace`` names (their output replaced), and with ``probe.order`` pre-hooks on the Linear-like layers
+    (their names appended to ``order`` as they run); each handle appended to ``handles``."""
+    replace = dict(probe.replace or {})
+
+    def observe(name):
+        def hook(m, args, out):
+            if name in records:
+                x = args[0] if args and isinstance(args[0], Tensor) else None
+                records[name].append((x, out if isinstance(out, Tensor) else None))
+            if name in replace and isinstance(out, Tensor):
+                return replace[name].to(out.dtype)
+            return None
+        return hook
+
+    for name in {*records, *replace}:
+        handles.append(module.get_submodule(name).register_forward_hook(observe(name)))
+    if probe.order:
+        for name, m in module.named_modules():
+            if linear_like(m) is not None or isinstance(m, nn.Linear):
+                handles.append(m.register_forward_pre_hook(lambda m, a, name=name: order.append(name)))
+
+
+def _copies(probe: Probe, grad: bool) -> tuple:
+    """(q, k, v, mask) copied for one call (one tensor staying one): a module that writes into its inputs or its
+    mask (mask.unsqueeze_(1), q /= ...) changes no probe; :func:`_changed` tells the call it did."""
+    q = probe.q.clone().requires_grad_(grad)
+    k = q if probe.same or probe.k is probe.q else probe.k.clone().requires_grad_(grad)
+    v = q if probe.same or probe.v is probe.q else k if probe.v is probe.k else probe.v.clone().requires_grad_(grad)
+    return q, k, v, probe.mask.clone() if isinstance(probe.mask, Tensor) else probe.mask
+
+
+def _watcher(probe: Probe, handles: list) -> _Draws | None:
+    """What watches a call that asks for it (``probe.watch``, ``probe.forbid``): the function mode, and a global
+    forward pre-hook (added to ``handles``) for a forbidden module class; None where nothing is asked."""
+    banned = {n: resolve(n) for n in probe.forbid}
+    if not (probe.watch or banned):
+        return None
+    draws = _Draws({n: f for n, f in banned.items() if not isinstance(f, type)})
+    classes = [(n, c) for n, c in banned.items() if isinstance(c, type)]
+    if classes:  # a forbidden module seen when its forward runs
+        handles.append(nn.modules.module.register_module_forward_pre_hook(
+            lambda m, a: draws.called.extend(n for n, c in classes if isinstance(m, c))))
+    return draws
+
+
 def run(module: nn.Module, call: Callable, probe: Probe, pristine: Pristine | None = None) -> Reply:
     """Call ``module`` through ``call`` as ``probe`` asks (no grad unless a cotangent is given), with
     forward hooks only on the layers named in ``probe.record`` / ``probe.replace`` (and pre-hooks on the
@@ -414,49 +462,19 @@ def run(module: nn.Module, call: Callable, probe: Probe, pristine: Pristine | No
         except RuntimeError as e:
             return Reply(None, error=f"{NO_FRESH}: {e}")
     records: dict[str, list] = {n: [] for n in probe.record}
-    replace = dict(probe.replace or {})
     order: list[str] = []
-    handles = []
-
-    def observe(name):
-        def hook(m, args, out):
-            if name in records:
-                x = args[0] if args and isinstance(args[0], Tensor) else None
-                records[name].append((x, out if isinstance(out, Tensor) else None))
-            if name in replace and isinstance(out, Tensor):
-                return replace[name].to(out.dtype)
-            return None
-        return hook
-
+    handles: list = []
     try:
-        for name in {*records, *replace}:
-            handles.append(module.get_submodule(name).register_forward_hook(observe(name)))
-        if probe.order:
-            for name, m in module.named_modules():
-                if linear_like(m) is not None or isinstance(m, nn.Linear):
-                    handles.append(m.register_forward_pre_hook(lambda m, a, name=name: order.append(name)))
+        _hook(module, probe, records, order, handles)
         grad = probe.cotangent is not None
-        # copies: a module that writes into its inputs or its mask (mask.unsqueeze_(1), q /= ...) changes no probe
-        q = probe.q.clone().requires_grad_(grad)
-        k = q if probe.same or probe.k is probe.q else probe.k.clone().requires_grad_(grad)
-        v = q if probe.same or probe.v is probe.q else k if probe.v is probe.k else probe.v.clone().requires_grad_(grad)
-        mask = probe.mask.clone() if isinstance(probe.mask, Tensor) else probe.mask
+        q, k, v, mask = _copies(probe, grad)
         if grad:
             for p in module.parameters():
                 p.grad = None
-        banned = {n: resolve(n) for n in probe.forbid}
-        classes = [(n, c) for n, c in banned.items() if isinstance(c, type)]
-        draws = _Draws({n: f for n, f in banned.items() if not isinstance(f, type)}) if probe.watch or banned \
-            else None
-        if classes:  # a forbidden module seen when its forward runs
-            handles.append(nn.modules.module.register_module_forward_pre_hook(
-                lambda m, a: draws.called.extend(n for n, c in classes if isinstance(m, c))))
+        draws = _watcher(probe, handles)
         try:
             with torch.set_grad_enabled(grad):
-                if draws is not None:
-                    with draws:
-                        got = call(module, q, k, v, mask)
-                else:
+                with draws if draws is not None else contextlib.nullcontext():
                     got = call(module, q, k, v, mask)
                 out, weights, picked = _output(got, q, k.shape[1])
                 grads = {}
@@ -472,7 +490,7 @@ def run(module: nn.Module, call: Callable, probe: Probe, pristine: Pristine | No
                 for n, lst in records.items()}
         changed = tuple(n for n, given, original in (("q", q, probe.q), ("k", k, probe.k), ("v", v, probe.v),
                                                       ("mask", mask, probe.mask))
-                        if not (n != "q" and given is q) and _changed(given, original))
+                        if not (n != "q" and given is q) and _changed(given, original))  # the caller's, in the probe
         return Reply(None if out is None else out.detach(), None if weights is None else weights.detach(), None,
                      recs, {n: g.detach() for n, g in grads.items() if g is not None}, tuple(order), kept, changed,
                      tuple(draws.names) if draws is not None else (), picked,
