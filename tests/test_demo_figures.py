@@ -30,18 +30,18 @@ def test_the_demos_training_gives_the_same_models_twice():
 
 
 def _run_the_cut(ckpt, folder) -> tuple[dict, dict]:
-    """The demo's second exercise on its ViT (``demo.prune_both``'s calls, at the smallest settings): the methods
-    ranked against each head's cut-alone cost, the curve cut and recovered, the speed table."""
-    from multihead.apps import methods, pruning
+    """The demo's second exercise on its ViT (``demo.prune_both``'s ``pruning.run``, at the smallest settings): the
+    curve cut and recovered, the kept model, the speed table. (The methods' ranking, ``methods.compare``, is left
+    out: it cuts every head alone and is too slow to run twice here.)"""
+    from multihead.apps import pruning
 
     setup = pruning.vit_setup(ckpt)
-    ranked = methods.compare(setup, folder)
     report = pruning.run(setup, folder, pruning.Options(0.5, step=0.5, max_seconds=0.05, recover=2, recover_curve=True,
                                                         progress=False, runtime_peers=False))
-    return ranked, report
+    return report
 
 
-def test_the_demos_cut_figures_are_the_same_twice_and_its_timings_measured_anew(tmp_path):
+def test_the_demos_curve_is_the_same_twice_and_its_timings_measured_anew(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,9 +49,8 @@ def test_the_demos_cut_figures_are_the_same_twice_and_its_timings_measured_anew(
     from multihead.models.vit import train_vit
 
     checkpoint.save(train_vit(epochs=1, progress=False)[0], tmp_path / "checkpoints" / "vit")
-    (m1, r1), (m2, r2) = (_run_the_cut(tmp_path / "checkpoints" / "vit", tmp_path / f"run{i}") for i in (1, 2))
-    # the correlations, the curve (cut and recovered) and the kept model: the same figures
-    assert {k: v["spearman"] for k, v in m1["methods"].items()} == {k: v["spearman"] for k, v in m2["methods"].items()}
+    r1, r2 = (_run_the_cut(tmp_path / "checkpoints" / "vit", tmp_path / f"run{i}") for i in (1, 2))
+    # the curve (cut and recovered) and the kept model: the same figures
     curve = [(row["fraction"], row["metric"], row.get("metric_recovered")) for row in r1["curve"]]
     assert len(curve) == 2 and curve[1][2] is not None  # unpruned, half cut (and recovered)
     assert curve == [(row["fraction"], row["metric"], row.get("metric_recovered")) for row in r2["curve"]]
