@@ -284,10 +284,10 @@ def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal 
     passed = [i for i, f in tried.items() if goal.meets(f.fidelity)]
     chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: goal.margin(f.fidelity))
     left = math.ceil(math.log2(hi - lo + 1)) if lo < hi else 0  # candidates the bisection still needed
-    return chosen, _record(goal, rows, tried, chosen, left, left * cost(), time.monotonic() - started)
+    return chosen, _record(goal, rows, tried, chosen, left=left, more_s=left * cost(), took=time.monotonic() - started)
 
 
-def _record(goal: Goal, rows: list[dict], tried: dict[int, Finished], chosen: Finished, left: int, more_s: float,
+def _record(goal: Goal, rows: list[dict], tried: dict[int, Finished], chosen: Finished, *, left: int, more_s: float,
             took: float) -> dict:
     """The target search's record (report.json's ``target``): the goal, whether a model tried met it, the one
     kept, whether the budget ended the search (``left`` candidates, about ``more_s`` seconds short) and every

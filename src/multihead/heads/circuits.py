@@ -739,7 +739,7 @@ def _reader_grads(m: _Model, r: _Run, metric, output, B: int) -> tuple[Tensor, f
     return torch.stack(out).double(), float(total.detach())
 
 
-def _patched_runs(m: _Model, base_in, rep: _Run, B: int, masks: Tensor, metric, chunk: int) -> list[float]:
+def _patched_runs(m: _Model, base_in, rep: _Run, B: int, masks: Tensor, metric, *, chunk: int) -> list[float]:
     """The metric of each copy: the base input with copy p's marked edges (masks (P, U, R) bool) taken from ``rep``."""
     got: list[float] = []
     for i in range(0, masks.shape[0], chunk):
@@ -783,7 +783,7 @@ def patch_edges(model: nn.Module, clean, corrupted, metric: Callable, edges: Seq
         _per_row(metric, base_output, B)
         base_v = _value(metric, base_output, B)
         got = _patched_runs(m, base_in, src, B, _edge_masks(graph, [idx[p:p + 1] for p in range(len(idx))]), metric,
-                            chunk)
+                            chunk=chunk)
     return EdgeScores(graph, [tuple(e) for e in edges], torch.tensor(got, dtype=torch.float64) - base_v, base_v,
                       _value(metric, src_output, B), "exact", direction)
 
@@ -808,7 +808,7 @@ def _faith(m, clean, corrupted, metric, circuits: list[list], chunk) -> tuple[Ci
             keep[graph.index(c)] = True
             kept.append(int(keep.sum()))
             outside.append((~keep).nonzero().flatten())
-        got = _patched_runs(m, clean, corr, B, _edge_masks(graph, outside), metric, chunk)
+        got = _patched_runs(m, clean, corr, B, _edge_masks(graph, outside), metric, chunk=chunk)
     return graph, got, full, empty, kept
 
 

@@ -80,7 +80,8 @@ def _image_data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells: int, kv: int | None = None) -> dict:
+def _module_data(name: str, w: Tensor, tokens, key_tokens, batch: int, max_cells: int, *,
+                 kv: int | None = None) -> dict:
     """One module's entry of the page: its heads' maps (None for a pruned head), sizes, token labels and ``kv``, its
     key/value heads where they are fewer than its query heads (the page names each head's group), else None."""
     if w.dim() != 4 or not 0 <= batch < w.shape[0]:
@@ -204,7 +205,7 @@ def explorer(
 
     kv = {n: _kv_rows(captured, kv_heads, [n], w.shape[1])[0] if w.dim() == 4 else None  # (B, H, Lq, Lk)
           for n, w in captured.items()}
-    modules = [_module_data(name, w, tokens, key_tokens, batch, max_cells, kv[name]) for name, w in captured.items()]
+    modules = [_module_data(name, w, tokens, key_tokens, batch, max_cells, kv=kv[name]) for name, w in captured.items()]
     data = {"title": title, "modules": modules}
     if image is not None:
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}
