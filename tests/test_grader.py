@@ -358,7 +358,7 @@ class MaskedFill(nn.Module):
     def __init__(self, E=32, H=4, arithmetic=False):
         super().__init__()
         self.H, self.arithmetic = H, arithmetic
-        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(E, E) for _ in range(4))
 
     def forward(self, q, k, v, mask):
         B, Lq, E = q.shape
@@ -444,7 +444,7 @@ def test_a_module_that_writes_into_its_mask_is_graded_on_copies_and_named():
         def __init__(self, E=32, H=4):
             super().__init__()
             self.H = H
-            self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(E, E) for _ in range(4))
 
         def forward(self, q, k, v, mask):
             B, Lq, E = q.shape
@@ -573,7 +573,7 @@ class KwMask(nn.Module):
     def __init__(self, E=32, H=4):
         super().__init__()
         self.H = H
-        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(E, E) for _ in range(4))
 
     def forward(self, x, *, attn_mask=None):
         B, L, E = x.shape
@@ -1347,3 +1347,30 @@ def test_heads_split_interleaved_is_named_not_left_generic():
                                                               "heads split interleaved"], str(rep)
     rep = multihead.check(Interleaved(merge_too=False), call="qkv")
     assert not rep.ok and [f.name for f in rep.diagnosis] == ["heads split interleaved"], str(rep)
+
+
+class _ScaleAttribute(torch.nn.Module):
+    """The course's module storing its (wrong) scale as ``self.scale = 1 / d``: the attribute is what it computes,
+    not what the course asks (round 6: it was read as the intended scale and graded OK)."""
+
+    def __init__(self, E=32, H=4):
+        super().__init__()
+        self.H, self.scale = H, 1 / (E // H)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x):
+        B, L, E = x.shape
+        q, k, v = (f(x).reshape(B, L, self.H, -1).transpose(1, 2) for f in (self.q, self.k, self.v))  # (B, H, L, D)
+        w = torch.softmax(q @ k.transpose(-1, -2) * self.scale, -1)  # (B, H, L, L)
+        return self.o((w @ v).transpose(1, 2).reshape(B, L, E))  # (B, L, E)
+
+
+def test_a_module_s_own_scale_attribute_is_not_the_spec():
+    torch.manual_seed(0)
+    rep = multihead.check(_ScaleAttribute(), call="x")
+    assert not rep.ok and rep.diagnosis[0].name == "scores divided by d_k", str(rep)
+    m = _ScaleAttribute()
+    m.scale = (32 // 4) ** -0.5  # the course's scale, stored the same way: OK
+    assert multihead.check(m, call="x").ok
+    rep = multihead.check(_ScaleAttribute(), call="x", mapping={"scale": 1 / 8})  # the teacher's --scale says so
+    assert rep.ok, str(rep)

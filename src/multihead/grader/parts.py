@@ -341,7 +341,7 @@ def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str
     named = _named(desc, E, order, kv_sizes)
     _mapped(desc, mapping, E, named)
     H = _heads(desc, mapping)
-    scale = mapping.get("scale", desc.scale)
+    scale = mapping.get("scale")  # the teacher's --scale; a module's own `scale` attribute is what it computes, not the spec
     scale = float(scale) if isinstance(scale, int | float) and not isinstance(scale, bool) else None
     raw = [r for r in ("q", "k", "v", "o", "qkv") if named[r] and isinstance(named[r][0], list)]
     choices = [range(len(named[r][0])) for r in raw]
