@@ -146,9 +146,10 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
         import onnxruntime  # noqa: F401
     except ImportError:
         pass
-    else:  # the onnx extra: ONNX Runtime's int8 model of the unpruned checkpoint timed in the same rounds
-        assert set(report["speed"]["ONNX Runtime int8 (unpruned)"]) == {"1", "16", "64"}
-        assert 0.5 < report["peer_metrics"]["ONNX Runtime int8 (unpruned)"] <= 1.0 + 1e-6
+    else:  # the onnx extra: ONNX Runtime's int8 model of the unpruned checkpoint, exported as users export it
+        std = "ONNX Runtime int8 (unpruned, standard export)"
+        assert set(report["speed"][std]) == {"1", "16", "64"}
+        assert 0.5 < report["peer_metrics"][std] <= 1.0 + 1e-6
     loaded = mhf.load(out / "model")
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 

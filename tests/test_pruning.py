@@ -48,12 +48,14 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
 
 
 def test_a_recovery_past_the_time_budget_is_refused_before_any_work(trained, tmp_path, capsys):
-    """`prune --model toy --recover N` whose recovery after every step cannot fit --time-budget: one line, exit 2."""
+    """`prune --model toy --recover N` whose recovery after every step cannot fit --time-budget: the plan, costed
+    before any work, says so in one line, exit 2."""
     assert main(["prune", "--model", "toy", "--recover", "100000", "--time-budget", "40s", "--checkpoints",
                  str(trained["dir"] / "transformer"), "--out", str(tmp_path / "late")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("multihead prune: --recover 100000 after each of the 4 steps is about ") and \
-        err.endswith("give fewer --recover steps or a longer --time-budget") and "\n" not in err
+    err = [ln for ln in err.splitlines() if ln.startswith("multihead prune:")]  # not the progress lines
+    assert len(err) == 1 and err[0].startswith("multihead prune: --time-budget 40s cannot hold one candidate: about ")
+    assert "recovering the curve" in err[0] and err[0].endswith("or fewer --recover steps")
     assert not (tmp_path / "late" / "report.json").exists()
 
 
