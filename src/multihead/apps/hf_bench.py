@@ -179,11 +179,10 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
     files = {key: Path(pruned) / d / name for key, d, name in written if (Path(pruned) / d / name).is_file()}
     if "onnx" not in files:
         files = mhf.export(kept, tempfile.mkdtemp(), calibration=calibration)
-    base = mhf.export(full, tempfile.mkdtemp(), calibration=calibration if "openvino_int8" in files else None,
-                      openvino="openvino" in files)  # the runtimes the pruned folder has, no more
+    base = mhf.export(full, tempfile.mkdtemp(), openvino=False)  # a column: ONNX Runtime's files (OpenVINO's would
+    # be converted from the same graph as the standard ones)
     peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
-    standard = runtimes.standard_files(peer, calibration[0], calibration if "openvino_int8" in files else None,
-                                       openvino="openvino" in files)
+    standard = runtimes.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
     n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
     others = package_sentences(n, exclude=set(held_out))
     long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)

@@ -519,7 +519,11 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     if not standard:
         out["note"] = "no standard export of the unpruned model to time against (setup.standard_fn)"
         return out
-    base = setup.export_fn(unpruned, Path(tempfile.mkdtemp()))  # multihead's own export of the unpruned model: a row
+    import multihead.hf as mhf
+
+    # multihead's own export of the unpruned model, a column beside the peer: ONNX Runtime's files (OpenVINO's are
+    # converted from the same graph, so their column would only repeat the standard one's)
+    base = mhf.export(unpruned, Path(tempfile.mkdtemp()), openvino=False)
     seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
     out["rows"] = deploy.compare(unpruned, kept, standard, base, files, inputs, max_seconds=seconds / len(inputs) * 3,
                                  log=print if o.progress else None)

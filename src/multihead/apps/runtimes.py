@@ -101,7 +101,7 @@ def ort_int8(f: Path) -> RuntimeModel:
     the same time), in :func:`ort_session`."""
     from multihead.hf.export import quantize_standard
 
-    return ort_session(quantize_standard(f, f.with_name("int8.onnx")))
+    return ort_session(quantize_standard(f, f.with_name("int8.onnx"), matmul_only=True))
 
 
 def openvino_fp32(f: Path) -> RuntimeModel:
@@ -152,9 +152,11 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     require("onnxscript", "the standard ONNX export")
     names = input_names(model)
     key = _fingerprint(model)
-    key = None if key is None else f"{key}:{openvino}:{bool(calibration)}"
-    if key is not None and key in _STANDARD and all(f.is_file() for f in _STANDARD[key].values()):
-        return _STANDARD[key]
+    cached = _STANDARD.get(key) if key is not None else None
+    if cached is not None:  # served by an export that holds at least what is asked (OpenVINO, its int8 model)
+        held, (had_openvino, had_int8) = cached
+        if (had_openvino or not openvino) and (had_int8 or not calibration) and all(f.is_file() for f in held.values()):
+            return held
     d = Path(tempfile.mkdtemp())
     xs = _export_example(example, names)  # (B, L) each, B, L >= 2
     B, L = torch.export.Dim("B"), torch.export.Dim("L", max=int(model.config.max_position_embeddings))
@@ -183,11 +185,11 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
             if log is not None:
                 log(f"  OpenVINO's standard files not made: {e}")
     if key is not None:
-        _STANDARD[key] = out
+        _STANDARD[key] = (out, (openvino, bool(calibration)))
     return out
 
 
-_STANDARD: dict[str, dict[str, Path]] = {}
+_STANDARD: dict[str, tuple[dict[str, Path], tuple[bool, bool]]] = {}  # fingerprint -> (files, (openvino, its int8))
 
 
 def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:

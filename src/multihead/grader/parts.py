@@ -133,6 +133,16 @@ def reference(parts: Parts, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None
     return m if parts.o is None else parts.o(m)
 
 
+def _conventional(scale: float | None, E: int, H: int | None) -> float | None:
+    """A module's own ``scale`` attribute where it is a convention of the course's texts -- 1/sqrt(d_k) of one head,
+    or 1/sqrt of the whole projection's width as the Keras tutorial's code scales -- else None: an attribute is what
+    the module computes, not the spec (``self.scale = 1 / d`` must not make its own reference)."""
+    if scale is None or not isinstance(scale, int | float) or isinstance(scale, bool):
+        return None
+    widths = [E] + ([E // H] if H else [])
+    return float(scale) if any(math.isclose(scale, w ** -0.5, rel_tol=1e-6) for w in widths) else None
+
+
 def per_head(parts: Parts, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
     """Each head's output as the spec computes it (B, H, Lq, D), float64."""
     from multihead.backends.reference import reference_attention
@@ -341,7 +351,7 @@ def find_parts(desc: Description, mapping: dict | None, E: int, order: tuple[str
     named = _named(desc, E, order, kv_sizes)
     _mapped(desc, mapping, E, named)
     H = _heads(desc, mapping)
-    scale = mapping.get("scale")  # the teacher's --scale; a module's own `scale` attribute is what it computes, not the spec
+    scale = mapping.get("scale", _conventional(desc.scale, E, H))  # the teacher's --scale, else a known convention
     scale = float(scale) if isinstance(scale, int | float) and not isinstance(scale, bool) else None
     raw = [r for r in ("q", "k", "v", "o", "qkv") if named[r] and isinstance(named[r][0], list)]
     choices = [range(len(named[r][0])) for r in raw]

@@ -5,7 +5,7 @@ layout sentence-transformers and fastembed read::
 
     DIR/onnx/model.onnx                 fp32, inputs input_ids, attention_mask (and token_type_ids where the
                                         model has token types), output last_hidden_state (or logits)
-    DIR/onnx/model_int8.onnx            int8 weights, one scale per output channel (onnxruntime's
+    DIR/onnx/model_int8.onnx            int8 weights of the matrix products, one scale per output channel (onnxruntime's
                                         quantize_dynamic), activations quantized per call
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra)
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
@@ -242,13 +242,13 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
             raise  # of zero elements); multihead's attention function's graph then, itself checked
         attention = _export_onnx(model, f, example, standard=False)
         check(f)
-    quantize_standard(f, f.with_name(ONNX_INT8_FILE))
+    quantize_standard(f, f.with_name(ONNX_INT8_FILE), matmul_only=True)
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
     fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
     (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "optimizer": fused}, indent=2))
     if fused.get("written"):
         check(f.with_name(ONNX_OPT_FILE))
-        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE))
+        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
         written |= {"onnx_optimized": f.with_name(ONNX_OPT_FILE), "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}
     if openvino is False:
         return written
@@ -269,17 +269,20 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     return written
 
 
-def quantize_standard(source: Path, out: Path) -> Path:
+def quantize_standard(source: Path, out: Path, *, matmul_only: bool = False) -> Path:
     """``source`` quantized the way ONNX Runtime's documentation does it for transformers on a CPU:
-    ``quantize_dynamic`` with int8 weights, one scale per output channel, its default operators."""
+    ``quantize_dynamic`` with int8 weights, one scale per output channel, its default operators (the embeddings'
+    gathers included); ``matmul_only``: the matrix products alone, as torch's own int8 model quantizes its Linear
+    layers (what :func:`export` writes: within torch's int8 rounding of the model; the embeddings cost no time)."""
     from multihead.extras import quiet_logs, require
 
     require("onnxruntime", "int8 quantization")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    ops = {"op_types_to_quantize": ["MatMul"]} if matmul_only else {}
     with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
         quantize_dynamic(str(source), str(out), weight_type=QuantType.QInt8, per_channel=True,
-                         extra_options={"DefaultTensorType": 1})  # FLOAT where shape inference stops at a fused op
+                         extra_options={"DefaultTensorType": 1}, **ops)  # FLOAT where shape inference stops at a fused op
     return out
 
 
