@@ -12,7 +12,7 @@ from torch import nn
 
 import multihead
 from multihead import MultiHeadAttention, heads
-from test_patching import AttentionOnly, TwoLayers, _by_hand, _logit_diff, _repeat_loss, _repeated
+from test_patching import TwoLayers, _by_hand, _logit_diff, _repeat_loss, _repeated, trained_induction
 
 
 def _two_layers():
@@ -158,21 +158,7 @@ def induction():
     """Olsson et al.'s 2-layer attention-only model trained on random tokens repeated once (as in
     test_patching), with a clean batch, its corruption (the first half other tokens) and the heads found by their
     attention: the induction head of layer 1 and the previous-token head of layer 0."""
-    torch.manual_seed(0)
-    model = AttentionOnly()
-    model(torch.zeros(1, 32, dtype=torch.long))  # builds the lazy layers
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3000):
-        ids = _repeated(g, 64)
-        loss = _repeat_loss(model(ids), ids).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.08:
-            break
-    assert loss.item() < 0.15, "the induction circuit did not form"
-    model.eval()
+    model = trained_induction()  # trained once per process, shared with test_patching
     clean = _repeated(torch.Generator().manual_seed(9), 8)
     corrupted = clean.clone()
     corrupted[:, :16] = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(5))

@@ -4,6 +4,9 @@ before any patched forward."""
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,11 +222,10 @@ def _repeat_loss(logits, ids, n=16):
     return F.cross_entropy(logits[:, n:-1].transpose(1, 2), ids[:, n + 1:], reduction="none").mean(-1)
 
 
-def test_patching_finds_the_induction_head_of_a_model_trained_here():
-    """A known circuit (Olsson et al. 2022): trained on random tokens repeated once, the second layer forms an induction
-    head (it attends from a repeated token to the token after that token's first occurrence). Noising each head
-    (the clean run, that head's output from a run whose first half is other tokens) ranks that head first, far
-    ahead of every other, and it is the head with the highest induction score (measured on the captured weights)."""
+@functools.lru_cache(maxsize=1)
+def _trained_induction() -> AttentionOnly:
+    """Olsson et al.'s 2-layer attention-only model trained on random tokens repeated once, once per process (the
+    circuits tests read the same model): a fresh copy is returned to each caller."""
     torch.manual_seed(0)
     model = AttentionOnly()
     model(torch.zeros(1, 32, dtype=torch.long))  # builds the lazy layers
@@ -238,7 +240,20 @@ def test_patching_finds_the_induction_head_of_a_model_trained_here():
         if loss.item() < 0.08:
             break
     assert loss.item() < 0.15, "the induction circuit did not form"
-    model.eval()
+    return model.eval()
+
+
+def trained_induction() -> AttentionOnly:
+    """A copy of :func:`_trained_induction`'s model, in eval mode."""
+    return copy.deepcopy(_trained_induction())
+
+
+def test_patching_finds_the_induction_head_of_a_model_trained_here():
+    """A known circuit (Olsson et al. 2022): trained on random tokens repeated once, the second layer forms an induction
+    head (it attends from a repeated token to the token after that token's first occurrence). Noising each head
+    (the clean run, that head's output from a run whose first half is other tokens) ranks that head first, far
+    ahead of every other, and it is the head with the highest induction score (measured on the captured weights)."""
+    model = trained_induction()
     clean = _repeated(torch.Generator().manual_seed(9), 8)
     with torch.no_grad(), multihead.capture(model) as cap:
         model(clean)
