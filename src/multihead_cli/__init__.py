@@ -36,6 +36,17 @@ def _cosine(text: str) -> float:
     return x
 
 
+def _share_of_one(text: str) -> float:
+    """An argparse type: an accuracy in (0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an accuracy in (0, 1], e.g. 0.9; got {text!r}") from None
+    if not 0.0 < x <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (an accuracy); got {text}")
+    return x
+
+
 def _positive_number(what: str):
     """An argparse type: a number > 0 (``what`` names it in the refusal)."""
     def parse(text: str) -> float:
@@ -236,7 +247,7 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "129-256 tokens (the model's limit if smaller), the length of the paragraphs users embed; "
                         "the worst kind counts (default 32; 0: sentences only)")
     p.add_argument("--fraction", type=_in_open_unit, default=None,
-                   help="share of all heads to prune, in (0, 1) (default: 0.4); with --target-cosine the furthest "
+                   help="share of all heads to prune, in (0, 1) (default: 0.4); with a --target-* the furthest "
                         "to try (default: 0.8)")
     goal = p.add_mutually_exclusive_group()
     goal.add_argument("--target-cosine", type=_cosine, default=None, metavar="T",
@@ -246,7 +257,7 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     goal.add_argument("--target-kl", type=_positive_number("a KL in nats"), default=None, metavar="K",
                       help="the same for a causal LM: the furthest step whose mean next-token KL to the unpruned "
                            "model is at most K")
-    goal.add_argument("--target-accuracy", type=_cosine, default=None, metavar="A",
+    goal.add_argument("--target-accuracy", type=_share_of_one, default=None, metavar="A",
                       help="the same for the demo's models (--model toy, vit): the furthest step whose accuracy is "
                            "at least A, in (0, 1]")
     p.add_argument("--ffn", type=_in_open_unit, default=None, metavar="FRACTION",

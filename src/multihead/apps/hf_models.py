@@ -333,6 +333,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
                                                                             until=until)
     setup.quantize_fn = quantize
     setup.scores_fn = scores_fn
+    setup.metric_kind = "kl" if causal else "cosine"  # what --target-kl / --target-cosine judge
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
     setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0], _calibration(imp)))

@@ -130,7 +130,8 @@ def target_refused(name: str, kind: str, metric_name: str, g: Goal) -> str:
     """The one line refusing ``g`` for a model ``name`` whose fidelity is of ``kind``, measured by ``metric_name``."""
     if g.kind == "cosine":
         return no_cosine(name, metric_name)
-    return (f"{g.option} needs a {g.kind} fidelity; {name} is measured by {metric_name}: use "
+    article = "an" if g.kind[0] in "aeiou" else "a"
+    return (f"{g.option} needs {article} {g.kind} fidelity; {name} is measured by {metric_name}: use "
             f"{Goal(kind, 1.0).option} instead, or prune a fixed --fraction.")
 
 
@@ -435,8 +436,8 @@ def plan(setup: Setup, o: Options) -> Plan:
         parts["runtime files"] = EXPORT_S * (3 if o.runtime_peers else 1)  # the kept; the standard and ours unpruned
     parts["speed table"] = TABLE_MIN_S + RESERVE_S
     # the least run: no re-ranking, one candidate, the speed table's 3 rounds in whatever is left
-    least = sum(v for k, v in parts.items() if k not in ("re-ranking", "speed table") and "candidate" not in k)
-    return Plan(parts, n, candidate, least + candidate + RESERVE_S)
+    least = sum(v for k, v in parts.items() if k not in ("re-ranking",) and "candidate" not in k)
+    return Plan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:
@@ -582,9 +583,10 @@ def not_met(t: dict) -> str:
     closest = next(x for x in t["tried"] if x["fraction"] == t["chosen_fraction"])
     more = (f"; the search needed about {seconds_text(t['seconds_more_needed'])} more (a longer --time-budget)"
             if t["stopped_by_time_budget"] else "")
-    why = ("" if t["tried"][0]["fraction"] > 0 or t["tried"][0]["passed"] else
-           " -- even the unpruned model misses it (quantization alone costs that much: leave out --quantize or "
-           "lower the target)")
+    why = ""
+    if t["tried"][0]["fraction"] == 0 and not t["tried"][0]["passed"]:
+        why = (" -- even the unpruned model misses it" + (" (int8 alone costs that much: leave out --quantize or lower "
+               "the target)" if t.get("quantize") else " (lower the target)"))
     return (f"target {t.get('kind', 'cosine')} {t['target']} not met by any model tried{why}; the closest: "
             f"{closest['fraction']:.0%} of heads pruned at {_end(closest, higher):.4f} "
             f"({'lower' if higher else 'upper'} end of its interval){more}. Its report and model are in --out.")

@@ -152,6 +152,14 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     require("onnxscript", "the standard ONNX export")
     names = input_names(model)
     key = _fingerprint(model)
+    if key is not None:  # the attention implementation (not in the config's JSON) and the calibration text count too
+        import hashlib
+
+        h = hashlib.sha256(f"{key}:{model.config._attn_implementation}".encode())
+        for b in calibration or ():
+            for name in sorted(b):
+                h.update(name.encode() + torch.as_tensor(b[name]).contiguous().numpy().tobytes())
+        key = h.hexdigest()
     cached = _STANDARD.get(key) if key is not None else None
     if cached is not None:  # served by an export that holds at least what is asked (OpenVINO, its int8 model)
         held, (had_openvino, had_int8) = cached

@@ -269,9 +269,9 @@ def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal 
     def affordable() -> bool:
         return budget.left() - cost() > TABLE_MIN_S + RESERVE_S
 
-    lo, hi = 0, last  # the furthest passing step is in [lo, hi] (lo: the furthest known to pass)
-    if not passes(0):
-        hi = 0  # the unpruned model misses it (its quantization): no cut will meet it
+    lo, hi = 0, last  # the furthest passing step is in [lo, hi] (lo: the furthest known to pass, or 0)
+    passes(0)  # a miss here (quantization, a task accuracy above the model's) does not end the search: a recovered
+    # cut can still meet it, and the record keeps the closest
     guess = max((i for i in range(1, last + 1) if "metric" in rows[i] and goal.curve_meets(rows[i]["metric"])),
                 default=None)
     while lo < hi and affordable():
@@ -284,7 +284,8 @@ def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal 
     passed = [i for i, f in tried.items() if goal.meets(f.fidelity)]
     chosen = tried[max(passed)] if passed else max(tried.values(), key=lambda f: goal.margin(f.fidelity))
     left = math.ceil(math.log2(hi - lo + 1)) if lo < hi else 0  # candidates the bisection still needed
-    return chosen, _record(goal, rows, tried, chosen, left=left, more_s=left * cost(), took=time.monotonic() - started)
+    record = _record(goal, rows, tried, chosen, left=left, more_s=left * cost(), took=time.monotonic() - started)
+    return chosen, record | {"quantize": quantize}
 
 
 def _record(goal: Goal, rows: list[dict], tried: dict[int, Finished], chosen: Finished, *, left: int, more_s: float,

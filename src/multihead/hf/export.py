@@ -127,9 +127,9 @@ def standard_attention(model: nn.Module):
     if use == previous:
         yield previous
         return
-    model.set_attn_implementation(use)
     try:
-        yield use
+        model.set_attn_implementation(use)
+        yield model.config._attn_implementation  # what is in effect (transformers may decline and keep the old one)
     finally:
         model.set_attn_implementation(previous)
 
@@ -197,8 +197,10 @@ def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: b
                 with standard_attention(model) as used:
                     write()
                 return used
-            except Exception:  # noqa: BLE001 - transformers' SDPA graph cannot be exported here (a layer with no head
-                pass  # left: its -1 reshape of zero elements): multihead's attention function's graph below
+            except Exception as e:  # noqa: BLE001 - transformers' SDPA graph cannot be exported here (a layer with no
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"  # head left: its -1
+                warnings.warn(f"export_onnx: transformers' SDPA graph could not be exported ({why}); exporting "
+                              "multihead's attention function's graph instead", RuntimeWarning, stacklevel=3)
         write()
         return own
     finally:
@@ -234,22 +236,34 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
 
     f = folder / ONNX_DIR / ONNX_FILE
-    attention = _export_onnx(model, f, example, standard=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", RuntimeWarning)
+        attention = _export_onnx(model, f, example, standard=True)
+    fallback = next((str(w.message) for w in said if "SDPA graph" in str(w.message)), None)
     try:
         check(f)
-    except Exception:  # noqa: BLE001 - transformers' SDPA graph fails in ONNX Runtime or computes something else than
-        if attention == model.config._attn_implementation:  # multihead here (a layer with no head left: a -1 reshape
-            raise  # of zero elements); multihead's attention function's graph then, itself checked
+    except Exception as e:  # noqa: BLE001 - transformers' SDPA graph fails in ONNX Runtime or computes something else
+        if attention == model.config._attn_implementation:  # than multihead here (a layer with no head left: a -1
+            raise  # reshape of zero elements); multihead's attention function's graph then, itself checked
+        fallback = f"transformers' SDPA graph failed its check ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         attention = _export_onnx(model, f, example, standard=False)
         check(f)
     quantize_standard(f, f.with_name(ONNX_INT8_FILE), matmul_only=True)
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
-    fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
-    (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "optimizer": fused}, indent=2))
-    if fused.get("written"):
-        check(f.with_name(ONNX_OPT_FILE))
-        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
-        written |= {"onnx_optimized": f.with_name(ONNX_OPT_FILE), "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}
+    try:  # ONNX Runtime's optimizer is optional: a failure leaves the plain files, said in export.json
+        fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
+        if fused.get("written"):
+            check(f.with_name(ONNX_OPT_FILE))
+            quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
+            written |= {"onnx_optimized": f.with_name(ONNX_OPT_FILE),
+                        "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}
+    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
+        for name in (ONNX_OPT_FILE, ONNX_OPT_INT8_FILE):
+            f.with_name(name).unlink(missing_ok=True)
+        fused = {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
+                 f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
+    (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "fallback": fallback,
+                                                             "optimizer": fused}, indent=2))
     if openvino is False:
         return written
     try:
