@@ -236,32 +236,11 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         verify(model, lambda feed: session.run(None, feed)[0], names, f"{f} in ONNX Runtime")
 
     f = folder / ONNX_DIR / ONNX_FILE
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always", RuntimeWarning)
-        attention = _export_onnx(model, f, example, standard=True)
-    fallback = next((str(w.message) for w in said if "SDPA graph" in str(w.message)), None)
-    try:
-        check(f)
-    except Exception as e:  # noqa: BLE001 - transformers' SDPA graph fails in ONNX Runtime or computes something else
-        if attention == model.config._attn_implementation:  # than multihead here (a layer with no head left: a -1
-            raise  # reshape of zero elements); multihead's attention function's graph then, itself checked
-        fallback = f"transformers' SDPA graph failed its check ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        attention = _export_onnx(model, f, example, standard=False)
-        check(f)
+    attention, fallback = _written_and_checked(model, f, example, check)
     quantize_standard(f, f.with_name(ONNX_INT8_FILE), matmul_only=True)
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
-    try:  # ONNX Runtime's optimizer is optional: a failure leaves the plain files, said in export.json
-        fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
-        if fused.get("written"):
-            check(f.with_name(ONNX_OPT_FILE))
-            quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
-            written |= {"onnx_optimized": f.with_name(ONNX_OPT_FILE),
-                        "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}
-    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
-        for name in (ONNX_OPT_FILE, ONNX_OPT_INT8_FILE):
-            f.with_name(name).unlink(missing_ok=True)
-        fused = {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
-                 f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
+    optimized, fused = _optimized(model, f, check)
+    written |= optimized
     (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "fallback": fallback,
                                                              "optimizer": fused}, indent=2))
     if openvino is False:
@@ -281,6 +260,43 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
         warnings.warn(f"export: OpenVINO cannot read {f} ({first[:200]}); no openvino/ folder written, the ONNX files "
                       "are.", RuntimeWarning, stacklevel=2)
     return written
+
+
+def _written_and_checked(model: nn.Module, f: Path, example: dict | None, check) -> tuple[str, str | None]:
+    """``f`` written with transformers' SDPA graph and checked (``check(path)``); where that graph cannot be exported or
+    fails its check (a layer with no head left: a -1 reshape of zero elements), multihead's attention function's
+    graph, itself checked. (the attention the file holds, why the standard graph was not kept or None)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", RuntimeWarning)
+        attention = _export_onnx(model, f, example, standard=True)
+    fallback = next((str(w.message) for w in said if "SDPA graph" in str(w.message)), None)
+    try:
+        check(f)
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime's and verify's failures share no base class
+        if attention == model.config._attn_implementation:  # multihead's graph already: nothing to fall back to
+            raise
+        fallback = f"transformers' SDPA graph failed its check ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        attention = _export_onnx(model, f, example, standard=False)
+        check(f)
+    return attention, fallback
+
+
+def _optimized(model: nn.Module, f: Path, check) -> tuple[dict[str, Path], dict]:
+    """The fp32 file ``f`` through ONNX Runtime's optimizer (:func:`optimize`), checked (``check(path)``) and quantized
+    like the plain one: ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what it fused). The optimizer is
+    optional: its failure leaves the plain files and is said in the record."""
+    try:
+        fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
+        if not fused.get("written"):
+            return {}, fused
+        check(f.with_name(ONNX_OPT_FILE))
+        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
+        return {"onnx_optimized": f.with_name(ONNX_OPT_FILE), "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}, fused
+    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
+        for name in (ONNX_OPT_FILE, ONNX_OPT_INT8_FILE):
+            f.with_name(name).unlink(missing_ok=True)
+        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
 
 
 def quantize_standard(source: Path, out: Path, *, matmul_only: bool = False) -> Path:
