@@ -25,26 +25,23 @@ def _in_open_unit(text: str) -> float:
     return x
 
 
-def _cosine(text: str) -> float:
-    """An argparse type: a target cosine in (0, 1]."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a cosine in (0, 1], e.g. 0.95; got {text!r}") from None
-    if not 0.0 < x <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a mean cosine to the unpruned model); got {text}")
-    return x
+def _up_to_one(what: str, example: str, meaning: str):
+    """An argparse type: a number in (0, 1] -- ``what`` (e.g. "a cosine"), refused with ``example`` and ``meaning``."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} in (0, 1], e.g. {example}; got {text!r}") from None
+        if not 0.0 < x <= 1.0:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be in (0, 1] ({meaning}); got {text}")
+        return x
+
+    parse.__name__ = what
+    return parse
 
 
-def _share_of_one(text: str) -> float:
-    """An argparse type: an accuracy in (0, 1]."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an accuracy in (0, 1], e.g. 0.9; got {text!r}") from None
-    if not 0.0 < x <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (an accuracy); got {text}")
-    return x
+_cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
+_share_of_one = _up_to_one("an accuracy", "0.9", "an accuracy")
 
 
 def _positive_number(what: str):
