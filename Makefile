@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder
+EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder,similarity
 # pytest workers (xdist); each runs torch on one thread
 JOBS ?= 2
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
