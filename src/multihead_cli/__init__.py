@@ -42,6 +42,7 @@ def _up_to_one(what: str, example: str, meaning: str):
 
 _cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
 _share_of_one = _up_to_one("an accuracy", "0.9", "an accuracy")
+_similar_share = _up_to_one("a share", "0.5", "a share of a submission's code")
 
 
 def _positive_number(what: str):
@@ -133,6 +134,7 @@ EXAMPLES = {
         '  multihead check submissions/ --name MHA --call x --points points.json --feedback fb/ --summary class/\n'
         '  multihead check submissions/ --name MHA --seed 7 --shard 2/3 --report shard2.csv   # slice 2 of 3\n'
         '  multihead check --merge shard1.csv shard2.csv shard3.csv --report all.csv --summary class/\n'
+        '  multihead check submissions/ --name MHA --similarity --starter starter.py --summary class/   # similar pairs\n'
         'exit 0 OK, 1 not OK, 2 cannot be graded'
     ),
     "patch": (
@@ -325,6 +327,17 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None,
                    help="write the table as FILE.csv or FILE.json, or the gradebook an LMS imports as FILE.canvas.csv "
                         "or FILE.moodle.csv (with --roster)")
+    p.add_argument("--similarity", action="store_true",
+                   help="also compare every pair of the class's submissions (their text, never run; copydetect's "
+                        "winnowing, renamed names and moved comments seen through): the pairs sharing at least "
+                        "--similar-above of either one's code and their clusters, printed and in --summary (with "
+                        "similarity.md, the matching lines side by side)")
+    p.add_argument("--starter", default=None, metavar="FILE",
+                   help="with --similarity: the code the class was handed (.py or .ipynb), left out of every "
+                        "comparison; refused before any grading when missing or not parsing as Python")
+    p.add_argument("--similar-above", type=_similar_share, default=None, metavar="S",
+                   help="with --similarity: the share of either submission's code a pair must share to be reported, "
+                        "in (0, 1] (default 0.5)")
     p.add_argument("--roster", default=None, metavar="FILE",
                    help="for a .canvas.csv / .moodle.csv report: a CSV with a file column (each submission's path "
                         "under the class folder) and the students' columns (Canvas: Student, ID; Moodle: Email "

@@ -295,6 +295,7 @@ def _check(args) -> int:
     # the whole class's feedback names (a slice's among them), and each file's name in the class
     names, (in_class, class_id) = classroom.feedback_names([f for f, _ in files]), classroom.names_in_class(files)
     args.roster_rows = _roster(args, files)  # checked against the whole class, before any grading
+    similar = _similar(args, files, part)  # the whole class's text compared (its starter checked), before any grading
     if part is not None:
         files = classroom.shard(files, *part)
     if _not_honoured(args, mask):
@@ -329,7 +330,28 @@ def _check(args) -> int:
             r["shard"] = args.shard.replace(" ", "") if part is not None else ""
             r["name"], r["class"] = in_class[r["file"]], class_id  # which file of which class, wherever it is mounted
         _class_table(rows)
-    return _written(args, rows)
+    return _written(args, rows, similar)
+
+
+def _similar(args, files, part):
+    """The class's similar submissions (:func:`multihead.grader.similarity.compare`) where --similarity asks, found
+    before any grading: a starter missing or not parsing, a slice of the class or one file is a ValueError (one line,
+    exit 2)."""
+    if not args.similarity:
+        if args.starter or args.similar_above is not None:
+            raise ValueError("--starter and --similar-above are for --similarity: add --similarity (every pair of the "
+                             "class's submissions compared, the starter's code left out)")
+        return None
+    if part is not None:
+        raise ValueError("--similarity compares the whole class: give it on one machine without --shard (a slice "
+                         "holds only some of the pairs)")
+    if len(files) < 2:
+        raise ValueError(f"--similarity compares a class: give a folder (or files) of two or more submissions; got "
+                         f"{len(files)}")
+    from multihead.grader import similarity
+
+    threshold = similarity.THRESHOLD if args.similar_above is None else args.similar_above
+    return similarity.compare([f for f, _ in files], starter=args.starter, threshold=threshold)
 
 
 def _not_honoured(args, mask: str | None) -> bool:
@@ -378,24 +400,31 @@ def _merge(args) -> int:
     """multihead check --merge REPORT...: the shards' reports joined into the class's table, report and summary."""
     from multihead.grader import classroom
 
-    if args.target or args.shard or args.feedback:
-        raise ValueError("--merge joins reports: give no files to grade, no --shard and no --feedback with it")
+    if args.target or args.shard or args.feedback or args.similarity:
+        raise ValueError("--merge joins reports: give no files to grade, no --shard, no --feedback and no "
+                         "--similarity with it")
     rows = classroom.merge(args.merge)
     args.roster_rows = _roster(args, [(Path(r["name"]), None) for r in rows])
     _class_table(rows)
     return _written(args, rows)
 
 
-def _written(args, rows: list[dict]) -> int:
-    """The report and summary the options ask for; the exit code (0 every row OK, 1 not)."""
-    from multihead.grader import classroom
+def _written(args, rows: list[dict], similar=None) -> int:
+    """The report and summary the options ask for (``similar``: the class's similar pairs, printed and in the
+    summary); the exit code (0 every row OK, 1 not)."""
+    from multihead.grader import classroom, similarity
 
+    if similar is not None:
+        print("\n" + "\n".join(similarity.lines(similar)))
     if args.report:
         classroom.write_report(rows, Path(args.report), getattr(args, "roster_rows", None))
         print(f"report: {args.report}")
     if args.summary:
-        md, png = classroom.write_summary(rows, Path(args.summary))
-        print(f"summary: {md}, {png}")
+        md, png = classroom.write_summary(rows, Path(args.summary), similarity.markdown(similar) if similar else "")
+        side = similarity.write_side_by_side(similar, Path(args.summary) / "similarity.md") if similar else None
+        print(f"summary: {md}, {png}" + (f", {side} (the matching lines side by side)" if side else ""))
+    elif similar is not None and similar.pairs:
+        print("the matching lines side by side: add --summary DIR (DIR/similarity.md)")
     if args.feedback:
         print(f"feedback: {args.feedback}")
     return 0 if all(r["ok"] for r in rows) else 1

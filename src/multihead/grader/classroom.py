@@ -464,14 +464,17 @@ def summary(rows: list[dict]) -> list[tuple[str, int]]:
     return seen.most_common()
 
 
-def write_summary(rows: list[dict], folder: Path) -> tuple[Path, Path]:
-    """FOLDER/summary.md (a table) and FOLDER/summary.png (a bar chart) of :func:`summary`."""
+def write_summary(rows: list[dict], folder: Path, extra: str = "") -> tuple[Path, Path]:
+    """FOLDER/summary.md (a table) and FOLDER/summary.png (a bar chart) of :func:`summary`; ``extra``: a markdown
+    section summary.md ends with (the similar submissions: :func:`multihead.grader.similarity.markdown`)."""
     folder.mkdir(parents=True, exist_ok=True)
     counts = summary(rows)
     n = len(rows)
     md = [f"# Class summary: {sum(r['ok'] for r in rows)} of {n} OK", "", "| mistake | submissions |", "|---|---:|"]
     md += [f"| {safe(name).replace('|', chr(92) + '|')} | {k} |" for name, k in counts] or ["| (none) | 0 |"]
-    (folder / "summary.md").write_text("\n".join(md) + "\n")
+    if extra:
+        md += ["", extra]
+    (folder / "summary.md").write_text("\n".join(md).rstrip("\n") + "\n")
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 0.45 * max(len(counts), 1) + 1.2))
