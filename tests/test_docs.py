@@ -148,3 +148,55 @@ def _search(page, served: str, word: str) -> str:
             continue
         return page.inner_text(".md-search-result__list")
     raise AssertionError(f"the search found nothing for {word!r} in two minutes")
+
+
+# --- pages people read: short paragraphs (issue 67) ------------------------------------------------------------------
+
+#: the most lines a paragraph (or a list item) of a tutorial, how-to or explanation page may have, outside code blocks
+#: and tables: longer prose becomes a table, one row a case or a measurement, or a list
+PROSE_LINES = 8
+READ_PAGES = sorted(p for d in ("tutorials", "how-to", "explanation") for p in (ROOT / "docs" / d).glob("*.md"))
+_LIST_ITEM = re.compile(r"\s*([-*+]|\d+\.) ")
+
+
+def prose_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """(first line's number, lines) of every paragraph and list item of a markdown page: what fenced code, table rows,
+    headings and blank lines leave."""
+    blocks: list[tuple[int, list[str]]] = []
+    fenced = is_open = False
+    for number, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s.startswith(("```", "~~~")):
+            fenced, is_open = not fenced, False
+            continue
+        if fenced or not s or s.startswith(("|", "#")):
+            is_open = False
+            continue
+        if not is_open or _LIST_ITEM.match(line):
+            blocks.append((number, []))
+            is_open = True
+        blocks[-1][1].append(s)
+    return blocks
+
+
+def test_prose_blocks_are_paragraphs_and_list_items_outside_code_and_tables():
+    text = "# T\n\none\ntwo\n\n```python\nx = 1\n\ny = 2\n```\n| a | b |\n|---|---|\n- item\n  more\n- next\n1. step\nthree"
+    assert prose_blocks(text) == [(3, ["one", "two"]), (13, ["- item", "more"]), (15, ["- next"]),
+                                  (16, ["1. step", "three"])]
+
+
+def test_no_paragraph_of_a_page_people_read_is_longer_than_the_limit():
+    assert len(READ_PAGES) >= 20, READ_PAGES
+    long = [f"{page.relative_to(ROOT)}:{start}: {len(lines)} lines" for page in READ_PAGES
+            for start, lines in prose_blocks(page.read_text()) if len(lines) > PROSE_LINES]
+    assert not long, f"paragraphs over {PROSE_LINES} lines (make them a table, one row a case, or a list): {long}"
+
+
+def test_a_how_to_page_has_at_most_one_paragraph_of_caveats():
+    """A how-to page is one task: its code, the expected output, and one paragraph of caveats at most."""
+    pages = [p for p in READ_PAGES if p.parent.name == "how-to"]
+    assert pages
+    for page in pages:
+        caveats = [start for start, lines in prose_blocks(page.read_text()) if lines[0].startswith("Caveats")]
+        assert len(caveats) <= 1, f"{page.relative_to(ROOT)} has paragraphs of caveats at lines {caveats}: a how-to " \
+                                  "page is one task (a second task gets a page of its own)"
