@@ -223,6 +223,16 @@ def _cut(ns, tmp_path):
               metric_fn=lambda m: -sum(float(m(b).detach().pow(2).mean()) for b in batches), time_it=time_it)
 
 
+def _similar_class(ns, tmp_path):
+    """The class of tests/test_similarity.py in class/ (two near-copies, one module of its own) and its starter."""
+    from test_similarity import ADA, BEN, CY, STARTER
+
+    (tmp_path / "class").mkdir()
+    for name, text in (("ada", ADA), ("ben", BEN), ("cy", CY)):
+        (tmp_path / "class" / f"{name}.py").write_text(text)
+    (tmp_path / "starter.py").write_text(STARTER)
+
+
 PLACEHOLDERS = {
     "For learners": None,  # the README's examples, one per reader, each whole
     "For practitioners": None,
@@ -239,6 +249,7 @@ PLACEHOLDERS = {
     "Serve a pruned encoder with fastembed": _fastembed,
     "Patch every head": None,
     "Cut the heads": _cut,
+    "Find submissions that share code": _similar_class,
 }
 # blocks that are not code to run, with the reason
 NOT_RUN = {

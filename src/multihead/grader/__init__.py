@@ -20,7 +20,8 @@ as data and calls), :mod:`~multihead.grader.session` (probes, mask conventions),
 projections), :mod:`~multihead.grader.stages` and :mod:`~multihead.grader.weights` (localisation),
 :mod:`~multihead.grader.verdict` (the rules), :mod:`~multihead.grader.report` (records, points,
 feedback); the sandbox: :mod:`~multihead.grader.sandbox`, :mod:`~multihead.grader.warden`,
-:mod:`~multihead.grader.runner`, :mod:`~multihead.grader.wire`; a class: :mod:`~multihead.grader.classroom`.
+:mod:`~multihead.grader.runner`, :mod:`~multihead.grader.wire`; a class: :mod:`~multihead.grader.classroom`, and
+:mod:`~multihead.grader.similarity` (every pair of its submissions compared as text, the starter code left out).
 """
 
 from __future__ import annotations
