@@ -143,6 +143,13 @@ EXAMPLES = {
         '      --corrupted "When Mary and John went out, Mary gave a drink to" --metric logit-diff:Mary,John\n'
         'patching.md, patching.json and patching.png go to --out (default out/patch)'
     ),
+    "circuit": (
+        'examples:\n'
+        '  multihead circuit --hf DIR --clean "When Mary and John went out, John gave a drink to" \\\n'
+        '      --corrupted "When Mary and John went out, Mary gave a drink to" --metric logit-diff:Mary,John \\\n'
+        '      --method eap-ig --steps 5 --budget 1%\n'
+        'circuit.json, circuit.md, circuit.png, circuit.html, curve.png and explorer.html go to --out (default out/circuit)'
+    ),
     "bench": (
         'examples:\n'
         '  multihead bench --workloads W1 --reps 5\n'
@@ -171,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("check", "grade your own multi-head attention module, or a class's submissions, and locate each bug "
                       "(exit 0 OK, 1 not OK, 2 cannot be graded)", _check_options),
             ("bench", "multihead against torch.nn, SDPA, the course's code, Keras and FlexAttention", _bench_options),
-            ("patch", "activation patching: which heads carry a behaviour (a causal LM, two texts)", _patch_options)):
+            ("patch", "activation patching: which heads carry a behaviour (a causal LM, two texts)", _patch_options),
+            ("circuit", "the circuit of a behaviour: edges between heads scored (EAP, EAP-IG), kept and checked by "
+                        "intervention (a causal LM, two texts)", _circuit_options)):
         p = sub.add_parser(name, epilog=EXAMPLES[name], formatter_class=_Fmt, help=help_)
         options(p)
         p.set_defaults(func=name)
@@ -357,6 +366,23 @@ def _patch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", action="store_true", help="one patch per head and query position")
     p.add_argument("--chunk", type=_positive(int), default=32, help="patches per forward")
     p.add_argument("--out", default="out/patch")
+
+
+def _circuit_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``multihead circuit`` (its --method, --steps and --budget are checked by the command: one line
+    each, before the model loads)."""
+    p.add_argument("--hf", required=True, metavar="DIR", help="a local transformers causal language model (config, "
+                                                              "weights, tokenizer)")
+    p.add_argument("--clean", required=True, help="the text showing the behaviour")
+    p.add_argument("--corrupted", required=True, help="the same number of tokens, the behaviour broken")
+    p.add_argument("--metric", required=True, help="logit-diff:TOKEN_A,TOKEN_B (last position) or loss (of the clean "
+                                                   "text)")
+    p.add_argument("--method", default="eap-ig", help="eap (one forward of each text, one backward) or eap-ig "
+                                                      "(--steps integration points)")
+    p.add_argument("--steps", type=int, default=5, help="eap-ig: integration steps, >= 1")
+    p.add_argument("--budget", default="1%", help="the circuit kept: this share of the edges, by |score|, in "
+                                                  "(0, 100%%] (1%% or 0.01)")
+    p.add_argument("--out", default="out/circuit")
 
 
 def _bench_options(p: argparse.ArgumentParser) -> None:

@@ -439,6 +439,15 @@ def _patch(args) -> int:
     return 0
 
 
+def _circuit(args) -> int:
+    """multihead circuit --hf DIR --clean TEXT --corrupted TEXT --metric SPEC: the circuit, scored, kept and checked."""
+    from multihead.apps import circuit
+
+    circuit.run(args.hf, args.clean, args.corrupted, args.metric, args.out, method=args.method, steps=args.steps,
+                budget=args.budget)
+    return 0
+
+
 def _bench(args) -> int:
     from multihead.apps import bench
 

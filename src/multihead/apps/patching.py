@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["metric_of", "run"]
+__all__ = ["load", "metric_of", "run"]
 
 
 def metric_of(spec: str, tok, clean_ids: torch.Tensor):
@@ -50,13 +50,11 @@ def _last_logits_only(model):
     return lambda m, inputs: m(**inputs, logits_to_keep=1)
 
 
-def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, positions: bool = False,
-        direction: str = "denoise", chunk: int = 32) -> dict:
-    """Patch every head of the model at ``path``; writes OUT/patching.md, patching.json (loads back with
-    :func:`json.load`: module -> values), patching.png and (all positions) patching.html, the explorer of the clean
-    run with each head's effect. Returns the record written to patching.json."""
-    import multihead
-    from multihead import heads
+def load(path: str | Path, clean: str, corrupted: str, metric: str, *, command: str, why: str):
+    """What ``multihead patch`` and ``multihead circuit`` read: the causal LM at ``path`` (attached to multihead), the
+    two texts tokenized ({input_ids, attention_mask} each), the metric (:func:`metric_of`) and its description, the
+    tokenizer. Refused before any forward: a model other than a causal LM, texts of different token counts (``why``
+    they must match), a malformed metric."""
     from multihead.apps.hf_models import _tokenizer
 
     tok, _ = _tokenizer(Path(path))
@@ -65,19 +63,31 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
 
     archs = transformers.AutoConfig.from_pretrained(path).architectures or []
     if not set(archs) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
-        raise ValueError(f"{path}: patch --hf takes a causal language model (an architecture AutoModelForCausalLM "
+        raise ValueError(f"{path}: {command} --hf takes a causal language model (an architecture AutoModelForCausalLM "
                          f"loads; its config names {archs}): the metrics read its next-token logits.")
     enc = [tok(t, return_tensors="pt") for t in (clean, corrupted)]
     lengths = [int(e["input_ids"].shape[1]) for e in enc]
     if lengths[0] != lengths[1]:
-        raise ValueError(f"--clean is {lengths[0]} tokens and --corrupted {lengths[1]}: patching takes a head's output "
-                         "position by position, so the two texts must have the same number of tokens; change words "
-                         "one for one (or pad the shorter).")
+        raise ValueError(f"--clean is {lengths[0]} tokens and --corrupted {lengths[1]}: {why}, so the two texts must "
+                         "have the same number of tokens; change words one for one (or pad the shorter).")
     fn, what = metric_of(metric, tok, enc[0]["input_ids"])
     import multihead.hf as mhf
 
     model = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(path).eval())
     inputs = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in enc]
+    return model, inputs, fn, what, tok
+
+
+def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, positions: bool = False,
+        direction: str = "denoise", chunk: int = 32) -> dict:
+    """Patch every head of the model at ``path``; writes OUT/patching.md, patching.json (loads back with
+    :func:`json.load`: module -> values), patching.png and (all positions) patching.html, the explorer of the clean
+    run with each head's effect. Returns the record written to patching.json."""
+    import multihead
+    from multihead import heads
+
+    model, inputs, fn, what, tok = load(path, clean, corrupted, metric, command="patch",
+                                        why="patching takes a head's output position by position")
     r = heads.patch(model, inputs[0], inputs[1], fn, direction=direction, positions=positions, chunk=chunk,
                     run=_last_logits_only(model) if metric != "loss" else None)
     out = Path(out)

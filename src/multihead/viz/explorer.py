@@ -24,6 +24,7 @@ import base64
 import html
 import io
 import json
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -120,6 +121,36 @@ def _patching_data(result, captured: Mapping[str, Tensor]) -> dict:
             "effects": {n: [None if not bool(torch.isfinite(x)) else float(x) for x in e] for n, e in eff.items()}}
 
 
+_NODE = re.compile(r"^(.*)\.([hqkv])(\d+)$")  # a circuit graph's head node: module.h3, .q3, .k1 (a kv group), .v1
+
+
+def _circuit_data(circuit, captured: Mapping[str, Tensor], kv: Mapping[str, int | None]) -> dict:
+    """A circuit's edges for the page ({"edges": [[writer, reader, score or None]], "heads": {module: {h: [edge
+    indices]}}}): each head its edges touch, as a writer (``module.h{h}``), through its query (``module.q{h}``) or
+    through its key/value group's key or value (``module.k{g}``, ``module.v{g}``: every head of the group)."""
+    edges, where = [], {}
+    for e in circuit:
+        if not isinstance(e, Sequence) or isinstance(e, str) or len(e) not in (2, 3) or \
+                not all(isinstance(x, str) for x in e[:2]) or (len(e) == 3 and not isinstance(e[2], int | float)):
+            raise TypeError("circuit takes edges (writer, reader) or (writer, reader, score), e.g. "
+                            f"EdgeScores.top(20); got {e!r}.")
+        i = len(edges)
+        edges.append([e[0], e[1], float(e[2]) if len(e) == 3 else None])
+        for name in e[:2]:
+            m = _NODE.match(name)
+            if m is None:
+                continue  # the embedding, an MLP, the logits: not a head
+            module, kind, n = m.group(1), m.group(2), int(m.group(3))
+            if module not in captured:
+                raise ValueError(f"circuit: {name} is a head of {module}, which the capture lacks; it holds "
+                                 f"{list(captured)}.")
+            H = captured[module].shape[1]
+            per = H // (kv.get(module) or H) if kind in "kv" else 1
+            for h in range(n * per, (n + 1) * per):
+                where.setdefault(module, {}).setdefault(h, []).append(i)
+    return {"edges": edges, "heads": where}
+
+
 def _template() -> str:
     from importlib.resources import files
 
@@ -178,6 +209,7 @@ def explorer(
     max_cells: int = 1024,
     patching=None,
     kv_heads: int | Mapping[str, int] | None = None,
+    circuit: Sequence[Sequence] | None = None,
 ) -> Explorer:
     """Write the explorer for ``captured`` (name -> (B, H, Lq, Lk)) to ``path``.
 
@@ -194,6 +226,10 @@ def explorer(
     kv_heads: where query heads share key/value heads (grouped-query attention, H > Hkv), the number of key/value
         heads: one for every module or {name: number}; by default the capture's own record (``captured.kv_heads``).
         Each head is then labelled with its group ("kv group g": query head h reads group h // (H // Hkv)).
+    circuit: a circuit's edges, (writer, reader) or (writer, reader, score) with the node names of
+        :func:`multihead.heads.circuit_graph` (e.g. ``scores.top(20)`` of :func:`multihead.heads.edge_attribution`):
+        each head an edge touches (its output, its query, its key/value group's key or value) is outlined in green and
+        the enlarged head lists its edges with their scores.
     path: where to write the page; None = no file (the page is in ``.html``).
     Returns an :class:`Explorer` (path-like; shows itself inline in a notebook).
     """
@@ -211,6 +247,7 @@ def explorer(
         data["image"] = {"src": _image_data_url(image), "grid": list(patch_grid), "prefix": prefix_tokens}
     if patching is not None:
         data["patching"] = _patching_data(patching, captured)
+    data.update({} if circuit is None else {"circuit": _circuit_data(circuit, captured, kv)})
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e")
     page = _template().replace("%TITLE%", html.escape(title)).replace("%DATA%", payload)
     if path is not None:

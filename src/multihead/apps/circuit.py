@@ -1,0 +1,121 @@
+"""``multihead circuit --hf DIR``: the circuit of a behaviour in a local transformers causal language model, from two
+texts of the same length and a metric named on the command line (read as ``multihead patch`` reads them): every edge
+scored (EAP or EAP-IG), the top ``--budget`` of the edges kept and checked by intervention (its faithfulness f), the
+faithfulness curve over MIB's budgets with CPR and CMD. Writes OUT/circuit.json, circuit.md, circuit.png,
+circuit.html, curve.png and explorer.html (the clean run's heads, the circuit's outlined)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["FILES", "METHODS", "checked", "run"]
+
+#: the scoring methods the command takes (heads.edge_attribution's)
+METHODS = ("eap", "eap-ig")
+#: the files the command writes into OUT
+FILES = ("circuit.json", "circuit.md", "circuit.png", "circuit.html", "curve.png", "explorer.html")
+
+
+def checked(method: str, steps: int, budget: str | float) -> float:
+    """The options refused before anything loads, one line each: an unknown method, steps < 1, a budget outside
+    (0, 100%]. Returns the budget as a fraction of the edges."""
+    from multihead.heads.circuits import _budget
+
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}; got {method!r}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps must be a whole number >= 1 (EAP-IG's integration points); got {steps!r}.")
+    try:
+        return _budget(budget)
+    except ValueError:
+        raise ValueError(f"--budget must be a share of the edges in (0, 100%], e.g. 1% or 0.01; got {budget!r}.") \
+            from None
+
+
+def _kept_nodes(layout: dict) -> tuple[list[str], list[str]]:
+    """The heads and the MLPs the circuit's edges touch (a key/value edge touches every head of its group)."""
+    heads = [n["id"] for n in layout["nodes"] if n["kind"] == "head" and n["kept"]]
+    mlps = [n["id"] for n in layout["nodes"] if n["kind"] == "mlp" and n["kept"]]
+    return heads, mlps
+
+
+def _markdown(record: dict, scores) -> str:
+    c, cur = record["circuit"], record["curve"]
+    lines = [f"# Circuit: {record['metric']}", "",
+             f"clean: `{record['clean']}`; corrupted: `{record['corrupted']}`; {record['direction']}: base "
+             f"{record['base']:.4f}, source {record['source']:.4f}", "",
+             "| method | steps | budget | edges kept | f at the budget | CPR | CMD |",
+             "|---|---:|---:|---:|---:|---:|---:|",
+             f"| {record['method']} | {record['steps']} | {record['budget']:.2%} | {c['kept']} of {c['total']} | "
+             f"{c['f']:.4f} | {cur['cpr']:.4f} | {cur['cmd']:.4f} |", "",
+             f"Kept heads ({len(c['heads'])}): {', '.join(c['heads']) or 'none'}" +
+             (f"; MLPs: {', '.join(c['mlps'])}" if c["mlps"] else ""), "",
+             "f = (m(C) - m(empty)) / (m(N) - m(empty)): the clean run with every edge outside the circuit patched from "
+             f"the corrupted run (m(C) {c['circuit_metric']:.4f}, m(N) {c['full']:.4f}, m(empty) {c['empty']:.4f}).",
+             "", "## The curve", "", _curve_table(cur), "", f"## The top {min(20, len(scores.edges))} edges", "",
+             scores.to_markdown(20), ""]
+    return "\n".join(lines)
+
+
+def _curve_table(cur: dict) -> str:
+    lines = ["| budget | edges | f |", "|---:|---:|---:|"]
+    lines += [f"| {b:.1%} | {k} | {f:.4f} |" for b, k, f in zip(cur["budgets"], cur["kept"], cur["f"], strict=True)]
+    return "\n".join(lines) + f"\n\nCPR {cur['cpr']:.4f} (higher better), CMD {cur['cmd']:.4f} (0 best)"
+
+
+def _record(scores, f: dict, curve, layout: dict, *, path, clean: str, corrupted: str, what: str, budget: float) -> dict:
+    heads, mlps = _kept_nodes(layout)
+    return {
+        "model": str(path), "clean": clean, "corrupted": corrupted, "metric": what, "method": scores.method,
+        "steps": scores.steps, "direction": scores.direction, "budget": budget, "base": scores.base,
+        "source": scores.source,
+        "nodes": {"writers": scores.graph.writers, "readers": scores.graph.readers},
+        "edges": [[w, r, s] for (w, r), s in zip(scores.edges, scores.scores.tolist(), strict=True)],
+        "circuit": {"edges": [[w, r] for w, r in f["edges"]], "kept": f["result"].kept, "total": f["result"].total,
+                    "f": f["result"].f, "circuit_metric": f["result"].circuit, "full": f["result"].full,
+                    "empty": f["result"].empty, "heads": heads, "mlps": mlps},
+        "curve": {"budgets": curve.budgets, "kept": curve.kept, "f": curve.f, "full": curve.full,
+                  "empty": curve.empty, "cpr": curve.cpr, "cmd": curve.cmd},
+    }
+
+
+def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, method: str = "eap-ig",
+        steps: int = 5, budget: str | float = "1%") -> dict:
+    """Find the circuit in the model at ``path``; writes OUT/circuit.json (loads back with :func:`json.load`: every
+    edge with its score, the circuit kept with its f, the curve), circuit.md, circuit.png, circuit.html, curve.png and
+    explorer.html. Returns the record written to circuit.json."""
+    import multihead
+    from multihead import heads
+    from multihead.apps.patching import _last_logits_only, load
+    from multihead.viz import circuit_figure, circuit_html, circuit_layout, explorer, faithfulness_figure
+
+    frac = checked(method, steps, budget)
+    model, inputs, fn, what, tok = load(path, clean, corrupted, metric, command="circuit",
+                                        why="edges are compared position by position")
+    call = _last_logits_only(model) if metric != "loss" else None
+    scores = heads.edge_attribution(model, inputs[0], inputs[1], fn, method=method, steps=steps, run=call)
+    kept = scores.circuit(frac)
+    f = heads.faithfulness(model, inputs[0], inputs[1], fn, kept, run=call)
+    curve = heads.faithfulness_curve(model, inputs[0], inputs[1], fn, scores, run=call)
+    layout = circuit_layout(scores, kept)
+    record = _record(scores, {"edges": kept, "result": f}, curve, layout, path=path, clean=clean, corrupted=corrupted,
+                     what=what, budget=frac)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "circuit.json").write_text(json.dumps(record, indent=1))
+    (out / "circuit.md").write_text(_markdown(record, scores))
+    title = f"{what}: {len(kept)} of {len(scores.edges)} edges ({method}), f = {f.f:.3f}"
+    circuit_figure(scores, kept, title=title).savefig(out / "circuit.png", dpi=110)
+    circuit_html(scores, kept, out / "circuit.html", title=f"multihead circuit: {title}")
+    faithfulness_figure(curve, at=(frac, f.f)).savefig(out / "curve.png", dpi=110)
+    import torch
+
+    with torch.no_grad(), multihead.capture(model) as cap:  # the clean run's heads, the circuit's outlined
+        model(**inputs[0])
+    tokens = [tok.decode([i]) for i in inputs[0]["input_ids"][0].tolist()]
+    explorer(cap, tokens, out / "explorer.html", circuit=[(w, r, s) for w, r, s in scores.top(len(kept))],
+             title=f"multihead circuit: {what}")
+    print(_markdown(record, scores).split("## The curve")[0].rstrip())
+    print(f"wrote {', '.join(str(out / n) for n in FILES)}")
+    return record
