@@ -275,7 +275,7 @@ class _Run:
     ``rep`` (c copies of the base input, batch c B)."""
 
     def __init__(self, model, units, readout, mods, *, c=1, B=None, patched=None, rep=None, interp=None,
-                 grad=False):
+                 grad=False, W=None):
         self.model, self.units, self.readout, self.mods, self.grad = model, units, readout, mods, grad
         self.named = dict(model.named_modules())
         self.c, self.B, self.patched, self.rep, self.interp = c, B, patched, rep, interp
@@ -288,7 +288,8 @@ class _Run:
         self.mlp_y: dict[int, Tensor] = {}
         self.order: list[int] = []
         self.sizes: dict[int, tuple[int, int]] = {}
-        self.W: dict[int, Tensor] = {}  # (H, Dv, E): head h's rows of the output projection
+        self.W: dict[int, Tensor] = {} if W is None else W  # (H, Dv, E): head h's rows of the output projection
+        self.proj: dict[int, list] = {}  # gradient runs: unit -> [(weight (out, in), input, output)] of q/k/v's layers
         self.nested: int | None = None
         self.emb: dict[str, Tensor] = {}  # token embeddings' outputs (a stream that starts outside any block)
         self.call_args: dict[int, tuple] = {}
@@ -324,6 +325,8 @@ class _Run:
             stack.callback(mod.attention_hooks.add_input(self._inputs(i)).remove)
             stack.callback(mod.attention_hooks.add_transform(self._heads(i)).remove)
             stack.callback(mod.register_forward_hook(self._attn_out(i)).remove)
+            for p in _qkv_layers(mod) if self.grad else ():
+                stack.callback(p.register_forward_hook(self._proj(i, p)).remove)
             if u.mlp is not None:
                 stack.callback(self.named[u.mlp_norm].register_forward_pre_hook(self._read(("mlp", i))).remove)
                 stack.callback(self.named[u.mlp].register_forward_hook(self._mlp_out(i)).remove)
@@ -454,9 +457,19 @@ class _Run:
             self.y[i] = y
             out = self.out[i]  # (c B, L, H, Dv)
             W = self.W.get(i)
-            if W is None:
-                W = self.W[i] = _o_weight(self.units[i].attn, module, out, y)
-            self._add_writes(torch.einsum("blhd,hde->hble", out.to(W.dtype), W).to(y.dtype))  # (H, c B, L, E)
+            if W is None:  # checked on the call's first run, then kept in the stream's dtype
+                W = self.W[i] = _o_weight(self.units[i].attn, module, out, y).to(y.dtype)
+            with torch.no_grad():  # the writes are read, never differentiated
+                self._add_writes(torch.einsum("blhd,hde->hble", out.detach().to(W.dtype), W))  # (H, c B, L, E)
+            return None
+        return hook
+
+    def _proj(self, i, layer):
+        def hook(module, args, output):
+            if self.nested is None and isinstance(output, Tensor) and args and isinstance(args[0], Tensor):
+                from multihead.heads.surgery import out_in
+
+                self.proj.setdefault(i, []).append((out_in(layer).detach(), args[0], output))
             return None
         return hook
 
@@ -489,6 +502,24 @@ class _Run:
             self._add_writes(output.unsqueeze(0))
             return None
         return hook
+
+
+def _qkv_layers(mod: nn.Module) -> list[nn.Module]:
+    """The attention module's q/k/v projection layers (one fused layer counted once), from its head layout; none
+    where it has no layout (the readers' gradients then take the general route)."""
+    hooks = mod.__dict__.get("attention_hooks")
+    if hooks is not None and hooks.layout is not None:
+        ps = hooks.layout.projections(mod, hooks.parent)[:3]
+    elif hasattr(mod, "projections"):
+        ps = mod.projections()[:3]
+    else:
+        return []
+    out: list[nn.Module] = []
+    for p in ps:
+        if isinstance(p, nn.Module) and isinstance(getattr(p, "weight", None), Tensor) and p.weight.dim() == 2 \
+                and all(p is not q for q in out):
+            out.append(p)
+    return out
 
 
 def _no_cache(x):
@@ -534,9 +565,10 @@ class _Model:
         self.model = model
         self.units, self.readout, self.mods = _units(model, readout)
         self.call = run or _call
+        self.W: dict[int, Tensor] = {}  # each unit's (H, Dv, E) output weights, checked on the call's first run
 
     def forward(self, inputs, *, grad=False, **kw) -> tuple[object, _Run]:
-        r = _Run(self.model, self.units, self.readout, self.mods, grad=grad, **kw)
+        r = _Run(self.model, self.units, self.readout, self.mods, grad=grad, W=self.W, **kw)
         with contextlib.ExitStack() as stack, torch.set_grad_enabled(grad):
             r.install(stack)
             output = self.call(self.model, inputs)
@@ -655,9 +687,12 @@ def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, me
     input is its own copy of the residual stream (a head's query, a key/value head's key or value, an MLP's input,
     the final residual). ``readout``: the module whose input is the final residual (found for transformers models
     and the course's; name it otherwise). Gradients reach no parameter's ``.grad``. Memory: one forward's graph (the
-    base run's, from the first layer's input on; EAP-IG one step at a time), plus (writers + readers) x B x L x E
-    float64 for the writers' changes and the readers' gradients. EAP-IG's points are a left Riemann sum: its error
-    falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow)."""
+    base run's, from the first layer's input on; EAP-IG one step at a time), the writers' changes (writers x B x L x
+    E, the model's dtype) and one layer's readers' gradients at a time (its readers x B x L x E); the scores are
+    summed in float64. A head's query/key/value reader's gradient is taken back through its own columns of the q/k/v
+    projection (where the attention module's head layout names the projections; checked on every layer: the
+    readers' gradients add up to the layer's), then through the norm. EAP-IG's points are a left Riemann sum: its
+    error falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow)."""
     if method not in ("eap", "eap-ig"):
         raise ValueError(f"method must be 'eap' or 'eap-ig'; got {method!r}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -671,36 +706,45 @@ def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, me
         m.check_stream(src)
         graph = m.graph(src)
         steps = steps if method == "eap-ig" else 1
-        grads, base_v, base_writes, base0, base_emb, B = None, 0.0, [], None, {}, 1
+        full = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)  # (U, R)
+        base_v, deltas, base0, base_emb, B = 0.0, None, None, {}, 1
         for s in range(steps):
             interp = None if s == 0 else {"a": s / steps, "x0": (base0, src.x[("attn", 0)].detach()),
                                           "emb": {n: (e, src.emb[n]) for n, e in base_emb.items()}}
             output, r = m.forward(base_in, grad=True, interp=interp)
             if s == 0:
-                base0, base_writes, B = r.x[("attn", 0)].detach(), [w.detach() for w in r.writes], _batch(r)
-                base_emb = dict(r.emb)
+                base0, B, base_emb = r.x[("attn", 0)].detach(), _batch(r), dict(r.emb)
                 _per_row(metric, output, B)
-            elif (off := float((r.x[("attn", 0)].detach() - (base0 + interp["a"] * (interp["x0"][1] - base0))).abs()
-                                 .max())) > 1e-4 * max(1.0, float(base0.abs().max())):
-                raise ValueError(f"EAP-IG: the stream where the first layer reads it is not the line between the two "
-                                 f"runs' embeddings (off by {off:.3g}): the model starts its stream other than by "
-                                 "summing token embeddings; use method='eap'.")
-            g, value = _reader_grads(m, r, metric, output, B)
+                deltas = torch.stack([a.detach() - b.detach() for a, b in zip(src.writes, r.writes, strict=True)])
+                deltas = deltas.flatten(1)  # (U, B, L, E) -> (U, B L E)
+                full = full.to(deltas.device)
+                src.writes.clear()
+            else:
+                _on_the_line(r, base0, interp)
+            r.writes.clear()
+            value = _score(m, r, metric, output, deltas, full)
             base_v = value if s == 0 else base_v
-            grads = g if grads is None else grads + g
             del r, output  # the graph of this step goes
-        grads = grads / steps  # (R, B, L, E)
-        deltas = torch.stack([(a.detach().double() - b.double())
-                              for a, b in zip(src.writes, base_writes, strict=True)])  # (U, B, L, E)
-        full = deltas.flatten(1) @ grads.flatten(1).t()  # (U, B L E) @ (B L E, R) -> (U, R)
         w, rr = graph.matrix()
-        scores = full[w.to(full.device), rr.to(full.device)].cpu()
+        scores = (full / steps)[w.to(full.device), rr.to(full.device)].cpu()
         return EdgeScores(graph, list(graph.edges), scores, base_v, _value(metric, src_output, B), method, direction,
                           steps)
 
 
-def _reader_grads(m: _Model, r: _Run, metric, output, B: int) -> tuple[Tensor, float]:
-    """(R, B, L, E) float64: the metric's gradient at each reader's own copy of the residual stream, and the metric."""
+def _on_the_line(r: _Run, base0: Tensor, interp: dict) -> None:
+    """EAP-IG: the stream where the first layer reads it must be the point on the line between the two runs."""
+    x0 = base0 + interp["a"] * (interp["x0"][1] - base0)
+    off = float((r.x[("attn", 0)].detach() - x0).abs().max())
+    if off > 1e-4 * max(1.0, float(base0.abs().max())):
+        raise ValueError(f"EAP-IG: the stream where the first layer reads it is not the line between the two runs' "
+                         f"embeddings (off by {off:.3g}): the model starts its stream other than by summing token "
+                         "embeddings; use method='eap'.")
+
+
+def _score(m: _Model, r: _Run, metric, output, deltas: Tensor, full: Tensor) -> float:
+    """Adds this run's scores into ``full`` (U, R): for each block of readers (a layer's q/k/v, an MLP's input, the
+    logits) the writers before it (their changes ``deltas`` (U, B L E)) dotted with the readers' gradients, one
+    matrix product a block; returns the metric."""
     value = metric(output)
     total = value.double().mean() if isinstance(value, Tensor) else None
     if total is None or not total.requires_grad:
@@ -715,28 +759,109 @@ def _reader_grads(m: _Model, r: _Run, metric, output, B: int) -> tuple[Tensor, f
     if all(not gi.any() for gi in g):
         raise ValueError("metric's gradient is zero at every reader: it does not depend on the model's output through "
                          "the model (a constant, or a value of the inputs); compute it from the logits.")
-    out: list[Tensor] = []
     gm = dict(zip(mlps, g[3 * n:3 * n + len(mlps)], strict=True))
+    u0, r0 = 1, 0  # writers before the block, the block's first reader
+
+    def add(grads: Tensor, writers: int) -> int:  # grads (n_r, B, L, E)
+        full[:writers, r0:r0 + grads.shape[0]] += (deltas[:writers] @ grads.flatten(1).to(deltas).t()).double()
+        return r0 + grads.shape[0]
+
     for i in range(n):
-        x = r.x[("attn", i)]
-        for t, gt in zip(r.qkv[i], g[3 * i:3 * i + 3], strict=True):  # q (B, H, L, D), k and v (B, Hkv, L, D)
-            n_h = t.shape[1]
-            sel = torch.zeros(n_h, *gt.shape, dtype=gt.dtype, device=gt.device)  # (H, B, H, L, D): one head each
-            for h in range(n_h):
-                sel[h, :, h] = gt[:, h]
-            try:  # every head's copy of the stream in one vectorised backward through the norm and projections
-                (gx,) = torch.autograd.grad(t, x, sel, retain_graph=True, allow_unused=True, is_grads_batched=True)
-                gx = [torch.zeros_like(x)] * n_h if gx is None else list(gx)
-            except RuntimeError:  # an operation without a batching rule: one backward a head
-                gx = [torch.autograd.grad(t, x, sel[h], retain_graph=True, allow_unused=True)[0] for h in range(n_h)]
-                gx = [torch.zeros_like(x) if v is None else v for v in gx]
-            out += gx  # (B, L, E) each: head h's copy of the stream
+        r0 = add(_attn_grads(r, i, g[3 * i:3 * i + 3]), u0)
+        u0 += r.sizes[i][0]
         if i in gm:
             xm = r.x[("mlp", i)]
             (gx,) = torch.autograd.grad(r.mlp_y[i], xm, gm[i], retain_graph=True, allow_unused=True)
-            out.append(torch.zeros_like(xm) if gx is None else gx)
-    out.append(g[-1])
-    return torch.stack(out).double(), float(total.detach())
+            r0 = add((torch.zeros_like(xm) if gx is None else gx).unsqueeze(0), u0)
+            u0 += 1
+    add(g[-1].unsqueeze(0), u0)
+    return float(total.detach())
+
+
+def _one_head_each(gt: Tensor) -> Tensor:
+    """(n, B, n, L, D) from (B, n, L, D): copy h keeps head h's gradient, zero elsewhere."""
+    eye = torch.eye(gt.shape[1], dtype=gt.dtype, device=gt.device)  # (n, n)
+    return gt.unsqueeze(0) * eye[:, None, :, None, None]
+
+
+def _attn_grads(r: _Run, i: int, gq3: list[Tensor]) -> Tensor:
+    """(H + 2 Hkv, B, L, E): the metric's gradient at each of unit i's readers' own copy of the stream (q per head,
+    then k and v per key/value head), given the gradients at its q, k, v (B, n, L, D) each."""
+    x = r.x[("attn", i)]
+    fast = _through_projections(r, i, x, gq3)
+    if fast is not None:
+        return fast
+    out: list[Tensor] = []
+    for t, gt in zip(r.qkv[i], gq3, strict=True):
+        sel = _one_head_each(gt)  # (n_h, B, n_h, L, D)
+        try:  # every head's copy of the stream in one vectorised backward through the norm and projections
+            (gx,) = torch.autograd.grad(t, x, sel, retain_graph=True, allow_unused=True, is_grads_batched=True)
+            gx = torch.zeros(sel.shape[0], *x.shape, dtype=x.dtype, device=x.device) if gx is None else gx
+        except RuntimeError:  # an operation without a batching rule: one backward a head
+            gx = torch.stack([_or_zeros(torch.autograd.grad(t, x, s, retain_graph=True, allow_unused=True)[0], x)
+                              for s in sel])
+        out.append(gx)  # (n_h, B, L, E): head h's copy of the stream
+    return torch.cat(out)
+
+
+def _or_zeros(g: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _through_projections(r: _Run, i: int, x: Tensor, gq3: list[Tensor]) -> Tensor | None:
+    """The readers' gradients (H + 2 Hkv, B, L, E) taken back through the q/k/v projection layers recorded on the
+    run: from q/k/v to each layer's output (through rotary embeddings, head splits: cheap), then through the layer's
+    weight on only the columns a reader's gradient is non-zero in (its head's), then through what lies between the
+    stream and the layer's input (the norm). None where the layers were not recorded, a layer ran twice, or the
+    readers' gradients do not add up to the layer's whole gradient (q/k/v read the stream another way too)."""
+    projs = r.proj.get(i)
+    if not projs or len({id(w) for w, _, _ in projs}) != len(projs):
+        return None
+    ins: dict[int, list] = {}  # id(layer input) -> [input, (n_readers, B, L, in) gradient]
+    n_r = sum(t.shape[1] for t in r.qkv[i])
+    row = 0
+    for t, gt in zip(r.qkv[i], gq3, strict=True):
+        sel = _one_head_each(gt)
+        try:
+            gp = torch.autograd.grad(t, [p for _, _, p in projs], sel, retain_graph=True, allow_unused=True,
+                                     is_grads_batched=True)  # (n_h, B, L, out) each layer
+        except RuntimeError:
+            return None
+        for (W, n, _), gj in zip(projs, gp, strict=True):
+            if gj is not None:
+                acc = ins.setdefault(id(n), [n, torch.zeros(n_r, *n.shape, dtype=n.dtype, device=n.device)])
+                acc[1][row:row + gt.shape[1]] += _columns_matmul(gj, W.to(gj.dtype))
+        row += gt.shape[1]
+    gx = torch.zeros(n_r, *x.shape, dtype=x.dtype, device=x.device)
+    for n, gn in ins.values():
+        if n is x:
+            gx += gn
+            continue
+        try:
+            (got,) = torch.autograd.grad(n, x, gn, retain_graph=True, allow_unused=True, is_grads_batched=True)
+        except RuntimeError:
+            return None
+        if got is not None:
+            gx += got
+    (want,) = torch.autograd.grad(list(r.qkv[i]), x, list(gq3), retain_graph=True, allow_unused=True)
+    want = _or_zeros(want, x)
+    if float((gx.sum(0) - want).abs().max()) > 1e-4 * max(float(want.abs().max()), 1e-30):
+        return None
+    return gx
+
+
+def _columns_matmul(g: Tensor, W: Tensor) -> Tensor:
+    """(n, B, L, in) = g (n, B, L, out) @ W (out, in), each row n multiplied over only its non-zero columns (a head's
+    gradient at a projection's output is zero outside the head's columns: the product skips only zeros)."""
+    n, B, L, out = g.shape
+    nz = g.ne(0).flatten(1, 2).any(1)  # (n, out)
+    count = nz.sum(1)
+    c = int(count[0])
+    if c == 0 or c == out or bool((count != c).any()):
+        return g @ W  # (n, B, L, out) @ (out, in)
+    idx = nz.nonzero()[:, 1].view(n, c)  # (n, c): row n's non-zero columns, ascending
+    gs = g.gather(-1, idx[:, None, None, :].expand(n, B, L, c))  # (n, B, L, c)
+    return torch.einsum("nblc,nci->nbli", gs, W[idx])  # W[idx] (n, c, in)
 
 
 def _patched_runs(m: _Model, base_in, rep: _Run, B: int, masks: Tensor, metric, *, chunk: int) -> list[float]:
