@@ -845,7 +845,7 @@ def _through_projections(r: _Run, i: int, x: Tensor, gq3: list[Tensor]) -> Tenso
             gx += got
     (want,) = torch.autograd.grad(list(r.qkv[i]), x, list(gq3), retain_graph=True, allow_unused=True)
     want = _or_zeros(want, x)
-    if float((gx.sum(0) - want).abs().max()) > 1e-4 * max(float(want.abs().max()), 1e-30):
+    if float((gx.sum(0) - want).detach().abs().max()) > 1e-4 * max(float(want.detach().abs().max()), 1e-30):
         return None
     return gx
 
