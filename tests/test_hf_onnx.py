@@ -225,8 +225,10 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     """Round 6 found multihead's export of the unpruned MiniLM 1.28x slower in ONNX Runtime than the standard export
     (its graph was multihead's attention function, not the one ONNX Runtime is tuned for). Now the file is the
     transformers graph users export: unpruned, the same operators as ``torch.onnx.export`` of the sdpa model (the
-    peer, runtimes.standard_files); pruned, the same operators at the pruned size. Each file (fp32, optimized, int8)
-    equals the torch model within its rounding."""
+    peer, runtimes.standard_files); pruned, the same operators at the pruned size. The optimized file is the eager graph
+    ONNX Runtime's optimizer fuses each layer's attention in (the peer's eager candidate's operators), each layer's
+    Attention op at its own head count. Each file (fp32, optimized, int8) equals the torch model within its
+    rounding."""
     import json
 
     from multihead.apps import runtimes
@@ -238,13 +240,15 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     peer.load_state_dict(model.state_dict())
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     std = runtimes.standard_files(peer, ex, openvino=False)
-    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8"} <= set(std)
+    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager_optimized",
+            "onnx_eager_optimized_int8"} <= set(std)
     ours = mhf.export(model, tmp_path / "u", openvino=False)
     assert _ops(ours["onnx"]) == _ops(std["onnx"])
-    assert _ops(ours["onnx_optimized"]) == _ops(std["onnx_optimized"])
+    assert _ops(ours["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
     meta = json.loads((tmp_path / "u" / ONNX_DIR / EXPORT_JSON).read_text())
-    assert meta["attention"] == "sdpa" and meta["optimizer"]["written"]
-    assert meta["optimizer"]["fused"].get("SkipLayerNormalization", 0) > 0
+    assert meta["attention"] == "sdpa" and meta["optimizer"]["written"] and meta["optimizer"]["note"] is None
+    assert meta["optimizer"]["fused"]["Attention"] == 2 and meta["optimizer"]["fused"]["SkipLayerNormalization"] > 0
+    assert meta["optimizer"]["graph"].startswith("eager attention")
     assert model.config._attn_implementation == "multihead"  # restored after the export
 
     heads.prune(model, {"encoder.layer.0.attention.self": [1, 3], "encoder.layer.1.attention.self": [0]})
@@ -254,6 +258,10 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
 
     shapes = {tuple(t.dims) for t in onnx.load(str(cut["onnx"])).graph.initializer}
     assert (32, 16) in shapes and (32, 24) in shapes  # layer 0 keeps 2 heads of 8, layer 1 keeps 3
+    assert _ops(cut["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
+    for key, op in (("onnx_optimized", "Attention"), ("onnx_optimized_int8", "QAttention")):
+        fused = [n for n in onnx.load(str(cut[key])).graph.node if n.op_type == op]
+        assert [onnx.helper.get_attribute_value(a) for n in fused for a in n.attribute if a.name == "num_heads"] == [2, 3]
     g = torch.Generator().manual_seed(3)
     ids, am = torch.randint(3, 100, (3, 13), generator=g), torch.ones(3, 13, dtype=torch.long)
     am[2, 5:] = 0

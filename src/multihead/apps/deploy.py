@@ -22,8 +22,9 @@ from multihead.apps import runtimes, timing
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized"), runtimes.ort_session),
-            ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8"), runtimes.ort_session),
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized", "onnx_eager_optimized"), runtimes.ort_session),
+            ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
+             runtimes.ort_session),
             ("OpenVINO fp32", ("openvino",), runtimes.openvino_model),
             ("OpenVINO int8", ("openvino_int8",), runtimes.openvino_model))
 

@@ -134,6 +134,9 @@ class _Hidden(torch.nn.Module):
 STANDARD = {"onnx": "torch.onnx.export", "onnx_int8": "torch.onnx.export + quantize_dynamic",
             "onnx_optimized": "torch.onnx.export + ORT optimizer",
             "onnx_optimized_int8": "torch.onnx.export + ORT optimizer + quantize_dynamic",
+            "onnx_eager_optimized": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer",
+            "onnx_eager_optimized_int8": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer + "
+                                         "quantize_dynamic",
             "openvino": "openvino.convert_model", "openvino_int8": "openvino.convert_model + NNCF"}
 
 
@@ -143,9 +146,10 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     files the way each runtime's documentation does it -- the peer every runtime table times the pruned files
     against: ``torch.onnx.export`` of the model (its defaults, both sizes dynamic), ONNX Runtime's
     ``quantize_dynamic`` (int8 weights, per channel), ONNX Runtime's transformer optimizer (where it has a pass for
-    the model type) and the optimized file quantized the same way; OpenVINO's ``convert_model`` of the ONNX file and
-    NNCF's static int8 (with ``calibration``) where the openvino extra is installed. {key: path} (keys as
-    :data:`STANDARD`), exported once per process for the same weights."""
+    the model type) and the optimized file quantized the same way; the same from the eager graph (:func:`_eager_optimized`:
+    optimum's way, where ONNX Runtime fuses attention); OpenVINO's ``convert_model`` of the ONNX file and NNCF's static
+    int8 (with ``calibration``) where the openvino extra is installed. {key: path} (keys as :data:`STANDARD`), exported
+    once per process for the same weights."""
     from multihead.extras import quiet_logs, require
     from multihead.hf.export import _export_example, input_names, openvino_int8, optimize, quantize_standard
 
@@ -182,6 +186,7 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     if fused["written"]:
         out["onnx_optimized"] = d / "model_optimized.onnx"
         out["onnx_optimized_int8"] = quantize_standard(d / "model_optimized.onnx", d / "model_optimized_int8.onnx")
+    out |= _eager_optimized(model, xs, names, d, log)
     if openvino:
         try:
             ov = require("openvino", "OpenVINO's standard conversion")
@@ -195,6 +200,33 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     if key is not None:
         _STANDARD[key] = (out, (openvino, bool(calibration)))
     return out
+
+
+def _eager_optimized(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
+    """{"onnx_eager_optimized", "onnx_eager_optimized_int8": path} in ``d``: ``model`` with transformers' eager attention
+    through the TorchScript exporter (:func:`multihead.hf.export.eager_onnx`, inputs ``xs`` named ``names``), ONNX
+    Runtime's optimizer given the config's head count and hidden size (as optimum gives them), ``quantize_dynamic``
+    per channel; {} where the optimizer has no pass for the model type or the export fails (told to ``log``)."""
+    from multihead.hf.export import ORT_MODEL_TYPES, eager_onnx, optimize, quantize_standard
+
+    if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
+        return {}
+    was = model.training
+    model.eval()
+    try:
+        eager_onnx(_Hidden(model, names), model, xs, names, d / "eager.onnx")
+        fused = optimize(model, d / "eager.onnx", d / "model_eager_optimized.onnx", heads_from_config=True)
+    except Exception as e:  # noqa: BLE001 - the exporter's and the optimizer's failures share no base class
+        if log is not None:
+            log(f"  the eager standard export not made: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return {}
+    finally:
+        model.train(was)
+    if not fused["written"]:
+        return {}
+    return {"onnx_eager_optimized": d / "model_eager_optimized.onnx",
+            "onnx_eager_optimized_int8": quantize_standard(d / "model_eager_optimized.onnx",
+                                                           d / "model_eager_optimized_int8.onnx")}
 
 
 _STANDARD: dict[str, tuple[dict[str, Path], tuple[bool, bool]]] = {}  # fingerprint -> (files, (openvino, its int8))
@@ -215,6 +247,7 @@ def peers(model, example: dict, log=None, calibration: list[dict] | None = None)
         return {}
     files = standard_files(model, example, calibration, log=log)
     labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
+              ("onnx_eager_optimized_int8", "ONNX Runtime int8, eager + ORT optimizer"),
               ("openvino", "OpenVINO fp32"), ("openvino_int8", "OpenVINO int8, NNCF static")]
     out = {}
     for k, label in labels:

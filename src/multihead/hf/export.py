@@ -10,11 +10,13 @@ layout sentence-transformers and fastembed read::
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra)
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
-    DIR/onnx/model_optimized.onnx       model.onnx after ONNX Runtime's transformer optimizer (its fusions: layer
-    DIR/onnx/model_optimized_int8.onnx  norms with the residual add, GELU with its bias, ...; ONNX Runtime only), and
-                                        quantized the same way: written where the optimizer knows the model's type
-    DIR/onnx/export.json                the attention the graph holds ("sdpa" or "multihead"), what the optimizer
-                                        fused (op: count) and what it could not
+    DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
+    DIR/onnx/model_optimized_int8.onnx  attention into one Attention op, layer norms with the residual add, GELU with
+                                        its bias, ...; ONNX Runtime only), and quantized the same way: written where
+                                        the optimizer knows the model's type, from the eager-attention graph with each
+                                        layer's head count written (the form it fuses attention in), else model.onnx
+    DIR/onnx/export.json                the attention model.onnx holds ("sdpa" or "multihead"), the graph the
+                                        optimizer was given, what it fused (op: count) and what it could not
 
 The graph is the model's own transformers graph with transformers' SDPA attention -- the graph ``torch.onnx.export``
 gives for the unpruned model, the one users export and ONNX Runtime's optimizer knows -- at the pruned size: each
@@ -122,14 +124,21 @@ def standard_attention(model: nn.Module):
     """Inside: ``model`` computes attention with transformers' own SDPA function (the graph users export, at whatever
     size each module now has: transformers' modules reshape with -1 heads) where its class supports SDPA; multihead's
     function otherwise. Yields the implementation used; the model's own is restored after."""
+    with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else None) as used:
+        yield used
+
+
+@contextlib.contextmanager
+def _attention(model: nn.Module, use: str | None):
+    """Inside: ``model`` computes attention with transformers' implementation ``use`` (None: its own); yields the one in
+    effect (transformers may decline and keep the old one); the model's own is restored after."""
     previous = model.config._attn_implementation
-    use = "sdpa" if getattr(model, "_supports_sdpa", False) else previous
-    if use == previous:
+    if use is None or use == previous:
         yield previous
         return
     try:
         model.set_attn_implementation(use)
-        yield model.config._attn_implementation  # what is in effect (transformers may decline and keep the old one)
+        yield model.config._attn_implementation
     finally:
         model.set_attn_implementation(previous)
 
@@ -153,7 +162,6 @@ def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: b
     """:func:`export_onnx`'s work; returns the attention implementation the graph holds ("sdpa", or multihead's
     name where ``standard`` is False or transformers' SDPA graph cannot be exported)."""
     from multihead.extras import quiet_logs, require
-    from multihead.hf import packed as hf_packed
     from multihead.quantize import is_quantized
 
     require("onnxscript", "multihead.hf.export_onnx")
@@ -172,12 +180,7 @@ def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: b
         raise ValueError("export_onnx: a decoder would make a key/value cache; set model.config.use_cache = False "
                          "to export the one-pass graph.")
     _refuse_full_size(model)
-    packing = model.__dict__.get(hf_packed.KEY)
-    was, model_training = (packing.enabled if packing is not None else None), model.training
-    if packing is not None:
-        packing.enabled = False  # ONNX gets the padded graph: no data-dependent shapes
-    model.eval()
-    try:
+    with _padded_eval(model):
         L_max = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
         with torch.no_grad():
@@ -203,6 +206,21 @@ def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: b
                               "multihead's attention function's graph instead", RuntimeWarning, stacklevel=3)
         write()
         return own
+
+
+@contextlib.contextmanager
+def _padded_eval(model: nn.Module):
+    """Inside: ``model`` in eval mode and padded (a padding-free model's packing off: ONNX gets the padded graph, no
+    data-dependent shapes); both restored after."""
+    from multihead.hf import packed as hf_packed
+
+    packing = model.__dict__.get(hf_packed.KEY)
+    was, model_training = (packing.enabled if packing is not None else None), model.training
+    if packing is not None:
+        packing.enabled = False
+    model.eval()
+    try:
+        yield model
     finally:
         if packing is not None:
             packing.enabled = was
@@ -239,7 +257,7 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     attention, fallback = _written_and_checked(model, f, example, check)
     quantize_standard(f, f.with_name(ONNX_INT8_FILE), matmul_only=True)
     written = {"onnx": f, "onnx_int8": f.with_name(ONNX_INT8_FILE)}
-    optimized, fused = _optimized(model, f, check)
+    optimized, fused = _optimized(model, f, example, check)
     written |= optimized
     (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "fallback": fallback,
                                                              "optimizer": fused}, indent=2))
@@ -281,45 +299,130 @@ def _written_and_checked(model: nn.Module, f: Path, example: dict | None, check)
     return attention, fallback
 
 
-def _optimized(model: nn.Module, f: Path, check) -> tuple[dict[str, Path], dict]:
-    """The fp32 file ``f`` through ONNX Runtime's optimizer (:func:`optimize`), checked (``check(path)``) and quantized
-    like the plain one: ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what it fused). The optimizer is
-    optional: its failure leaves the plain files and is said in the record."""
+def _optimized(model: nn.Module, f: Path, example: dict | None, check) -> tuple[dict[str, Path], dict]:
+    """The optimized files beside the fp32 file ``f``, checked (``check(path)``) and quantized like the plain one:
+    ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what the optimizer fused). First the eager-attention
+    graph with each layer's head count written (:func:`eager_onnx`, :func:`write_head_counts`), the form ONNX Runtime's
+    optimizer fuses into one ``Attention`` op per layer; where it fuses no attention there (or that graph cannot be
+    written), ``f`` itself through the optimizer. The optimizer is optional: its failure leaves the plain files and
+    is said in the record."""
+    out, out_int8 = f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE)
     try:
-        fused = optimize(model, f, f.with_name(ONNX_OPT_FILE))
+        fused = _eager_fused(model, f, out, example)
         if not fused.get("written"):
             return {}, fused
-        check(f.with_name(ONNX_OPT_FILE))
-        quantize_standard(f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE), matmul_only=True)
-        return {"onnx_optimized": f.with_name(ONNX_OPT_FILE), "onnx_optimized_int8": f.with_name(ONNX_OPT_INT8_FILE)}, fused
+        check(out)
+        quantize_standard(out, out_int8, matmul_only=True)
+        return {"onnx_optimized": out, "onnx_optimized_int8": out_int8}, fused
     except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
-        for name in (ONNX_OPT_FILE, ONNX_OPT_INT8_FILE):
-            f.with_name(name).unlink(missing_ok=True)
+        for name in (out, out_int8):
+            name.unlink(missing_ok=True)
         return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
+
+
+def _eager_fused(model: nn.Module, f: Path, out: Path, example: dict | None) -> dict:
+    """``out``: the eager graph with its head counts through :func:`optimize` where that fuses attention, else the file
+    ``f`` through it; :func:`optimize`'s record with "graph" (which of the two) added."""
+    eager, why = f.with_name("eager.onnx"), None
+    if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is not None:
+        try:
+            with _padded_eval(model):
+                names = input_names(model)
+                import onnx
+
+                eager_onnx(_TokensToHidden(model, "token_type_ids" in names), model,
+                           _export_example(example if example is not None else probe_inputs(model), names), names,
+                           eager, output=onnx.load(str(f), load_external_data=False).graph.output[0].name)
+            counts = write_head_counts(eager)
+            fused = optimize(model, eager, out)
+            if fused["written"] and sum(v for k, v in fused["fused"].items() if "Attention" in k):
+                return fused | {"graph": f"eager attention (TorchScript exporter), {counts} head counts written"}
+            why = fused["note"]
+        except Exception as e:  # noqa: BLE001 - the eager graph is optional: the exporters' failures share no base
+            why = f"the eager graph could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        finally:
+            eager.unlink(missing_ok=True)
+    fused = optimize(model, f, out)
+    return fused | {"graph": f"{f.name}'s" + (f" (the eager one: {why})" if why else "")}
+
+
+def eager_onnx(wrapper: nn.Module, model: nn.Module, xs: tuple[Tensor, ...], names: list[str], path: Path, *,
+               output: str = "last_hidden_state") -> Path:
+    """``wrapper`` (a module calling ``model`` on ``xs``, the graph's inputs ``names``, each (B, L); its output named
+    ``output``) written as ONNX
+    with ``model``'s attention switched to transformers' eager function (MatMul, scale, Add of the mask, Softmax,
+    MatMul: the pattern ONNX Runtime's attention fusion matches) by ``torch.onnx.export``'s TorchScript exporter
+    (``dynamo=False``, opset 17; B and L dynamic), the way optimum-style exports write transformers encoders."""
+    from multihead.extras import quiet_logs
+
+    with _attention(model, "eager") as used:
+        if used != "eager":
+            raise RuntimeError(f"transformers kept {used!r} attention; the eager graph needs 'eager'")
+        with warnings.catch_warnings(), quiet_logs("torch.onnx"):
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
+            torch.onnx.export(wrapper.eval(), xs, str(path), dynamo=False, opset_version=17, input_names=names,
+                              output_names=[output], dynamic_axes={n: {0: "B", 1: "L"} for n in names})
+    return path
+
+
+def write_head_counts(path: Path) -> int:
+    """Rewrite the ONNX file ``path`` so that each reshape splitting a projection into heads, (B, L, E') -> (B, L, -1, D)
+    (transformers' modules reshape with -1 heads), names its layer's head count for -1: the projection's width over D,
+    read from its weight. ONNX Runtime's attention fusion reads each layer's heads there (``num_heads=0``); a pruned
+    model's layers differ. The same computation (a -1 stands for exactly that count). Returns how many were written."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    g = OnnxModel(onnx.load(str(path)))
+    written = 0
+    for node in g.get_nodes_by_op_type("Reshape"):
+        concat = g.get_parent(node, 1)  # Concat(B, L, -1, D)
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 4:
+            continue
+        h, d = g.get_constant_value(concat.input[2]), g.get_constant_value(concat.input[3])
+        if h is None or d is None or np.size(h) != 1 or np.size(d) != 1 or int(np.ravel(h)[0]) != -1:
+            continue
+        proj = g.match_parent_path(node, ["Add", "MatMul"], [0, None])  # x @ W + b
+        w = g.get_initializer(proj[1].input[1]) if proj is not None else None
+        if w is None or len(w.dims) != 2 or w.dims[1] % int(np.ravel(d)[0]):
+            continue
+        heads = numpy_helper.from_array(np.array([w.dims[1] // int(np.ravel(d)[0])], dtype=np.int64),
+                                        f"{node.name}/heads")
+        g.add_initializer(heads)
+        concat.input[2] = heads.name
+        written += 1
+    g.save_model_to_file(str(path))
+    return written
 
 
 def quantize_standard(source: Path, out: Path, *, matmul_only: bool = False) -> Path:
     """``source`` quantized the way ONNX Runtime's documentation does it for transformers on a CPU:
     ``quantize_dynamic`` with int8 weights, one scale per output channel, its default operators (the embeddings'
-    gathers included); ``matmul_only``: the matrix products alone, as torch's own int8 model quantizes its Linear
-    layers (what :func:`export` writes: within torch's int8 rounding of the model; the embeddings cost no time)."""
+    gathers included); ``matmul_only``: the matrix products alone (MatMul, and the projections of an ``Attention`` op
+    ONNX Runtime's optimizer fused), as torch's own int8 model quantizes its Linear layers (what :func:`export`
+    writes: within torch's int8 rounding of the model; the embeddings cost no time)."""
     from multihead.extras import quiet_logs, require
 
     require("onnxruntime", "int8 quantization")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    ops = {"op_types_to_quantize": ["MatMul"]} if matmul_only else {}
+    ops = {"op_types_to_quantize": ["MatMul", "Attention"]} if matmul_only else {}
     with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
         quantize_dynamic(str(source), str(out), weight_type=QuantType.QInt8, per_channel=True,
                          extra_options={"DefaultTensorType": 1}, **ops)  # FLOAT where shape inference stops at a fused op
     return out
 
 
-def optimize(model: nn.Module, source: Path, out: Path) -> dict:
+def optimize(model: nn.Module, source: Path, out: Path, *, heads_from_config: bool = False) -> dict:
     """``source`` through ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``, the model type
     from the config: :data:`ORT_MODEL_TYPES`), written to ``out`` when the optimizer knows the type: {"model_type",
-    "fused": {op: count}, "written": bool, "note": what it could not fuse (None when attention was fused too)}."""
+    "fused": {op: count}, "written": bool, "note": what it could not fuse (None when attention was fused too)}. The
+    attention fusion reads each layer's head count from the graph's reshapes (``num_heads=0``; a -1 there fuses
+    nothing: :func:`write_head_counts`); ``heads_from_config``: the config's ``num_attention_heads`` and
+    ``hidden_size`` stand for a -1, as optimum passes them (right for an unpruned model only)."""
     from multihead.extras import quiet_logs
 
     cfg = model.config
@@ -330,8 +433,13 @@ def optimize(model: nn.Module, source: Path, out: Path) -> dict:
     from onnxruntime.transformers import optimizer
 
     with quiet_logs("onnxruntime"), quiet_logs(""):
-        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=0, hidden_size=0)
+        heads = (int(cfg.num_attention_heads), int(cfg.hidden_size)) if heads_from_config else (0, 0)
+        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=heads[0], hidden_size=heads[1])
         fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        graph = opt.model.graph  # constants the fused ops no longer read: ONNX Runtime warns of each on every load
+        used = {i for n in graph.node for i in n.input}
+        for t in [t for t in graph.initializer if t.name not in used]:
+            graph.initializer.remove(t)
         opt.save_model_to_file(str(out))
     attention = sum(v for k, v in fused.items() if "Attention" in k)
     note = None if attention else (
