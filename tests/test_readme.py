@@ -248,6 +248,7 @@ PLACEHOLDERS = {
     "See and cut the heads of any module that calls SDPA": _hf,
     "Serve a pruned encoder with fastembed": _fastembed,
     "Patch every head": None,
+    "Find the induction circuit": None,
     "Cut the heads": _cut,
     "Compare every pair of a class": _similar_class,
 }
@@ -365,6 +366,10 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
         with torch.no_grad():
             torch.testing.assert_close(loaded(**ns["batch"]).last_hidden_state[1, :6],
                                        ns["model"](**ns["batch"]).last_hidden_state[1, :6], atol=1e-5, rtol=1e-5)
+    elif heading == "Find the induction circuit":  # the pictures and pages it says it writes
+        for f in ("circuit.png", "circuit.html", "curve.png", "attention.html"):
+            assert (tmp_path / f).stat().st_size > 1000, f
+        assert ns["f"].kept == len(ns["circuit"]) == 5 and ns["curve"].f[-1] == pytest.approx(1, abs=1e-6)
     elif heading == "Patch every head":
         assert ns["result"].grid().shape == (2, 8) and ns["estimate"].agreement(ns["result"])["pearson"] > 0.5
     elif heading == "Cut the heads":
