@@ -316,3 +316,39 @@ def test_eap_and_faithfulness_equal_transformer_lens_on_the_same_gpt2(tmp_path):
     fo = heads.faithfulness(ours, one, other, metric, circuit)
     assert fo.f == pytest.approx(fr.recovered, abs=1e-4) and 0.05 < fo.f < 0.95  # a circuit between the two ends
     assert fo.full == pytest.approx(fr.full_metric, abs=1e-5) and fo.empty == pytest.approx(fr.corrupt_metric, abs=1e-5)
+
+
+def test_the_projection_route_equals_the_general_route(monkeypatch):
+    """The readers' gradients taken through each head's own projection columns (the route the layouts allow: Llama's
+    grouped key/value heads, rotary embeddings, the norm before) equal the general route (every head's copy of the
+    stream backpropagated through the whole norm and projections), which stays for modules without a layout."""
+    T = pytest.importorskip("transformers")
+    import multihead.hf as mhf
+    from multihead.heads import circuits
+
+    torch.manual_seed(0)
+    model = mhf.attach(T.LlamaForCausalLM(T.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=2)).eval())
+    g = torch.Generator().manual_seed(2)
+    clean = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
+    corrupted = {"input_ids": clean["input_ids"].clone()}
+    corrupted["input_ids"][:, 2] = (corrupted["input_ids"][:, 2] + 7) % 50
+
+    def metric(out):
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    took, route = [], circuits._through_projections
+
+    def spy(*a):
+        out = route(*a)
+        took.append(out is not None)
+        return out
+
+    monkeypatch.setattr(circuits, "_through_projections", spy)
+    fast = heads.edge_attribution(model, clean, corrupted, metric)
+    assert took == [True, True]  # both layers took the projection route
+    monkeypatch.setattr(circuits, "_through_projections", lambda *a: None)
+    general = heads.edge_attribution(model, clean, corrupted, metric)
+    assert (fast.scores - general.scores).abs().max() < 1e-6 * general.scores.abs().max()
+    assert general.scores.abs().max() > 1e-3
