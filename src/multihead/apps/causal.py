@@ -9,7 +9,7 @@ distillation toward those distributions (:func:`multihead.apps.hf_models.recover
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,20 +75,45 @@ def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) ->
     return Fidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
 
 
+class _Targets(Sequence):
+    """The batches paired with the unpruned model's next-token log-probabilities, each computed when its step reads
+    it (one (B, L, V) tensor alive at a time: a 49152-word vocabulary takes 200 MB a batch of 8 x 128 tokens, so a
+    long run on many batches could not hold them all)."""
+
+    def __init__(self, reference: nn.Module, batches: Sequence[dict]):
+        self.reference, self.batches = reference, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        from multihead.apps import hf_models
+
+        b = self.batches[i]
+        ids, am = b["input_ids"], b["attention_mask"]
+        with torch.no_grad():
+            return (ids, am), hf_models._logp(self.reference, ids, am)  # (B, L, V) the unpruned log-probs
+
+
 def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], steps: int, *,
-            lr: float = 3e-5) -> list[float]:
+            lr: float = 3e-5, observe: Callable[[int], None] | None = None,
+            until: float | None = None) -> list[float]:
     """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
     is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.hf_models.recover`
-    with ``causal=True``, AdamW, the rate decaying along a half cosine). Returns the losses, one a step."""
+    with ``causal=True``, AdamW, the rate decaying along a half cosine). The unpruned model's distributions are
+    computed at each step (one batch's in memory), so ``batches`` may be many. ``observe``: called with the number
+    of steps done after each step (e.g. to measure :func:`fidelity` every so many steps). ``until``: a
+    ``time.monotonic()`` time the run is shortened to end by, from the first steps' cost (the cosine then spans the
+    shorter run). Returns the losses, one a step."""
     from multihead.apps import hf_models
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1; got {steps!r}.")
     if not batches:
         raise ValueError("no batches: give text_batches(tokenizer, texts) (text the fidelity is not measured on).")
-    targets = []
-    with torch.no_grad():
-        for b in batches:
-            ids, am = b["input_ids"], b["attention_mask"]
-            targets.append(((ids, am), hf_models._logp(reference, ids, am)))  # (B, L, V) the unpruned log-probs
-    return hf_models.recover(model, targets, steps, causal=True, lr=lr)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"lr must be a number > 0; got {lr!r}.")
+    if observe is not None and not callable(observe):
+        raise TypeError(f"observe must be a function of the steps done, or None; got {type(observe).__name__}.")
+    return hf_models.recover(model, _Targets(reference, batches), steps, causal=True, lr=lr, observe=observe,
+                              until=until)

@@ -422,7 +422,8 @@ def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | No
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
-            quantize: str | None = None, until: float | None = None) -> list[float]:
+            quantize: str | None = None, until: float | None = None,
+            observe: Callable[[int], None] | None = None) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
     ``batches`` ((ids, am), the unpruned model's output: next-token log-probabilities of a
     decoder, hidden states (B, L, E) of an encoder, matched by :func:`_distil_loss`); returns the
@@ -434,7 +435,8 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     the model will be quantized to it afterwards, so the distillation runs with its Linear layers
     rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
     ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
-    shortened to the steps that end before it (the cosine then decays over the shorter run)."""
+    shortened to the steps that end before it (the cosine then decays over the shorter run). ``observe``: called
+    with the number of steps done after each step (a curve of fidelity against steps reads the model there)."""
     import time
 
     from multihead.extras import progress
@@ -462,6 +464,8 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             losses.append(loss.item())
             s += 1
             bar.update(1)
+            if observe is not None:
+                observe(s)
             if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
                 per_step = (time.monotonic() - started) / s
                 affordable = s + int(max(0.0, until - time.monotonic()) / per_step)
