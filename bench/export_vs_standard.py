@@ -4,10 +4,12 @@ model and of a pruned one, in ONNX Runtime fp32 and int8 at batch 1, 16 and 64 o
 peer beside the bound of the work removed, the pruned files' cosine on that text, and the CPU's flags.
 
     .venv/bin/python bench/export_vs_standard.py [--fraction 0.4] [--pruned OUT/model] [--max-seconds 20]
+        [--min-rounds 7] [--batches 1 16 64]
 
 Without ``--pruned`` the cut is ``--fraction`` of the heads, least important by ablation (mean replacement) on 64
 sentences, with no recovery (a speed measurement: the fidelity is the zero-shot one); with it, the folder ``prune
---hf`` wrote (its float weights). Two threads, ONNX Runtime's workers not spinning, rounds interleaved."""
+--hf`` wrote (its float weights). Two threads, ONNX Runtime's workers not spinning, rounds interleaved (at least
+``--min-rounds`` per batch size unless ``--max-seconds`` runs out first)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def main(argv=None) -> None:
     p.add_argument("--fraction", type=float, default=0.4)
     p.add_argument("--pruned", default=None)
     p.add_argument("--max-seconds", type=float, default=20.0)
+    p.add_argument("--min-rounds", type=int, default=7)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], choices=[1, 16, 64])
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(2)
@@ -71,7 +75,7 @@ def main(argv=None) -> None:
         heads.prune(kept, imp.least(n), mean_outputs=fill)
         how = f"{n} of 72 heads cut by ablation order, no recovery"
     unseen = package_sentences(200, exclude=set(corpus))
-    sizes = {1: 8, 16: 2, 64: 1}
+    sizes = {B: n for B, n in {1: 8, 16: 2, 64: 1}.items() if B in a.batches}
     inputs = {B: [{k: v for k, v in tok(unseen[i:i + B], padding=True, truncation=True, max_length=128,
                                          return_tensors="pt").items() if k in ("input_ids", "attention_mask")}
                   for i in range(0, B * n, B)] for B, n in sizes.items()}
@@ -82,7 +86,8 @@ def main(argv=None) -> None:
     standard = runtimes.standard_files(peer, inputs[16][0], openvino=False)
     base = mhf.export(full, d / "unpruned", openvino=False)
     files = mhf.export(kept, d / "pruned", openvino=False)
-    rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds, log=print)
+    rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
+                           min_rounds=a.min_rounds, log=print)
     print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "
           f"2 threads\n")
     print(deploy.markdown(rows, deploy.fidelity(full, files, kinds)))

@@ -117,11 +117,12 @@ def _fastest(per: dict, label: str, side: str, sides: dict) -> tuple:
 
 def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files_full: dict[str, Path] | None,
             files_pruned: dict[str, Path], inputs: dict[int, list[dict]], *, max_seconds: float = 20.0,
-            log: Callable | None = None) -> list[dict]:
+            min_rounds: int = 7, log: Callable | None = None) -> list[dict]:
     """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
     (``standard``: :func:`multihead.apps.runtimes.standard_files`), multihead's own export of it (``files_full``; None
     leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
-    in the same interleaved rounds (per batch size, every runtime together) on ``inputs`` ({batch size: batches}).
+    in the same interleaved rounds (per batch size, every runtime together; at least ``min_rounds`` unless
+    ``max_seconds`` runs out first) on ``inputs`` ({batch size: batches}).
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
     unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's: below 1 is slower),
     pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer), range, bound, share} where
@@ -144,7 +145,8 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
                     calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
         names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
         t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
-                               late_rounds=3, progress=f"runtimes, batch {B}" if log is not None else None)
+                               min_rounds=min_rounds, max_rounds=max(60, min_rounds), late_rounds=3,
+                               progress=f"runtimes, batch {B}" if log is not None else None)
         per = {c: t[names[c]].scaled(1 / len(batches)) for c in calls}
         for label, sides in engines.items():
             peer_key, peer = _fastest(per, label, "standard", sides)

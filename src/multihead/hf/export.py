@@ -363,6 +363,13 @@ def eager_onnx(wrapper: nn.Module, model: nn.Module, xs: tuple[Tensor, ...], nam
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
             torch.onnx.export(wrapper.eval(), xs, str(path), dynamo=False, opset_version=17, input_names=names,
                               output_names=[output], dynamic_axes={n: {0: "B", 1: "L"} for n in names})
+    import onnx
+
+    g = onnx.load(str(path))  # constants the exporter left unread: ONNX Runtime warns of each on every load
+    used = {i for n in g.graph.node for i in n.input}
+    for t in [t for t in g.graph.initializer if t.name not in used]:
+        g.graph.initializer.remove(t)
+    onnx.save(g, str(path))
     return path
 
 
