@@ -85,13 +85,16 @@ lock:
 clean:
 	rm -rf $(VENV) .venv-latest
 
-# llama.cpp itself, out of `make test` (llama-cpp-python built from the registry's sdist: a C++ build, minutes on 2
-# cores, reniced): the GGUF files multihead.hf.decoder_export writes run there (greedy tokens against the torch
-# model's) and are timed beside ONNX Runtime GenAI's (bench/decoder_runtimes.py -> bench/results/decoder_runtimes.md)
+# llama.cpp itself, out of `make test` (llama-cpp-python built from the registry's sdist: a C++ build of 193 steps,
+# 56 min on 2 shared cores at load ~17, reniced; GGML_NATIVE builds ggml's CPU kernels for this CPU, AVX-512 here;
+# uv keeps the wheel, so a second run does not rebuild): the GGUF files multihead.hf.decoder_export writes run there
+# (greedy tokens and last logits against the torch model's) and are timed beside ONNX Runtime GenAI's
+# (bench/decoder_runtimes.py -> bench/results/decoder_runtimes.md)
 .PHONY: decoder-llama-cpp
 decoder-llama-cpp: $(VENV)/.test
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 $(PIP) llama-cpp-python==0.3.36
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/decoder_runtimes.py --runtimes genai llama.cpp
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/decoder_runtimes.py --runtimes genai llama.cpp --contexts 256 2048 8192 \
+		--rounds 3 --decode 16
 
 # Not part of make test: transformers' own model tests (ModelTesterMixin, from its source distribution at the locked
 # version; the distribution holds the mixins, not the per-family test files, so tools/hf_model_tests.py gives each

@@ -76,6 +76,7 @@ def _worker(runtime: str, path: str, n: int, decode: int, threads: int) -> dict:
             gen.generate_next_token()
         dec = time.perf_counter() - t
     else:
+        import llama_cpp
         from llama_cpp import Llama
 
         llm = Llama(model_path=path, n_ctx=n + decode, n_threads=threads, n_threads_batch=threads, n_batch=512,
@@ -87,7 +88,8 @@ def _worker(runtime: str, path: str, n: int, decode: int, threads: int) -> dict:
         prefill = time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(decode):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # the last token's logits from the context (without logits_all, 0.3.36 keeps none in llm.scores)
+            tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
             llm.eval([tok])
         dec = time.perf_counter() - t
     return {"prefill_ms": prefill * 1e3, "decode_tps": decode / dec, "peak_mb": _peak_mb()}
@@ -169,24 +171,32 @@ def _builder(src: Path, out: Path) -> Path:
 
 
 def _llama_tokens(files: dict, models: dict, prompt) -> None:
-    """llama.cpp's 8 greedy tokens on each GGUF file against the torch model's, printed (f16 weights: a near-tie may
-    differ, which the line names)."""
+    """llama.cpp's 8 greedy tokens on each GGUF file against the torch model's, and the prompt's last logits against
+    torch's within the f16 tolerance export_gguf holds transformers' reading to (llama.cpp also rounds activations
+    and the cache to f16), printed; a near-tie may flip a token, which the line names."""
     import torch
     from llama_cpp import Llama
 
+    from multihead.hf import decoder_export as dx
+
     for variant, model in models.items():
-        llm = Llama(model_path=str(files["llama.cpp", variant]), n_ctx=64, n_threads=THREADS, verbose=False)
+        llm = Llama(model_path=str(files["llama.cpp", variant]), n_ctx=64, n_threads=THREADS, verbose=False,
+                    logits_all=True)
         llm.eval(prompt[0].tolist())
         got, seq = [], prompt
         with torch.no_grad():
+            ref = model(input_ids=prompt).logits[0, -1].float()  # (V,)
             want = []
             for _ in range(8):
                 want.append(int(model(input_ids=seq).logits[0, -1].argmax()))
                 seq = torch.cat([seq, seq.new_tensor([[want[-1]]])], dim=1)  # (1, L + step)
+        diff = float((torch.from_numpy(llm.scores[llm.n_tokens - 1].copy()).float() - ref).abs().max())
+        tol = dx.TOLERANCE["f16"] * max(1.0, float(ref.abs().max()))
         for _ in range(8):
             got.append(int(llm.scores[llm.n_tokens - 1].argmax()))
             llm.eval([got[-1]])
-        print(f"llama.cpp {variant}: greedy tokens {got}, torch {want}: {'equal' if got == want else 'DIFFER'}",
+        print(f"llama.cpp {variant}: greedy tokens {got}, torch {want}: {'equal' if got == want else 'DIFFER'}; "
+              f"last logits max |diff| {diff:.3g} (f16 tolerance {tol:.3g}: {'within' if diff <= tol else 'OUTSIDE'})",
               file=sys.stderr)
 
 
