@@ -4,7 +4,7 @@ model and of a pruned one, in ONNX Runtime fp32 and int8 at batch 1, 16 and 64 o
 peer beside the bound of the work removed, the pruned files' cosine on that text, and the CPU's flags.
 
     .venv/bin/python bench/export_vs_standard.py [--fraction 0.4] [--pruned OUT/model] [--max-seconds 20]
-        [--min-rounds 7] [--batches 1 16 64]
+        [--min-rounds 7] [--batches 1 16 64] [--openvino]
 
 Without ``--pruned`` the cut is ``--fraction`` of the heads, least important by ablation (mean replacement) on 64
 sentences, with no recovery (a speed measurement: the fidelity is the zero-shot one); with it, the folder ``prune
@@ -38,6 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-seconds", type=float, default=20.0)
     p.add_argument("--min-rounds", type=int, default=7)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], choices=[1, 16, 64])
+    p.add_argument("--openvino", action="store_true",
+                   help="OpenVINO's rows too (fp32, and NNCF's static int8 calibrated on 64 training sentences)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(2)
@@ -83,9 +85,10 @@ def main(argv=None) -> None:
                                                                  max_length=128, return_tensors="pt").items()
                                               if k in ("input_ids", "attention_mask")} for i in range(0, 192, 16)]}
     d = Path(tempfile.mkdtemp())
-    standard = runtimes.standard_files(peer, inputs[16][0], openvino=False)
-    base = mhf.export(full, d / "unpruned", openvino=False)
-    files = mhf.export(kept, d / "pruned", openvino=False)
+    ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
+    standard = runtimes.standard_files(peer, inputs[16][0], ov.get("calibration"), openvino=ov["openvino"])
+    base = mhf.export(full, d / "unpruned", **ov)
+    files = mhf.export(kept, d / "pruned", **ov)
     rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
                            min_rounds=a.min_rounds, log=print)
     print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "

@@ -259,14 +259,15 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     mhf.save(model, tmp_path / "m", quantize="int8")
     if importlib.util.find_spec("onnxscript"):  # its runtime files, as prune --hf writes them (no OpenVINO int8)
         mhf.export(model, tmp_path / "m", openvino=False)  # ONNX Runtime's files: the table's cheapest pair
-    r = hf_bench.run(tmp_path / "m", sizes=(1, 3), n_batches=1, st_sentences=6, max_seconds=1.0,
-                     log=lambda s: None)
-    assert set(r["sizes"]) == {"1", "3"}
+    r = hf_bench.run(tmp_path / "m", sizes=(3,), n_batches=1, st_sentences=6, max_seconds=1.0,
+                     log=lambda s: None)  # one batch size: the table's every row (each size is the same code)
+    assert set(r["sizes"]) == {"3"}
     rows = {row["peer"]: row for row in r["sizes"]["3"]["rows"]}
     want = {"transformers (sdpa)", "multihead, padded", "multihead, padding-free", "multihead served, fp32",
             "multihead, 70/72 heads, int8, padding-free", "multihead served, 70/72 heads, int8"}
     std = " (unpruned, standard export)"  # the peers are the checkpoint exported as users export it
     runtimes = {"ONNX Runtime int8" + std: ("onnxruntime",), "ONNX Runtime int8, ORT optimizer" + std: ("onnxruntime",),
+                "ONNX Runtime int8, eager + ORT optimizer" + std: ("onnxruntime",),  # optimum's way
                 "OpenVINO fp32" + std: ("openvino",), "OpenVINO int8, NNCF static" + std: ("openvino", "nncf")}
     for name, modules in runtimes.items():  # the onnx and openvino extras: their models of the unpruned checkpoint
         try:
@@ -282,6 +283,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
         assert 0.9 < rows["multihead, 70/72 heads, exported, ONNX Runtime int8"]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8" + std]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8, ORT optimizer" + std]["cosine"] < 1
+        assert 0.9 < rows["ONNX Runtime int8, eager + ORT optimizer" + std]["cosine"] < 1
     if "OpenVINO fp32" + std in rows:  # the same fp32 model in another runtime
         assert rows["OpenVINO fp32" + std]["cosine"] > 1 - 1e-5
     if "OpenVINO int8, NNCF static" + std in rows:  # calibrated on text the timing never uses
@@ -291,7 +293,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     assert rows["multihead served, fp32"]["cosine"] > 1 - 1e-6  # the same function, lean
     if importlib.util.find_spec("onnxscript"):  # the pruned files against the unpruned checkpoint's, runtime by runtime
         table = r["runtimes"]
-        assert {(row["runtime"], row["batch"]) for row in table["rows"]} >= {("ONNX Runtime fp32", 1),
+        assert {(row["runtime"], row["batch"]) for row in table["rows"]} >= {("ONNX Runtime fp32", 3),
                                                                             ("ONNX Runtime int8", 3)}
         assert all(1.0 < row["bound"] < 1.03 for row in table["rows"])  # 2 of 72 heads: a small share of the work
         fp32 = table["fidelity"]["ONNX Runtime fp32"]
