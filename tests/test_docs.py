@@ -136,7 +136,9 @@ def test_every_page_loads_offline_links_resolve_and_search_finds(site, served):
 
 def _search(page, served: str, word: str) -> str:
     """The search's results for ``word``, typed as a reader types it; typed again while the search's worker is still
-    building its index on a busy machine (the box answers only once it is ready), for up to two minutes."""
+    building its index on a busy machine (the box answers only once it is ready), for up to two minutes. The worker
+    answers each keystroke in turn, so the list first shown may be a shorter prefix's ("c", "ca", ...): the list is
+    read until it holds the whole word's results (up to 20 s), else returned as it is, for the caller to fail on."""
     page.goto(served + "index.html")
     page.click("input.md-search__input")
     for _ in range(40):
@@ -146,7 +148,13 @@ def _search(page, served: str, word: str) -> str:
             page.wait_for_selector(".md-search-result__item", timeout=3000)
         except Exception:  # noqa: BLE001 - playwright's TimeoutError: not ready yet
             continue
-        return page.inner_text(".md-search-result__list")
+        found = page.inner_text(".md-search-result__list")
+        for _ in range(40):
+            if word in found.lower():
+                break
+            page.wait_for_timeout(500)
+            found = page.inner_text(".md-search-result__list")
+        return found
     raise AssertionError(f"the search found nothing for {word!r} in two minutes")
 
 
