@@ -17,7 +17,7 @@ import multihead
 from multihead import heads
 from multihead.viz import circuit_figure, circuit_html, circuit_layout, explorer, faithfulness_figure
 from test_circuits import _pair, _two_layers
-from test_patching import _logit_diff
+from test_patching import _logit_diff, tiny_gpt2
 from test_viz import ARGS, _chromium, _open, _show
 
 
@@ -190,24 +190,6 @@ def test_the_explorer_outlines_the_circuits_heads(small, tmp_path):
         explorer({"layers.0": cap["layers.0"]}, None, None, circuit=[("layers.0.h1", "layers.1.h2")])
 
 
-def _tiny_gpt2(tmp_path):
-    T = pytest.importorskip("transformers")
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = "when mary and john went out gave a drink to".split()
-    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    torch.manual_seed(0)
-    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                           bos_token_id=0, eos_token_id=0)).eval()
-    d = tmp_path / "ckpt"
-    model.save_pretrained(d)
-    T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(d)
-    return d, model, vocab
-
-
 CLEAN, CORRUPTED = "when mary and john went out john gave a drink to", "when mary and john went out mary gave a drink to"
 
 
@@ -219,7 +201,7 @@ def test_the_circuit_command_writes_what_the_library_computes(tmp_path, capsys):
     from multihead.apps.circuit import FILES
     from multihead.apps.cli import main
 
-    d, model, vocab = _tiny_gpt2(tmp_path)
+    d, model, vocab = tiny_gpt2(tmp_path)
     out = tmp_path / "circuit"
     assert main(["circuit", "--hf", str(d), "--clean", CLEAN, "--corrupted", CORRUPTED, "--metric",
                  "logit-diff:mary,john", "--method", "eap-ig", "--steps", "3", "--budget", "5%", "--out", str(out)]) == 0
@@ -269,7 +251,7 @@ def test_the_circuit_command_refuses_bad_input_in_one_line_before_the_model_load
     import multihead.hf as mhf
     from multihead.apps.cli import main
 
-    d, _, _ = _tiny_gpt2(tmp_path)
+    d, _, _ = tiny_gpt2(tmp_path)
     loaded = []
     monkeypatch.setattr(mhf, "attach", lambda *a, **kw: loaded.append(1))
     capsys.readouterr()  # saving the checkpoint's progress bar

@@ -321,18 +321,12 @@ def test_attribution_patching_is_the_first_order_of_real_patching():
         heads.attribution(model, clean, corrupted, lambda out: 1.0)
 
 
-def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys, monkeypatch):
-    """multihead patch --hf DIR on a tiny GPT-2 saved here (word-level tokenizer): its patching.json loads back equal
-    to heads.patch on the same model in memory, and the picture is written; texts of different token counts and a
-    malformed metric are refused in one line, exit 2."""
+def tiny_gpt2(tmp_path):
+    """A tiny GPT-2 (2 layers x 4 heads, E 32) with a word-level tokenizer, saved in tmp_path/ckpt as a --hf folder:
+    (folder, model, vocabulary)."""
     T = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    import json
-
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    import multihead.hf as mhf
-    from multihead.apps.cli import main
 
     words = "when mary and john went out gave a drink to".split()
     vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
@@ -344,6 +338,19 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys, mo
     d = tmp_path / "ckpt"
     model.save_pretrained(d)
     T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(d)
+    return d, model, vocab
+
+
+def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys, monkeypatch):
+    """multihead patch --hf DIR on a tiny GPT-2 saved here (word-level tokenizer): its patching.json loads back equal
+    to heads.patch on the same model in memory, and the picture is written; texts of different token counts and a
+    malformed metric are refused in one line, exit 2."""
+    import json
+
+    import multihead.hf as mhf
+    from multihead.apps.cli import main
+
+    d, model, vocab = tiny_gpt2(tmp_path)
     clean, corrupted = "when mary and john went out john gave a drink to", "when mary and john went out mary gave a " \
         "drink to"
     out = tmp_path / "patch"
