@@ -37,19 +37,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/smollm2_cut")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
-    import multihead.hf as mhf
     from multihead import heads
     from multihead.apps import causal, ioi
     from multihead.apps.data import package_sentences, sentences
-    from multihead.models import smollm2_path
 
     t0 = time.monotonic()
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    ref = mhf.attach(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="multihead").eval())
+    tok, ref = load()
     H, Hkv, D = ref.config.num_attention_heads, ref.config.num_key_value_heads, ref.config.head_dim
     G = H // Hkv
     seen = sentences()[: a.recovery]

@@ -51,19 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/smollm2_heads")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
-    import multihead.hf as mhf
     from multihead import heads
     from multihead.apps import ioi
     from multihead.apps.data import sentences
-    from multihead.models import smollm2_path
 
     t0 = time.monotonic()
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    model = mhf.attach(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="multihead").eval())
+    tok, model = load()
     sets = ioi.batches(tok, ioi.make(a.prompts, tok, seed=0))
     base = ioi.score(model, sets)
     H, Hkv = model.config.num_attention_heads, model.config.num_key_value_heads

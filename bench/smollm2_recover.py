@@ -141,18 +141,14 @@ def _cut(ref, choice: dict, G: int):
 def main(argv: list[str] | None = None) -> dict:
     a = _args(argv)
     torch.set_num_threads(a.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     import multihead.hf as mhf
     from multihead.apps import causal, ioi
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
-    from multihead.models import smollm2_path
 
     t0 = time.monotonic()
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    ref = mhf.attach(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="multihead").eval())
+    tok, ref = load()
     H, Hkv = ref.config.num_attention_heads, ref.config.num_key_value_heads
     G = H // Hkv
     package = package_sentences(100000, exclude=set(sentences()))
