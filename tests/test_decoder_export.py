@@ -1,6 +1,8 @@
 """A decoder served where decoders run (multihead.hf.decoder_export): a tiny random Llama with grouped key/value
 heads (4 query / 2 key-value heads), pruned by a whole key/value group in every layer, written as GGUF (read back by
-gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator)."""
+gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator); a cut that differs
+between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf here, run in llama.cpp by
+bench/gguf_uneven.py)."""
 
 import json
 import sys
@@ -129,13 +131,96 @@ def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4
 
 
-def test_uneven_cut_refused_before_any_file(tmp_path):
+def _unpermute(w, n_head):
+    """The inverse of llama.cpp's q/k permutation: rows (n_head, D/2, 2) back to HF's (n_head, 2, D/2)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_OF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _uneven(layers, groups):
+    """A tiny model of ``layers`` layers with the query heads of ``groups[i]`` cut in layer i."""
+    m = mh.attach(_tiny_layers(layers))
+    heads.prune(m, {n: list(g) for n, g in zip(mh.attention_modules(m), groups) if g})
+    return m
+
+
+def _tiny_layers(layers):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=V - 1, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_uneven_cut_written_as_deci_with_each_layers_counts_and_weights(tmp_path, dtype):
+    """Layer 0 keeps 2 of 4 query heads and 1 of 2 key/value groups, layer 1 keeps all: llama.cpp's deci layout
+    (per-layer head-count arrays), each layer's tensors at its own size and equal to the pruned model's weights."""
+    m = _pruned(groups=((2, 3), ()))
+    with pytest.warns(UserWarning, match="loads in llama.cpp.*not in transformers' GGUF reader") as rec:
+        served = dx.export_gguf(m, tmp_path / "u.gguf", dtype=dtype, prompt_ids=IDS)
+    assert "\n" not in str(rec[0].message) and str(rec[0].message) in served.checks
+    assert served.counts == [(2, 1, 16), (4, 2, 16)] and served.tokens == [] and np.isnan(served.max_logit_diff)
+    r = gguf.GGUFReader(str(served.path))
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["general.architecture"] == "deci"
+    assert f["deci.attention.head_count"] == [2, 4] and f["deci.attention.head_count_kv"] == [1, 2]
+    assert f["deci.attention.key_length"] == f["deci.rope.dimension_count"] == 16
+    tensors = {t.name: t for t in r.tensors}
+    shapes = {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()}  # GGUF order: (in, out)
+    assert [shapes[f"blk.{i}.attn_{x}.weight"] for i in (0, 1) for x in ("q", "k", "v", "output")] == [
+        (64, 32), (64, 16), (64, 16), (32, 64), (64, 64), (64, 32), (64, 32), (64, 64)]
+    counts = dx.layer_counts(m)
+    want_dtype = np.float16 if dtype == "f16" else np.float32
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for hf_name, w in m.state_dict().items():  # every tensor of the torch model, each found in the file
+        i, rest = (int(hf_name.split(".")[2]), ".".join(hf_name.split(".")[3:-1])) if "layers" in hf_name else (0, "")
+        got = np.asarray(tensors[top.get(hf_name) or f"blk.{i}.{GGUF_OF[rest]}.weight"].data).reshape(w.shape)
+        if rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            got = _unpermute(got, counts[i][0] if rest.endswith("q_proj") else counts[i][1])
+        w = w.detach().numpy()
+        np.testing.assert_array_equal(got, w.astype(want_dtype) if w.ndim > 1 else w)
+    assert len(tensors) == len(m.state_dict())
+    # what the warning says: transformers' GGUF reader does not load it
+    with pytest.raises(ValueError, match="deci"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="u.gguf")
+
+
+def test_a_layer_with_every_head_cut_is_deci_attention_free_layer(tmp_path):
+    """Layer 1 loses all 4 heads: counts 0 and no attention tensors (not even its norm), as llama.cpp's deci graph
+    runs an attention-free layer (the pruned model's attention adds zero there)."""
+    m = _uneven(3, ((2, 3), (0, 1, 2, 3), ()))
+    with torch.no_grad():  # the pruned model: layer 1's attention adds exactly nothing
+        x = torch.randn(1, 5, 64)
+        pos = (torch.zeros(1, 5, 16), torch.ones(1, 5, 16))
+        assert m.model.layers[1].self_attn(x, pos, None)[0].abs().max() == 0
+    with pytest.warns(UserWarning, match="layers \\[1\\] H=0, Hkv=0"):
+        served = dx.export_gguf(m, tmp_path / "u.gguf")
+    r = gguf.GGUFReader(str(served.path))
+    assert r.fields["deci.attention.head_count"].contents() == [2, 0, 4]
+    assert r.fields["deci.attention.head_count_kv"].contents() == [1, 0, 2]
+    names = {t.name for t in r.tensors}
+    assert not {n for n in names if n.startswith("blk.1.attn")}
+    assert {"blk.1.ffn_norm.weight", "blk.1.ffn_up.weight", "blk.0.attn_norm.weight", "blk.2.attn_q.weight"} <= names
+
+
+def test_uneven_cut_refused_where_one_count_holds_every_layer(tmp_path):
     m = _pruned(groups=((2, 3), ()))  # layer 0 cut, layer 1 whole
     assert dx.layer_counts(m) == [(2, 1, 16), (4, 2, 16)]
-    with pytest.raises(ValueError, match=r"differs between layers \(layers \[0\] H=2, Hkv=1; layers \[1\] H=4"):
-        dx.export_gguf(m, tmp_path / "p.gguf")
-    with pytest.raises(ValueError, match="one head count for every layer"):
+    with pytest.raises(ValueError, match=r"differs between layers \(layers \[0\] H=2, Hkv=1; layers \[1\] H=4.*"
+                       "export_gguf"):
         dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer())
+    with pytest.raises(ValueError, match="one head count for every layer"):
+        dx.standard_folder(m, tmp_path / "hf")
+    # llama.cpp takes the head size from layer 0's count: a first layer with no head is refused, naming it
+    with pytest.raises(ValueError, match="layer 0 has every head cut.*keep a head in layer 0") as e:
+        dx.export_gguf(_uneven(2, ((0, 1, 2, 3), ())), tmp_path / "p.gguf")
+    assert "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
 

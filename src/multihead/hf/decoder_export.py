@@ -5,13 +5,15 @@ written with the ``gguf`` package) and ONNX Runtime GenAI's model (its own build
     decoder_export.export_gguf(model, "model.gguf", vocab="source.gguf")  # read back by gguf and by transformers
     decoder_export.export_genai(model, "genai", tokenizer=tokenizer)     # ONNX Runtime GenAI's builder, then generate
 
-Both take a ``LlamaForCausalLM`` (SmolLM2 and Llama 2/3 checkpoints are this class) whose layers hold the same head
-counts: each layer's query heads H, key/value heads Hkv and head size D are read from its projections (not from the
-config, which a prune leaves at the original counts), and written as the standard configuration
+Both take a ``LlamaForCausalLM`` (SmolLM2 and Llama 2/3 checkpoints are this class): each layer's query heads H,
+key/value heads Hkv and head size D are read from its projections (not from the config, which a prune leaves at the
+original counts), and a cut the same in every layer is written as the standard configuration
 (``num_attention_heads=H``, ``num_key_value_heads=Hkv``, ``head_dim=D``) every runtime loads. A cut that differs
-between layers is refused, naming the layers: llama.cpp's ``llama`` graph and ONNX Runtime GenAI's builder read one
-count for every layer (llama.cpp reads per-layer counts only in its DeciLM graph, which transformers cannot load to
-check the file), and neither file is ever written at full size with zeros.
+between layers (an uneven cut) keeps each layer's counts in GGUF only: llama.cpp's ``deci`` architecture (DeciLM's
+Llama body) reads per-layer head-count arrays, and ``export_gguf`` says in one line that the file loads in llama.cpp,
+not in transformers' GGUF reader. ONNX Runtime GenAI's builder and a standard transformers config hold one count for
+every layer: ``export_genai`` and ``standard_folder`` refuse an uneven cut, naming the layers. No file is ever
+written at full size with zeros.
 
 Every file is read back and compared with the torch model before it is returned: the GGUF through ``gguf``'s reader
 (each tensor, the head counts) and through transformers (``AutoModelForCausalLM.from_pretrained(folder,
@@ -28,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,14 +56,16 @@ GENAI_PRECISIONS = ("fp32",)
 class Served:
     """A runtime's file, checked: ``max_logit_diff`` = max |logits - torch logits| over the prompt's positions
     (GenAI: its last position, the logits its generator gives), ``tolerance`` the bound it was held to, ``tokens`` the
-    greedy tokens the runtime produced (equal to the torch model's), ``counts`` (H, Hkv, D) written."""
+    greedy tokens the runtime produced (equal to the torch model's), ``counts`` (H, Hkv, D) written: a list of them,
+    one per layer, for an uneven cut's GGUF file (then no runtime ran it: ``max_logit_diff`` and ``tolerance`` are
+    NaN, ``tokens`` empty, and ``checks`` says where it loads)."""
 
     path: Path
     runtime: str
     max_logit_diff: float
     tolerance: float
     tokens: list[int]
-    counts: tuple[int, int, int]
+    counts: tuple[int, int, int] | list[tuple[int, int, int]]
     checks: list[str] = field(default_factory=list)
 
 
@@ -91,8 +96,9 @@ def layer_counts(model: nn.Module) -> list[tuple[int, int, int]]:
     return out
 
 
-def _check(model: nn.Module, what: str) -> tuple[int, int, int]:
-    """Everything a decoder export refuses, before any work: returns the (H, Hkv, D) of every layer."""
+def _check_layers(model: nn.Module, what: str) -> list[tuple[int, int, int]]:
+    """Everything a decoder export refuses but an uneven cut, before any work: returns the (H, Hkv, D) of every
+    layer."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"{what} takes a transformers model; got {type(model).__name__}.")
     cfg = model.config
@@ -107,17 +113,9 @@ def _check(model: nn.Module, what: str) -> tuple[int, int, int]:
             raise ValueError(f"{what}: {name} has hooks that change its heads (heads.gated or a transform): the file "
                              "would compute the model without them; cut the heads with heads.prune first.")
     counts = layer_counts(model)
-    if len(set(counts)) > 1:
-        by = {}
-        for i, c in enumerate(counts):
-            by.setdefault(c, []).append(i)
-        seen = "; ".join(f"layers {ls} H={c[0]}, Hkv={c[1]}" for c, ls in by.items())
-        raise ValueError(f"{what}: the cut differs between layers ({seen}); the runtime's format holds one head count "
-                         "for every layer (llama.cpp's llama graph, GenAI's builder): cut the same heads in every "
-                         "layer, or keep this model as a transformers folder (multihead.hf.save).")
-    H, Hkv, D = counts[0]
-    if H == 0 or Hkv == 0:
-        raise ValueError(f"{what}: every layer has H={H}, Hkv={Hkv}: a model with no attention head is not a Llama.")
+    if all(H == 0 for H, _, _ in counts):
+        raise ValueError(f"{what}: every layer has every head cut (H=0): a model with no attention head is not a "
+                         "Llama.")
     for i, layer in enumerate(_layers(model)):
         a, mlp = layer.self_attn, layer.mlp
         with_bias = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if getattr(a, n).bias is not None]
@@ -129,10 +127,32 @@ def _check(model: nn.Module, what: str) -> tuple[int, int, int]:
         if mlp.gate_proj.weight.shape[0] != _layers(model)[0].mlp.gate_proj.weight.shape[0]:
             raise ValueError(f"{what}: the feed-forward widths differ between layers (layer {i}); a Llama holds one "
                              "intermediate_size.")
+        if counts[i][2] != counts[0][2]:
+            raise ValueError(f"{what}: the head size differs between layers (layer {i}: {counts[i][2]}, layer 0: "
+                             f"{counts[0][2]}); a Llama holds one head_dim.")
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"{what}: RoPE of type {rope.get('rope_type')!r}; this export writes the default RoPE only.")
-    return H, Hkv, D
+    return counts
+
+
+def _uneven(counts: list[tuple[int, int, int]]) -> str:
+    """The layers of each (H, Hkv), as a refusal names them: "layers [0] H=2, Hkv=1; layers [1] H=4, Hkv=2"."""
+    by: dict[tuple[int, int, int], list[int]] = {}
+    for i, c in enumerate(counts):
+        by.setdefault(c, []).append(i)
+    return "; ".join(f"layers {ls} H={c[0]}, Hkv={c[1]}" for c, ls in by.items())
+
+
+def _check(model: nn.Module, what: str) -> tuple[int, int, int]:
+    """:func:`_check_layers`, and a cut that differs between layers refused: returns the (H, Hkv, D) of every layer."""
+    counts = _check_layers(model, what)
+    if len(set(counts)) > 1:
+        raise ValueError(f"{what}: the cut differs between layers ({_uneven(counts)}); this format holds one head "
+                         "count for every layer (GenAI's builder, a standard transformers config): cut the same heads "
+                         "in every layer, write it with export_gguf (llama.cpp's deci architecture reads per-layer "
+                         "counts), or keep it as a transformers folder (multihead.hf.save).")
+    return counts[0]
 
 
 def _standard_config(model: nn.Module, counts: tuple[int, int, int]):
@@ -231,23 +251,26 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     (``rope.dimension_count``, ``attention.key_length``/``value_length``: a pruned model's H*D differs from its
     width), 1-D tensors in f32 and the matrices in ``dtype`` ("f32" or "f16").
 
+    A cut that differs between layers (an uneven cut) is written in llama.cpp's ``deci`` architecture instead, as
+    convert_hf_to_gguf.py writes a DeciLM / Llama-3.1-Nemotron-NAS model: a Llama body whose
+    ``deci.attention.head_count`` and ``head_count_kv`` are arrays, one count per layer, each layer's q/k/v/o tensors
+    at its own size; a layer with every head cut is written as deci's attention-free layer (counts 0, no attention
+    tensors: the layer adds nothing before its MLP, as the pruned model computes). llama.cpp loads that file
+    (llama-cpp-python 0.3.36, checked by ``bench/gguf_uneven.py``); transformers' GGUF reader does not (it reads one
+    head count per model), so the file is checked by ``gguf``'s reader only and a UserWarning says so in one line.
+    Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count).
+
     ``vocab``: a GGUF file (the one the model came from) whose ``tokenizer.*`` fields are copied unchanged, so
     llama.cpp tokenizes as before; None writes none (transformers and gguf read the file; llama.cpp needs one).
 
     Checked before it is returned (else deleted, ValueError): read back with ``gguf.GGUFReader`` (every tensor equal
-    to the weights as written, the counts), then loaded by ``AutoModelForCausalLM.from_pretrained(folder,
-    gguf_file=...)`` and run on ``prompt_ids`` (default: 16 fixed random ids): logits within the dtype's rounding
-    (:data:`TOLERANCE`) and ``new_tokens`` greedy tokens equal to the torch model's."""
-    counts = _check(model, "export_gguf")
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"export_gguf: dtype={dtype!r}; use one of {GGUF_DTYPES}.")
-    path = Path(path)
-    if path.suffix != ".gguf" or path.is_dir():
-        raise ValueError(f"export_gguf writes a file named *.gguf; got {path}.")
-    if vocab is not None and not Path(vocab).is_file():
-        raise ValueError(f"export_gguf: vocab={vocab} is not a file; give the GGUF file the model came from, or None.")
-    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
-        raise ValueError(f"export_gguf: new_tokens must be a whole number >= 1; got {new_tokens!r}.")
+    to the weights as written, the counts), then (one count for every layer) loaded by
+    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` and run on ``prompt_ids`` (default: 16 fixed
+    random ids): logits within the dtype's rounding (:data:`TOLERANCE`) and ``new_tokens`` greedy tokens equal to the
+    torch model's. An uneven file's :class:`Served` has ``counts`` per layer, ``max_logit_diff`` and ``tolerance``
+    NaN and no ``tokens``: no runtime was run."""
+    counts, path = _gguf_args(model, path, dtype, vocab, new_tokens)
+    uneven = len(set(counts)) > 1
     ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
     gguf = require("gguf", "multihead.hf.decoder_export.export_gguf")
     transformers = require("transformers", "multihead.hf.decoder_export.export_gguf")
@@ -258,7 +281,13 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     written = _write_gguf(gguf, model, tmp, counts, dtype, vocab_fields)
     os.replace(tmp, path)
 
-    checks = _read_back(gguf, path, written, counts, len(_layers(model)))
+    checks = _read_back(gguf, path, written, counts)
+    if uneven:
+        where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
+                 f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama), not in transformers' GGUF reader "
+                 "(one head count per model), so no runtime checked it here.")
+        warnings.warn(where, UserWarning, stacklevel=2)
+        return Served(path, "gguf", float("nan"), float("nan"), [], counts, [*checks, where])
     with torch.no_grad():
         ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
         with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
@@ -271,23 +300,34 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     _compare("export_gguf", path, diff, tol, got_tokens, ref_tokens)
     checks.append(f"transformers gguf_file=: logits max |diff| {diff:.3g} (tolerance {tol:.3g}), {new_tokens} greedy "
                   "tokens equal")
-    return Served(path, "gguf", diff, tol, got_tokens, counts, checks)
+    return Served(path, "gguf", diff, tol, got_tokens, counts[0], checks)
 
 
-def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: tuple[int, int, int], dtype: str,
-                vocab_fields: list[tuple]) -> dict[str, np.ndarray]:
-    """Write the GGUF file ``tmp`` as convert_hf_to_gguf.py writes a Llama; returns {tensor name: array written}."""
-    H, Hkv, D = counts
+def _gguf_args(model: nn.Module, path: str | Path, dtype: str, vocab, new_tokens) -> tuple[list, Path]:
+    """export_gguf's refusals, before any work: returns the (H, Hkv, D) of every layer and the path."""
+    counts = _check_layers(model, "export_gguf")
+    if len(set(counts)) > 1 and counts[0][0] == 0:
+        raise ValueError(f"export_gguf: layer 0 has every head cut ({_uneven(counts)}); llama.cpp's deci graph takes "
+                         "the head size from layer 0's head count, so the file would not load: keep a head in layer 0.")
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"export_gguf: dtype={dtype!r}; use one of {GGUF_DTYPES}.")
+    path = Path(path)
+    if path.suffix != ".gguf" or path.is_dir():
+        raise ValueError(f"export_gguf writes a file named *.gguf; got {path}.")
+    if vocab is not None and not Path(vocab).is_file():
+        raise ValueError(f"export_gguf: vocab={vocab} is not a file; give the GGUF file the model came from, or None.")
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
+        raise ValueError(f"export_gguf: new_tokens must be a whole number >= 1; got {new_tokens!r}.")
+    return counts, path
+
+
+def _gguf_header(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str):
+    """A GGUFWriter on ``tmp`` holding the model's fields: llama's, or deci's with per-layer head-count arrays."""
     cfg = model.config
     layers = _layers(model)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, len(layers))
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    tensors = [(names.get_name(n, try_suffixes=(".weight", ".bias")), n, t) for n, t in model.state_dict().items()
-               if not (tied and n == "lm_head.weight")]  # tied: llama.cpp reads token_embd for the output too
-    unnamed = [n for name, n, _ in tensors if name is None]
-    if unnamed:
-        raise ValueError(f"export_gguf: {unnamed[:3]} have no name in llama.cpp's Llama layout.")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    uneven = len(set(counts)) > 1
+    D = counts[0][2]
+    w = gguf.GGUFWriter(str(tmp), "deci" if uneven else "llama")
     w.add_name(str(getattr(cfg, "_name_or_path", "") or "multihead").rstrip("/").split("/")[-1] or "multihead")
     w.add_vocab_size(int(cfg.vocab_size))
     w.add_context_length(int(cfg.max_position_embeddings))
@@ -295,22 +335,47 @@ def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: tuple[int, int, int],
     w.add_block_count(len(layers))
     w.add_feed_forward_length(int(layers[0].mlp.gate_proj.weight.shape[0]))
     w.add_rope_dimension_count(D)
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
+    w.add_head_count([c[0] for c in counts] if uneven else counts[0][0])
+    w.add_head_count_kv([c[1] for c in counts] if uneven else counts[0][1])
     w.add_key_length(D)
     w.add_value_length(D)
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    return w
+
+
+#: the tensors of a layer's attention block, which a layer with every head cut does not have in deci's layout
+_ATTENTION_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                      "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+
+
+def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str,
+                vocab_fields: list[tuple]) -> dict[str, np.ndarray]:
+    """Write the GGUF file ``tmp`` as convert_hf_to_gguf.py writes a Llama (a DeciLM when the counts differ between
+    layers); returns {tensor name: array written}."""
+    cfg = model.config
+    layers = _layers(model)
+    arch = gguf.MODEL_ARCH.DECI if len(set(counts)) > 1 else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, len(layers))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    state = model.state_dict()
+    cut = {f"model.layers.{i}.{t}" for i, c in enumerate(counts) if c[0] == 0 for t in _ATTENTION_TENSORS}
+    tensors = [(names.get_name(n, try_suffixes=(".weight", ".bias")), n, t) for n, t in state.items()
+               if not (tied and n == "lm_head.weight") and n not in cut]  # tied: llama.cpp reads token_embd twice
+    unnamed = [n for name, n, _ in tensors if name is None]
+    if unnamed:
+        raise ValueError(f"export_gguf: {unnamed[:3]} have no name in llama.cpp's Llama layout.")
+    w = _gguf_header(gguf, model, tmp, counts, dtype)
     for key, val, vtype, sub in vocab_fields:
         w.add_key_value(key, val, vtype, sub_type=sub)
     written = {}
     for name, hf_name, t in tensors:
         data = t.detach().float().cpu().numpy()
-        if hf_name.endswith("q_proj.weight"):
-            data = _permute(data, H)  # (H*D, E), each head's rows in GGML's rotary order
-        elif hf_name.endswith("k_proj.weight"):
-            data = _permute(data, Hkv)  # (Hkv*D, E)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            H, Hkv, _ = counts[int(hf_name.split(".")[2])]  # model.layers.<i>.self_attn...
+            # (H*D, E) or (Hkv*D, E), each head's rows in GGML's rotary order
+            data = _permute(data, H if hf_name.endswith("q_proj.weight") else Hkv)
         if dtype == "f16" and data.ndim > 1:
             data = data.astype(np.float16)
         written[name] = np.ascontiguousarray(data)
@@ -337,16 +402,19 @@ def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
     return out
 
 
-def _read_back(gguf, path: Path, written: dict, counts: tuple[int, int, int], n_layers: int) -> list[str]:
-    H, Hkv, D = counts
+def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> list[str]:
+    uneven = len(set(counts)) > 1
+    arch = "deci" if uneven else "llama"
+    H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if uneven else counts[0][:2]
+    D = counts[0][2]
     reader = gguf.GGUFReader(str(path))
 
     def field(key):
         f = reader.fields.get(key)
         return None if f is None else f.contents()
 
-    meta = {"general.architecture": "llama", "llama.attention.head_count": H, "llama.attention.head_count_kv": Hkv,
-            "llama.rope.dimension_count": D, "llama.attention.key_length": D, "llama.block_count": n_layers}
+    meta = {"general.architecture": arch, f"{arch}.attention.head_count": H, f"{arch}.attention.head_count_kv": Hkv,
+            f"{arch}.rope.dimension_count": D, f"{arch}.attention.key_length": D, f"{arch}.block_count": len(counts)}
     wrong = {k: (field(k), v) for k, v in meta.items() if field(k) != v}
     tensors = {t.name: t for t in reader.tensors}
     if wrong or set(tensors) != set(written):
@@ -360,8 +428,8 @@ def _read_back(gguf, path: Path, written: dict, counts: tuple[int, int, int], n_
             path.unlink()
             raise ValueError(f"export_gguf: tensor {name} read back differs from the weights written "
                              f"({got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}); it was deleted.")
-    return [f"gguf reader: {len(written)} tensors equal to the weights written; head_count {H}, head_count_kv {Hkv}, "
-            f"head size {D}"]
+    return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count {H}, "
+            f"head_count_kv {Hkv}, head size {D}"]
 
 
 # --- ONNX Runtime GenAI ---
