@@ -307,3 +307,43 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
         assert r["bound"] > 1 and r["pruned_file"] in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8")
     table = deploy.markdown(rows)
     assert "peer: the standard export" in table and "torch.onnx.export" in table
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tmp_path, packed):
+    """export's OpenVINO IR of a pruned model is the model itself through OpenVINO's PyTorch frontend (export.json says
+    so; each layer's projections at its kept heads), named like the model's output, and equals the torch model within
+    1e-4 on real tokens at sizes the conversion never saw; the standard files hold the unpruned model converted the
+    same way (optimum-intel's route) beside the ONNX file's conversion, both equal to that model."""
+    import json
+
+    ov = pytest.importorskip("openvino")
+    from multihead.apps import runtimes
+    from multihead.hf.export import EXPORT_JSON, ONNX_DIR
+
+    model = _bert(packed)
+    peer = T.BertModel(model.config.__class__(**{**model.config.to_dict(), "_attn_implementation": "sdpa"})).eval()
+    peer.load_state_dict(model.state_dict())
+    heads.prune(model, {"encoder.layer.0.attention.self": [1, 3], "encoder.layer.1.attention.self": [0]})
+    written = mhf.export(model, tmp_path / "p", openvino=True)
+    meta = json.loads((tmp_path / "p" / ONNX_DIR / EXPORT_JSON).read_text())
+    assert meta["openvino"].startswith("openvino.convert_model of the PyTorch model"), meta
+    ir = ov.Core().read_model(str(written["openvino"]))
+    assert "last_hidden_state" in ir.outputs[0].get_names()
+    widths = {tuple(op.get_output_shape(0)) for op in ir.get_ops() if op.get_type_name() == "Constant"}
+    assert (16, 32) in widths and (24, 32) in widths  # q/k/v weights (out, in): 2 heads of 8, then 3
+    ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    std = runtimes.standard_files(peer, ex, openvino=True)
+    assert {"openvino", "openvino_pt"} <= set(std)
+    for f, want_model in ((written["openvino"], model), (std["openvino_pt"], peer), (std["openvino"], peer)):
+        run = _runtime("openvino", f)
+        for B, L in ((3, 9), (1, 1)):
+            g = torch.Generator().manual_seed(B * 100 + L)
+            ids, am = torch.randint(3, 100, (B, L), generator=g), torch.ones(B, L, dtype=torch.long)
+            am[B - 1, max(1, L // 3):] = 0
+            tt = torch.zeros_like(ids)
+            got = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy(),
+                                        "token_type_ids": tt.numpy()}))
+            with torch.no_grad():
+                want = want_model(input_ids=ids, attention_mask=am, token_type_ids=tt).last_hidden_state
+            assert (got[am.bool()] - want[am.bool()]).abs().max() <= 1e-4, (f, B, L)

@@ -25,8 +25,8 @@ from multihead.apps import runtimes, timing
 RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized", "onnx_eager_optimized"), runtimes.ort_session),
             ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
              runtimes.ort_session),
-            ("OpenVINO fp32", ("openvino",), runtimes.openvino_model),
-            ("OpenVINO int8", ("openvino_int8",), runtimes.openvino_model))
+            ("OpenVINO fp32", ("openvino", "openvino_pt"), runtimes.openvino_model),
+            ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), runtimes.openvino_model))
 
 
 def pooled(model, ids, am):

@@ -137,7 +137,10 @@ STANDARD = {"onnx": "torch.onnx.export", "onnx_int8": "torch.onnx.export + quant
             "onnx_eager_optimized": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer",
             "onnx_eager_optimized_int8": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer + "
                                          "quantize_dynamic",
-            "openvino": "openvino.convert_model", "openvino_int8": "openvino.convert_model + NNCF"}
+            "openvino": "openvino.convert_model of the ONNX file",
+            "openvino_int8": "openvino.convert_model of the ONNX file + NNCF",
+            "openvino_pt": "openvino.convert_model of the PyTorch model",
+            "openvino_pt_int8": "openvino.convert_model of the PyTorch model + NNCF"}
 
 
 def standard_files(model, example: dict, calibration: list[dict] | None = None, *, openvino: bool = True,
@@ -148,10 +151,11 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     ``quantize_dynamic`` (int8 weights, per channel), ONNX Runtime's transformer optimizer (where it has a pass for
     the model type) and the optimized file quantized the same way; the same from the eager graph (:func:`_eager_optimized`:
     optimum's way, where ONNX Runtime fuses attention); OpenVINO's ``convert_model`` of the ONNX file and NNCF's static
-    int8 (with ``calibration``) where the openvino extra is installed. {key: path} (keys as :data:`STANDARD`), exported
+    int8 (with ``calibration``) where the openvino extra is installed, and the same from the PyTorch model through
+    OpenVINO's PyTorch frontend (:func:`_openvino_pt`: optimum-intel's way). {key: path} (keys as :data:`STANDARD`), exported
     once per process for the same weights."""
     from multihead.extras import quiet_logs, require
-    from multihead.hf.export import _export_example, input_names, openvino_int8, optimize, quantize_standard
+    from multihead.hf.export import _export_example, input_names, optimize, quantize_standard
 
     require("onnxscript", "the standard ONNX export")
     names = input_names(model)
@@ -188,15 +192,7 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
         out["onnx_optimized_int8"] = quantize_standard(d / "model_optimized.onnx", d / "model_optimized_int8.onnx")
     out |= _eager_optimized(model, xs, names, d, log)
     if openvino:
-        try:
-            ov = require("openvino", "OpenVINO's standard conversion")
-            ov.save_model(ov.convert_model(str(f)), str(d / "openvino_model.xml"), compress_to_fp16=False)
-            out["openvino"] = d / "openvino_model.xml"
-            if calibration:
-                out["openvino_int8"] = openvino_int8(out["openvino"], d / "openvino_model_int8.xml", calibration)
-        except ImportError as e:
-            if log is not None:
-                log(f"  OpenVINO's standard files not made: {e}")
+        out |= _openvino_standard(model, f, xs, names, d, calibration=calibration, log=log)
     if key is not None:
         _STANDARD[key] = (out, (openvino, bool(calibration)))
     return out
@@ -229,6 +225,53 @@ def _eager_optimized(model, xs: tuple, names: list[str], d: Path, log=None) -> d
                                                            d / "model_eager_optimized_int8.onnx")}
 
 
+def _openvino_standard(model, f: Path, xs: tuple, names: list[str], d: Path, *, calibration=None,
+                       log=None) -> dict[str, Path]:
+    """OpenVINO's files of the unpruned ``model`` in ``d``: ``convert_model`` of the ONNX file ``f`` and of the PyTorch
+    model (:func:`_openvino_pt`), each with NNCF's static int8 where ``calibration`` is given; {} without the openvino
+    extra (told to ``log``)."""
+    from multihead.extras import require
+    from multihead.hf.export import openvino_int8
+
+    try:
+        ov = require("openvino", "OpenVINO's standard conversion")
+        ov.save_model(ov.convert_model(str(f)), str(d / "openvino_model.xml"), compress_to_fp16=False)
+        out = {"openvino": d / "openvino_model.xml"} | _openvino_pt(model, xs, names, d, log)
+        for k in [k for k in ("openvino", "openvino_pt") if k in out and calibration]:
+            out[f"{k}_int8"] = openvino_int8(out[k], d / f"{k}_model_int8.xml", calibration)
+        return out
+    except ImportError as e:
+        if log is not None:
+            log(f"  OpenVINO's standard files not made: {e}")
+        return {}
+
+
+def _openvino_pt(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
+    """{"openvino_pt": path} in ``d``: ``model`` (its own attention) through OpenVINO's PyTorch frontend
+    (``openvino.convert_model`` of the module, traced on ``xs`` named ``names``: OpenVINO's documented first route,
+    and the one optimum-intel and sentence-transformers' OpenVINO backend take); {} where it fails (told to ``log``)."""
+    import warnings
+
+    from multihead.extras import quiet_logs, require
+
+    ov = require("openvino", "OpenVINO's standard conversion")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings(), quiet_logs("torch"):
+            warnings.simplefilter("ignore")  # the tracer's notices
+            ir = ov.convert_model(_Hidden(model, names).eval(), example_input=dict(zip(names, xs)))
+        ir.outputs[0].get_tensor().set_names({"last_hidden_state"})
+        ov.save_model(ir, str(d / "openvino_pt_model.xml"), compress_to_fp16=False)
+    except Exception as e:  # noqa: BLE001 - the frontend's failures share no base class
+        if log is not None:
+            log(f"  OpenVINO's conversion of the PyTorch model not made: {type(e).__name__}: {str(e)[:200]}")
+        return {}
+    finally:
+        model.train(was)
+    return {"openvino_pt": d / "openvino_pt_model.xml"}
+
+
 _STANDARD: dict[str, tuple[dict[str, Path], tuple[bool, bool]]] = {}  # fingerprint -> (files, (openvino, its int8))
 
 
@@ -248,7 +291,9 @@ def peers(model, example: dict, log=None, calibration: list[dict] | None = None)
     files = standard_files(model, example, calibration, log=log)
     labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
               ("onnx_eager_optimized_int8", "ONNX Runtime int8, eager + ORT optimizer"),
-              ("openvino", "OpenVINO fp32"), ("openvino_int8", "OpenVINO int8, NNCF static")]
+              ("openvino", "OpenVINO fp32"), ("openvino_int8", "OpenVINO int8, NNCF static"),
+              ("openvino_pt", "OpenVINO fp32, PyTorch frontend"),
+              ("openvino_pt_int8", "OpenVINO int8, PyTorch frontend + NNCF static")]
     out = {}
     for k, label in labels:
         if k in files:

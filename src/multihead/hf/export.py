@@ -7,7 +7,8 @@ layout sentence-transformers and fastembed read::
                                         model has token types), output last_hidden_state (or logits)
     DIR/onnx/model_int8.onnx            int8 weights of the matrix products, one scale per output channel (onnxruntime's
                                         quantize_dynamic), activations quantized per call
-    DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra)
+    DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra): the model through OpenVINO's PyTorch
+                                        frontend, as optimum-intel converts (else model.onnx through its ONNX one)
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
     DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
@@ -264,7 +265,7 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     if openvino is False:
         return written
     try:
-        written |= _openvino(model, f, folder / OPENVINO_DIR, names, calibration)
+        written |= _openvino(model, f, folder / OPENVINO_DIR, names, calibration, example)
     except ImportError:
         if openvino:
             raise
@@ -484,25 +485,63 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
 
 
 def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
-              calibration: list[dict] | None) -> dict[str, Path]:
-    """OpenVINO IR of the ONNX file ``f`` in ``folder``: fp32 (verified like the ONNX file), and int8 by NNCF's
-    static quantization (the transformer preset) where nncf is installed and ``calibration`` is given."""
+              calibration: list[dict] | None, example: dict | None = None) -> dict[str, Path]:
+    """OpenVINO IR of ``model`` in ``folder``: fp32 (:func:`openvino_ir`, verified like the ONNX file), and int8 by
+    NNCF's static quantization (the transformer preset) where nncf is installed and ``calibration`` is given."""
     from multihead.extras import require
 
     ov = require("openvino", "OpenVINO IR export")
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        ir = ov.convert_model(str(f))
-    except Exception as e:  # noqa: BLE001 - OpenVINO's conversion errors share no base class beyond Exception
-        raise RuntimeError(str(e)) from None
+    ir, how = openvino_ir(model, f, names, example)
     ov.save_model(ir, str(folder / OPENVINO_FILE), compress_to_fp16=False)
-    compiled = ov.Core().compile_model(str(folder / OPENVINO_FILE), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()})
-    verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, f"{folder / OPENVINO_FILE} in OpenVINO")
+    record = f.with_name(EXPORT_JSON)
+    if record.is_file():  # the export's record says which conversion the IR is
+        record.write_text(json.dumps(json.loads(record.read_text()) | {"openvino": how}, indent=2))
     written = {"openvino": folder / OPENVINO_FILE}
     if not calibration:
         return written
     return written | {"openvino_int8": openvino_int8(folder / OPENVINO_FILE, folder / OPENVINO_INT8_FILE, calibration)}
+
+
+def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dict | None = None):
+    """(OpenVINO model, how it was made) of the transformers ``model`` (inputs ``names``): the model itself through
+    OpenVINO's PyTorch frontend (``openvino.convert_model`` of the module with transformers' SDPA attention at its
+    pruned size, traced on ``example``; the way optimum-intel and sentence-transformers' OpenVINO backend convert:
+    one OpenVINO attention op per layer), run on two padded batches and compared with the torch model
+    (:func:`verify`); where that conversion fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend,
+    verified the same way (RuntimeError when it cannot be read). The output is named like the model's first output
+    (``last_hidden_state`` or ``logits``)."""
+    from multihead.extras import quiet_logs, require
+
+    ov = require("openvino", "OpenVINO IR export")
+    core, why = ov.Core(), None
+
+    def checked(ir, what: str):
+        compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                  "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+        verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, what)
+        return ir
+
+    xs = _export_example(example if example is not None else probe_inputs(model), names)  # (B, L) each
+    with _padded_eval(model), standard_attention(model) as used, torch.no_grad():
+        out_name = next(iter(model(**dict(zip(names, xs))).keys()))  # last_hidden_state, logits, ...
+        try:
+            with warnings.catch_warnings(), quiet_logs("torch"):
+                warnings.simplefilter("ignore")  # the tracer's notices (the mask's data-dependent branches)
+                ir = ov.convert_model(_TokensToHidden(model, "token_type_ids" in names).eval(),
+                                      example_input=dict(zip(names, xs)))
+            ir.outputs[0].get_tensor().set_names({out_name})
+            return checked(ir, "the PyTorch model's OpenVINO conversion"), \
+                f"openvino.convert_model of the PyTorch model ({used} attention)"
+        except Exception as e:  # noqa: BLE001 - the frontend's and verify's failures share no base class
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if f is None:
+        raise RuntimeError(f"OpenVINO could not convert the PyTorch model ({why}) and no ONNX file was given")
+    try:
+        ir = ov.convert_model(str(f))
+    except Exception as e:  # noqa: BLE001 - OpenVINO's conversion errors share no base class beyond Exception
+        raise RuntimeError(str(e)) from None
+    return checked(ir, f"{f} in OpenVINO"), f"openvino.convert_model of {f.name} (the PyTorch model's conversion: {why})"
 
 
 def openvino_int8(source: Path, out: Path, calibration: list[dict]) -> Path:
