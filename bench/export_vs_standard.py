@@ -4,7 +4,7 @@ model and of a pruned one, in ONNX Runtime fp32 and int8 at batch 1, 16 and 64 o
 peer beside the bound of the work removed, the pruned files' cosine on that text, and the CPU's flags.
 
     .venv/bin/python bench/export_vs_standard.py [--fraction 0.4] [--pruned OUT/model] [--max-seconds 20]
-        [--min-rounds 7] [--batches 1 16 64] [--openvino]
+        [--min-rounds 7] [--batches 1 16 64] [--calls 8] [--openvino]
 
 Without ``--pruned`` the cut is ``--fraction`` of the heads, least important by ablation (mean replacement) on 64
 sentences, with no recovery (a speed measurement: the fidelity is the zero-shot one); with it, the folder ``prune
@@ -38,6 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-seconds", type=float, default=20.0)
     p.add_argument("--min-rounds", type=int, default=7)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], choices=[1, 16, 64])
+    p.add_argument("--calls", type=int, default=8,
+                   help="batch-1 calls in each round (one sentence each; more average a short call's jitter)")
     p.add_argument("--openvino", action="store_true",
                    help="OpenVINO's rows too (fp32, and NNCF's static int8 calibrated on 64 training sentences)")
     a = p.parse_args(argv)
@@ -77,7 +79,7 @@ def main(argv=None) -> None:
         heads.prune(kept, imp.least(n), mean_outputs=fill)
         how = f"{n} of 72 heads cut by ablation order, no recovery"
     unseen = package_sentences(200, exclude=set(corpus))
-    sizes = {B: n for B, n in {1: 8, 16: 2, 64: 1}.items() if B in a.batches}
+    sizes = {B: n for B, n in {1: a.calls, 16: 2, 64: 1}.items() if B in a.batches}
     inputs = {B: [{k: v for k, v in tok(unseen[i:i + B], padding=True, truncation=True, max_length=128,
                                          return_tensors="pt").items() if k in ("input_ids", "attention_mask")}
                   for i in range(0, B * n, B)] for B, n in sizes.items()}
