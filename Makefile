@@ -97,6 +97,7 @@ decoder-llama-cpp: $(VENV)/.test
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 $(PIP) llama-cpp-python==0.3.36
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/decoder_runtimes.py --runtimes genai llama.cpp --contexts 256 2048 8192 \
 		--rounds 3 --decode 16
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/gguf_uneven.py --smollm2
 
 # Not part of make test: transformers' own model tests (ModelTesterMixin, from its source distribution at the locked
 # version; the distribution holds the mixins, not the per-family test files, so tools/hf_model_tests.py gives each
