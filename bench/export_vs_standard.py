@@ -88,7 +88,7 @@ def main(argv=None) -> None:
                                               if k in ("input_ids", "attention_mask")} for i in range(0, 192, 16)]}
     d = Path(tempfile.mkdtemp())
     ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
-    standard = runtimes.standard_files(peer, inputs[16][0], ov.get("calibration"), openvino=ov["openvino"])
+    standard = runtimes.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
     base = mhf.export(full, d / "unpruned", **ov)
     files = mhf.export(kept, d / "pruned", **ov)
     rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
