@@ -161,12 +161,13 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     A cut the same in every layer of a model whose config gives the counts (Llama, Qwen, Mistral, ...:
     ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``) is written as a standard config at the pruned
     size: transformers' ``from_pretrained`` builds it as it is (verified before writing: a model built from that
-    config has the pruned model's parameters, shape for shape). Otherwise, a pruned model whose modules have
-    separate q/k/v projections and one key/value head per query
-    head (BERT, MiniLM) is stored at its architecture's full size instead, each pruned head's rows
-    and output columns zero: ``AutoModel.from_pretrained`` and sentence-transformers open the
-    directory as it is (same outputs, unpruned speed) and :func:`load` cuts the heads again. Any other cut (an
-    uneven one) keeps each layer's counts, which only :func:`load` reads. config.json's ``multihead_loads_with``
+    config has the pruned model's parameters, shape for shape, and the config passes the family's own checks when
+    read back; Gemma 3's refuses query heads that do not divide the hidden size). Otherwise, a pruned model whose
+    modules have separate q/k/v projections and one key/value head per query head (BERT, MiniLM) is stored at its
+    architecture's full size instead, each pruned head's rows and output columns zero: ``AutoModel.from_pretrained``
+    and sentence-transformers open the directory as it is (same outputs, unpruned speed) and :func:`load` cuts the
+    heads again. Any other cut (an uneven one, or counts the family's config refuses) keeps each layer's counts,
+    which only :func:`load` reads. config.json's ``multihead_loads_with``
     says in one line which of these the directory is.
 
     ``quantize="int8"``: :func:`load` returns the model quantized (:func:`multihead.quantize.quantize`
@@ -193,17 +194,22 @@ def save(model: nn.Module, path: str | Path, *, quantize: str | None = None) -> 
     # every block cut alike: the config says it, transformers reads it
     ffn = {"intermediate_size": widths.pop()} if len(widths) == 1 and isinstance(inter, int) else {}
     counts = _even_counts(model)
-    standard = counts if counts is not None and _fits(model, _with(model.config, {**ffn, **counts})) else None
+    even = None if counts is None else _with(model.config, {**ffn, **counts})
+    fits = even is not None and _fits(model, even)
+    refused = _refusal(even) if fits else None  # the shapes fit, but the family's config may refuse the counts
+    standard = counts if fits and refused is None else None
     full = _full_size(model) if standard is None else None
     save_model(full if full is not None else model, str(path / "model.safetensors"), metadata={"format": "pt"})
-    _write_config(model, path, full, {**ffn, **(standard or {})}, quantize)
+    _write_config(model, path, full, {**ffn, **(standard or {})}, quantize, refused)
     return path
 
 
-def _write_config(model: nn.Module, path: Path, full: nn.Module | None, standard: dict, quantize: str | None) -> None:
+def _write_config(model: nn.Module, path: Path, full: nn.Module | None, standard: dict, quantize: str | None,
+                  refused: str | None = None) -> None:
     """config.json as :func:`save` leaves it: ``save_pretrained``'s, with ``standard`` (the counts or width every
     layer shares) set and multihead's entries: the head counts and feed-forward widths it cannot say, the kept heads,
-    packed, quantized, and the one line of what opens the folder."""
+    packed, quantized, and the one line of what opens the folder (``refused``: why transformers refuses the even
+    cut's standard config, said in that line)."""
     from multihead.hf import packed as hf_packed
 
     cfg = json.loads((path / "config.json").read_text())
@@ -219,9 +225,14 @@ def _write_config(model: nn.Module, path: Path, full: nn.Module | None, standard
     inter = getattr(model.config, "intermediate_size", None)
     if "intermediate_size" not in standard and any(b.width != inter for b in ffn_blocks(model)):
         cfg[FFN_KEY] = {b.down: b.width for b in ffn_blocks(model)}
-    readable = _fits(full if full is not None else model, _with(model.config, standard))
+    config = _with(model.config, standard)
+    fits = _fits(full if full is not None else model, config)
+    refused = refused or (_refusal(config) if fits else None)
     cfg[LOADS_KEY] = (f"{type(model).__name__}.from_pretrained('{path}') (transformers) or multihead.hf.load('{path}')"
-                      if readable else
+                      if fits and refused is None else
+                      f"multihead.hf.load('{path}') only: transformers' own check of the config refuses the pruned "
+                      f"head counts ({refused}), so each layer keeps its own ({HEADS_KEY}) and from_pretrained "
+                      "refuses the folder" if refused else
                       f"multihead.hf.load('{path}') only: its layers keep their own head counts ({HEADS_KEY}) or "
                       f"feed-forward widths ({FFN_KEY}), which a transformers config cannot say (from_pretrained refuses "
                       "it: the weights' shapes differ from the config's)")
@@ -257,6 +268,18 @@ def _with(config, changes: dict):
     for k, v in changes.items():
         setattr(out, k, v)
     return out
+
+
+def _refusal(config) -> str | None:
+    """What transformers says when it reads ``config`` back as ``from_pretrained`` does (from its dict, the family's
+    own checks run: Gemma 3's wants the hidden size a multiple of the query heads, even with ``head_dim`` given);
+    None when it reads it. ``_with``'s attribute changes run no such check."""
+    try:
+        type(config).from_dict(config.to_dict())
+    except Exception as e:  # noqa: BLE001 - any refusal: the folder is then not written as a standard config
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return f"{type(config).__name__}: {str(cause).strip()}"
+    return None
 
 
 def _fits(model: nn.Module, config) -> bool:
