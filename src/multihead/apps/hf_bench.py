@@ -60,15 +60,17 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
         from multihead.quantize import is_quantized
 
         m = mhf.load(pruned)
-        heads = sum(a.attention_hooks.num_heads for a in mhf.attention_modules(m).values())
-        models[f"multihead, {heads}/72 heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
-        models[f"multihead served, {heads}/72 heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
+        kept, total = (sum(a.attention_hooks.num_heads for a in mhf.attention_modules(x).values())
+                       for x in (m, models["multihead, padded"]))
+        heads = f"{kept}/{total}"  # the pruned model's heads / the checkpoint's (72 in all-MiniLM-L6-v2)
+        models[f"multihead, {heads} heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
+        models[f"multihead served, {heads} heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
     models |= runtimes.peers(models["transformers (sdpa)"], example, log, calibration)  # what practitioners deploy
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
         from multihead.hf.export import ONNX_DIR, ONNX_INT8_FILE
 
         written = Path(pruned) / ONNX_DIR / ONNX_INT8_FILE  # its own int8 file where the folder has it (prune --hf's)
-        models[f"multihead, {heads}/72 heads, exported, ONNX Runtime int8"] = (
+        models[f"multihead, {heads} heads, exported, ONNX Runtime int8"] = (
             runtimes.ort_session(written) if written.is_file() else
             runtimes.ort_int8(runtimes.export(mhf.load(pruned, quantized=False), example)))
     return models
