@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import warnings
 
 import pytest
@@ -45,12 +46,47 @@ def _words(corpus):
     return sorted({w for s in corpus for w in s.replace(".", " ").split()})[:200]
 
 
-@pytest.fixture
-def bert_dir(tmp_path, corpus):
+def _bert(tmp_path, corpus):
     torch.manual_seed(0)
     cfg = T.BertConfig(vocab_size=210, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=64, max_position_embeddings=160)
     return _save(tmp_path, T.BertModel(cfg).eval(), _words(corpus))
+
+
+@pytest.fixture
+def bert_dir(tmp_path, corpus):
+    return _bert(tmp_path, corpus)
+
+
+@pytest.fixture(scope="module")
+def st_ffn_pruned(tmp_path_factory, corpus):
+    """One `prune --hf` run read by two tests (its export chain is most of each test's time): the tiny BERT saved as
+    a sentence-transformers directory (mean pooling, normalised), 25% of its heads and 50% of every feed-forward
+    block's neurons cut, 2 recovery steps, no runtime peers. {"bert", "src", "out", "said", "sentences"}."""
+    import contextlib
+    import io
+
+    tmp = tmp_path_factory.mktemp("st_ffn")
+    bert = src = _bert(tmp, corpus)
+    try:  # (without sentence-transformers: the BERT directory itself, for the --ffn test; the other is skipped)
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        pass
+    else:
+        src = tmp / "st"
+        SentenceTransformer(modules=[models.Transformer(str(bert)), models.Pooling(32, "mean"),
+                                     models.Normalize()]).save(str(src))
+    corpus_file = tmp / "corpus.txt"
+    corpus_file.write_text("\n".join(corpus[:64]))
+    out = tmp / "p"
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        code = main(["prune", "--hf", str(src), "--fraction", "0.25", "--step", "0.25", "--ffn", "0.5", "--recover", "2",
+                     "--corpus", str(corpus_file), "--sentences", "16", "32", "--max-seconds", "1",
+                     "--no-runtime-peers", "--out", str(out)])
+    assert code == 0
+    return {"bert": bert, "src": src, "out": out, "said": said.getvalue(), "sentences": corpus[:64]}
 
 
 def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, tmp_path, corpus):
@@ -58,8 +94,9 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
+    # a deadline, as --time-budget sets one: its speed table runs 3 rounds per batch size, not 7 (ample: no step cut)
     report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=2.0, recover=5,
-                                                     runtime_peers=False))
+                                                     runtime_peers=False, deadline=time.monotonic() + 600))
     assert report["curve"][-1]["heads_pruned"] == 2
     r = report["recovery"]
     assert r["steps"] == 5 and report["final"]["metric"] == r["metric_after"]
@@ -242,23 +279,16 @@ def test_viz_hf_on_a_text_longer_than_the_model_draws_its_first_positions(bert_d
     assert "Traceback" not in err and (tmp_path / "v" / "ckpt_explorer.html").stat().st_size > 1000
 
 
-def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(bert_dir, tmp_path, corpus):
+def test_the_pruned_directory_opens_in_transformers_and_sentence_transformers(st_ffn_pruned, corpus):
     """`prune --hf` on a sentence-transformers directory: the directory it writes opens with
-    AutoModel.from_pretrained (weights at full size, the pruned heads zero) and with SentenceTransformer
-    (its pooling and normalisation copied), both giving what multihead.hf.load gives; and multihead's
-    models (loaded pruned, served, or attached padding-free) run inside a SentenceTransformer, encode unchanged."""
+    AutoModel.from_pretrained (attention weights at full size, the pruned heads zero; the feed-forward blocks at
+    their cut width, as --ffn writes them) and with SentenceTransformer (its pooling and normalisation copied), both
+    giving what multihead.hf.load gives; and multihead's models (loaded pruned, served, or attached padding-free) run
+    inside a SentenceTransformer, encode unchanged. (The run is st_ffn_pruned's, shared with the --ffn test.)"""
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules as models
 
-    src = tmp_path / "st"
-    SentenceTransformer(modules=[models.Transformer(str(bert_dir)), models.Pooling(32, "mean"),
-                                 models.Normalize()]).save(str(src))
-    corpus_file = tmp_path / "corpus.txt"
-    corpus_file.write_text("\n".join(corpus[:48]))
-    out = tmp_path / "p"
-    assert main(["prune", "--hf", str(src), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
-                 "--sentences", "16", "32", "--max-seconds", "1", "--no-runtime-peers", "--out", str(out)]) == 0
+    src, out = st_ffn_pruned["src"], st_ffn_pruned["out"]
     assert not any("ONNX Runtime" in name or "OpenVINO" in name  # left out of the speed table, as asked
                    for name in json.loads((out / "report.json").read_text())["speed"])
     ours = mhf.load(out / "model")
@@ -304,24 +334,19 @@ def test_prune_refuses_an_out_folder_holding_other_files(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-def test_prune_ffn_cuts_neurons_too_and_the_folder_loads_everywhere_at_its_cut_size(bert_dir, tmp_path, corpus,
-                                                                                     capsys):
+def test_prune_ffn_cuts_neurons_too_and_the_folder_loads_everywhere_at_its_cut_size(st_ffn_pruned, tmp_path, capsys):
     """`prune --hf DIR --ffn F`: the kept model has F of every feed-forward block's neurons cut (verified against
     the gated model) before its recovery; the folder loads in multihead and in transformers at the cut width, the
-    runtime files are at that size, and the bound counts the neurons' work too."""
-    corpus_file = tmp_path / "corpus.txt"
-    corpus_file.write_text("\n".join(corpus[:64]))
-    out = tmp_path / "f"
-    assert main(["prune", "--hf", str(bert_dir), "--fraction", "0.25", "--step", "0.25", "--ffn", "0.5",
-                 "--recover", "2", "--corpus", str(corpus_file), "--sentences", "16", "32", "--max-seconds", "1",
-                 "--no-runtime-peers", "--out", str(out)]) == 0
-    said = capsys.readouterr().out
+    runtime files are at that size, and the bound counts the neurons' work too. (The run is st_ffn_pruned's: the
+    tiny BERT as a sentence-transformers directory, shared with the test above.)"""
+    bert_dir, out, said = st_ffn_pruned["bert"], st_ffn_pruned["out"], st_ffn_pruned["said"]
     assert "25% of heads and 50% of every feed-forward block's neurons pruned" in said
     report = json.loads((out / "report.json").read_text())
+    assert report["recovery"]["steps"] == 2
     assert set(report["final"]["ffn_widths"].values()) == {31}  # 64 -> 32, one fewer: never as wide as the stream
     from multihead.apps import hf_models
 
-    setup = hf_models.hf_setup(bert_dir, corpus[:64], 16, 32)
+    setup = hf_models.hf_setup(st_ffn_pruned["src"], st_ffn_pruned["sentences"], 16, 32)  # the command's sentences
     for loaded in (mhf.load(out / "model"), mhf.attach(T.BertModel.from_pretrained(out / "model").eval())):
         assert loaded.encoder.layer[0].intermediate.dense.out_features == 31
         assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
