@@ -10,8 +10,8 @@ LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder,similarity
 # pytest workers (xdist); each runs torch on one thread. Three on 2 cores: many tests wait on a child process (the
-# grader's sandbox, Chromium, exporters), and a third worker fills that time (the same fresh clone, 1375 tests: pytest
-# 669 s with 2 workers, 558 s with 3; 2026-11-28). --dist worksteal: a worker that runs out takes part of another's queue
+# grader's sandbox, Chromium, exporters), and a third worker fills some of that time (1375 tests, 2026-11-28: pytest
+# 669 s with 2 workers, 558 and 633 s with 3). --dist worksteal: a worker that runs out takes part of another's queue
 JOBS ?= 3
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
 # ~90 s) with constraints for everything, the build backend from the lock too. torch comes first
