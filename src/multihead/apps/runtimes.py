@@ -203,21 +203,18 @@ def _eager_optimized(model, xs: tuple, names: list[str], d: Path, log=None) -> d
     through the TorchScript exporter (:func:`multihead.hf.export.eager_onnx`, inputs ``xs`` named ``names``), ONNX
     Runtime's optimizer given the config's head count and hidden size (as optimum gives them), ``quantize_dynamic``
     per channel; {} where the optimizer has no pass for the model type or the export fails (told to ``log``)."""
-    from multihead.hf.export import ORT_MODEL_TYPES, eager_onnx, optimize, quantize_standard
+    from multihead.hf.export import ORT_MODEL_TYPES, _padded_eval, eager_onnx, optimize, quantize_standard
 
     if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
         return {}
-    was = model.training
-    model.eval()
     try:
-        eager_onnx(_Hidden(model, names), model, xs, names, d / "eager.onnx")
-        fused = optimize(model, d / "eager.onnx", d / "model_eager_optimized.onnx", heads_from_config=True)
+        with _padded_eval(model):
+            eager_onnx(_Hidden(model, names), model, xs, names, d / "eager.onnx")
+            fused = optimize(model, d / "eager.onnx", d / "model_eager_optimized.onnx", heads_from_config=True)
     except Exception as e:  # noqa: BLE001 - the exporter's and the optimizer's failures share no base class
         if log is not None:
             log(f"  the eager standard export not made: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return {}
-    finally:
-        model.train(was)
     if not fused["written"]:
         return {}
     return {"onnx_eager_optimized": d / "model_eager_optimized.onnx",
@@ -253,12 +250,11 @@ def _openvino_pt(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[
     import warnings
 
     from multihead.extras import quiet_logs, require
+    from multihead.hf.export import _padded_eval
 
     ov = require("openvino", "OpenVINO's standard conversion")
-    was = model.training
-    model.eval()
     try:
-        with torch.no_grad(), warnings.catch_warnings(), quiet_logs("torch"):
+        with _padded_eval(model), torch.no_grad(), warnings.catch_warnings(), quiet_logs("torch"):
             warnings.simplefilter("ignore")  # the tracer's notices
             ir = ov.convert_model(_Hidden(model, names).eval(), example_input=dict(zip(names, xs)))
         ir.outputs[0].get_tensor().set_names({"last_hidden_state"})
@@ -267,8 +263,6 @@ def _openvino_pt(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[
         if log is not None:
             log(f"  OpenVINO's conversion of the PyTorch model not made: {type(e).__name__}: {str(e)[:200]}")
         return {}
-    finally:
-        model.train(was)
     return {"openvino_pt": d / "openvino_pt_model.xml"}
 
 
