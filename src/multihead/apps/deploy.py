@@ -103,12 +103,6 @@ def flops(call: Callable[[], object]) -> float:
     return float(counter.get_total_flops())
 
 
-def _pair(t_full: timing.Timing, t_pruned: timing.Timing) -> tuple[float, float, float]:
-    """(speed-up median, low, high) of the pruned file over the unpruned one: the medians' ratio, and the ratio's
-    range over the rounds' extremes."""
-    return t_full.median / t_pruned.median, t_full.min / t_pruned.max, t_full.max / t_pruned.min
-
-
 def _fastest(per: dict, label: str, side: str, sides: dict) -> tuple:
     """(key, timing) of the fastest file of ``side`` in runtime ``label`` (by median), or (None, None)."""
     got = {k: per[(label, side, k)] for k in sides[side]}
@@ -121,11 +115,13 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
     """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
     (``standard``: :func:`multihead.apps.runtimes.standard_files`), multihead's own export of it (``files_full``; None
     leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
-    in the same interleaved rounds (per batch size, every runtime together; at least ``min_rounds`` unless
-    ``max_seconds`` runs out first) on ``inputs`` ({batch size: batches}).
+    in the same interleaved rounds (per batch size, every runtime together, batch by batch: each batch runs in every
+    file before the next; at least ``min_rounds`` unless ``max_seconds`` runs out first) on ``inputs`` ({batch size:
+    batches}).
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
-    unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's: below 1 is slower),
-    pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer), range, bound, share} where
+    unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's, round by round: below 1 is
+    slower), pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer: the median of the
+    rounds' ratios, :func:`multihead.apps.timing.paired`), range (its 95% interval), bound, share} where
     ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the pruned file
     delivers ((speed-up - 1) / (bound - 1))."""
     engines: dict[str, dict[str, dict]] = {}  # runtime -> {"standard"/"unpruned"/"pruned": {key: model}}
@@ -142,7 +138,7 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
         for label, sides in engines.items():
             for side, models in sides.items():
                 for k, m in models.items():
-                    calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
+                    calls[(label, side, k)] = [lambda m=m, b=b: m(b["input_ids"], b["attention_mask"]) for b in batches]
         names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
         t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
                                min_rounds=min_rounds, max_rounds=max(60, min_rounds), late_rounds=3,
@@ -152,12 +148,12 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
             peer_key, peer = _fastest(per, label, "standard", sides)
             un_key, un = _fastest(per, label, "unpruned", sides)
             pr_key, pr = _fastest(per, label, "pruned", sides)
-            s, lo, hi = _pair(peer, pr)
+            s, lo, hi = timing.paired(peer, pr)
             rows.append({"runtime": label, "batch": B, "peer": runtimes.STANDARD[peer_key], "peer_ms": peer.to_json(),
                          "standard": {runtimes.STANDARD[k]: per[(label, "standard", k)].to_json()
                                       for k in sides["standard"]},
                          "unpruned_ms": un.to_json() if un is not None else None, "unpruned_file": un_key,
-                         "unpruned_vs_peer": round(peer.median / un.median, 3) if un is not None else None,
+                         "unpruned_vs_peer": round(timing.paired(peer, un)[0], 3) if un is not None else None,
                          "pruned_ms": pr.to_json(), "pruned_file": pr_key,
                          "speedup": round(s, 3), "range": [round(lo, 3), round(hi, 3)], "bound": round(bound, 3),
                          "share": round((s - 1) / (bound - 1), 2) if bound > 1.001 else None,
@@ -187,12 +183,13 @@ def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict
 def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -> str:
     """The table: per runtime and batch size, the peer (the fastest standard file of the unpruned model), multihead's
     own file of the unpruned model (and its ratio to the peer), the pruned file, ms per batch (median, min-max), the
-    speed-up over the peer (range) "of a bound", and the fidelity per kind of text when given."""
+    speed-up over the peer (the median of the rounds' ratios, its 95% interval) "of a bound", and the fidelity per
+    kind of text when given."""
     def ms(t):
         return f"{t['median_ms']:.2f} ({t['min_ms']:.2f}-{t['max_ms']:.2f})"
 
     lines = ["| runtime | batch | peer: the standard export, ms | multihead's unpruned file, ms | pruned file, ms | "
-             "speed-up over the peer | bound (work removed) | of the bound's gain |",
+             "speed-up over the peer, per round (95% interval) | bound (work removed) | of the bound's gain |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         share = f"{r['share']:.0%}" if r["share"] is not None else "-"

@@ -1,16 +1,19 @@
 """Timings that hold still: every candidate measured in the same rounds, interleaved,
 after a warm-up, until the median of each is known to within a tolerance (its 95%
-interval), with the min-max kept and a busy machine said, not hidden."""
+interval), with the min-max kept and a busy machine said, not hidden. A candidate may
+be a list of parts (one batch each): a round then runs part j of every candidate before
+part j + 1, so two candidates are timed milliseconds apart, and :func:`paired` reads
+their ratio round by round."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["Timing", "interleaved", "median_interval"]
+__all__ = ["Timing", "interleaved", "median_interval", "paired"]
 
 #: a spread (max - min) above this share of the median marks the machine as busy
 BUSY_SPREAD = 0.20
@@ -18,7 +21,8 @@ BUSY_SPREAD = 0.20
 
 @dataclass
 class Timing:
-    """One candidate's times (ms): median, its 95% interval, min, max, number of rounds."""
+    """One candidate's times (ms): median, its 95% interval, min, max, number of rounds, and each round's time in
+    order (``samples``: what :func:`paired` reads)."""
 
     median: float
     lo: float
@@ -26,6 +30,7 @@ class Timing:
     min: float
     max: float
     n: int
+    samples: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def spread(self) -> float:
@@ -38,7 +43,8 @@ class Timing:
 
     def scaled(self, f: float) -> Timing:
         """The same timing with every figure multiplied by ``f`` (e.g. per batch of a call over several)."""
-        return Timing(self.median * f, self.lo * f, self.hi * f, self.min * f, self.max * f, self.n)
+        return Timing(self.median * f, self.lo * f, self.hi * f, self.min * f, self.max * f, self.n,
+                      tuple(x * f for x in self.samples))
 
     def to_json(self) -> dict:
         return {"median_ms": round(self.median, 3), "ci95_ms": [round(self.lo, 3), round(self.hi, 3)],
@@ -56,17 +62,31 @@ def median_interval(xs: list[float]) -> tuple[float, float]:
     return s[lo], s[hi]
 
 
-def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_rounds: int = 7,
-                max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0,
+def _parts(calls: dict[str, Callable[[], object] | Sequence[Callable[[], object]]]) -> dict[str, list]:
+    """{name: [part, ...]}: a callable is one part; every candidate given as a list must have as many parts as the
+    others (ValueError naming the counts)."""
+    parts = {n: list(c) if isinstance(c, Sequence) else [c] for n, c in calls.items()}
+    counts = {n: len(p) for n, p in parts.items()}
+    if len(set(counts.values())) > 1 or 0 in counts.values():
+        raise ValueError(f"interleaved: calls must all have the same number of parts (at least one), got {counts}; "
+                         "give each candidate the same batches.")
+    return parts
+
+
+def interleaved(calls: dict[str, Callable[[], object] | Sequence[Callable[[], object]]], *, warmup: int = 2,
+                min_rounds: int = 7, max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0,
                 late_rounds: int | None = None, progress: str | None = None) -> dict[str, Timing]:
     """Time every call in the same rounds (the order rotates each round) until the
     median's 95% interval of each is within ±``rel`` of it (after ``min_rounds``), or
     ``max_rounds`` / ``max_seconds`` is reached (after ``late_rounds``, default
-    ``min_rounds``: fewer rounds when a time budget runs short). ``progress``: a bar with
-    that description, in seconds of the ``max_seconds`` allowed. Returns {name: Timing}
-    in milliseconds."""
+    ``min_rounds``: fewer rounds when a time budget runs short). A call given as a list
+    of parts (the same count for every candidate) is timed part by part: part j of every
+    candidate (the order rotating with j too) before part j + 1, a round's time being the
+    sum. ``progress``: a bar with that description, in seconds of the ``max_seconds``
+    allowed. Returns {name: Timing} in milliseconds, each round's time kept."""
+    parts = _parts(calls)
     late_rounds = min_rounds if late_rounds is None else min(late_rounds, min_rounds)
-    names = list(calls)
+    names = list(parts)
     bar = None
     if progress is not None:
         from multihead.extras import progress as progress_bar
@@ -76,14 +96,19 @@ def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_
     start = time.perf_counter()
     for _ in range(warmup):
         for n in names:
-            calls[n]()
+            for part in parts[n]:
+                part()
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(max_rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            t = time.perf_counter()
-            calls[n]()
-            times[n].append((time.perf_counter() - t) * 1e3)
+        spent_round = dict.fromkeys(names, 0.0)
+        for j in range(len(parts[names[0]])):
+            k = (r + j) % len(names)
+            for n in names[k:] + names[:k]:
+                t = time.perf_counter()
+                parts[n][j]()
+                spent_round[n] += (time.perf_counter() - t) * 1e3
+        for n in names:
+            times[n].append(spent_round[n])
         spent = time.perf_counter() - start
         if bar is not None:
             bar.n = min(spent, bar.total)
@@ -98,8 +123,21 @@ def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_
     out = {}
     for n, ts in times.items():
         lo, hi = median_interval(ts)
-        out[n] = Timing(statistics.median(ts), lo, hi, min(ts), max(ts), len(ts))
+        out[n] = Timing(statistics.median(ts), lo, hi, min(ts), max(ts), len(ts), tuple(ts))
     return out
+
+
+def paired(slow: Timing, fast: Timing) -> tuple[float, float, float]:
+    """(median, low, high): how many times faster ``fast`` ran than ``slow``, read round by round (each round's
+    ratio, both timed in that round) -- the median of the rounds' ratios and its 95% interval
+    (:func:`median_interval`). A slow drift of the machine's speed moves both sides of a round alike and cancels,
+    where the ratio of two medians keeps it. Both must come from the same :func:`interleaved` call (ValueError)."""
+    if not slow.samples or len(slow.samples) != len(fast.samples):
+        raise ValueError(f"paired: the timings must hold the same rounds' times, got {len(slow.samples)} and "
+                         f"{len(fast.samples)} rounds; time both in one interleaved() call.")
+    ratios = [a / b for a, b in zip(slow.samples, fast.samples)]
+    lo, hi = median_interval(ratios)
+    return statistics.median(ratios), lo, hi
 
 
 def busy_note(timings: dict[str, Timing]) -> str | None:
