@@ -115,8 +115,8 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
     """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
     (``standard``: :func:`multihead.apps.runtimes.standard_files`), multihead's own export of it (``files_full``; None
     leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
-    in the same interleaved rounds (per batch size, every runtime together, batch by batch: each batch runs in every
-    file before the next; at least ``min_rounds`` unless ``max_seconds`` runs out first) on ``inputs`` ({batch size:
+    in the same interleaved rounds (per batch size, every runtime together, each file's batches one after another as a
+    server runs them; at least ``min_rounds`` unless ``max_seconds`` runs out first) on ``inputs`` ({batch size:
     batches}).
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
     unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's, round by round: below 1 is
@@ -138,7 +138,7 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
         for label, sides in engines.items():
             for side, models in sides.items():
                 for k, m in models.items():
-                    calls[(label, side, k)] = [lambda m=m, b=b: m(b["input_ids"], b["attention_mask"]) for b in batches]
+                    calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
         names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
         t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
                                min_rounds=min_rounds, max_rounds=max(60, min_rounds), late_rounds=3,

@@ -1,16 +1,14 @@
 """Timings that hold still: every candidate measured in the same rounds, interleaved,
 after a warm-up, until the median of each is known to within a tolerance (its 95%
-interval), with the min-max kept and a busy machine said, not hidden. A candidate may
-be a list of parts (one batch each): a round then runs part j of every candidate before
-part j + 1, so two candidates are timed milliseconds apart, and :func:`paired` reads
-their ratio round by round."""
+interval), with the min-max kept and a busy machine said, not hidden; each round's time
+is kept, so that :func:`paired` reads two candidates' ratio round by round."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Timing", "interleaved", "median_interval", "paired"]
@@ -62,31 +60,17 @@ def median_interval(xs: list[float]) -> tuple[float, float]:
     return s[lo], s[hi]
 
 
-def _parts(calls: dict[str, Callable[[], object] | Sequence[Callable[[], object]]]) -> dict[str, list]:
-    """{name: [part, ...]}: a callable is one part; every candidate given as a list must have as many parts as the
-    others (ValueError naming the counts)."""
-    parts = {n: list(c) if isinstance(c, Sequence) else [c] for n, c in calls.items()}
-    counts = {n: len(p) for n, p in parts.items()}
-    if len(set(counts.values())) > 1 or 0 in counts.values():
-        raise ValueError(f"interleaved: calls must all have the same number of parts (at least one), got {counts}; "
-                         "give each candidate the same batches.")
-    return parts
-
-
-def interleaved(calls: dict[str, Callable[[], object] | Sequence[Callable[[], object]]], *, warmup: int = 2,
-                min_rounds: int = 7, max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0,
+def interleaved(calls: dict[str, Callable[[], object]], *, warmup: int = 2, min_rounds: int = 7,
+                max_rounds: int = 60, rel: float = 0.05, max_seconds: float = 120.0,
                 late_rounds: int | None = None, progress: str | None = None) -> dict[str, Timing]:
     """Time every call in the same rounds (the order rotates each round) until the
     median's 95% interval of each is within ±``rel`` of it (after ``min_rounds``), or
     ``max_rounds`` / ``max_seconds`` is reached (after ``late_rounds``, default
-    ``min_rounds``: fewer rounds when a time budget runs short). A call given as a list
-    of parts (the same count for every candidate) is timed part by part: part j of every
-    candidate (the order rotating with j too) before part j + 1, a round's time being the
-    sum. ``progress``: a bar with that description, in seconds of the ``max_seconds``
-    allowed. Returns {name: Timing} in milliseconds, each round's time kept."""
-    parts = _parts(calls)
+    ``min_rounds``: fewer rounds when a time budget runs short). ``progress``: a bar with
+    that description, in seconds of the ``max_seconds`` allowed. Returns {name: Timing}
+    in milliseconds, each round's time kept."""
     late_rounds = min_rounds if late_rounds is None else min(late_rounds, min_rounds)
-    names = list(parts)
+    names = list(calls)
     bar = None
     if progress is not None:
         from multihead.extras import progress as progress_bar
@@ -96,19 +80,14 @@ def interleaved(calls: dict[str, Callable[[], object] | Sequence[Callable[[], ob
     start = time.perf_counter()
     for _ in range(warmup):
         for n in names:
-            for part in parts[n]:
-                part()
+            calls[n]()
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(max_rounds):
-        spent_round = dict.fromkeys(names, 0.0)
-        for j in range(len(parts[names[0]])):
-            k = (r + j) % len(names)
-            for n in names[k:] + names[:k]:
-                t = time.perf_counter()
-                parts[n][j]()
-                spent_round[n] += (time.perf_counter() - t) * 1e3
-        for n in names:
-            times[n].append(spent_round[n])
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            t = time.perf_counter()
+            calls[n]()
+            times[n].append((time.perf_counter() - t) * 1e3)
         spent = time.perf_counter() - start
         if bar is not None:
             bar.n = min(spent, bar.total)
