@@ -411,7 +411,39 @@ def _submission(**mistake) -> str:
     return module.submission(**mistake)
 
 
-def test_readme_command_lines_run(tmp_path, monkeypatch):
+def _command_groups() -> list[tuple[str, list[str]]]:
+    """The README's command lines, grouped into what must run in one folder, in order: a block's lines together
+    (the slices, then their merge), except `viz` and `prune` lines, each its own (they read only the checkpoint).
+    Each group is one test below, so the test workers run them side by side."""
+    groups = []
+    for heading, code in _sh_blocks():
+        lines = [ln.split("  #")[0].strip() for ln in code.replace("\\\n", " ").splitlines()]
+        lines = [ln for ln in lines if ln]
+        alone = [ln for ln in lines if _argv(ln, {})[0] in ("viz", "prune")]
+        together = [ln for ln in lines if ln not in alone]
+        if together:
+            groups.append((heading, together))
+        groups += [(f"{heading}: {_argv(ln, {})[0]} {i}", [ln]) for i, ln in enumerate(alone)]
+    return groups
+
+
+# the exit codes of each group's `multihead check` lines: the single-file check exits 1 (NOT OK, as shown); the
+# folder: one OK and one not OK -> 1; its two slices (alice OK: 0, bob not: 1) and their merge (1)
+CHECK_CODES = {"Check your own attention": [1], "Grade a class": [1], "Grade slices and merge them": [0, 1, 1]}
+
+
+def test_the_command_groups_hold_every_readme_line_once():
+    """The groups below split the README's command lines: together every line once, in the README's order, and
+    the `multihead check` lines' expected exit codes in order are 1, 1, 0, 1, 1."""
+    lines = [ln.split("  #")[0].strip() for _, code in _sh_blocks() for ln in code.replace("\\\n", " ").splitlines()]
+    grouped = [ln for _, group in _command_groups() for ln in group]
+    assert sorted(grouped) == sorted(ln for ln in lines if ln) and len(grouped) == len(set(grouped))
+    checks = [h for h, group in _command_groups() if any(_argv(ln, {})[0] == "check" for ln in group)]
+    assert checks == list(CHECK_CODES) and sum(CHECK_CODES.values(), []) == [1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("heading, lines", _command_groups(), ids=[h for h, _ in _command_groups()])
+def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
     """Each command of the README, through the real CLI: the single-file check (its transcript is
     compared below), grading a folder of two submissions, viz and prune on a tiny checkpoint."""
     monkeypatch.chdir(tmp_path)
@@ -421,9 +453,8 @@ def test_readme_command_lines_run(tmp_path, monkeypatch):
     (sub / "bob.py").write_text(_submission(scale="self.d"))
     examples = Path(__file__).resolve().parent.parent / "examples"
     (tmp_path / "examples").symlink_to(examples)
-    need_hf = any("--hf" in code for _, code in _sh_blocks())
     fill = {}
-    if need_hf:
+    if any("--hf" in line for line in lines):
         path = _tiny_bert(tmp_path)
         corpus = tmp_path / "corpus.txt"
         from multihead.apps.data import sentences
@@ -431,33 +462,29 @@ def test_readme_command_lines_run(tmp_path, monkeypatch):
         corpus.write_text("\n".join(sentences(200)))
         fill = {"DIR": str(path), "...": "the river bank was flooded", "FILE": str(corpus), "STEPS": "2"}
     ran = []
-    for _heading, code in _sh_blocks():
-        for line in code.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if not line:
-                continue
-            argv = _argv(line, fill)
-            if argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
-                argv += ["--max-seconds", "1"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
-            if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths are tested in
-                argv += ["--no-runtime-peers"]         # test_hf_cli and test_pruning_target
-                for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
-                    if flag not in argv:
-                        argv += [flag, small]
-            code_, out = _cli(argv)
-            ran.append((argv[0], code_, out))
-    by = {}
+    for line in lines:
+        argv = _argv(line, fill)
+        if argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
+            argv += ["--max-seconds", "1"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
+        if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths are tested in
+            argv += ["--no-runtime-peers"]         # test_hf_cli and test_pruning_target
+            for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
+                if flag not in argv:
+                    argv += [flag, small]
+        code_, out = _cli(argv)
+        ran.append((argv[0], code_, out))
+    checks = [(code_, out) for cmd, code_, out in ran if cmd == "check"]
+    assert [c for c, _ in checks] == CHECK_CODES.get(heading, [])
+    if heading == "Check your own attention":
+        assert "NOT OK." in checks[0][1]
+    if heading == "Grade a class":
+        assert "alice.py" in checks[0][1] and "bob.py" in checks[0][1]
+        assert "bob.py" in (tmp_path / "grades.csv").read_text()
+    if heading == "Grade slices and merge them":
+        merged = (tmp_path / "all.csv").read_text()
+        assert "alice.py" in merged and "bob.py" in merged and (tmp_path / "class" / "summary.md").is_file()
     for cmd, code_, out in ran:
-        by.setdefault(cmd, []).append((code_, out))
-    # the single-file check: exit 1 (NOT OK, as shown); the folder: one OK and one not OK -> 1; its two slices
-    # (alice OK: 0, bob not: 1) and their merge (1)
-    assert [c for c, _ in by["check"]] == [1, 1, 0, 1, 1]
-    assert "NOT OK." in by["check"][0][1] and "alice.py" in by["check"][1][1] and "bob.py" in by["check"][1][1]
-    assert "bob.py" in (tmp_path / "grades.csv").read_text()
-    merged = (tmp_path / "all.csv").read_text()
-    assert "alice.py" in merged and "bob.py" in merged and (tmp_path / "class" / "summary.md").is_file()
-    for cmd in ("viz", "prune"):
-        for code_, out in by.get(cmd, []):
+        if cmd in ("viz", "prune"):
             assert code_ == 0, out
 
 
