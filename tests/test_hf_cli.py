@@ -83,7 +83,7 @@ def st_ffn_pruned(tmp_path_factory, corpus):
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
         code = main(["prune", "--hf", str(src), "--fraction", "0.25", "--step", "0.25", "--ffn", "0.5", "--recover", "2",
-                     "--corpus", str(corpus_file), "--sentences", "16", "32", "--max-seconds", "1",
+                     "--corpus", str(corpus_file), "--sentences", "16", "32", "--max-seconds", "0.2",
                      "--no-runtime-peers", "--out", str(out)])
     assert code == 0
     return {"bert": bert, "src": src, "out": out, "said": said.getvalue(), "sentences": corpus[:64]}
@@ -95,7 +95,7 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
     # a deadline, as --time-budget sets one: its speed table runs 3 rounds per batch size, not 7 (ample: no step cut)
-    report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=2.0, recover=5,
+    report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=0.3, recover=5,
                                                      runtime_peers=False, deadline=time.monotonic() + 600))
     assert report["curve"][-1]["heads_pruned"] == 2
     r = report["recovery"]
@@ -130,7 +130,7 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     corpus_file.write_text("\n".join(corpus[:48]))
     out = tmp_path / "p"
     assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
-                 "--sentences", "16", "32", "--max-seconds", "1", "--out", str(out)]) == 0
+                 "--sentences", "16", "32", "--max-seconds", "0.2", "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["metric"].startswith("mean KL of next-token distributions")
     assert report["curve"][0]["metric"] == pytest.approx(0.0, abs=1e-6) and report["curve"][-1]["metric"] > 0
@@ -172,7 +172,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     out = tmp_path / "q"
     assert main(["prune", "--hf", str(bert_dir), "--fraction", "0.25", "--step", "0.25", "--recover", "3",
                  "--quantize", "int8", "--corpus", str(corpus_file), "--sentences", "16", "32",
-                 "--max-seconds", "1", "--out", str(out)]) == 0
+                 "--max-seconds", "0.2", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert report["final"]["quantize"] == "int8" and report["recovery"]["steps"] == 3

@@ -17,7 +17,7 @@ def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, c
     the kept model the recovered one, saved and measured as the report says; the speed table and the bound."""
     out = tmp_path / "p"
     assert main(["prune", "--model", "toy", "--fraction", "0.25", "--step", "0.125", "--recover", "10", "--checkpoints",
-                 str(trained["dir"] / "transformer"), "--out", str(out), "--max-seconds", "2"]) == 0
+                 str(trained["dir"] / "transformer"), "--out", str(out), "--max-seconds", "0.3"]) == 0
     text = capsys.readouterr().out
     assert f"transformer: loaded {trained['dir'] / 'transformer'}" in text  # the given checkpoint, not retrained
     report = json.loads((out / "report.json").read_text())
@@ -64,7 +64,7 @@ def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
     from multihead.models.seq2seq import reverse_batch
 
     setup = pruning.toy_setup(trained["dir"] / "transformer")
-    pruning.run(setup, tmp_path, pruning.Options(0.125, step=0.125, progress=False, max_seconds=2.0))
+    pruning.run(setup, tmp_path, pruning.Options(0.125, step=0.125, progress=False, max_seconds=0.3))
     loaded = checkpoint.load(Seq2SeqTransformer, Seq2SeqConfig, tmp_path / "model")  # the documented call
     src, lens, tgt_in, _ = reverse_batch(16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
