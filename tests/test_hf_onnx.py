@@ -280,7 +280,7 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
 def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp_path):
     """The peer of each row is the fastest standard file of the unpruned model; multihead's own export of the unpruned
     model is a column (its ratio to the peer), never the baseline; the speed-up is the peer's time over the pruned
-    file's, beside the bound."""
+    file's, read round by round (the median of the rounds' ratios, in its 95% interval), beside the bound."""
     from multihead.apps import deploy, runtimes
 
     model = _bert(False)
@@ -301,9 +301,10 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     for r in rows:
         assert r["peer"] in runtimes.STANDARD.values() and set(r["standard"]) <= set(runtimes.STANDARD.values())
         assert r["peer_ms"]["median_ms"] == min(t["median_ms"] for t in r["standard"].values())
-        assert r["speedup"] == pytest.approx(r["peer_ms"]["median_ms"] / r["pruned_ms"]["median_ms"], rel=1e-2)
-        assert r["unpruned_vs_peer"] == pytest.approx(r["peer_ms"]["median_ms"] / r["unpruned_ms"]["median_ms"],
-                                                      rel=1e-2)
+        for got, other in ((r["speedup"], r["pruned_ms"]), (r["unpruned_vs_peer"], r["unpruned_ms"])):
+            # each a median of the rounds' ratios: within what the two sides' extremes allow
+            assert r["peer_ms"]["min_ms"] / other["max_ms"] - 1e-3 <= got <= r["peer_ms"]["max_ms"] / other["min_ms"] + 1e-3
+        assert r["range"][0] - 1e-3 <= r["speedup"] <= r["range"][1] + 1e-3  # its 95% interval holds it
         assert r["bound"] > 1 and r["pruned_file"] in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8")
     table = deploy.markdown(rows)
     assert "peer: the standard export" in table and "torch.onnx.export" in table
