@@ -113,6 +113,8 @@ def test_format_weights_grid():
     (["prune", "--model", "toy", "--fraction", "0.2", "--step", "0.3"], "must not exceed --fraction"),
     (["prune", "--hf", "x", "--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt does not exist"),
     (["prune", "--model", "toy", "--recover", "-1"], "--recover: must be >= 0"),
+    (["prune", "--model", "toy", "--no-runtime-files"],
+     "multihead prune: --no-runtime-files applies to transformers checkpoints: give --hf DIR"),
     (["prune", "--model", "toy", "--recover", "-5"], "--recover: must be >= 0"),
     (["demo", "--recover", "-5"], "--recover: must be >= 0"),
     (["prune", "--model", "toy", "--passages", "-1"], "--passages: must be >= 0"),

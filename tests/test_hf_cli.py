@@ -94,9 +94,13 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
-    # a deadline, as --time-budget sets one: its speed table runs 3 rounds per batch size, not 7 (ample: no step cut)
+    # a deadline, as --time-budget sets one: its speed table runs 3 rounds per batch size, not 7 (ample: no step cut);
+    # no runtime files (their export is test_prune_recover_quantize's and the --ffn test's): none written, as said
     report = pruning.run(setup, out, pruning.Options(0.25, step=0.25, progress=False, max_seconds=0.3, recover=5,
-                                                     runtime_peers=False, deadline=time.monotonic() + 600))
+                                                     runtime_peers=False, runtime_files=False,
+                                                     deadline=time.monotonic() + 600))
+    assert report["runtimes"]["note"].startswith("no runtime files written, as asked (--no-runtime-files)")
+    assert not (out / "model" / "onnx").exists() and not (out / "model" / "openvino").exists()
     assert report["curve"][-1]["heads_pruned"] == 2
     r = report["recovery"]
     assert r["steps"] == 5 and report["final"]["metric"] == r["metric_after"]
@@ -110,6 +114,7 @@ def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, 
     assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-6
     text = (out / "report.md").read_text()
     assert "Recovery: 5 distillation steps" in text and "transformers BertModel (sdpa)" in text
+    assert "Note: no runtime files written, as asked" in text and "Where prediction happens" not in text
     # viz draws the pruned model itself: its 2 pruned heads are "pruned" in their places, not the uniform attention
     # of the zero rows the full-size directory holds for them (what transformers' own loading computes)
     kept = {n: m.attention_hooks.kept for n, m in mhf.attention_modules(loaded).items()}

@@ -218,7 +218,8 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     out = tmp_path / "t"
     assert main(["prune", "--hf", str(d), "--target-cosine", "0.97", "--fraction", "0.75", "--step", "0.25",
                  "--recover", "2", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--unseen-sentences", "40", "--time-budget", "10m", "--no-runtime-peers", "--out", str(out)]) == 0
+                 "--unseen-sentences", "40", "--time-budget", "10m", "--no-runtime-peers", "--no-runtime-files",
+                 "--out", str(out)]) == 0
     said = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     t = report["target"]
@@ -245,6 +246,7 @@ def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, t
     assert [again.lo, again.hi] == pytest.approx(report["final"]["fidelity"]["ci95"], abs=1e-5)
     assert again.others[0].mean == pytest.approx(report["final"]["fidelity"]["others"][0]["mean"], abs=1e-5)
     assert "95% interval" in (out / "report.md").read_text()
+    assert not (out / "model" / "onnx").exists()  # --no-runtime-files: the transformers directory only
 
 
 def test_a_time_budget_that_cannot_hold_one_candidate_is_refused_before_any_work(bert, tmp_path, capsys):
@@ -266,7 +268,7 @@ def test_recovery_runs_the_steps_the_deadline_leaves_and_says_so(bert, tmp_path)
     d, corpus = bert
     setup = hf_models.hf_setup(d, corpus.read_text().splitlines(), 16, 48)
     o = pruning.Options(0.25, step=0.25, recover=500, deadline=time.monotonic() + 2.0, max_seconds=0.5,
-                        runtime_peers=False, progress=False)
+                        runtime_peers=False, runtime_files=False, progress=False)
     report = pruning.run(setup, tmp_path / "r", o)
     r = report["recovery"]
     assert r["steps_asked"] == 500 and r["steps"] == 3  # the first 3 steps measure a step; nothing more fits
@@ -283,7 +285,7 @@ def test_a_target_no_model_meets_exits_1_with_its_report_and_the_closest(bert, t
     out = tmp_path / "n"
     code = main(["prune", "--hf", str(d), "--target-cosine", "1", "--fraction", "0.25", "--step", "0.25",
                  "--quantize", "int8", "--corpus", str(corpus), "--sentences", "16", "48", "--max-seconds", "0.5",
-                 "--unseen-sentences", "0", "--passages", "0", "--time-budget", "10m", "--no-runtime-peers",
+                 "--unseen-sentences", "0", "--passages", "0", "--time-budget", "10m", "--no-runtime-peers", "--no-runtime-files",
                  "--out", str(out)])
     cap = capsys.readouterr()
     assert code == 1

@@ -466,8 +466,8 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
         argv = _argv(line, fill)
         if argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
             argv += ["--max-seconds", "0.2"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
-        if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths are tested in
-            argv += ["--no-runtime-peers"]         # test_hf_cli and test_pruning_target
+        if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths (the runtime peers, the
+            argv += ["--no-runtime-peers", "--no-runtime-files"]  # runtime files) are tested in test_hf_cli
             for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
                 if flag not in argv:
                     argv += [flag, small]

@@ -285,7 +285,11 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="--hf encoders: leave ONNX Runtime int8 and OpenVINO fp32 of the unpruned model (exported, "
                         "~15 s) out of the speed table, and the runtime table (the kept model's OUT/model/onnx and "
                         "OUT/model/openvino files timed against the unpruned model's) out of the report; the files are "
-                        "written either way")
+                        "written either way (--no-runtime-files leaves them out)")
+    p.add_argument("--no-runtime-files", action="store_true",
+                   help="--hf encoders: write no ONNX Runtime or OpenVINO files of the kept model (OUT/model/onnx, "
+                        "OUT/model/openvino: an export and its checks, ~15 s), only its transformers directory; no "
+                        "runtime table either (report.md says so)")
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
                    help="the whole command's time (300, 300s, 5m, 1h30m). The run is costed before any work (printed "
                         "as 'plan:'); a budget that cannot hold one candidate with its recovery is refused. Default: "

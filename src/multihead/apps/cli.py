@@ -149,6 +149,14 @@ def _said(refusal: str | None) -> bool:
     return bool(refusal)
 
 
+def _hf_only(args) -> str | None:
+    """The first option given that applies to transformers checkpoints only, refused without ``--hf``, or None."""
+    for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn"), (args.no_runtime_files, "--no-runtime-files")):
+        if given and not args.hf:
+            return f"{option} applies to transformers checkpoints: give --hf DIR"
+    return None
+
+
 def _prune(args) -> int:
     started = time.monotonic()  # the time budget counts from here; the speed table gets what is left of it
     import matplotlib
@@ -167,10 +175,8 @@ def _prune(args) -> int:
     if args.corpus and not Path(args.corpus).is_file():
         print(f"multihead prune: --corpus {args.corpus} does not exist", file=sys.stderr)
         return 2
-    for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn")):
-        if given and not args.hf:
-            print(f"multihead prune: {option} applies to transformers checkpoints: give --hf DIR", file=sys.stderr)
-            return 2
+    if _said(_hf_only(args)):
+        return 2
     if goal is not None and not args.hf and args.model == "toy" and goal.kind != "accuracy":  # before any training
         print(f"multihead prune: {pruning.target_refused('toy', 'accuracy', pruning.TOY_METRIC, goal)}", file=sys.stderr)
         return 2
@@ -200,6 +206,7 @@ def _prune(args) -> int:
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
                               quantize=args.quantize, target=goal, deadline=None,
                               max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
+                              runtime_files=not args.no_runtime_files,
                               ffn=args.ffn or 0.0, recover_curve=curve)
     try:  # what this model cannot do, or a plan the time budget cannot hold, refused before any work
         pruning.check_options(setup, options)

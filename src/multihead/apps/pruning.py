@@ -82,6 +82,8 @@ class Options:
     cosine; None: the last step), ``deadline``: a ``time.monotonic()`` time the command keeps to (None: no
     limit), ``max_seconds``: at most this long per batch size of the speed table; ``progress``: bars;
     ``runtime_peers``: the setup's other runtimes (ONNX Runtime, OpenVINO: an export each) timed beside;
+    ``runtime_files``: the kept model's ONNX Runtime and OpenVINO files written beside it (``setup.export_fn``; False:
+    the model's own directory only, and so no runtime table; the report says so);
     ``ffn``: the share of every feed-forward block's neurons cut from each finished step before its recovery
     (:func:`multihead.heads.prune_neurons`); ``recover_curve``: every step of the curve recovered (``recover``
     steps each), the curve drawn with and without recovery."""
@@ -96,6 +98,7 @@ class Options:
     max_seconds: float = 60.0
     progress: bool = True
     runtime_peers: bool = True
+    runtime_files: bool = True
     ffn: float = 0.0
     recover_curve: bool = False
     #: the plan's estimate of one candidate of a target search, in seconds (:func:`plan`), until one is timed
@@ -432,7 +435,7 @@ def plan(setup: Setup, o: Options) -> Plan:
     if goal_ is not None:
         parts["the unpruned model"] = (1 + q) * t_eval
     parts[f"{n} candidate{'s' if n > 1 else ''}"] = n * candidate
-    if setup.export_fn is not None:
+    if setup.export_fn is not None and o.runtime_files:
         parts["runtime files"] = EXPORT_S * (3 if o.runtime_peers else 1)  # the kept; the standard and ours unpruned
     parts["speed table"] = TABLE_MIN_S + RESERVE_S
     # the least run: no re-ranking, one candidate, the speed table's 3 rounds in whatever is left
@@ -491,6 +494,11 @@ def _recover_curve(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o
     return out
 
 
+#: the report's note when the runtime files were not asked for (``Options.runtime_files``)
+_NO_RUNTIME_FILES = ("no runtime files written, as asked (--no-runtime-files): `model/` holds the model's own directory "
+                    "only, and there is no runtime table")
+
+
 def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, o: Options) -> dict | None:
     """The kept float model written where users run it (``setup.export_fn``: ``folder``/onnx, ``folder``/openvino)
     and, with the runtime peers on, its files timed in each runtime against the unpruned model's standard files
@@ -501,6 +509,8 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     pruned file, and what it could not."""
     if setup.export_fn is None:
         return None
+    if not o.runtime_files:
+        return {"note": _NO_RUNTIME_FILES}
     from multihead.apps import deploy
 
     try:
