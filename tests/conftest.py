@@ -34,6 +34,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two
     os.environ["MULTIHEAD_GRADER_JOBS"] = "1"  # and a class is graded one sandbox at a time
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller tells each worker how it hands out the tests (a worker's own --dist reads "no")."""
+    node.workerinput["dist"] = node.config.option.dist
+
+
+@pytest.hookimpl(trylast=True)  # after -k and --deselect have chosen the items: the shares are of what runs
+def pytest_collection_modifyitems(config, items):
+    """Under xdist's worksteal (`make test`) each worker's share begins with its part of the slowest tests
+    (tests/worksteal_order.py), so no worker ends the run on one long test while the others idle. Every worker collects
+    and orders alike (xdist checks that the collections are the same)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1 and getattr(config, "workerinput", {}).get("dist") == "worksteal":
+        import worksteal_order
+
+        items[:] = worksteal_order.slow_first(items, workers)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_kept():
     """Under xdist a test must leave its worker at one torch thread (a benchmark's main() that set two slowed every
