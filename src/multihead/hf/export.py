@@ -8,8 +8,7 @@ layout sentence-transformers and fastembed read::
     DIR/onnx/model_int8.onnx            int8 weights of the matrix products, one scale per output channel (onnxruntime's
                                         quantize_dynamic), activations quantized per call
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra): the model through OpenVINO's PyTorch
-                                        frontend, as optimum-intel converts (else model.onnx through its ONNX one),
-                                        each layer's q/k/v projections one product (:func:`fuse_shared_linears`)
+                                        frontend, as optimum-intel converts (else model.onnx through its ONNX one)
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
     DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
@@ -510,16 +509,14 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     pruned size, traced on ``example``; the way optimum-intel and sentence-transformers' OpenVINO backend convert:
     one OpenVINO attention op per layer), run on two padded batches and compared with the torch model
     (:func:`verify`); where that conversion fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend,
-    verified the same way (RuntimeError when it cannot be read). Either way the projections that read one tensor (a
-    layer's query, key and value) are made one product (:func:`fuse_shared_linears`) before the check. The output is
-    named like the model's first output (``last_hidden_state`` or ``logits``)."""
+    verified the same way (RuntimeError when it cannot be read). The output is named like the model's first output
+    (``last_hidden_state`` or ``logits``)."""
     from multihead.extras import quiet_logs, require
 
     ov = require("openvino", "OpenVINO IR export")
     core, why = ov.Core(), None
 
     def checked(ir, what: str):
-        fuse_shared_linears(ir)  # each layer's q/k/v: one product (exact; checked with the rest below)
         compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
                                                   "INFERENCE_NUM_THREADS": torch.get_num_threads()})
         verify(model, lambda feed: compiled(feed)[compiled.output(0)], names, what)
@@ -545,58 +542,6 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     except Exception as e:  # noqa: BLE001 - OpenVINO's conversion errors share no base class beyond Exception
         raise RuntimeError(str(e)) from None
     return checked(ir, f"{f} in OpenVINO"), f"openvino.convert_model of {f.name} (the PyTorch model's conversion: {why})"
-
-
-def fuse_shared_linears(ir) -> int:
-    """In the OpenVINO model ``ir`` (changed in place), the linear layers that read the same tensor -- a layer's
-    query, key and value projections -- made into one: ``MatMul(x, W_i^T) + b_i`` for i = 1..n (constant weights
-    (N_i, E), or (E, N_i) untransposed as ONNX writes them; each with a bias, or none) becomes one ``MatMul`` of the
-    stacked weights, one ``Add`` of the stacked biases, and a ``VariadicSplit`` of the last axis into the N_i that
-    each layer gave. Exact (every output
-    column is the same dot product over E), and one matrix product a layer where there were three: at batch 1 the
-    runtime's cost of a call is mostly per product, not per multiply-add. Returns the number of groups fused."""
-    import collections
-
-    import numpy as np
-
-    from multihead.extras import require
-
-    require("openvino", "OpenVINO IR export")
-    import openvino.opset13 as ops
-
-    groups = collections.defaultdict(list)  # (x's node, output, transposed) -> [(MatMul, weight, Add or None, bias)]
-    for op in ir.get_ordered_ops():
-        attrs = op.get_attributes() if op.get_type_name() == "MatMul" else {}
-        w = op.input(1).get_source_output().get_node() if attrs else None
-        if not attrs or attrs["transpose_a"] or w.get_type_name() != "Constant" or len(w.get_output_shape(0)) != 2:
-            continue
-        n = w.get_output_shape(0)[0 if attrs["transpose_b"] else 1]  # the layer's output width N_i
-        users = list(op.output(0).get_target_inputs())
-        add = users[0].get_node() if len(users) == 1 and users[0].get_node().get_type_name() == "Add" else None
-        bias = add.input(1 - users[0].get_index()).get_source_output().get_node() if add is not None else None
-        if bias is not None and (bias.get_type_name() != "Constant" or bias.get_data().size != n
-                                 or bias.get_data().shape[-1:] != (n,)):
-            add = bias = None
-        src = op.input(0).get_source_output()
-        groups[(src.get_node().get_friendly_name(), src.get_index(), attrs["transpose_b"])].append((op, w, add, bias))
-    fused = 0
-    for (_, _, transposed), group in groups.items():
-        with_bias = [g for g in group if g[3] is not None]
-        group = with_bias if len(with_bias) >= 2 else [g for g in group if g[3] is None]
-        if len(group) < 2 or len({g[1].get_data().dtype for g in group}) != 1:
-            continue
-        axis = 0 if transposed else 1  # the weights' output axis: (N_i, E) transposed, (E, N_i) not
-        weight = np.concatenate([w.get_data() for _, w, _, _ in group], axis)  # (sum N_i, E) or (E, sum N_i)
-        y = ops.matmul(group[0][0].input(0).get_source_output(), ops.constant(weight), False, transposed)
-        if group[0][3] is not None:  # y: (..., sum N_i)
-            y = ops.add(y, ops.constant(np.concatenate([b.get_data().reshape(-1) for *_, b in group], 0)))
-        sizes = np.array([w.get_data().shape[axis] for _, w, _, _ in group], dtype=np.int64)
-        parts = ops.variadic_split(y, ops.constant(np.int64(-1)), ops.constant(sizes))  # each (..., N_i)
-        for i, (mm, _, add, _) in enumerate(group):
-            (add if add is not None else mm).output(0).replace(parts.output(i))
-        fused += 1
-    ir.validate_nodes_and_infer_types()
-    return fused
 
 
 def openvino_int8(source: Path, out: Path, calibration: list[dict]) -> Path:
