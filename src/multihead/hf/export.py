@@ -9,8 +9,7 @@ layout sentence-transformers and fastembed read::
                                         quantize_dynamic), activations quantized per call
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra): the model through OpenVINO's PyTorch
                                         frontend, as optimum-intel converts (else model.onnx through its ONNX one)
-    DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given, activations symmetric
-                                        (the openvino extra; :func:`openvino_int8`)
+    DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
     DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
     DIR/onnx/model_optimized_int8.onnx  attention into one Attention op, layer norms with the residual add, GELU with
@@ -48,8 +47,6 @@ ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_
 ORT_MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "distilbert": "bert", "electra": "bert",
                    "mpnet": "bert", "camembert": "bert", "deberta-v2": "bert", "gpt2": "gpt2"}
 OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE = "openvino", "openvino_model.xml", "openvino_model_int8.xml"
-#: how :func:`export` quantizes its OpenVINO IR (:func:`openvino_int8`'s options; the standard files keep the defaults)
-OPENVINO_INT8 = {"symmetric": True}
 
 
 class _TokensToHidden(nn.Module):
@@ -503,8 +500,7 @@ def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
     written = {"openvino": folder / OPENVINO_FILE}
     if not calibration:
         return written
-    return written | {"openvino_int8": openvino_int8(folder / OPENVINO_FILE, folder / OPENVINO_INT8_FILE, calibration,
-                                                     **OPENVINO_INT8)}
+    return written | {"openvino_int8": openvino_int8(folder / OPENVINO_FILE, folder / OPENVINO_INT8_FILE, calibration)}
 
 
 def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dict | None = None):
@@ -548,25 +544,19 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     return checked(ir, f"{f} in OpenVINO"), f"openvino.convert_model of {f.name} (the PyTorch model's conversion: {why})"
 
 
-def openvino_int8(source: Path, out: Path, calibration: list[dict], *, symmetric: bool = False) -> Path:
+def openvino_int8(source: Path, out: Path, calibration: list[dict]) -> Path:
     """``source`` (an ONNX file or OpenVINO IR) quantized by NNCF's static post-training quantization (the
-    transformer model type; activations' ranges calibrated on ``calibration``, batches {"input_ids",
-    "attention_mask"[, "token_type_ids"]} (B, L) of text like the model's), written as the IR ``out``. By default
-    sentence-transformers' own recommendation for CPUs (``export_static_quantized_openvino_model``: optimum-intel's
-    defaults, NNCF's mixed preset: activations asymmetric). ``symmetric=True``: activations symmetric too (NNCF's
-    performance preset), what :func:`export` writes (:data:`OPENVINO_INT8`): on all-MiniLM-L6-v2 faster than the
-    mixed preset's file of the same model at batch 1, its pooled embeddings within 0.0003 mean cosine of the mixed
-    one's (the unpruned row of bench/results/prune_minilm_hf_standard/export_vs_standard_paired.md)."""
+    transformer preset; activations' ranges calibrated on ``calibration``, batches {"input_ids", "attention_mask"[,
+    "token_type_ids"]} (B, L) of text like the model's), written as the IR ``out``: sentence-transformers' own
+    recommendation for CPUs (``export_static_quantized_openvino_model``)."""
     from multihead.extras import quiet_logs, require
 
     ov = require("openvino", "OpenVINO int8 export")
     nncf = require("nncf", "OpenVINO int8 export")
     model = ov.Core().read_model(str(source))
     feeds = [{n: _as_input(b, n) for n in (i.get_any_name() for i in model.inputs)} for b in calibration]
-    preset = {"preset": nncf.QuantizationPreset.PERFORMANCE} if symmetric else {}
     with quiet_logs("nncf"):
-        q = nncf.quantize(model, nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(feeds),
-                          **preset)
+        q = nncf.quantize(model, nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(feeds))
     ov.save_model(q, str(out), compress_to_fp16=False)
     return out
 
