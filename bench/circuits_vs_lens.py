@@ -25,7 +25,6 @@ import copy
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -52,7 +51,9 @@ def _setup(a, kinds):
         from transformer_lens.model_bridge import TransformerBridge
         from transformer_lens.tools.analysis import attribution_patching as ap
 
-        folder = tempfile.mkdtemp()
+        from multihead.apps.runtimes import scratch  # removed when the run ends
+
+        folder = scratch()
         model.save_pretrained(folder)
         bridge = TransformerBridge.boot_transformers(folder, hf_model=copy.deepcopy(model), device="cpu")
         config = ap.EdgeAttributionConfig(granularity="edge")

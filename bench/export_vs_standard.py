@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
@@ -99,7 +98,7 @@ def main(argv=None) -> None:
     kinds = {"unseen package descriptions": [{k: v for k, v in tok(unseen[i:i + 16], padding=True, truncation=True,
                                                                  max_length=128, return_tensors="pt").items()
                                               if k in ("input_ids", "attention_mask")} for i in range(0, 192, 16)]}
-    d = Path(tempfile.mkdtemp())
+    d = runtimes.scratch()  # removed when the run ends
     ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
     standard = runtimes.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
     base = mhf.export(full, d / "unpruned", **ov)

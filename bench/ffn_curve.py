@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) -> None:
     import multihead.hf as mhf
     from multihead import heads
-    from multihead.apps import deploy, hf_models, target, timing
+    from multihead.apps import deploy, hf_models, runtimes, target, timing
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
     from multihead.models import minilm_path
 
@@ -43,7 +42,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                         on_step=lambda row, m: snaps.__setitem__(round(row["fraction"], 2), copy.deepcopy(m).eval()))
     inputs, _ = setup.runtime_texts
     inputs = {b: inputs[b] for b in (1, 16)}
-    base = mhf.export(snaps[0.0], tempfile.mkdtemp())
+    base = mhf.export(snaps[0.0], runtimes.scratch())  # removed when the run ends
     rows, files, models = [], {}, {}
     for hf in head_fractions:
         for ff in ffn_fractions:
@@ -55,7 +54,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                 setup.recover_fn(m, steps, quantize="int8")
             fid = target.fidelity(setup, m)
             key = f"{hf:.0%} heads + {ff:.0%} neurons"
-            files[key] = mhf.export(m, tempfile.mkdtemp())
+            files[key] = mhf.export(m, runtimes.scratch())
             models[key] = m
             rows.append({"model": key, "fidelity": fid, "seconds": time.monotonic() - started})
             print(f"{key}: worst kind {fid.lo:.4f} (mean {fid.mean:.4f}), {time.monotonic() - started:.0f} s",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, pruning
+    from multihead.apps import hf_models, pruning, runtimes
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
     from multihead.apps.target import Fidelity
     from multihead.models import minilm_path
@@ -39,7 +38,7 @@ def main() -> None:
     for label, extra in (("recovery split only", None), ("recovery split + stdlib docstrings", wide)):
         t = time.monotonic()
         setup = hf_models.hf_setup(path, recover_extra=extra)
-        out = Path(tempfile.mkdtemp())
+        out = runtimes.scratch()  # removed when the run ends
         report = pruning.run(setup, out, pruning.Options(0.4, step=0.1, reestimate=False, recover=400,
                                                           quantize="int8", max_seconds=1.0))
         model = mhf.load(out / "model")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,13 +36,14 @@ def main(argv: list[str] | None = None) -> dict:
     import multihead.hf as mhf
     from multihead import heads
     from multihead.apps import timing
+    from multihead.apps.runtimes import scratch  # removed when the run ends
 
     layers, H, E, L, B = (2, 4, 32, 8, 2) if a.tiny else (12, 12, 768, 32, 4)
     torch.manual_seed(0)
     V = 50 if a.tiny else a.vocab
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_positions=max(L, 16), n_embd=E, n_layer=layers,
                                            n_head=H)).eval()  # sdpa, as transformers loads it: nothing forced eager
-    folder = tempfile.mkdtemp()
+    folder = scratch()
     model.save_pretrained(folder)
     bridge = TransformerBridge.boot_transformers(folder, hf_model=copy.deepcopy(model), device="cpu")
     ours = mhf.attach(copy.deepcopy(model))

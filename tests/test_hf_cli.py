@@ -167,11 +167,16 @@ def test_hf_bad_directories(tmp_path, capsys):
     assert "config.json does not exist: --hf takes a local transformers checkpoint" in err and "Traceback" not in err
 
 
-def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp_path, corpus, capsys):
+def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp_path, corpus, capsys, monkeypatch):
     """`prune --hf DIR --fraction F --recover STEPS --quantize int8`: the model it writes loads back
-    quantized and padding-free with multihead.hf.load, equal to the model the report measured."""
+    quantized and padding-free with multihead.hf.load, equal to the model the report measured. The files made only
+    for its runtime table leave nothing in the temporary folder but the process's scratch (removed at exit)."""
+    import tempfile
+
     from multihead.quantize import is_quantized
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text("\n".join(corpus[:64]))
     out = tmp_path / "q"
@@ -205,6 +210,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
     assert "Quantized to int8 last" in (out / "report.md").read_text()
     _runtime_files_match_the_model(out, report, said)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("multihead-runtimes-")] == []
 
 
 def _runtime_files_match_the_model(out, report, said):

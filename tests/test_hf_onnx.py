@@ -123,6 +123,27 @@ def test_the_same_model_is_exported_once_per_process_and_a_changed_one_again():
         assert runtimes._fingerprint(model) is None  # a gate is not in the weights: never cached
 
 
+def test_the_runtime_files_a_process_makes_are_removed_when_it_ends(tmp_path):
+    """runtimes.scratch: each call a new empty folder inside one folder of the process's, under the temporary folder;
+    gone when the process ends, normally or by an exception (the standard files are ~0.8 GB of an encoder's run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom multihead.apps import runtimes\na, b = runtimes.scratch(), runtimes.scratch()\n"
+            "assert a != b and a.parent == b.parent and not any(a.iterdir())\n(a / 'f.onnx').write_bytes(b'x' * 10)\n"
+            "print(a)\nif sys.argv[1] == 'raise':\n    raise RuntimeError('ended by an exception')\n")
+    for end in ("return", "raise"):
+        tmp = tmp_path / end
+        tmp.mkdir()
+        run = subprocess.run([sys.executable, "-c", code, end], env={**os.environ, "TMPDIR": str(tmp)},
+                             capture_output=True, text=True, timeout=120)
+        assert (run.returncode != 0) == (end == "raise"), run.stderr
+        made = run.stdout.strip().splitlines()[-1]
+        assert made.startswith(str(tmp / "multihead-runtimes-")), made  # it was under the temporary folder
+        assert list(tmp.iterdir()) == [], (end, list(tmp.iterdir()))
+
+
 def test_export_refuses_heads_cut_by_gates_or_stored_as_zeros(tmp_path):
     """Never the full-size model with zeros: a model whose heads a gate cuts, or a pruned directory read at full
     size by transformers (its pruned heads zero), is refused naming the module and the way to its pruned size."""
@@ -290,6 +311,7 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     batches = [{"input_ids": torch.randint(3, 100, (4, 9), generator=g), "attention_mask": torch.ones(4, 9,
                                                                                                    dtype=torch.long)}]
     std = runtimes.standard_files(peer, batches[0], openvino=False)
+    assert all(f.is_relative_to(runtimes._SCRATCH.name) for f in std.values())  # removed when the process ends
     base = mhf.export(model, tmp_path / "u", openvino=False)
     import copy
 

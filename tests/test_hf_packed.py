@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import io
 import pickle
+import tempfile
 import warnings
 
 import pytest
@@ -273,6 +274,8 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
 
     two = _minilm_two_layers(tmp_path / "minilm2")
     monkeypatch.setattr(multihead.models, "minilm_path", lambda: two)  # W7 reads its checkpoint from minilm_path()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # what W7 leaves there: checked at the end
+    (tmp_path / "tmp").mkdir()
     model = mhf.attach(T.AutoModel.from_pretrained(two).eval(), packed=True)
     heads.prune(model, {"encoder.layer.0.attention.self": [0]})  # 1 of 24 heads (MiniLM's share of 2 of 72: small)
     mhf.save(model, tmp_path / "m", quantize="int8")
@@ -337,3 +340,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
         assert 0.9 < srows["sentence-transformers + the pruned model served"]["cosine"] < 1 - 1e-6
         assert "**Inside sentence-transformers**" in hf_bench.markdown(r)
     assert "| multihead, padding-free | 1.0000 |" in hf_bench.markdown(r)
+    # the table's own files removed after it; the process's runtime scratch (the standard files) at its exit, as
+    # wandb's two folders (imported with sentence-transformers' trainer: its TemporaryDirectory objects)
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("multihead-runtimes-")]
+    assert [n for n in left if not n.endswith(("wandb-media", "wandb-artifacts"))] == []

@@ -179,10 +179,11 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
                ("onnx_optimized", ONNX_DIR, ONNX_OPT_FILE), ("onnx_optimized_int8", ONNX_DIR, ONNX_OPT_INT8_FILE),
                ("openvino", OPENVINO_DIR, OPENVINO_FILE), ("openvino_int8", OPENVINO_DIR, OPENVINO_INT8_FILE))
     files = {key: Path(pruned) / d / name for key, d, name in written if (Path(pruned) / d / name).is_file()}
+    made = tempfile.TemporaryDirectory(prefix="multihead-")  # this table's own files: removed after it
     if "onnx" not in files:
-        files = mhf.export(kept, tempfile.mkdtemp(), calibration=calibration)
-    base = mhf.export(full, tempfile.mkdtemp(), openvino=False)  # a column: ONNX Runtime's files (OpenVINO's would
-    # be converted from the same graph as the standard ones)
+        files = mhf.export(kept, Path(made.name) / "pruned", calibration=calibration)
+    base = mhf.export(full, Path(made.name) / "unpruned", openvino=False)  # a column: ONNX Runtime's files
+    # (OpenVINO's would be converted from the same graph as the standard ones)
     peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
     standard = runtimes.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
     n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
@@ -192,8 +193,9 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
              ("passages of held-out sentences", len(long), "passages"))
     inputs, by_kind = hf_models.runtime_texts(tok, kinds, held_out[:n] + others, long, hf_models.PASSAGE_TOKENS,
                                               sizes)
-    rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=max_seconds, log=log)
-    fid = deploy.fidelity(full, files, by_kind)
+    with made:
+        rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=max_seconds, log=log)
+        fid = deploy.fidelity(full, files, by_kind)
     log(deploy.markdown(rows, fid))
     return {"rows": rows, "fidelity": fid}
 

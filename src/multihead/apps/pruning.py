@@ -534,10 +534,11 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
 
     # multihead's own export of the unpruned model, a column beside the peer: ONNX Runtime's files (OpenVINO's are
     # converted from the same graph, so their column would only repeat the standard one's)
-    base = mhf.export(unpruned, Path(tempfile.mkdtemp()), openvino=False)
-    seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
-    out["rows"] = deploy.compare(unpruned, kept, standard, base, files, inputs, max_seconds=seconds / len(inputs) * 3,
-                                 log=print if o.progress else None)
+    with tempfile.TemporaryDirectory(prefix="multihead-") as d:  # only for the table: removed after it
+        base = mhf.export(unpruned, Path(d), openvino=False)
+        seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
+        out["rows"] = deploy.compare(unpruned, kept, standard, base, files, inputs,
+                                     max_seconds=seconds / len(inputs) * 3, log=print if o.progress else None)
     out["fidelity"] = deploy.fidelity(unpruned, files, kinds)
     return out
 

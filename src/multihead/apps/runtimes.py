@@ -55,16 +55,29 @@ def openvino_model(f: Path) -> RuntimeModel:
     return RuntimeModel(lambda feed: compiled(feed)[out], [i.get_any_name() for i in compiled.inputs])
 
 
+def scratch() -> Path:
+    """A new empty folder for runtime files this process makes, inside one temporary folder of the process's that is
+    removed when the process ends (normally or by an exception): the per-process caches here keep their files until
+    then, and nothing is left in the system's temporary folder (an encoder's standard files are ~0.8 GB a run)."""
+    global _SCRATCH
+    if _SCRATCH is None:
+        _SCRATCH = tempfile.TemporaryDirectory(prefix="multihead-runtimes-")  # its finalizer removes it at exit
+    return Path(tempfile.mkdtemp(dir=_SCRATCH.name))
+
+
+_SCRATCH: tempfile.TemporaryDirectory | None = None
+
+
 def export(model, example: dict) -> Path:
     """``model`` written as ONNX (:func:`multihead.hf.export_onnx`, traced on ``example``'s input_ids and
-    attention_mask) into a new temporary folder: the file every runtime here starts from. A model with the
+    attention_mask) into a new folder of :func:`scratch`: the file every runtime here starts from. A model with the
     same class, config and weights (by content) is exported once per process: the exporter takes seconds
     even for a tiny model, and ``prune --hf`` exports the same checkpoint at every run."""
     import multihead.hf as mhf
 
     key = _fingerprint(model)
     if key is None or key not in _EXPORTS or not _EXPORTS[key].is_file():
-        d = Path(tempfile.mkdtemp())
+        d = scratch()
         f = mhf.export_onnx(model, d / "fp32.onnx", example={k: example[k] for k in ("input_ids", "attention_mask")})
         if key is None:
             return f
@@ -114,7 +127,7 @@ def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
     ``calibration``: text the timing never uses), compiled by :func:`openvino_model`."""
     from multihead.hf.export import openvino_int8 as quantized_ir
 
-    return openvino_model(quantized_ir(f, Path(tempfile.mkdtemp()) / "int8.xml", calibration))
+    return openvino_model(quantized_ir(f, scratch() / "int8.xml", calibration))
 
 
 class _Hidden(torch.nn.Module):
@@ -173,7 +186,7 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
         held, (had_openvino, had_int8) = cached
         if (had_openvino or not openvino) and (had_int8 or not calibration) and all(f.is_file() for f in held.values()):
             return held
-    d = Path(tempfile.mkdtemp())
+    d = scratch()
     xs = _export_example(example, names)  # (B, L) each, B, L >= 2
     B, L = torch.export.Dim("B"), torch.export.Dim("L", max=int(model.config.max_position_embeddings))
     was = model.training
