@@ -4,20 +4,23 @@ model and of a pruned one, in ONNX Runtime fp32 and int8 at batch 1, 16 and 64 o
 peer beside the bound of the work removed, the pruned files' cosine on that text, and the CPU's flags.
 
     .venv/bin/python bench/export_vs_standard.py [--fraction 0.4] [--pruned OUT/model] [--keep-per-layer N]
-        [--max-seconds 20] [--min-rounds 7] [--batches 1 16 64] [--calls 8] [--openvino]
+        [--max-seconds 20] [--min-rounds 7] [--batches 1 16 64] [--calls 8] [--openvino] [--profile-openvino]
 
 Without ``--pruned`` the cut is ``--fraction`` of the heads, least important by ablation (mean replacement) on 64
 sentences, with no recovery (a speed measurement: the fidelity is the zero-shot one); with it, the folder ``prune
 --hf`` wrote (its float weights). ``--keep-per-layer N`` keeps the first N heads of every layer instead: with N = 1,
 the most a cut of heads can give in each runtime, beside the bound of that cut (its fidelity is not the point).
 Two threads, ONNX Runtime's workers not spinning, rounds interleaved (at least ``--min-rounds`` per batch size unless
-``--max-seconds`` runs out first), each speed-up the median of the rounds' ratios with its 95% interval."""
+``--max-seconds`` runs out first), each speed-up the median of the rounds' ratios with its 95% interval.
+``--profile-openvino`` then times OpenVINO's int8 files node by node at batch 1 (OpenVINO's own per-node counters, the
+batch-1 inputs): where the cut's work goes at the batch size where it gains least."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +48,12 @@ def main(argv=None) -> None:
                    help="batch-1 calls in each round (one sentence each; more average a short call's jitter)")
     p.add_argument("--openvino", action="store_true",
                    help="OpenVINO's rows too (fp32, and NNCF's static int8 calibrated on 64 training sentences)")
+    p.add_argument("--profile-openvino", action="store_true",
+                   help="after the table, OpenVINO's int8 files node by node at batch 1 (needs --openvino)")
     a = p.parse_args(argv)
+    if a.profile_openvino and not (a.openvino and 1 in a.batches):
+        raise SystemExit("--profile-openvino: profiles OpenVINO's int8 files at batch 1; give --openvino and keep "
+                         "batch 1 in --batches")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(2)
     import transformers
@@ -108,6 +116,49 @@ def main(argv=None) -> None:
     print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "
           f"2 threads\n")
     print(deploy.markdown(rows, deploy.fidelity(full, files, kinds)))
+    if a.profile_openvino:
+        peer_ir = standard.get("openvino_pt_int8") or standard["openvino_int8"]
+        _profile({"peer": peer_ir, "unpruned": base["openvino_int8"], "pruned": files["openvino_int8"]}, inputs[1])
+
+
+def _profile(irs: dict, batches: list[dict], passes: int = 20) -> None:
+    """Each OpenVINO IR in ``irs`` ({name: path}) run ``passes`` times over ``batches`` (batch 1), compiled as the
+    table compiles it plus OpenVINO's per-node counters: microseconds a call per layer's product (q, k, v, o, the two
+    feed-forward ones) and attention, the other nodes by type, their sum and the wall time a call."""
+    import re
+    from collections import Counter
+
+    import openvino as ov
+
+    part = re.compile(r"layer\.(\d+)\.(attention\.self\.(?:query|key|value)|attention\.output\.dense|"
+                      r"intermediate\.dense|output\.dense|attention\.self/aten::scaled_dot_product_attention)")
+    got = {}
+    for name, f in irs.items():
+        c = ov.Core().compile_model(str(f), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2,
+                                                    "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": "YES"})
+        names, r, us, wall = [i.get_any_name() for i in c.inputs], c.create_infer_request(), Counter(), 0.0
+        feeds = [{n: b.get(n, torch.zeros_like(b["input_ids"])).numpy() for n in names} for b in batches]  # types: 0
+        for fd in feeds:  # warm: every length compiled once
+            r.infer(fd)
+        for _ in range(passes):
+            for fd in feeds:
+                t = time.perf_counter()
+                r.infer(fd)
+                wall += time.perf_counter() - t
+                for n in r.profiling_info:
+                    if n.status == n.Status.EXECUTED and n.node_type != "Transpose" and (m := part.search(n.node_name)):
+                        us[f"layer {m.group(1)} {m.group(2).split('/')[0].replace('attention.self', 'attention')}"] \
+                            += n.real_time.total_seconds()
+                    elif n.status == n.Status.EXECUTED:
+                        us[f"other: {n.node_type}"] += n.real_time.total_seconds()
+        calls = passes * len(feeds)
+        got[name] = {k: v / calls * 1e6 for k, v in us.items()} | {"all nodes": sum(us.values()) / calls * 1e6,
+                                                                    "wall a call": wall / calls * 1e6}
+    keys = sorted(set().union(*got.values()) - {"all nodes", "wall a call"}) + ["all nodes", "wall a call"]
+    print("\nOpenVINO int8 at batch 1, microseconds a call (OpenVINO's per-node counters)\n")
+    print("| node | " + " | ".join(got) + " |\n|---|" + "---:|" * len(got))
+    for k in keys:
+        print(f"| {k} | " + " | ".join(f"{got[n].get(k, 0.0):.1f}" for n in got) + " |")
 
 
 if __name__ == "__main__":
