@@ -9,12 +9,11 @@ BIN := $(VENV)/bin
 LOCK := constraints.txt
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS := viz,train,dev,keras,hf,pretrained,browser,notebook,onnx,openvino,fastembed,vision,lens,docs,decoder,similarity
-# pytest workers (xdist); each runs torch on one thread. Four on 2 cores: many tests wait on a child process (the
-# grader's sandbox, Chromium, exporters) or a file lock, and the extra workers fill that time (1375 tests, 2026-11-28:
-# pytest 669 s with 2 workers, 558 and 633 s with 3; 1394 tests, nothing else running: 686 s with 3 (1.64 cores busy)
-# and 579 s with 4 (1.89 cores busy; the machine's memory in use peaked at 9.5 GB, 1 GB before the run)).
-# --dist worksteal: a worker that runs out takes part of another's queue
-JOBS ?= 4
+# pytest workers (xdist); each runs torch on one thread. Three on 2 cores: many tests wait on a child process (the
+# grader's sandbox, Chromium, exporters), and a third worker fills some of that time (1375 tests, 2026-11-28: pytest
+# 669 s with 2 workers, 558 and 633 s with 3). Four: in this folder's .venv 686 -> 579 s, but on a fresh clone
+# (.ci/run, 1394 tests) 701 s against 612 s with 3. --dist worksteal: a worker that runs out takes part of another's queue
+JOBS ?= 3
 # the installer, bound to the lock: uv (from the lock; it installs the extras in ~15 s where pip takes
 # ~90 s) with constraints for everything, the build backend from the lock too. torch comes first
 # (TORCH_SPEC: ~3.5 GB with its CUDA libraries, ~16 s with uv from a local registry); uv then keeps it.

@@ -31,7 +31,7 @@ settings.register_profile("dev", derandomize=False, print_blob=True, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 SEED = int(os.environ.get("MULTIHEAD_TEST_SEED", "0"))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs four workers on two cores: one thread each,
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs three workers on two cores: one thread each,
     torch.set_num_threads(1)               # and so do the processes they start (a notebook kernel, torchrun's
     os.environ["OMP_NUM_THREADS"] = "1"    # ranks, a grader's sandboxes): 3 busy threads on 2 cores run 5x slower
     os.environ["MULTIHEAD_GRADER_JOBS"] = "1"  # and a class is graded one sandbox at a time
