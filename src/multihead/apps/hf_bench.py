@@ -179,21 +179,20 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
                ("onnx_optimized", ONNX_DIR, ONNX_OPT_FILE), ("onnx_optimized_int8", ONNX_DIR, ONNX_OPT_INT8_FILE),
                ("openvino", OPENVINO_DIR, OPENVINO_FILE), ("openvino_int8", OPENVINO_DIR, OPENVINO_INT8_FILE))
     files = {key: Path(pruned) / d / name for key, d, name in written if (Path(pruned) / d / name).is_file()}
-    made = tempfile.TemporaryDirectory(prefix="multihead-")  # this table's own files: removed after it
-    if "onnx" not in files:
-        files = mhf.export(kept, Path(made.name) / "pruned", calibration=calibration)
-    base = mhf.export(full, Path(made.name) / "unpruned", openvino=False)  # a column: ONNX Runtime's files
-    # (OpenVINO's would be converted from the same graph as the standard ones)
-    peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
-    standard = runtimes.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
-    n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
-    others = package_sentences(n, exclude=set(held_out))
-    long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)
-    kinds = (("the held-out sentences", n), ("the installed packages' descriptions", len(others)),
-             ("passages of held-out sentences", len(long), "passages"))
-    inputs, by_kind = hf_models.runtime_texts(tok, kinds, held_out[:n] + others, long, hf_models.PASSAGE_TOKENS,
-                                              sizes)
-    with made:
+    with tempfile.TemporaryDirectory(prefix="multihead-") as made:  # this table's own files: removed after it
+        if "onnx" not in files:
+            files = mhf.export(kept, Path(made) / "pruned", calibration=calibration)
+        base = mhf.export(full, Path(made) / "unpruned", openvino=False)  # a column: ONNX Runtime's files
+        # (OpenVINO's would be converted from the same graph as the standard ones)
+        peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+        standard = runtimes.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
+        n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
+        others = package_sentences(n, exclude=set(held_out))
+        long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)
+        kinds = (("the held-out sentences", n), ("the installed packages' descriptions", len(others)),
+                 ("passages of held-out sentences", len(long), "passages"))
+        inputs, by_kind = hf_models.runtime_texts(tok, kinds, held_out[:n] + others, long, hf_models.PASSAGE_TOKENS,
+                                                  sizes)
         rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=max_seconds, log=log)
         fid = deploy.fidelity(full, files, by_kind)
     log(deploy.markdown(rows, fid))
