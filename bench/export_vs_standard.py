@@ -122,9 +122,10 @@ def main(argv=None) -> None:
 
 
 def _profile(irs: dict, batches: list[dict], passes: int = 20) -> None:
-    """Each OpenVINO IR in ``irs`` ({name: path}) run ``passes`` times over ``batches`` (batch 1), compiled as the
-    table compiles it plus OpenVINO's per-node counters: microseconds a call per layer's product (q, k, v, o, the two
-    feed-forward ones) and attention, the other nodes by type, their sum and the wall time a call."""
+    """Each OpenVINO IR in ``irs`` ({name: path}) run ``passes`` times over ``batches`` (batch 1), the files
+    interleaved pass by pass, compiled as the table compiles them plus OpenVINO's per-node counters: microseconds a
+    call per layer's product (q, k, v, o, the two feed-forward ones) and attention, the other nodes by type, their sum
+    and the wall time a call."""
     import re
     from collections import Counter
 
@@ -132,28 +133,33 @@ def _profile(irs: dict, batches: list[dict], passes: int = 20) -> None:
 
     part = re.compile(r"layer\.(\d+)\.(attention\.self\.(?:query|key|value)|attention\.output\.dense|"
                       r"intermediate\.dense|output\.dense|attention\.self/aten::scaled_dot_product_attention)")
-    got = {}
+    runs = {}
     for name, f in irs.items():
         c = ov.Core().compile_model(str(f), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2,
                                                     "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": "YES"})
-        names, r, us, wall = [i.get_any_name() for i in c.inputs], c.create_infer_request(), Counter(), 0.0
+        names, r = [i.get_any_name() for i in c.inputs], c.create_infer_request()
         feeds = [{n: b.get(n, torch.zeros_like(b["input_ids"])).numpy() for n in names} for b in batches]  # types: 0
         for fd in feeds:  # warm: every length compiled once
             r.infer(fd)
-        for _ in range(passes):
+        runs[name] = (r, feeds, Counter(), [0.0])
+    for p in range(passes):  # the files interleaved, their order alternating: the machine's drift shared
+        for name in (list(runs) if p % 2 == 0 else list(runs)[::-1]):
+            r, feeds, us, wall = runs[name]
             for fd in feeds:
                 t = time.perf_counter()
                 r.infer(fd)
-                wall += time.perf_counter() - t
+                wall[0] += time.perf_counter() - t
                 for n in r.profiling_info:
                     if n.status == n.Status.EXECUTED and n.node_type != "Transpose" and (m := part.search(n.node_name)):
                         us[f"layer {m.group(1)} {m.group(2).split('/')[0].replace('attention.self', 'attention')}"] \
                             += n.real_time.total_seconds()
                     elif n.status == n.Status.EXECUTED:
                         us[f"other: {n.node_type}"] += n.real_time.total_seconds()
+    got = {}
+    for name, (_, feeds, us, wall) in runs.items():
         calls = passes * len(feeds)
         got[name] = {k: v / calls * 1e6 for k, v in us.items()} | {"all nodes": sum(us.values()) / calls * 1e6,
-                                                                    "wall a call": wall / calls * 1e6}
+                                                                    "wall a call": wall[0] / calls * 1e6}
     keys = sorted(set().union(*got.values()) - {"all nodes", "wall a call"}) + ["all nodes", "wall a call"]
     print("\nOpenVINO int8 at batch 1, microseconds a call (OpenVINO's per-node counters)\n")
     print("| node | " + " | ".join(got) + " |\n|---|" + "---:|" * len(got))
