@@ -358,6 +358,9 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     std = runtimes.standard_files(peer, ex, openvino=True)
     assert {"openvino", "openvino_pt"} <= set(std)
+    # the attention ops read the padding mask from the input; the standard conversion keeps transformers' mask graph
+    assert "mask read from attention_mask" in meta["openvino"], meta
+    assert len(ir.get_ordered_ops()) < len(ov.Core().read_model(str(std["openvino_pt"])).get_ordered_ops())
     for f, want_model in ((written["openvino"], model), (std["openvino_pt"], peer), (std["openvino"], peer)):
         run = _runtime("openvino", f)
         for B, L in ((3, 9), (1, 1)):
@@ -370,3 +373,61 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
             with torch.no_grad():
                 want = want_model(input_ids=ids, attention_mask=am, token_type_ids=tt).last_hidden_state
             assert (got[am.bool()] - want[am.bool()]).abs().max() <= 1e-4, (f, B, L)
+
+
+class _Banded(torch.nn.Module):
+    """Token embeddings, one SDPA layer of 2 heads of 4 whose mask is the key padding mask, and (``band``) keys at most
+    ``band`` positions away: a local-attention mask that equals the padding mask at lengths up to ``band`` only."""
+
+    def __init__(self, band: int | None, longest: int):
+        super().__init__()
+        import types
+
+        torch.manual_seed(0)
+        self.config = types.SimpleNamespace(max_position_embeddings=longest, vocab_size=100)
+        self.emb, self.qkv, self.band = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 24), band
+
+    def forward(self, input_ids, attention_mask):
+        B, L = input_ids.shape
+        q, k, v = self.qkv(self.emb(input_ids)).view(B, L, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D)
+        mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, Lk)
+        if self.band is not None:
+            i = torch.arange(L)
+            mask = mask & ((i[:, None] - i[None, :]).abs() <= self.band)  # (B, 1, Lq, Lk)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, L, D)
+
+
+@pytest.mark.parametrize("band, longest, rewritten", [(None, 64, True), (16, 64, False), (2, 64, False),
+                                                      (None, 4096, False)])
+def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_mask_is_the_padding_mask(
+        band, longest, rewritten):
+    """padding_mask_only gives each OpenVINO attention op the key padding mask straight from attention_mask where
+    the traced mask equals it at a short length and at the longest the model takes (outputs unchanged, fewer nodes);
+    a local window (16: equal to the padding mask at length 7, not at 64; 2: at neither) and a model taking more
+    than 2048 positions are left as converted, node for node."""
+    ov = pytest.importorskip("openvino")
+    from multihead.hf.export import padding_mask_only
+
+    toy = _Banded(band, longest).eval()
+    ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    with torch.no_grad():
+        ir = ov.convert_model(toy, example_input=ex)
+    before = len(ir.get_ordered_ops())
+    got = padding_mask_only(ir, toy)
+    assert (got is not None) == rewritten, got
+    if not rewritten:
+        assert len(ir.get_ordered_ops()) == before
+        return
+    assert got == (7, longest) and len(ir.get_ordered_ops()) < before
+    sdpa = [o for o in ir.get_ordered_ops() if o.get_type_name() == "ScaledDotProductAttention"]
+    feeding = sdpa[0].input(3).get_source_output().get_node()  # Unsqueeze(Convert(attention_mask))
+    assert feeding.input(0).get_source_output().get_node().input(0).get_source_output().get_node() \
+        .get_friendly_name() == "attention_mask"
+    run = ov.Core().compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    for B, L in ((3, 11), (1, 64)):
+        ids, am = torch.randint(3, 100, (B, L)), torch.ones(B, L, dtype=torch.long)
+        am[B - 1, L // 3:] = 0
+        with torch.no_grad():
+            want = toy(ids, am)
+        out = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy()})[0])
+        assert (out - want).abs().max() <= 1e-5, (B, L)
