@@ -360,6 +360,10 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
     assert {"openvino", "openvino_pt"} <= set(std)
     # the attention ops read the padding mask from the input; the standard conversion keeps transformers' mask graph
     assert "mask read from attention_mask" in meta["openvino"], meta
+    assert "reshapes to the same shape after attention ops left out" in meta["openvino"], meta
+    after = [list(o.output(0).get_target_inputs())[0].get_node().get_type_name() for o in ir.get_ordered_ops()
+             if o.get_type_name() == "ScaledDotProductAttention"]
+    assert after == ["Transpose", "Transpose"], after  # no reshape between the attention op and its transpose
     assert len(ir.get_ordered_ops()) < len(ov.Core().read_model(str(std["openvino_pt"])).get_ordered_ops())
     for f, want_model in ((written["openvino"], model), (std["openvino_pt"], peer), (std["openvino"], peer)):
         run = _runtime("openvino", f)
@@ -431,3 +435,30 @@ def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_ma
             want = toy(ids, am)
         out = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy()})[0])
         assert (out - want).abs().max() <= 1e-5, (B, L)
+
+
+@pytest.mark.parametrize("target, users, dropped", [((0, 2, 0, 4), 1, 1), ((0, 1, 0, 8), 1, 0), ((0, 2, 0, 4), 2, 0)])
+def test_openvino_reshape_after_attention_is_left_out_only_where_it_keeps_every_dimension(target, users, dropped):
+    """identity_reshapes leaves out a Reshape right after an attention op only where its constant target keeps every
+    dimension ((0, H, 0, D), 0 copying the dynamic B and L); one that regroups the heads, or whose attention output
+    has another user, stays; the outputs are unchanged either way."""
+    import numpy as np
+
+    ov = pytest.importorskip("openvino")
+    from openvino import opset13 as ops
+
+    from multihead.hf.export import identity_reshapes
+
+    qkv = [ops.parameter([-1, 2, -1, 4], np.float32, name=n) for n in "qkv"]  # (B, H, L, D)
+    att = ops.scaled_dot_product_attention(*qkv, causal=False)  # (B, H, L, D)
+    outs = [ops.relu(ops.reshape(att, np.array(target), special_zero=True))] + [ops.negative(att)] * (users - 1)
+    ir = ov.Model(outs, qkv)
+    feed = {n: np.random.default_rng(i).standard_normal((3, 2, 5, 4)).astype(np.float32) for i, n in enumerate("qkv")}
+    f32 = {"INFERENCE_PRECISION_HINT": "f32"}  # no bf16 where the CPU has it
+    before = [ov.Core().compile_model(ir, "CPU", f32)(feed)[i] for i in range(users)]
+    assert identity_reshapes(ir) == dropped
+    assert sum(o.get_type_name() == "Reshape" for o in ir.get_ordered_ops()) == 1 - dropped
+    after = ov.Core().compile_model(ir, "CPU", f32)(feed)
+    # the same arithmetic up to float32 rounding (a kernel fused differently may sum in another order)
+    gaps = [float(np.abs(after[i] - before[i]).max()) for i in range(users)]
+    assert max(gaps) <= 1e-6, gaps

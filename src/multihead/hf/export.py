@@ -10,7 +10,7 @@ layout sentence-transformers and fastembed read::
     DIR/openvino/openvino_model.xml     OpenVINO IR, fp32 (the openvino extra): the model through OpenVINO's PyTorch
                                         frontend, as optimum-intel converts (else model.onnx through its ONNX one),
                                         each attention op's mask read from attention_mask where the traced mask is
-                                        the padding mask alone (checked)
+                                        the padding mask alone (checked), no same-shape reshape after it
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra)
 
     DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
@@ -511,8 +511,9 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     pruned size, traced on ``example``; the way optimum-intel and sentence-transformers' OpenVINO backend convert:
     one OpenVINO attention op per layer), run on two padded batches and compared with the torch model
     (:func:`verify`); then, where the traced mask is the padding mask alone, each attention op given it straight
-    from ``attention_mask`` (:func:`padding_mask_only`: ~30 fewer nodes OpenVINO re-runs at every new input length)
-    and compared again; where that conversion fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend,
+    from ``attention_mask`` (:func:`padding_mask_only`: ~30 fewer nodes OpenVINO re-runs at every new input length),
+    the reshapes that keep every dimension after them left out (:func:`identity_reshapes`), and compared again;
+    where that conversion fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend,
     verified the same way (RuntimeError when it cannot be read). The output is named like the model's first output
     (``last_hidden_state`` or ``logits``)."""
     from multihead.extras import quiet_logs, require
@@ -537,11 +538,13 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
             ir.outputs[0].get_tensor().set_names({out_name})
             ir = checked(ir, "the PyTorch model's OpenVINO conversion")
             how = f"openvino.convert_model of the PyTorch model ({used} attention)"
-            if (probed := padding_mask_only(simple := ir.clone(), model)) is None:
+            probed, dropped = padding_mask_only(simple := ir.clone(), model), identity_reshapes(simple)
+            if probed is None and not dropped:
                 return ir, how
-            return checked(simple, "the PyTorch model's OpenVINO conversion, padding mask read directly"), \
-                f"{how}; each attention op's mask read from attention_mask (B, 1, 1, Lk), the graph's own mask " \
-                f"found equal to it at lengths {probed}"
+            done = ([f"each attention op's mask read from attention_mask (B, 1, 1, Lk), the graph's own mask found "
+                     f"equal to it at lengths {probed}"] if probed else []) + \
+                ([f"{dropped} reshapes to the same shape after attention ops left out"] if dropped else [])
+            return checked(simple, "the PyTorch model's OpenVINO conversion, simplified"), "; ".join([how, *done])
         except Exception as e:  # noqa: BLE001 - the frontend's and verify's failures share no base class
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     if f is None:
@@ -590,6 +593,29 @@ def padding_mask_only(ir, model: nn.Module) -> tuple[int, ...] | None:
         o.input(3).replace_source_output(mask.output(0))
     ir.validate_nodes_and_infer_types()
     return (7, longest)
+
+
+def identity_reshapes(ir) -> int:
+    """Each ``Reshape`` right after an attention op of the OpenVINO model ``ir`` that keeps every dimension (its
+    target a constant with 0, "copy this one", in every dynamic place and the same size in every static one) left
+    out: the conversion of transformers' attention leaves one per layer, and it keeps OpenVINO's CPU plugin from
+    taking the transposes around the op into its fused attention kernel. Returns how many were left out."""
+    n = 0
+    for op in [o for o in ir.get_ordered_ops() if o.get_type_name() == "ScaledDotProductAttention"]:
+        users = list(op.output(0).get_target_inputs())
+        r = users[0].get_node() if len(users) == 1 else None
+        if r is None or r.get_type_name() != "Reshape" or not r.get_attributes().get("special_zero"):
+            continue
+        target = r.input(1).get_source_output().get_node()
+        shape = op.get_output_partial_shape(0)  # (B, H, Lq, Dv), B and Lq dynamic
+        if target.get_type_name() != "Constant" or len(want := list(target.get_vector())) != shape.rank.get_length():
+            continue
+        if all(w == 0 or (d.is_static and w == d.get_length()) for w, d in zip(want, shape)):
+            r.output(0).replace(op.output(0))
+            n += 1
+    if n:
+        ir.validate_nodes_and_infer_types()
+    return n
 
 
 def openvino_int8(source: Path, out: Path, calibration: list[dict]) -> Path:
