@@ -383,40 +383,49 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
             assert (got[am.bool()] - want[am.bool()]).abs().max() <= 1e-4, (f, B, L)
 
 
-class _Banded(torch.nn.Module):
-    """Token embeddings, one SDPA layer of 2 heads of 4 whose mask is the key padding mask, and (``band``) keys at most
-    ``band`` positions away: a local-attention mask that equals the padding mask at lengths up to ``band`` only."""
+class _Masked(torch.nn.Module):
+    """Token embeddings and one SDPA layer of 2 heads of 4 whose mask is the key padding mask ("padding"), or one
+    that equals it on some inputs only: keys at most 16 or 2 positions away ("band16": equal up to length 16;
+    "band2"), the first attention_mask.sum() keys ("lengths": equal where the padding is at the right), the keys
+    whose token is not 0 ("tokens": equal where no real token is 0)."""
 
-    def __init__(self, band: int | None, longest: int):
+    def __init__(self, kind: str, longest: int, **config):
         super().__init__()
         import types
 
         torch.manual_seed(0)
-        self.config = types.SimpleNamespace(max_position_embeddings=longest, vocab_size=100)
-        self.emb, self.qkv, self.band = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 24), band
+        self.config = types.SimpleNamespace(max_position_embeddings=longest, vocab_size=100, **config)
+        self.emb, self.qkv, self.kind = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 24), kind
 
     def forward(self, input_ids, attention_mask):
         B, L = input_ids.shape
         q, k, v = self.qkv(self.emb(input_ids)).view(B, L, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D)
+        i = torch.arange(L)
         mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, Lk)
-        if self.band is not None:
-            i = torch.arange(L)
-            mask = mask & ((i[:, None] - i[None, :]).abs() <= self.band)  # (B, 1, Lq, Lk)
+        if self.kind.startswith("band"):
+            mask = mask & ((i[:, None] - i[None, :]).abs() <= int(self.kind[4:]))  # (B, 1, Lq, Lk)
+        elif self.kind == "lengths":
+            mask = (i[None, :] < attention_mask.sum(-1, keepdim=True))[:, None, None, :]  # (B, 1, 1, Lk)
+        elif self.kind == "tokens":
+            mask = mask & (input_ids != 0)[:, None, None, :]  # (B, 1, 1, Lk)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, L, D)
 
 
-@pytest.mark.parametrize("band, longest, rewritten", [(None, 64, True), (16, 64, False), (2, 64, False),
-                                                      (None, 4096, False)])
+@pytest.mark.parametrize("kind, longest, config, rewritten", [
+    ("padding", 64, {}, True), ("band16", 64, {}, False), ("band2", 64, {}, False), ("lengths", 64, {}, False),
+    ("tokens", 64, {}, False), ("padding", 4096, {}, False), ("padding", 64, {"sliding_window": 512}, False)])
 def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_mask_is_the_padding_mask(
-        band, longest, rewritten):
+        kind, longest, config, rewritten):
     """padding_mask_only gives each OpenVINO attention op the key padding mask straight from attention_mask where
-    the traced mask equals it at a short length and at the longest the model takes (outputs unchanged, fewer nodes);
-    a local window (16: equal to the padding mask at length 7, not at 64; 2: at neither) and a model taking more
-    than 2048 positions are left as converted, node for node."""
+    the traced mask equals it at a short length and at the longest the model takes, on padding at the right, the
+    left and in holes and on tokens 0-2 (outputs unchanged, fewer nodes). Left as converted, node for node: a local
+    window (16: equal to the padding mask at length 7, not at 64; 2: at neither), a mask from the row's length (equal
+    where the padding is at the right only), one from the tokens (equal where no real token is 0), a model taking
+    more than 2048 positions, and one whose config names a window."""
     ov = pytest.importorskip("openvino")
     from multihead.hf.export import padding_mask_only
 
-    toy = _Banded(band, longest).eval()
+    toy = _Masked(kind, longest, **config).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
     with torch.no_grad():
         ir = ov.convert_model(toy, example_input=ex)
@@ -433,12 +442,36 @@ def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_ma
         .get_friendly_name() == "attention_mask"
     run = ov.Core().compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     for B, L in ((3, 11), (1, 64)):
-        ids, am = torch.randint(3, 100, (B, L)), torch.ones(B, L, dtype=torch.long)
+        ids, am = torch.randint(0, 100, (B, L)), torch.ones(B, L, dtype=torch.long)
         am[B - 1, L // 3:] = 0
+        am[0, :2] = 0  # left padding too
         with torch.no_grad():
             want = toy(ids, am)
         out = torch.from_numpy(run({"input_ids": ids.numpy(), "attention_mask": am.numpy()})[0])
         assert (out - want).abs().max() <= 1e-5, (B, L)
+
+
+def test_a_failed_simplification_keeps_the_verified_openvino_conversion():
+    """_simplified returns the verified model itself, saying why, where the rewritten copy fails its check against
+    the torch model (or a rewrite raises): a rewrite never costs the export its OpenVINO file."""
+    ov = pytest.importorskip("openvino")
+    from multihead.hf.export import _simplified
+
+    toy = _Masked("padding", 64).eval()
+    ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    with torch.no_grad():
+        ir = ov.convert_model(toy, example_input=ex)
+    n = len(ir.get_ordered_ops())
+
+    def refuse(model, what):
+        raise RuntimeError(f"{what} differs")
+
+    got, how = _simplified(ir, toy, "converted", refuse)
+    assert got is ir and len(got.get_ordered_ops()) == n
+    assert how == "converted; left as converted (simplifying it failed: RuntimeError: the PyTorch model's OpenVINO " \
+                  "conversion, simplified differs)"
+    kept, said = _simplified(ir, toy, "converted", lambda model, what: model)
+    assert kept is not ir and len(kept.get_ordered_ops()) < n and "mask read from attention_mask" in said
 
 
 @pytest.mark.parametrize("target, users, dropped", [((0, 2, 0, 4), 1, 1), ((0, 1, 0, 8), 1, 0), ((0, 2, 0, 4), 2, 0)])

@@ -201,7 +201,7 @@ def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -
     if any(len(r.get("standard") or {}) > 1 for r in rows):  # every way of making the standard file, not only the peer
         lines += ["", "| runtime | batch | each standard file of the unpruned model, ms (the fastest is the peer) |",
                   "|---|---:|---|"]
-        lines += [f"| {r['runtime']} | {r['batch']} | " + "; ".join(f"{k}: {ms(t)}" for k, t in r["standard"].items())
+        lines += [f"| {r['runtime']} | {r['batch']} | " + "; ".join(f"{k}: {ms(t)}" for k, t in (r.get("standard") or {}).items())
                   + " |" for r in rows]
     if fid:
         kinds = list(next(iter(fid.values())))

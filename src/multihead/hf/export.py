@@ -537,14 +537,7 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
                                       example_input=dict(zip(names, xs)))
             ir.outputs[0].get_tensor().set_names({out_name})
             ir = checked(ir, "the PyTorch model's OpenVINO conversion")
-            how = f"openvino.convert_model of the PyTorch model ({used} attention)"
-            probed, dropped = padding_mask_only(simple := ir.clone(), model), identity_reshapes(simple)
-            if probed is None and not dropped:
-                return ir, how
-            done = ([f"each attention op's mask read from attention_mask (B, 1, 1, Lk), the graph's own mask found "
-                     f"equal to it at lengths {probed}"] if probed else []) + \
-                ([f"{dropped} reshapes to the same shape after attention ops left out"] if dropped else [])
-            return checked(simple, "the PyTorch model's OpenVINO conversion, simplified"), "; ".join([how, *done])
+            return _simplified(ir, model, f"openvino.convert_model of the PyTorch model ({used} attention)", checked)
         except Exception as e:  # noqa: BLE001 - the frontend's and verify's failures share no base class
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     if f is None:
@@ -556,37 +549,66 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     return checked(ir, f"{f} in OpenVINO"), f"openvino.convert_model of {f.name} (the PyTorch model's conversion: {why})"
 
 
+def _simplified(ir, model: nn.Module, how: str, checked) -> tuple:
+    """(model, how) for the verified OpenVINO model ``ir``: a copy with the padding mask read from the input
+    (:func:`padding_mask_only`) and same-shape reshapes after attention left out (:func:`identity_reshapes`),
+    checked against the torch model by ``checked``; ``ir`` itself, ``how`` saying why, where a rewrite or its
+    check fails (the verified conversion is kept, never lost to a rewrite)."""
+    try:
+        probed, dropped = padding_mask_only(simple := ir.clone(), model), identity_reshapes(simple)
+        if probed is None and not dropped:
+            return ir, how
+        done = ([f"each attention op's mask read from attention_mask (B, 1, 1, Lk), the graph's own mask found "
+                 f"equal to it at lengths {probed}"] if probed else []) + \
+            ([f"{dropped} reshapes to the same shape after attention ops left out"] if dropped else [])
+        return checked(simple, "the PyTorch model's OpenVINO conversion, simplified"), "; ".join([how, *done])
+    except Exception as e:  # noqa: BLE001 - OpenVINO's and verify's failures share no base class
+        return ir, f"{how}; left as converted (simplifying it failed: {type(e).__name__}: {str(e)[:200]})"
+
+
+#: config fields that name a local attention window: a model with one keeps its traced mask (its window may pass
+#: every length probed and still cut a longer input)
+WINDOW_FIELDS = ("sliding_window", "local_attention", "attention_window", "window_size", "local_window_size")
+
+
 def padding_mask_only(ir, model: nn.Module) -> tuple[int, ...] | None:
     """Each attention op (``ScaledDotProductAttention``) of the OpenVINO model ``ir`` given the key padding mask
     straight from the ``attention_mask`` input, (B, 1, 1, Lk) boolean, in place of the mask subgraph the conversion
     traced (transformers' mask functions: ~30 index, range and shape nodes that OpenVINO re-runs at every new input
-    length). Done only where that subgraph is first run at a short and at the longest length the model takes and
-    every attention op's mask equals the padding mask there (a causal, sliding-window or other mask differs; a
-    model taking over 2048 positions is left as converted); returns the lengths checked, or None with ``ir`` left
-    unchanged. The caller compares the rewritten model with the torch model (:func:`verify`)."""
+    length). Done only where that subgraph, run at a short and at the longest length the model takes on padding at
+    the right, at the left and in holes, with two draws of the tokens (every id below 3 and the pad id among them)
+    and of the token types, gives every attention op the padding mask (a causal, sliding-window, length- or
+    token-derived mask differs); a model with a window in its config (:data:`WINDOW_FIELDS`) or taking over 2048
+    positions is left as converted. Returns the lengths checked, or None with ``ir`` left unchanged. The caller
+    compares the rewritten model with the torch model (:func:`verify`)."""
     import numpy as np
     import openvino as ov
     from openvino import opset13 as ops
 
+    cfg = model.config
     ops_ = [o for o in ir.get_ordered_ops() if o.get_type_name() == "ScaledDotProductAttention"]
     params = {p.get_friendly_name(): p for p in ir.get_parameters()}
-    longest = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    longest = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     if (not ops_ or "attention_mask" not in params or not 8 <= longest <= 2048
+            or any(getattr(cfg, f, None) for f in WINDOW_FIELDS)
             or any(o.get_input_size() < 4 or o.get_attributes().get("causal") for o in ops_)):
         return None
-    masks = {id(o): o.input(3).get_source_output() for o in ops_}
-    if any(m.get_element_type() != ov.Type.boolean for m in masks.values()):
+    masks = [o.input(3).get_source_output() for o in ops_]
+    if any(m.get_element_type() != ov.Type.boolean for m in masks):
         return None
-    probe = ov.Core().compile_model(ov.Model(list(masks.values()), ir.get_parameters()), "CPU")
-    vocab = int(getattr(model.config, "vocab_size", 100) or 100)
-    for L in (7, longest):
-        am = np.ones((2, L), np.int64)  # (B, L): the second row padded after its first third
-        am[1, max(1, L // 3):] = 0
-        feed = {n: (am if n == "attention_mask" else np.random.default_rng(L).integers(3, min(vocab, 1000), (2, L))
-                    if n == "input_ids" else np.zeros((2, L), np.int64)) for n in params}
+    probe = ov.Core().compile_model(ov.Model(masks, ir.get_parameters()), "CPU")
+    vocab, types = int(getattr(cfg, "vocab_size", 100) or 100), int(getattr(cfg, "type_vocab_size", 1) or 1)
+    for L, draw in ((7, 0), (7, 1), (longest, 0), (longest, 1)):
+        am = np.ones((4, L), np.int64)  # (B, L): rows whole, padded at the right, at the left, in holes
+        am[1, max(1, L // 3):], am[2, :L - max(1, L // 3)], am[3, 1::3] = 0, 0, 0
+        ids = np.random.default_rng(10 * L + draw).integers(0, min(vocab, 1000), (4, L))  # (B, L)
+        ids[:, :3] = [0, 1, 2]
+        ids[:, 3] = getattr(cfg, "pad_token_id", None) or 0
+        feed = {n: am if n == "attention_mask" else ids if n == "input_ids" else
+                np.full((4, L), draw % types, np.int64) for n in params}
         want = am.astype(bool)[:, None, None, :]  # (B, 1, 1, Lk)
         for got in probe(feed).values():  # (B, 1 or H, Lq, Lk)
-            if not np.array_equal(*np.broadcast_arrays(got.astype(bool), want)):
+            if got.ndim != 4 or not np.array_equal(*np.broadcast_arrays(got.astype(bool), want)):
                 return None
     mask = ops.unsqueeze(ops.convert(params["attention_mask"], "boolean"), np.array([1, 2]))  # (B, 1, 1, Lk)
     for o in ops_:
