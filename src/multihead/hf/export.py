@@ -512,9 +512,10 @@ def openvino_ir(model: nn.Module, f: Path | None, names: list[str], example: dic
     one OpenVINO attention op per layer), run on two padded batches and compared with the torch model
     (:func:`verify`); then, where the traced mask is the padding mask alone, each attention op given it straight
     from ``attention_mask`` (:func:`padding_mask_only`: ~30 fewer nodes OpenVINO re-runs at every new input length),
-    the reshapes that keep every dimension after them left out (:func:`identity_reshapes`), and compared again;
-    where that conversion fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend,
-    verified the same way (RuntimeError when it cannot be read). The output is named like the model's first output
+    the reshapes that keep every dimension after them left out (:func:`identity_reshapes`), and compared again
+    (:func:`_simplified`: where a rewrite or that check fails, the verified conversion as it was); where the
+    conversion itself fails or differs, the ONNX file ``f`` through OpenVINO's ONNX frontend, verified the same way
+    (RuntimeError when it cannot be read). The output is named like the model's first output
     (``last_hidden_state`` or ``logits``)."""
     from multihead.extras import quiet_logs, require
 
