@@ -216,8 +216,9 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
 def _runtime_files_match_the_model(out, report, said):
     """The kept model's runtime files (onnx/, openvino/ in OUT/model) run by a plain ONNX Runtime session and by
     OpenVINO on the tokenizer's own outputs equal the pruned float model (fp32 within float rounding, int8 within
-    the rounding torch's own int8 model of it shows), at its pruned size; the report times them against the unpruned
-    files beside the bound and says so in report.md and on the command line."""
+    the rounding torch's own int8 model of it shows; OpenVINO's int8 file with each layer's query and key products
+    merged), at its pruned size; the report times them against the unpruned files beside the bound and says so in
+    report.md and on the command line."""
     ort = pytest.importorskip("onnxruntime")
     import numpy as np
 
@@ -245,6 +246,12 @@ def _runtime_files_match_the_model(out, report, said):
             assert (got - want)[keep].abs().max() <= 1e-4
         else:  # NNCF's static int8 (activations' ranges calibrated): the same model within its rounding
             assert torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1).min() > 0.9
+    if ov is not None:  # each attention op's query and key come from one int8 product (merge_query_key), said
+        ops = [o.get_type_name() for o in ov.Core().read_model(str(out / "model/openvino/openvino_model_int8.xml"))
+               .get_ordered_ops()]
+        said_int8 = json.loads((out / "model/onnx/export.json").read_text())["openvino_int8"]
+        assert ops.count("VariadicSplit") == ops.count("ScaledDotProductAttention") > 0, ops
+        assert f"of {ops.count('VariadicSplit')} attention ops merged" in said_int8, said_int8
     kept_rows = model.encoder.layer[0].attention.self.query.weight.shape[0]  # the kept heads' rows
     import onnx
 

@@ -499,3 +499,58 @@ def test_openvino_reshape_after_attention_is_left_out_only_where_it_keeps_every_
     # the same arithmetic up to float32 rounding (a kernel fused differently may sum in another order)
     gaps = [float(np.abs(after[i] - before[i]).max()) for i in range(users)]
     assert max(gaps) <= 1e-6, gaps
+
+
+def _quantized_attention(case: str):
+    """An OpenVINO model shaped like NNCF's int8 attention: x (B, L, 8) -> query and key products with int8 weights
+    (a scale per output channel, a bias, the output quantized: limits per tensor for one, per channel for the other),
+    reshaped to (B, 2, L, 4); a float value product; one attention op. ``case`` breaks one thing the merge needs:
+    "other input" (the key reads another tensor), "levels" (the key quantized to 16 levels), "zero point" (the key's
+    weights shifted before their scale)."""
+    import numpy as np
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    rng = np.random.default_rng(3)
+    x, x2 = (ops.parameter([-1, -1, 8], np.float32, name=n) for n in ("x", "x2"))
+
+    def product(inp, limits, levels=256, zero=False):
+        w = ops.convert(ops.constant(rng.integers(-127, 128, (8, 8)).astype(np.int8)), "f32")  # (N, E)
+        if zero:
+            w = ops.subtract(w, ops.constant(np.full((8, 1), 3, np.float32)))
+        w = ops.multiply(w, ops.constant(rng.uniform(0.001, 0.01, (8, 1)).astype(np.float32)))
+        y = ops.add(ops.matmul(inp, w, False, True), ops.constant(rng.standard_normal((1, 1, 8)).astype(np.float32)))
+        y = ops.fake_quantize(y, *(ops.constant(np.asarray(v, np.float32)) for v in limits), levels)  # (B, L, N)
+        return ops.transpose(ops.reshape(y, np.array([0, 0, 2, 4]), True), np.array([0, 2, 1, 3]))  # (B, H, L, D)
+
+    per_channel = [np.linspace(-2, -1, 8).reshape(1, 1, 8), np.linspace(1, 2, 8).reshape(1, 1, 8)]
+    q = product(x, [-1.5, 1.5, -1.5, 1.5])
+    k = product(x2 if case == "other input" else x, per_channel * 2, 16 if case == "levels" else 256,
+                zero=case == "zero point")
+    v = ops.transpose(ops.reshape(ops.matmul(x, ops.constant(rng.standard_normal((8, 8)).astype(np.float32)), False,
+                                             True), np.array([0, 0, 2, 4]), True), np.array([0, 2, 1, 3]))
+    return ov.Model([ops.scaled_dot_product_attention(q, k, v, causal=False)], [x, x2])
+
+
+@pytest.mark.parametrize("case, merged", [("", 1), ("other input", 0), ("levels", 0), ("zero point", 0)])
+def test_openvino_int8_query_and_key_products_merge_into_one_only_where_the_arithmetic_is_the_same(case, merged):
+    """merge_query_key gives an attention op its query and key from one int8 product (weights stacked, biases
+    joined, one FakeQuantize with each half's own limits, a split after) where both are NNCF's int8 products of one
+    input; the outputs are NNCF's model's to float32 rounding. Left alone: a key reading another tensor, quantized
+    to other levels, or with a zero point in its weights."""
+    import numpy as np
+
+    ov = pytest.importorskip("openvino")
+    from multihead.hf.export import merge_query_key
+
+    ir = _quantized_attention(case)
+    kinds = [o.get_type_name() for o in ir.get_ordered_ops()]
+    feed = {n: np.random.default_rng(i).standard_normal((3, 5, 8)).astype(np.float32) for i, n in enumerate(("x", "x2"))}
+    f32 = {"INFERENCE_PRECISION_HINT": "f32"}
+    before = ov.Core().compile_model(ir, "CPU", f32)(feed)[0]
+    assert merge_query_key(ir) == merged
+    after_kinds = [o.get_type_name() for o in ir.get_ordered_ops()]
+    assert after_kinds.count("MatMul") == kinds.count("MatMul") - merged
+    assert after_kinds.count("VariadicSplit") == merged and after_kinds.count("FakeQuantize") == 2 - merged
+    after = ov.Core().compile_model(ir, "CPU", f32)(feed)[0]
+    assert np.abs(after - before).max() <= 1e-5 * np.abs(before).max(), case
