@@ -506,7 +506,8 @@ def _quantized_attention(case: str):
     (a scale per output channel, a bias, the output quantized: limits per tensor for one, per channel for the other),
     reshaped to (B, 2, L, 4); a float value product; one attention op. ``case`` breaks one thing the merge needs:
     "other input" (the key reads another tensor), "levels" (the key quantized to 16 levels), "zero point" (the key's
-    weights shifted before their scale)."""
+    weights shifted before their scale), "input scale" (the key's scale on its input channels, (1, E): N == E here, so
+    only the axis tells it from NNCF's (N, 1))."""
     import numpy as np
     import openvino as ov
     from openvino import opset13 as ops
@@ -514,11 +515,11 @@ def _quantized_attention(case: str):
     rng = np.random.default_rng(3)
     x, x2 = (ops.parameter([-1, -1, 8], np.float32, name=n) for n in ("x", "x2"))
 
-    def product(inp, limits, levels=256, zero=False):
+    def product(inp, limits, levels=256, zero=False, scale=(8, 1)):
         w = ops.convert(ops.constant(rng.integers(-127, 128, (8, 8)).astype(np.int8)), "f32")  # (N, E)
         if zero:
             w = ops.subtract(w, ops.constant(np.full((8, 1), 3, np.float32)))
-        w = ops.multiply(w, ops.constant(rng.uniform(0.001, 0.01, (8, 1)).astype(np.float32)))
+        w = ops.multiply(w, ops.constant(rng.uniform(0.001, 0.01, scale).astype(np.float32)))
         y = ops.add(ops.matmul(inp, w, False, True), ops.constant(rng.standard_normal((1, 1, 8)).astype(np.float32)))
         y = ops.fake_quantize(y, *(ops.constant(np.asarray(v, np.float32)) for v in limits), levels)  # (B, L, N)
         return ops.transpose(ops.reshape(y, np.array([0, 0, 2, 4]), True), np.array([0, 2, 1, 3]))  # (B, H, L, D)
@@ -526,18 +527,19 @@ def _quantized_attention(case: str):
     per_channel = [np.linspace(-2, -1, 8).reshape(1, 1, 8), np.linspace(1, 2, 8).reshape(1, 1, 8)]
     q = product(x, [-1.5, 1.5, -1.5, 1.5])
     k = product(x2 if case == "other input" else x, per_channel * 2, 16 if case == "levels" else 256,
-                zero=case == "zero point")
+                zero=case == "zero point", scale=(1, 8) if case == "input scale" else (8, 1))
     v = ops.transpose(ops.reshape(ops.matmul(x, ops.constant(rng.standard_normal((8, 8)).astype(np.float32)), False,
                                              True), np.array([0, 0, 2, 4]), True), np.array([0, 2, 1, 3]))
     return ov.Model([ops.scaled_dot_product_attention(q, k, v, causal=False)], [x, x2])
 
 
-@pytest.mark.parametrize("case, merged", [("", 1), ("other input", 0), ("levels", 0), ("zero point", 0)])
+@pytest.mark.parametrize("case, merged", [("", 1), ("other input", 0), ("levels", 0), ("zero point", 0),
+                                          ("input scale", 0)])
 def test_openvino_int8_query_and_key_products_merge_into_one_only_where_the_arithmetic_is_the_same(case, merged):
     """merge_query_key gives an attention op its query and key from one int8 product (weights stacked, biases
     joined, one FakeQuantize with each half's own limits, a split after) where both are NNCF's int8 products of one
     input; the outputs are NNCF's model's to float32 rounding. Left alone: a key reading another tensor, quantized
-    to other levels, or with a zero point in its weights."""
+    to other levels, with a zero point in its weights, or scaled along its input channels."""
     import numpy as np
 
     ov = pytest.importorskip("openvino")

@@ -12,7 +12,8 @@ layout sentence-transformers and fastembed read::
                                         each attention op's mask read from attention_mask where the traced mask is
                                         the padding mask alone (checked), no same-shape reshape after it
     DIR/openvino/openvino_model_int8.xml  NNCF static int8, calibrated on the batches given (the openvino extra),
-                                        each attention op's query and key from one int8 product (checked)
+                                        each attention op's query and key from one int8 product where NNCF's
+                                        graph allows it (the outputs checked equal; else NNCF's model as is)
 
     DIR/onnx/model_optimized.onnx       ONNX Runtime's transformer optimizer's file (its fusions: each layer's
     DIR/onnx/model_optimized_int8.onnx  attention into one Attention op, layer norms with the residual add, GELU with
@@ -491,7 +492,9 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
 def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],
               calibration: list[dict] | None, example: dict | None = None) -> dict[str, Path]:
     """OpenVINO IR of ``model`` in ``folder``: fp32 (:func:`openvino_ir`, verified like the ONNX file), and int8 by
-    NNCF's static quantization (the transformer preset) where nncf is installed and ``calibration`` is given."""
+    NNCF's static quantization (the transformer preset) where nncf is installed and ``calibration`` is given, each
+    attention op's query and key products then merged into one (:func:`merge_query_key`, checked against NNCF's
+    model by :func:`_query_key_merged`); export.json says how each file was made."""
     from multihead.extras import require
 
     ov = require("openvino", "OpenVINO IR export")
@@ -748,14 +751,15 @@ def _same(a, b) -> bool:
 def _quantized_product(out) -> dict | None:
     """The int8 product NNCF made that feeds ``out`` through reshapes and transposes, FakeQuantize(Add(MatMul(x,
     Multiply(Convert(int8 Constant (N, E)), scale)), bias), limits): {"x", "w", "wt", "s", "b", "limits", "levels",
-    "fq"}, or None where the graph is anything else (a zero point, a weight not transposed, a limit not constant)."""
+    "fq"}, or None where the graph is anything else (a zero point, a weight not transposed, a limit not constant, a
+    scale other than per tensor or per output channel (N, 1), a bias or limit along another axis than the last)."""
     def const(o):
         return o.get_node().get_data() if o.get_node().get_type_name() == "Constant" else None
 
     while out.get_node().get_type_name() in ("Reshape", "Transpose"):
         out = out.get_node().input(0).get_source_output()
     fq = out.get_node()
-    if fq.get_type_name() != "FakeQuantize":
+    if fq.get_type_name() != "FakeQuantize" or fq.get_attributes()["auto_broadcast"] != "numpy":
         return None
     add, *limits = (i.get_source_output() for i in fq.inputs())
     limits = [const(x) for x in limits]
@@ -775,10 +779,16 @@ def _quantized_product(out) -> dict | None:
     wt = c.get_element_type()
     if const(c) is None or wt.get_type_name() not in ("i8", "u8") or const(c).ndim != 2:
         return None
-    n = const(c).shape[0]
-    if const(s).size not in (1, n) or const(b).size != n or any(x.size not in (1, n) for x in limits):
+    n, rank = const(c).shape[0], x.get_partial_shape().rank.get_length()
+
+    def last(a):  # per tensor, or per output channel on the product's last axis, not raising its rank
+        return a.ndim <= rank and (a.size == 1 or a.shape[-1] == a.size == n)
+
+    scale = const(s)  # per tensor, or per output channel: (N, 1), scaling the weight's rows
+    if not (scale.ndim <= 2 and (scale.size == 1 or scale.shape == (n, 1))) or not last(const(b)) \
+            or not all(map(last, limits)):
         return None
-    return {"x": x, "w": const(c), "wt": wt, "s": const(s).reshape(-1, 1), "b": const(b), "limits": limits,
+    return {"x": x, "w": const(c), "wt": wt, "s": scale.reshape(-1, 1), "b": const(b), "limits": limits,
             "levels": fq.get_attributes()["levels"], "fq": fq}
 
 
