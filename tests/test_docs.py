@@ -25,14 +25,52 @@ pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings")
 
 
+def _build(config: Path, out: Path) -> tuple[int, list[str], str]:
+    """`mkdocs build --strict` as `make docs` runs it: (exit code, the warnings it printed, the log's tail). No -q:
+    it lowers mkdocs' log level below WARNING, and --strict then has no warning to count."""
+    env = {**os.environ, "MULTIHEAD_DOCS_QUICK": "1", "NO_MKDOCS_2_WARNING": "1"}
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(out)],
+                         cwd=config.parent, env=env, capture_output=True, text=True, timeout=300)
+    log = run.stdout + run.stderr
+    return run.returncode, _warnings(log), log[-3000:]
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "MULTIHEAD_DOCS_QUICK": "1", "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
-                          "-d", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    code, warned, tail = _build(ROOT / "mkdocs.yml", out)
+    assert code == 0 and not warned, "\n".join(warned) or tail
     return out
+
+
+def _warnings(log: str) -> list[str]:
+    """mkdocs' WARNING/ERROR records with their continuation lines (indented), as `make docs` prints them."""
+    lines, keep = [], False
+    for line in log.splitlines():
+        if re.match(r"(WARNING|ERROR)\s*-", line):
+            lines.append(line)
+            keep = True
+        elif keep and line.startswith((" ", "\t")):
+            lines.append(line)
+        else:
+            keep = False
+    return lines
+
+
+def test_a_docstring_that_breaks_a_reference_fails_the_build(tmp_path):
+    """The project's mkdocstrings settings on a one-page site whose module's docstring reads ``[x][, "y"]`` as a
+    Markdown reference (issue 77's break): the strict build fails and the warning is among those `_build` returns."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "broken.py").write_text(
+        'def export():\n    """Returns {"onnx", "onnx_int8"[, "onnx_optimized"][, "openvino", "openvino_int8"]: path}."""\n')
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Broken\n\n::: broken\n")
+    ours = (ROOT / "mkdocs.yml").read_text()
+    plugins = ours[ours.index("plugins:"):ours.index("markdown_extensions:")].replace("paths: [src]", "paths: [pkg]")
+    (tmp_path / "mkdocs.yml").write_text(f"site_name: broken\nstrict: true\n{plugins}")
+    code, warned, tail = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert code != 0, tail
+    assert any("Could not find cross-reference target" in w for w in warned), warned or tail
 
 
 def _ids(html: str) -> set[str]:

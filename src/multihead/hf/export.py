@@ -240,8 +240,9 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     is too and ``calibration`` is given (a list of batches {"input_ids", "attention_mask"[, "token_type_ids"]}
     (B, L) of text like the model's: static quantization needs the activations' ranges). Each fp32 file is run
     on two padded batches and must equal the torch model on the real tokens (float rounding), else it is
-    deleted and RuntimeError says by how much. Returns {"onnx", "onnx_int8"[, "onnx_optimized",
-    "onnx_optimized_int8"][, "openvino", "openvino_int8"]: path}. A plain ``onnxruntime.InferenceSession(path)``
+    deleted and RuntimeError says by how much. Returns a dict of paths: ``"onnx"`` and ``"onnx_int8"`` always,
+    ``"onnx_optimized"`` and ``"onnx_optimized_int8"`` where ONNX Runtime's optimizer applies, ``"openvino"`` and
+    ``"openvino_int8"`` where those are written. A plain ``onnxruntime.InferenceSession(path)``
     runs a file on the tokenizer's outputs. ``openvino``:
     None writes the OpenVINO files where the extra is installed, True requires them (ImportError naming the extra),
     False leaves them out."""
