@@ -112,6 +112,49 @@ def test_gguf_copies_the_source_vocabulary(tmp_path):
     assert f["tokenizer.ggml.model"].contents() == "gpt2" and f["tokenizer.ggml.tokens"].contents()[5] == "t5"
 
 
+def test_gguf_q8_0_holds_each_matrix_in_blocks_within_their_rounding(tmp_path):
+    """Q8_0 (what llama.cpp's users run at 8 bits): every matrix written by gguf's quantizer, read back byte for byte,
+    and each dequantized weight within the rounding of its block (half a step of max |w| / 127 over 32 weights, the
+    step itself stored in f16) of the model's; the
+    1-D tensors stay f32; transformers reads the file (dequantized) and its greedy tokens are reported."""
+    m = _pruned()
+    served = dx.export_gguf(m, tmp_path / "p.gguf", dtype="q8_0", prompt_ids=IDS, new_tokens=6)
+    r = gguf.GGUFReader(str(served.path))
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    k = {t.name: t for t in r.tensors}["blk.1.attn_k.weight"]
+    got = gguf.quants.dequantize(np.asarray(k.data), k.tensor_type)  # (Hkv*D, E), GGML's rotary row order
+    want = dx._permute(m.model.layers[1].self_attn.k_proj.weight.detach().numpy(), 1)
+    step = np.abs(want).reshape(want.shape[0], -1, 32).max(-1, keepdims=True) / 127  # (rows, blocks, 1)
+    err = np.abs(got - want).reshape(step.shape[0], -1, 32)
+    # q = round(w / d) with d = max/127, then d stored in f16 (2^-11 relative): |w - q d16| <= d/2 + 127 d 2^-11
+    assert (err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all()
+    assert served.tolerance == float("inf") and "greedy tokens equal" in served.checks[-1]
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
+    """No source GGUF: the transformers tokenizer (byte-level BPE, SmolLM2's) written as a gpt2 vocabulary --
+    every token by id, the special ones as control tokens, its merges and its special ids."""
+    from multihead.models import smollm2_path
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(str(e))
+    served = dx.export_gguf(_pruned(), tmp_path / "p.gguf", tokenizer=tok, prompt_ids=IDS)
+    f = gguf.GGUFReader(str(served.path)).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    assert f["tokenizer.ggml.model"].contents() == "gpt2" and len(tokens) == len(tok)
+    assert tokens[:50] == tok.convert_ids_to_tokens(list(range(50)))
+    types = f["tokenizer.ggml.token_type"].contents()
+    assert types[tok.eos_token_id] == int(gguf.TokenType.CONTROL) and types[300] == int(gguf.TokenType.NORMAL)
+    merges = f["tokenizer.ggml.merges"].contents()
+    assert len(merges) > 40000 and all(len(x.split(" ")) == 2 for x in merges[:100])
+    assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
+
+
 def test_standard_folder_loads_at_the_pruned_size(tmp_path):
     m = _pruned()
     dx.standard_folder(m, tmp_path / "hf", tokenizer=_tokenizer())
@@ -129,6 +172,13 @@ def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     cfg = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (2, 1, 16)
     assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4
+    q = dx.export_genai(m, tmp_path / "g4", tokenizer=_tokenizer(), precision="int4", prompt_ids=IDS, new_tokens=6)
+    onnx_dir = tmp_path / "g4"
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops  # the builder's int4 weights
+    assert q.tolerance == float("inf") and len(q.tokens) >= 1 and "(int4)" in q.checks[0]
 
 
 def _unpermute(w, n_head):
@@ -234,8 +284,10 @@ def test_bad_input_refused_in_one_line(tmp_path):
          ValueError, "longer than the model's 64 positions"),
         (lambda: dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=[3, V]), ValueError, "outside the vocabulary"),
         (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=None), TypeError, "tokenizer must be"),
-        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), precision="int4"), ValueError,
-         "precision='int4'"),
+        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), precision="int8"), ValueError,
+         "precision='int8'"),
+        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", tokenizer=_tokenizer()), ValueError,
+         "this writes byte-level BPE vocabularies"),
         (lambda: dx.export_gguf(torch.nn.Linear(2, 2), tmp_path / "p.gguf"), TypeError, "transformers model"),
     ]
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V))

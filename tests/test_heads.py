@@ -101,11 +101,16 @@ def test_importance_methods(method):
         assert (imp.table() <= 0).all() and (torch.stack(imp.raw) <= torch.log(torch.tensor(7.0)) + 1e-5).all()
 
 
+#: an even cut per key/value layout of Stack's 6 query heads: whole groups in layer 0, one head of every group in 1
+EVEN = {None: {"layers.0": [0, 1, 2], "layers.1": [5]}, 1: {"layers.0": [0, 1, 2], "layers.1": [5]},
+        2: {"layers.0": [0, 1, 2], "layers.1": [2, 5]}, 3: {"layers.0": [0, 1], "layers.1": [1, 3, 5]}}
+
+
 @pytest.mark.parametrize("kv", [None, 3, 2, 1])
 def test_pruned_equals_gated(kv):
     model = Stack(kv).eval()
     x, lens = torch.randn(3, 7, 24), torch.tensor([7, 4, 2])
-    remove = {"layers.0": [0, 1, 2], "layers.1": [5]}
+    remove = EVEN[kv]
     gates = {}
     for n, hs in remove.items():
         g = torch.ones(6)
@@ -114,14 +119,33 @@ def test_pruned_equals_gated(kv):
     with heads.gated(model, gates):
         expected = model(x, lens)
     kept = heads.prune(model, remove)
-    assert kept == {"layers.0": [3, 4, 5], "layers.1": [0, 1, 2, 3, 4]}
-    assert model.layers[0].num_heads == 3 and model.layers[0].q_proj.out_features == 3 * 4
-    assert model.layers[0].o_proj.in_features == 3 * 4
-    if kv == 3:  # groups of 2: heads 0,1 (kv 0) gone, so kv 0 goes; head 2 leaves kv 1 uneven
-        assert model.layers[0].num_kv_heads in (2, 3)
+    assert kept == {n: [h for h in range(6) if h not in hs] for n, hs in remove.items()}
+    H0 = 6 - len(remove["layers.0"])
+    assert model.layers[0].num_heads == H0 and model.layers[0].q_proj.out_features == H0 * 4
+    assert model.layers[0].o_proj.in_features == H0 * 4
+    if kv == 3:  # groups of 2: kv 0's group gone in layer 0; one head of every group in layer 1 keeps all three
+        assert (model.layers[0].num_kv_heads, model.layers[1].num_kv_heads) == (2, 3)
+        assert model.layers[0].k_proj.out_features == 2 * 4
     if kv == 2:  # groups of 3: heads 0,1,2 are kv head 0's group: it goes
         assert model.layers[0].num_kv_heads == 1 and model.layers[0].k_proj.out_features == 4
+        assert model.layers[1].num_kv_heads == 2 and model.layers[1].num_heads == 4
     assert torch.allclose(model(x, lens), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv, remove", [(3, [0, 1, 2]), (2, [5]), (3, [0])])
+def test_a_cut_leaving_key_value_groups_uneven_is_refused_and_nothing_grows(kv, remove):
+    """A cut that would leave some key/value heads serving more query heads than others is refused before any
+    weight moves (the copies it once made grew the key/value projections and the KV cache), naming the groups and
+    an even cut; the model is left as it was, and the even cut the message names is accepted and shrinks k/v."""
+    model = Stack(kv).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"leaves the key/value groups uneven .*Cut whole groups") as e:
+        heads.prune(model, {"layers.0": remove, "layers.1": [0, 1] if kv == 3 else [0, 1, 2]})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    even = [int(h) for h in str(e.value).split("e.g. heads ")[1].rstrip(".").strip("[]").split(", ")]
+    heads.prune(model, {"layers.0": even})
+    assert model.layers[0].num_heads == 6 - len(even)
+    assert model.layers[0].k_proj.out_features <= 4 * kv and model.layers[0].num_kv_heads <= kv
 
 
 def test_prune_every_head_of_a_layer_and_round_trip(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -14,7 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 import multihead.hf as mhf  # noqa: E402
-from multihead.apps import pruning  # noqa: E402
+from multihead import heads  # noqa: E402
+from multihead.apps import hf_models, pruning  # noqa: E402
 from multihead.apps.cli import main  # noqa: E402
 from multihead.apps.data import sentences  # noqa: E402
 
@@ -90,7 +92,6 @@ def st_ffn_pruned(tmp_path_factory, corpus):
 
 
 def test_prune_hf_encoder_writes_a_loadable_pruned_model_and_recovers(bert_dir, tmp_path, corpus):
-    from multihead.apps import hf_models
 
     setup = hf_models.hf_setup(bert_dir, corpus, 16, 32)
     out = tmp_path / "out"
@@ -134,16 +135,14 @@ def test_prune_and_viz_hf_command_line(tmp_path, corpus, capsys):
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text("\n".join(corpus[:48]))
     out = tmp_path / "p"
+    # a causal LM is cut by the decoder command (tests/test_decoder_prune.py): the encoders' options refused
     assert main(["prune", "--hf", str(d), "--fraction", "0.25", "--step", "0.25", "--corpus", str(corpus_file),
-                 "--sentences", "16", "32", "--max-seconds", "0.2", "--out", str(out)]) == 0
-    report = json.loads((out / "report.json").read_text())
-    assert report["metric"].startswith("mean KL of next-token distributions")
-    assert report["curve"][0]["metric"] == pytest.approx(0.0, abs=1e-6) and report["curve"][-1]["metric"] > 0
-    back = mhf.load(out / "model")
-    assert sum(m.attention_hooks.num_heads for m in mhf.attention_modules(back).values()) == 6
-    said = capsys.readouterr().out  # grouped key/value heads: stored at the pruned sizes, and the command says so
-    assert "AutoModel.from_pretrained and SentenceTransformer cannot read it; open it with multihead.hf.load(" in said
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # (as it says: the sizes do not match)
+                 "--sentences", "16", "32", "--max-seconds", "0.2", "--out", str(out)]) == 2
+    assert "--corpus applies to encoders; a causal LM is cut by --fraction/--unit" in capsys.readouterr().err
+    cut = mhf.attach(copy.deepcopy(lm))  # a cut that differs between layers, through the Python API
+    heads.prune(cut, {"model.layers.0.self_attn": [0, 1]})
+    hf_models.save_with_files(cut, out / "model", d)  # with the source's tokenizer, as prune --hf writes a folder
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # per-layer counts: multihead.hf.load only
         T.AutoModelForCausalLM.from_pretrained(out / "model")
     assert main(["viz", "--hf", str(d), "--text", "The value of the object", "--out", str(tmp_path / "v"),
                  "--explain"]) == 0

@@ -184,7 +184,7 @@ def test_generate_gives_sdpas_tokens(family, pruned):
     kw = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     mhf.attach(model)
     if pruned:
-        heads.prune(model, {"model.layers.0.self_attn": [0, 1], "model.layers.1.self_attn": [3]})
+        heads.prune(model, {"model.layers.0.self_attn": [0, 1], "model.layers.1.self_attn": [1, 3]})  # even groups
     with torch.no_grad():
         got = model.generate(**x, **kw)
     model.set_attn_implementation("sdpa")
@@ -664,7 +664,8 @@ def test_falcon_heads_cut_through_the_sdpa_observation(arch):
     lay = model.transformer.h[0].self_attention.attention_hooks.layout
     assert lay is not None and lay.fused == {"multi-query": "blocks", "per head [q k v]": "interleaved",
                                              "new decoder (grouped)": "grouped"}[arch]
-    cut = {"transformer.h.0.self_attention": [1], "transformer.h.1.self_attention": [0, 2]}
+    cut = {"transformer.h.0.self_attention": [1, 3] if arch == "new decoder (grouped)" else [1],  # groups even
+           "transformer.h.1.self_attention": [0, 2]}
     gates = {n: torch.ones(4) for n in heads.attention_modules(model)}
     for n, hs in cut.items():
         gates[n][hs] = 0.0

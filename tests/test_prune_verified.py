@@ -1,8 +1,8 @@
 """Every cut is verified where it is made: heads.prune runs each module's recorded call gated and cut, and refuses
 (undoing every module it cut) a cut that does not give the gated outputs. Walked over every transformers family
-with a head layout: one head cut, one head of a key/value group (the group's key/value head then serves uneven
-groups), and a whole group; with random weights in every per-head norm (StableLM's per-head q/k layer norms were
-cut to the wrong heads, or not at all: its next call raised)."""
+with a head layout: one head of every key/value group cut (the key/value heads stay, each serving one query head
+fewer), and a whole group (one head where every query head has its own key/value head); with random weights in every
+per-head norm (StableLM's per-head q/k layer norms were cut to the wrong heads, or not at all: its next call raised)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _build(table, family):
 
 @pytest.mark.parametrize("family", [f for f in ALL if f not in REFUSED])
 def test_every_cut_of_every_family_equals_gating(family):
-    """One head, one head of a group, a whole group: pruned == gated on real tokens, in each family."""
+    """One head of every group, a whole group: pruned == gated on real tokens, in each family."""
     model, x = _build(ALL, family)
     mhf.attach(model)
     mods = mhf.attention_modules(model)
@@ -60,7 +60,10 @@ def test_every_cut_of_every_family_equals_gating(family):
     last = names[-1]
     H = mods[last].attention_hooks.num_heads
     Hkv = mods[last].attention_hooks.layout.counts(mods[last], mods[last].attention_hooks.parent)[1]
-    cuts = {"one head": [H - 1], "one head of a group": [0], "a whole group": list(range(H // Hkv))}
+    G = H // Hkv
+    cuts = {"one head of every group": list(range(G - 1, H, G)), "a whole group": list(range(G))}
+    if G == 1:
+        cuts["one head"] = [H - 1]
     for what, remove in cuts.items():
         work, _ = _build(ALL, family)
         mhf.attach(work)

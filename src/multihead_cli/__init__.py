@@ -41,6 +41,30 @@ def _up_to_one(what: str, example: str, meaning: str):
 
 
 _cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
+
+
+#: ``prune --formats`` (multihead.apps.decoder.FORMATS; a test keeps the two equal)
+DECODER_FORMATS = ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "genai-fp32", "genai-int4")
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of :data:`DECODER_FORMATS`."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in DECODER_FORMATS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {bad or [text]}; choose from {','.join(DECODER_FORMATS)}")
+    return names
+
+
+def _ratio(text: str) -> float:
+    """An argparse type: a ratio >= 1 (a perplexity at most this many times the unpruned model's)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a ratio >= 1, e.g. 1.1; got {text!r}") from None
+    if not 1.0 <= x < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a ratio >= 1 (the unpruned model's perplexity is 1); got {text}")
+    return x
 _share_of_one = _up_to_one("an accuracy", "0.9", "an accuracy")
 _similar_share = _up_to_one("a share", "0.5", "a share of a submission's code")
 
@@ -235,8 +259,9 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "causal LMs: KL of next-token distributions)")
     p.add_argument("--corpus", default=None, metavar="FILE", help="--hf: sentences, one per line (default: Python's "
                                                                   "own docs)")
-    p.add_argument("--recover", type=_non_negative_int, default=0, metavar="STEPS",
-                   help="--hf: distil the pruned model towards the unpruned one for STEPS steps")
+    p.add_argument("--recover", type=_non_negative_int, default=None, metavar="STEPS",
+                   help="--hf: distil the pruned model towards the unpruned one for STEPS steps (default: none for "
+                        "encoders; 400 at most for causal LMs, cut short to the time budget)")
     p.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="--hf: quantize the pruned (and recovered) model's Linear layers last; its fidelity and speed "
                         "are reported and multihead.hf.load returns it quantized")
@@ -265,6 +290,10 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     goal.add_argument("--target-kl", type=_positive_number("a KL in nats"), default=None, metavar="K",
                       help="the same for a causal LM: the furthest step whose mean next-token KL to the unpruned "
                            "model is at most K")
+    goal.add_argument("--target-perplexity", type=_ratio, default=None, metavar="R",
+                      help="causal LMs: the furthest cut whose perplexity on unseen text is at most R times the "
+                           "unpruned model's (e.g. 1.1), the behaviour kept too (IOI or --behaviour: 95%% of its "
+                           "accuracy); exit 1 when no cut tried meets it")
     goal.add_argument("--target-accuracy", type=_share_of_one, default=None, metavar="A",
                       help="the same for the demo's models (--model toy, vit): the furthest step whose accuracy is "
                            "at least A, in (0, 1]")
@@ -272,6 +301,20 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="--hf: also cut this share of every feed-forward block's neurons (the least important, each "
                         "replaced by its mean, verified) from the model kept, before its recovery: past the heads' "
                         "third of the work")
+    p.add_argument("--unit", choices=["auto", "group", "query"], default=None,
+                   help="causal LMs: what each layer loses, the same count in every layer -- whole key/value groups "
+                        "(the KV cache shrinks) or query heads evenly inside every group (default auto: groups where "
+                        "a layer has two key/value heads or more)")
+    p.add_argument("--behaviour", default=None, metavar="FILE",
+                   help="causal LMs: the behaviour the cut must keep, instead of IOI: JSON lines "
+                        '{"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} (answers one token each; '
+                        "half the pairs choose the cut, the other half judge it)")
+    p.add_argument("--formats", type=_formats, default=None, metavar="LIST",
+                   help="causal LMs (Llama): the runtimes' files written beside OUT/model, each read back: "
+                        f"{','.join(DECODER_FORMATS)} (gguf: llama.cpp's; q4_k_m needs llama.cpp built: make "
+                        "decoder-llama-cpp; genai: ONNX Runtime GenAI's builder)")
+    p.add_argument("--lr", type=_positive_number("a learning rate"), default=None,
+                   help="causal LMs: the recovery's learning rate (default 3e-4, decaying along a half cosine)")
     p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "
                                                                    "(0, 1) (default 0.1)")
     p.add_argument("--no-reestimate", action="store_true", help="rank the heads once instead of after every step")

@@ -150,7 +150,10 @@ def _said(refusal: str | None) -> bool:
 
 
 def _hf_only(args) -> str | None:
-    """The first option given that applies to transformers checkpoints only, refused without ``--hf``, or None."""
+    """The first option given that applies to transformers checkpoints only, refused without ``--hf`` (or to causal
+    LMs only, refused for anything else), or None."""
+    if _decoder_only(args):
+        return _decoder_only(args)
     for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn"), (args.no_runtime_files, "--no-runtime-files")):
         if given and not args.hf:
             return f"{option} applies to transformers checkpoints: give --hf DIR"
@@ -167,6 +170,8 @@ def _prune(args) -> int:
     out = Path(args.out)
     if not args.force and _said(_foreign_files(out)):
         return 2
+    if args.hf and _causal(args.hf):
+        return _prune_decoder(args, out, started)
     goal = _goal(args)
     fraction = args.fraction if args.fraction is not None else 0.8 if goal is not None else 0.4
     if args.step > fraction:
@@ -203,7 +208,7 @@ def _prune(args) -> int:
             print(f"multihead prune: {e}", file=sys.stderr)
             return 2
     curve = bool(args.recover) and setup.name == "toy"  # the demo's model: every step recovered, both curves drawn
-    options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover,
+    options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover or 0,
                               quantize=args.quantize, target=goal, deadline=None,
                               max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
                               runtime_files=not args.no_runtime_files,
@@ -215,6 +220,73 @@ def _prune(args) -> int:
         print(f"multihead prune: {e}", file=sys.stderr)
         return 2
     return _report_and_exit(pruning.run(setup, out, options), out)
+
+
+def _causal(folder: str) -> bool:
+    """Whether ``folder``'s config.json names a causal LM (read as JSON: no torch, no transformers yet)."""
+    import json
+
+    cfg = Path(folder) / "config.json"
+    try:
+        archs = json.loads(cfg.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False  # the encoder path says what is wrong with the folder
+    return any(str(a).endswith("ForCausalLM") for a in archs)
+
+
+#: options of ``prune --hf`` on encoders only, with their argparse defaults: given to a causal LM, refused
+ENCODER_ONLY = (("quantize", "--quantize", None), ("ffn", "--ffn", None), ("corpus", "--corpus", None),
+                ("recover_sentences", "--recover-sentences", None), ("sentences", "--sentences", None),
+                ("target_cosine", "--target-cosine", None), ("target_accuracy", "--target-accuracy", None),
+                ("no_runtime_files", "--no-runtime-files", False), ("no_runtime_peers", "--no-runtime-peers", False),
+                ("no_reestimate", "--no-reestimate", False), ("recover_text", "--recover-text", "wide"),
+                ("unseen_sentences", "--unseen-sentences", 300), ("passages", "--passages", 32),
+                ("step", "--step", 0.1), ("max_seconds", "--max-seconds", 60.0))
+#: options of causal LMs only: given to anything else, refused
+DECODER_ONLY = (("target_perplexity", "--target-perplexity"), ("unit", "--unit"), ("behaviour", "--behaviour"),
+                ("lr", "--lr"), ("formats", "--formats"))
+#: a causal LM's time budget when none is given (its recovery is cut short to it)
+DECODER_BUDGET_S = 900.0
+
+
+def _decoder_only(args) -> str | None:
+    for key, option in DECODER_ONLY:
+        if getattr(args, key, None) is not None:
+            return f"{option} applies to causal language models (--hf DIR of a *ForCausalLM)"
+    return None
+
+
+def _prune_decoder(args, out: Path, started: float) -> int:
+    """``prune --hf DIR`` on a causal LM (:mod:`multihead.apps.decoder`): options it does not take, a behaviour file
+    and a plan the model cannot hold refused in one line each before any work; exit 1 when a target is missed."""
+    from multihead.apps import decoder
+
+    given = [option for key, option, default in ENCODER_ONLY if getattr(args, key, default) != default]
+    if _said(f"{given[0]} applies to encoders; a causal LM is cut by --fraction/--unit, judged by "
+             "--target-perplexity/--target-kl and --behaviour" if given else None):
+        return 2
+    if _said(f"--behaviour {args.behaviour} does not exist" if args.behaviour and not Path(args.behaviour).is_file()
+             else None):
+        return 2
+    target = (("perplexity", args.target_perplexity) if args.target_perplexity is not None else
+              ("kl", args.target_kl) if args.target_kl is not None else None)
+    budget = args.time_budget if args.time_budget is not None else DECODER_BUDGET_S
+    o = decoder.Options(fraction=args.fraction, unit=args.unit or "auto", target=target,
+                        behaviour=Path(args.behaviour) if args.behaviour else None,
+                        recover=400 if args.recover is None else args.recover, lr=args.lr or 3e-4,
+                        deadline=started + budget, formats=args.formats or ())
+    command = "multihead " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["prune"] else ""
+    try:
+        report = decoder.run(args.hf, out, o, command=command)
+    except ValueError as e:
+        _said(str(e).splitlines()[0])
+        return 2
+    print("\n".join(decoder.summary(report)))
+    print(f"report: {out / 'report.md'}")
+    if not report["met"]:
+        print("multihead prune: no cut tried meets the target (report.md lists each); nothing saved", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _report_and_exit(report: dict, out: Path) -> int:

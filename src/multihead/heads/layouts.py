@@ -245,8 +245,8 @@ def verify(lay: HeadLayout, m: nn.Module, call: tuple[tuple, dict], seen: Seen) 
     if H_lay != H:
         return f"its projections hold {H_lay} query heads; the call has {H}"
     tries = [list(range(H // Hkv)) if Hkv > 1 else [0]] if H > 1 else []
-    if H > Hkv > 0 and H // Hkv > 1 and [H - 1] not in tries:
-        tries.append([H - 1])  # one head of a group: the group's key/value head copied for the others (uneven)
+    if H > Hkv > 0 and H // Hkv > 1:  # the first query head of every group: rows inside each group (an even cut)
+        tries.append(list(range(0, H, H // Hkv)))
     for remove in tries:
         keep, kv = kept_heads(H, Hkv, set(remove))
         ref = run_call(m, call, zero_gate(H, remove))

@@ -171,9 +171,11 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
           mean_outputs: Mapping[str, Tensor] | None = None) -> dict[str, list[int]]:
     """Remove heads physically: {module name: [heads to remove]}. q/k/v/o weights
     shrink and ``num_heads`` changes; with GQA a key/value head goes only when all
-    of its query heads go (uneven groups are expanded to one key/value head per
-    query head). The model's outputs equal the gated model's (gates 0 on the
-    removed heads).
+    of its query heads go, and every kept key/value head must keep as many query
+    heads as the others: a cut leaving a layer's groups uneven is refused (ValueError
+    naming an even cut), since it would need copies of key/value heads -- a larger KV
+    cache than the model had. The model's outputs equal the gated model's (gates 0 on
+    the removed heads).
 
     mean_outputs: {module: (H, Dv)} (see :func:`mean_head_outputs`): a removed head
     is replaced by its mean output, folded into the output projection's bias.
@@ -203,6 +205,12 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in mods[name].parameters()):
             raise ValueError(f"{name} has parameters not built yet (nn.LazyLinear): call the model once on an input, "
                              "then prune.")
+        Hkv = _num_kv_heads(mods[name])
+        if Hkv is not None:
+            try:  # an uneven cut of grouped key/value heads, refused before anything changes
+                kept_heads(H, Hkv, set(remove))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
     undo: list[_Undo] = []
     try:
         for name, remove in heads.items():
@@ -215,6 +223,16 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
             u.restore()
         raise
     return kept
+
+
+def _num_kv_heads(m: nn.Module) -> int | None:
+    """The module's key/value heads where it groups them (multihead's own, or a derived layout's counts); None
+    where every query head has its own (torch.nn's) or no layout is known yet (refused later, by name)."""
+    if isinstance(m, MultiHeadAttention):
+        return m.num_kv_heads
+    hooks = getattr(m, "attention_hooks", None)
+    layout = None if hooks is None else hooks.layout
+    return None if layout is None else layout.counts(m, hooks.parent)[1]
 
 
 def _refuse_uncuttable(name: str, m: nn.Module) -> None:

@@ -143,8 +143,11 @@ def role_of(name: str) -> str | None:
 
 
 def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]]:
-    """The query heads kept and the key/value heads they need: with GQA a key/value head goes
-    only when all its query heads go; uneven groups give each kept query head its own copy."""
+    """The query heads kept and the key/value heads they read: a key/value head goes only when all its query heads
+    go. With grouped key/value heads (GQA, H = G * Hkv) every kept key/value head must keep the same number of query
+    heads, so the kept groups still share their key/value heads evenly: a cut that leaves groups uneven is refused
+    (ValueError naming the groups and an even cut beside it) -- giving each kept query head its own copy of its
+    key/value head would grow the KV cache and the key/value projections it was meant to shrink."""
     bad = [h for h in remove if not 0 <= h < H]
     if bad:
         raise ValueError(f"heads {sorted(bad)} do not exist: the module has num_heads={H}.")
@@ -153,4 +156,11 @@ def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]
     per_kv = Counter(h // group for h in keep)
     if len(set(per_kv.values())) <= 1:  # every kept key/value head still serves the same number of heads
         return keep, sorted(per_kv)
-    return keep, [h // group for h in keep]
+    n = min(per_kv.values())
+    even = [h for g in range(Hkv) for h in range(g * group, (g + 1) * group) if h - g * group >= n] if n else []
+    raise ValueError(
+        f"removing heads {sorted(remove)} leaves the key/value groups uneven (kept query heads per key/value head: "
+        f"{dict(sorted(per_kv.items()))}; {H} query heads share {Hkv} key/value heads, {group} each): they would "
+        f"need {len(keep)} key/value heads where the module has {Hkv}. Cut whole groups (all {group} query heads of "
+        "a key/value head) or the same number of query heads in every group"
+        + (f", e.g. heads {even}." if even else "."))

@@ -48,8 +48,12 @@ ARCHITECTURES = ("LlamaForCausalLM",)
 #: the largest |logit difference| accepted, relative to the largest |logit| of the torch model: fp32 files hold
 #: the weights exactly (the difference is summation order); fp16 rounds each weight to 11 bits
 TOLERANCE = {"f32": 1e-4, "f16": 2e-2, "fp32": 1e-4}
-GGUF_DTYPES = ("f32", "f16")
-GENAI_PRECISIONS = ("fp32",)
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+#: GGUF types quantized in blocks (gguf's own quantizer): the file's logits move by the quantization, so
+#: export_gguf reports their difference and the greedy tokens that agree instead of holding them to a tolerance; a
+#: caller judges the file by its perplexity beside the unpruned model's at the same type (``multihead prune`` does)
+QUANTIZED = {"q8_0": "Q8_0", "int4": "int4"}
+GENAI_PRECISIONS = ("fp32", "int4")
 
 
 @dataclass
@@ -244,7 +248,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab: str | Path | None = None,
-                prompt_ids=None, new_tokens: int = 8) -> Served:
+                tokenizer=None, prompt_ids=None, new_tokens: int = 8) -> Served:
     """Write ``model`` (a LlamaForCausalLM, pruned or not) as a GGUF file of llama.cpp's ``llama`` architecture, as
     llama.cpp's ``convert_hf_to_gguf.py`` writes a Llama: its tensor names (``token_embd``, ``blk.N.attn_q`` ...,
     ``output``, left out when tied), q/k rows permuted to GGML's rotary layout, the head counts, head size
@@ -261,7 +265,12 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count).
 
     ``vocab``: a GGUF file (the one the model came from) whose ``tokenizer.*`` fields are copied unchanged, so
-    llama.cpp tokenizes as before; None writes none (transformers and gguf read the file; llama.cpp needs one).
+    llama.cpp tokenizes as before; or the model's own transformers ``tokenizer`` (a byte-level BPE, as SmolLM2's,
+    Llama 3's and Qwen's are), written as convert_hf_to_gguf.py writes a ``gpt2`` vocabulary (tokens, types,
+    merges, special ids; no ``tokenizer.ggml.pre``: llama.cpp then splits words by its default expression); neither
+    writes none (transformers and gguf read the file; llama.cpp needs one). ``dtype`` "q8_0": the matrices in
+    blocks of 32 at 8 bits (gguf's quantizer), the file's greedy tokens and logit difference reported
+    (:data:`QUANTIZED`).
 
     Checked before it is returned (else deleted, ValueError): read back with ``gguf.GGUFReader`` (every tensor equal
     to the weights as written, the counts), then (one count for every layer) loaded by
@@ -273,8 +282,11 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     uneven = len(set(counts)) > 1
     ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
     gguf = require("gguf", "multihead.hf.decoder_export.export_gguf")
-    transformers = require("transformers", "multihead.hf.decoder_export.export_gguf")
-    vocab_fields = _vocab_fields(gguf, vocab) if vocab is not None else []
+    if vocab is not None and tokenizer is not None:
+        raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
+                         "both.")
+    vocab_fields = (_vocab_fields(gguf, vocab) if vocab is not None else
+                    _tokenizer_fields(gguf, tokenizer) if tokenizer is not None else [])
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
@@ -288,6 +300,13 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
                  "(one head count per model), so no runtime checked it here.")
         warnings.warn(where, UserWarning, stacklevel=2)
         return Served(path, "gguf", float("nan"), float("nan"), [], counts, [*checks, where])
+    return _run_back(model, path, dtype, ids, new_tokens, checks)
+
+
+def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str]) -> Served:
+    """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
+    greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
+    transformers = require("transformers", "multihead.hf.decoder_export.export_gguf")
     with torch.no_grad():
         ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
         with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
@@ -295,7 +314,13 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
             back = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32)
         back.eval()
         got_logits, got_tokens = _greedy(back, ids, new_tokens)
+    counts = layer_counts(model)
     diff = float((got_logits - ref_logits).abs().max())
+    if dtype in QUANTIZED:
+        same = sum(a == b for a, b in zip(got_tokens, ref_tokens))
+        checks.append(f"transformers gguf_file= (dequantized): logits max |diff| {diff:.3g} ({dtype}: judged by "
+                      f"perplexity, not a tolerance), {same} of {new_tokens} greedy tokens equal")
+        return Served(path, "gguf", diff, float("inf"), got_tokens, counts[0], checks)
     tol = TOLERANCE[dtype] * max(1.0, float(ref_logits.abs().max()))
     _compare("export_gguf", path, diff, tol, got_tokens, ref_tokens)
     checks.append(f"transformers gguf_file=: logits max |diff| {diff:.3g} (tolerance {tol:.3g}), {new_tokens} greedy "
@@ -341,7 +366,8 @@ def _gguf_header(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int,
     w.add_value_length(D)
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     return w
 
 
@@ -376,10 +402,14 @@ def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, 
             H, Hkv, _ = counts[int(hf_name.split(".")[2])]  # model.layers.<i>.self_attn...
             # (H*D, E) or (Hkv*D, E), each head's rows in GGML's rotary order
             data = _permute(data, H if hf_name.endswith("q_proj.weight") else Hkv)
-        if dtype == "f16" and data.ndim > 1:
+        raw = None
+        if dtype in QUANTIZED and data.ndim == 2 and data.shape[1] % 32 == 0:  # blocks of 32 along each row
+            raw = getattr(gguf.GGMLQuantizationType, QUANTIZED[dtype])
+            data = gguf.quants.quantize(np.ascontiguousarray(data), raw)  # (rows, bytes per row) uint8
+        elif dtype != "f32" and data.ndim > 1:  # f16, and a quantized file's matrices that make no whole blocks
             data = data.astype(np.float16)
         written[name] = np.ascontiguousarray(data)
-        w.add_tensor(name, written[name])
+        w.add_tensor(name, written[name], raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -399,6 +429,35 @@ def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
         out.append((key, f.contents(), vtype, sub))
     if not any(k == "tokenizer.ggml.model" for k, *_ in out):
         raise ValueError(f"export_gguf: vocab={vocab} holds no tokenizer (no tokenizer.ggml.model field).")
+    return out
+
+
+def _tokenizer_fields(gguf, tokenizer) -> list[tuple]:
+    """(key, value, type, sub_type) of a ``gpt2`` GGUF vocabulary from a transformers byte-level BPE tokenizer:
+    every token by id, its type (control: the special tokens; user-defined: other added ones), the merges, and the
+    special tokens' ids. ValueError for a tokenizer of another kind (naming it)."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = json.loads(backend.to_str())["model"] if backend is not None else {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"export_gguf: tokenizer= is a {model.get('type', type(tokenizer).__name__)} tokenizer"
+                         f"{' with byte fallback (SentencePiece-style)' if model.get('byte_fallback') else ''}; "
+                         "this writes byte-level BPE vocabularies (gpt2) only: give vocab= the GGUF file the model "
+                         "came from instead.")
+    T = gguf.GGUFValueType
+    n = len(tokenizer)
+    added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    types = [int(gguf.TokenType.CONTROL if added.get(t) else gguf.TokenType.USER_DEFINED if t in added
+                 else gguf.TokenType.NORMAL) for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+           ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32), ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
+    for key, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                     ("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
+        if tid is not None:
+            out.append((f"tokenizer.ggml.{key}_token_id", int(tid), T.UINT32, None))
     return out
 
 
@@ -441,7 +500,8 @@ def export_genai(model: nn.Module, folder: str | Path, *, tokenizer, precision: 
     GroupQueryAttention, genai_config.json, the tokenizer) with GenAI's own builder
     (``python -m onnxruntime_genai.models.builder``, CPU) run on :func:`standard_folder`'s plain transformers folder
     at the pruned size. ``tokenizer``: the model's transformers tokenizer (the builder copies it). ``precision``:
-    "fp32" (the one a comparison can hold to the weights' rounding).
+    "fp32" (the one a comparison can hold to the weights' rounding) or "int4" (the builder's MatMulNBits int4, what
+    GenAI's CPU users run: its greedy tokens and last logits' difference are reported, :data:`QUANTIZED`).
 
     Checked before it is returned (else deleted, ValueError): ``onnxruntime_genai`` runs ``prompt_ids`` (default:
     16 fixed random ids) with greedy search: the prompt's last logits within fp32 rounding and ``new_tokens`` greedy
@@ -474,6 +534,11 @@ def export_genai(model: nn.Module, folder: str | Path, *, tokenizer, precision: 
     ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
     got_last, got_tokens = _genai_greedy(og, folder, ids, new_tokens)
     diff = float(np.abs(got_last - ref_logits[0, -1].numpy()).max())
+    if precision in QUANTIZED:
+        same = sum(a == b for a, b in zip(got_tokens, ref_tokens))
+        return Served(folder, "onnxruntime-genai", diff, float("inf"), got_tokens, counts,
+                      [f"onnxruntime_genai greedy ({precision}): last logits max |diff| {diff:.3g} (quantized: not held "
+                       f"to a tolerance), {same} of {len(got_tokens)} greedy tokens equal"])
     tol = TOLERANCE[precision] * max(1.0, float(ref_logits.abs().max()))
     _compare("export_genai", folder, diff, tol, got_tokens, ref_tokens[: len(got_tokens)])
     return Served(folder, "onnxruntime-genai", diff, tol, got_tokens, counts,

