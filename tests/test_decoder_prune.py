@@ -230,7 +230,8 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
     """--formats on a tiny Llama (SmolLM2's tokenizer: the GGUF vocabulary is written from it): GGUF f16 gives the
     kept model's greedy tokens; Q8_0's perplexity cost is measured beside the unpruned model's at Q8_0 and within
     it; Q4_K_M says in one line that llama.cpp's quantizer is not built (where it is not); GenAI int4 read back
-    (fp32's equality: tests/test_decoder_export.py). Every file loads: GGUF through transformers' reader, GenAI through onnxruntime_genai."""
+    (fp32's equality: tests/test_decoder_export.py). Every file loads: GGUF through transformers' reader, GenAI
+    through onnxruntime_genai."""
     pytest.importorskip("onnxruntime_genai")
     import importlib.util
 

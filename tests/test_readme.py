@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 import warnings
@@ -118,6 +119,24 @@ def _interop(ns, tmp_path):
     layer(keras.ops.ones((1, 3, 16)), keras.ops.ones((1, 4, 16)))  # built by one call
     ns.update(torch_mha=nn.MultiheadAttention(16, 4, batch_first=True),
               model=nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), keras_layer=layer)
+
+
+def _decoder_fill(tmp_path) -> dict[str, str]:
+    """A tiny Llama with SmolLM2's tokenizer (byte-level BPE: the GGUF vocabulary is written from it) and a file of
+    four behaviour pairs, for the decoder's command lines."""
+    import transformers
+
+    from multihead.models import smollm2_path
+    from test_decoder_prune import _tiny
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(str(e))
+    pair = {"clean": "When Mary and John went to the store, John gave a drink to", "answer": " Mary", "wrong": " John",
+            "corrupted": "When Mary and John went to the store, Mary gave a drink to"}
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for _ in range(4)))
+    return {"DIR": str(_tiny(tmp_path / "lm", tok, "llama")), "FILE": str(tmp_path / "pairs.jsonl")}
 
 
 def _tiny_bert(tmp_path) -> Path:
@@ -454,7 +473,10 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
     examples = Path(__file__).resolve().parent.parent / "examples"
     (tmp_path / "examples").symlink_to(examples)
     fill = {}
-    if any("--hf" in line for line in lines):
+    decoder = heading.startswith("Cut a decoder language model")
+    if decoder:
+        fill = _decoder_fill(tmp_path)
+    elif any("--hf" in line for line in lines):
         path = _tiny_bert(tmp_path)
         corpus = tmp_path / "corpus.txt"
         from multihead.apps.data import sentences
@@ -464,9 +486,11 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
     ran = []
     for line in lines:
         argv = _argv(line, fill)
-        if argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
+        if decoder:  # a tiny Llama: one recovery step (the recovery itself: tests/test_decoder_prune.py)
+            argv += ["--recover", "1"]
+        elif argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
             argv += ["--max-seconds", "0.2"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
-        if argv[0] == "prune" and "--hf" in argv:  # small settings; the defaults' paths (the runtime peers, the
+        if argv[0] == "prune" and "--hf" in argv and not decoder:  # small settings; the defaults' paths (the runtime peers, the
             argv += ["--no-runtime-peers", "--no-runtime-files"]  # runtime files) are tested in test_hf_cli
             for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
                 if flag not in argv:
