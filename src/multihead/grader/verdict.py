@@ -173,13 +173,13 @@ def _behaves(s: Session, x, r) -> str:
             r2 = s.call(x.q, x.k, x.v, x.keep, x.lens)
         finally:
             s.shift = 0.0
-        if r2.error is not None or r2.out is None or r2.out.shape != r.out.shape or props.rel(r2.out, r.out) >= props.TOL:
+        if r2.error is not None or r2.out is None or r2.out.shape != r.out.shape or props.rel(r2.out, r.out) > s.tol:
             return "changed its output when one constant was added to the whole mask (it does not add it to the scores)"
     one = props._rows(x, [1])
     r1 = s.call(one.q, one.k, one.v, one.keep, one.lens)
     if r1.error is not None or r1.out is None:
         return f"raised {(r1.error or 'no tensor returned')[:160]} on one sequence alone"
-    if r1.out.shape[1:] != r.out.shape[1:] or props.rel(r1.out[0], r.out[1]) >= props.TOL:
+    if r1.out.shape[1:] != r.out.shape[1:] or props.rel(r1.out[0], r.out[1]) > s.tol:
         return "gave a sequence an output that depends on the other sequences of the batch"
     return ""
 
@@ -395,7 +395,7 @@ def _fit(s: Session, b: props.Base, readings: list) -> tuple:
             e = props.rel(b.out, ref) if ref.shape == b.out.shape else float("inf")
             if e < best[1]:
                 best = (p, e)
-            if e < 1e-4:
+            if e <= s.tol:
                 return p, e, H in counts
     return None, best[1], True
 
@@ -456,7 +456,8 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
     readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order, s.kv_sizes)
     fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
     ref_fn = None if fitted is None else (lambda q, k, v, keep: parts_mod.reference(fitted, q, k, v, keep))
-    c, f = props.stability(s, b, ref_fn)
+    terms = None if fitted is None else (lambda q, k, v: parts_mod.score_terms(fitted, q, k, v))
+    c, f = props.stability(s, b, ref_fn, terms)
     rep.checks.append(c)
     if fitted is not None:
         detail = f"{fitted.H} heads" + ("" if fitted.qkv is None else f", fused qkv ({fitted.layout})")
