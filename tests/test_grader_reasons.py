@@ -93,3 +93,67 @@ def test_the_tolerance_is_the_rounding_of_the_dtype_and_its_sums():
         tolerance(torch.int64, 10)
     with pytest.raises(ValueError, match="terms must be the number of terms summed"):
         tolerance(torch.float32, 0)
+
+
+# --- 3. every failing check in the diagnosis, with its fix ---------------------------------------------------------
+
+
+class DetachedQueries(FourLinear):
+    """The projected queries detached: the output is right, W_q never learns."""
+
+    def queries(self, q):
+        return self.W_q(q).detach()
+
+
+def test_a_parameter_the_gradient_never_reaches_is_named_with_its_fix():
+    """Issue 82.5.3: "gradients reach every parameter" FAIL with an empty diagnosis; now the finding names W_q's
+    parameters and how to keep them on the graph."""
+    torch.manual_seed(0)
+    rep = multihead.check(DetachedQueries(), call="qkv")
+    assert not rep.ok and rep.check("gradients reach every parameter").passed is False, str(rep)
+    assert rep.check("matches the float64 reference").passed, str(rep)  # the output is right
+    (f,) = rep.diagnosis
+    assert "W_q.weight" in f.name and "W_q.bias" in f.name and ".detach()" in f.advice, str(rep)
+    assert f.check == "gradients reach every parameter" and "fix:" in str(rep) and "W_q.weight" in rep.summary()
+
+
+def test_every_failing_check_has_a_finding():
+    """Each failing check of a module is explained by a finding in the diagnosis: its own, or one about the output."""
+    torch.manual_seed(0)
+    for module, call in ((DetachedQueries(), "qkv"), (NoisyInEval(), "qkv"), (TorchWrapped(), "x")):
+        rep = multihead.check(module, call=call)
+        for c in rep.failures:
+            assert any(f.check == c.name for f in rep.diagnosis) or any(f.check in ("", "matches the float64 "
+                                                                                   "reference") for f in rep.diagnosis)
+        assert rep.ok == (not rep.failures and not rep.diagnosis), str(rep)
+
+
+# --- 4. a low-precision softmax named as precision ------------------------------------------------------------------
+
+
+class HalfSoftmax(FourLinear):
+    """The softmax computed on float16 (or bfloat16) scores: right to that dtype's rounding, not to float32's."""
+
+    def __init__(self, dtype=torch.float16, self_attention=False):
+        super().__init__()
+        self.low, self.self_attention = dtype, self_attention
+
+    def weights(self, scores):
+        return torch.softmax(scores.to(self.low), dim=-1).float()
+
+    def forward(self, q, k=None, v=None, mask=None):
+        return super().forward(q, q, q, mask) if self.self_attention else super().forward(q, k, v, mask)
+
+
+@pytest.mark.parametrize("dtype, self_attention", [(torch.float16, False), (torch.float16, True),
+                                                   (torch.bfloat16, False)])
+def test_a_low_precision_softmax_is_named_as_precision_with_its_fix(dtype, self_attention):
+    """Issue 82.5.4: a float16 softmax was "weights do not sum to 1" with the fix "use softmax over the keys", which it
+    does; the spec with its softmax in float16 reproduces the module (to float32's rounding): precision, named."""
+    torch.manual_seed(0)
+    rep = multihead.check(HalfSoftmax(dtype, self_attention), call="x" if self_attention else "qkv")
+    name = str(dtype).removeprefix("torch.")
+    assert not rep.ok and rep.check("matches the float64 reference").passed is False, str(rep)
+    assert [f.name for f in rep.diagnosis] == [f"softmax computed in {name} (low precision)"], str(rep)
+    assert "torch.softmax(scores.float(), dim=-1)" in rep.diagnosis[0].advice, str(rep)
+    assert not any("sum to 1 over the keys" in f.name for f in rep.diagnosis), str(rep)

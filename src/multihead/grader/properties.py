@@ -274,6 +274,8 @@ def weights_seen(s: Session, b: Base) -> list[Check]:
 
 
 def gradients(s: Session, b: Base, trainable: tuple[str, ...]) -> Check:
+    """A random cotangent of the output, back: every trainable parameter gets a gradient that is not zero (the
+    check's detail names those it never reaches: :func:`own_finding` says how to keep them on the graph)."""
     x = b.x
     cot = torch.randn(b.out.shape, generator=s.g, dtype=torch.float64)
     r = s.call(x.q, x.k, x.v, x.keep, x.lens, cotangent=cot)
@@ -281,7 +283,57 @@ def gradients(s: Session, b: Base, trainable: tuple[str, ...]) -> Check:
         return Check("gradients reach every parameter", False, "backward raises", r.error)
     dead = [n for n in trainable if (g := r.grads.get(f"param.{n}")) is None or not bool(g.abs().sum())]
     return Check("gradients reach every parameter", not dead, f"{len(dead)} without" if dead else "",
-                 ", ".join(dead[:4]))
+                 ", ".join(dead[:4]) + (f" and {len(dead) - 4} more" if len(dead) > 4 else ""))
+
+
+def _no_gradient(c: Check) -> Finding:
+    """The finding of "gradients reach every parameter": the parameters it never reaches (``c.detail``), and how to
+    keep them on the output's graph."""
+    if c.figure == "backward raises":
+        return Finding("backward raises", "make the output differentiable: no in-place change of a tensor autograd "
+                       "saved, no integer or numpy step on the way.", "projections", "a backward pass through the "
+                       "output", c.detail, c.name)
+    names = c.detail
+    return Finding(f"gradients never reach {names}", f"keep {names} on the output's graph: no .detach() or .data on "
+                   "what it computes (the projected queries, keys or values), no torch.no_grad() around it, no new "
+                   "tensor built from its values (torch.tensor(...), .numpy()); a parameter the gradient never reaches "
+                   "is never trained.", "projections", "a gradient for every trainable parameter",
+                   f"none (or zero) for {names}", c.name)
+
+
+#: a failing check's own finding (:func:`own_finding`) where nothing else in the diagnosis explains it: (name, fix,
+#: stage)
+OWN = {
+    "runs on probe inputs": ("raises on the probe inputs", "make forward run on queries (B, Lq, E) and keys and values "
+                             "(B, Lk, E) with Lq != Lk, and the mask in the convention the course gives it; the error "
+                             "below says where it stops.", "inputs"),
+    "output shape and dtype": ("an output of the wrong shape or dtype", "return (B, Lq, E) in the queries' dtype: the "
+                               "heads merged back ((B, H, Lq, D) -> (B, Lq, H*D)) and projected by W_o.", "output"),
+    "eval mode deterministic": ("raises when called again", "make forward a function of its inputs and parameters: a "
+                                "second call with the same inputs must run as the first.", "inputs"),
+    "masked keys have no influence": ("masked keys change the output", "fill the scores of masked keys with -inf (or a "
+                                      "large negative number) before the softmax, along the keys' axis (the last): "
+                                      "scores.masked_fill(~mask, float('-inf')).", "scores"),
+    "causal: position 0 unchanged when the future changes": (
+        "the future changes the present", "mask the scores with the lower triangle (torch.ones(Lq, Lk).tril(), "
+        "True = may attend) before the softmax: position i sees keys 0 to i.", "scores"),
+    "causal: no influence from the future": (
+        "gradients flow from the future", "mask the scores with the lower triangle before the softmax (a fill of "
+        "-inf, not a product after it): position i sees keys 0 to i.", "scores"),
+    "returned weights rows sum to 1": ("returned weights do not sum to 1 over the keys", "return the softmax's output "
+                                       "(over the keys, dim=-1, after masking), not the scores.", "normalisation"),
+}
+
+
+def own_finding(c: Check) -> Finding:
+    """The finding of a failing check that nothing else in the diagnosis explains: its name, fix and stage from
+    :data:`OWN` (else the check's name and a fix that points at its figure), what it found from its figure."""
+    if c.name == "gradients reach every parameter":
+        return _no_gradient(c)
+    name, advice, stage = OWN.get(c.name, (f"fails: {c.name}", f"make the module hold \"{c.name}\": compare each "
+                                           "step with multihead.reference_attention on the same inputs.", ""))
+    found = "; ".join(t for t in (c.figure, c.detail) if t) or "the check fails"
+    return Finding(name, advice, stage, c.name, found, c.name)
 
 
 def _real_permutation(s: Session, L: int, lens) -> tuple[int, Tensor | None]:
@@ -346,6 +398,23 @@ def weights_sum_to_one(s: Session, b: Base) -> tuple[Check, Finding | None]:
         "(dim=-1) after masking: every query's weights must sum to 1.", "normalisation",
         "equal values give the same output for every query", f"outputs differ by {e:.2e} (relative) across queries")
     return Check("each query's weights sum to 1", ok, f"rel. spread {e:.2e}"), f
+
+
+#: the dtypes narrower than the probes' a softmax may be computed in by mistake (``.half()``, autocast)
+LOW = (torch.float16, torch.bfloat16)
+
+
+def precision(dtype: torch.dtype, e: float, probes: torch.dtype) -> Finding:
+    """The finding of a softmax computed in ``dtype`` (the module's output differs from the reference by ``e``, and
+    equals the reference with its softmax in ``dtype``): named as precision, with the fix."""
+    name, given = str(dtype).removeprefix("torch."), str(probes).removeprefix("torch.")
+    return Finding(f"softmax computed in {name} (low precision)", f"compute the softmax in {given} (the inputs' "
+                   f"dtype) or wider: torch.softmax(scores.float(), dim=-1).to(v.dtype), never on {name} scores "
+                   f"(.half(), autocast): {name} rounds each weight to {torch.finfo(dtype).eps:.1e} of itself, so the "
+                   f"weights no longer sum to 1 to {given}'s rounding.", "normalisation",
+                   f"the output of the {given} computation (within {given}'s rounding)",
+                   f"an output {e:.2e} (relative) away, equal to the spec's with the softmax computed in {name}",
+                   "matches the float64 reference")
 
 
 def stability(s: Session, b: Base, reference=None, scores=None) -> tuple[Check, Finding | None]:

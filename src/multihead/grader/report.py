@@ -84,13 +84,15 @@ class Check:
 @dataclass
 class Finding:
     """A departure from multi-head attention: ``name`` (short), ``advice`` (the fix), and where it was
-    located: ``stage``, what the spec ``expected`` and what the module computes (``found``)."""
+    located: ``stage``, what the spec ``expected`` and what the module computes (``found``); ``check``: the check
+    whose failure it explains ('' for a mistake located by comparing the output with the reference)."""
 
     name: str
     advice: str
     stage: str = ""
     expected: str = ""
     found: str = ""
+    check: str = ""
 
     def __str__(self) -> str:
         where = f" [{self.stage}]" if self.stage else ""

@@ -348,7 +348,11 @@ def _across_calls(s: Session, b: props.Base, desc: Description, rep: Report,
     if forbid:
         cb, fb = props.no_forbidden(r, forbid)
         rep.checks.append(cb)
-    named += [x for x in (fb, f, state, fo, fi) if x is not None]
+    for name, x in (("no forbidden calls", fb), ("eval mode deterministic", f), ("no state between calls", state),
+                    ("heads have their own weights", fo), ("inputs unchanged by a call", fi)):
+        if x is not None:
+            x.check = x.check or name
+            named.append(x)
     return det and state is None, fo is None and fb is None, named
 
 
@@ -359,25 +363,65 @@ def _properties(s: Session, b: props.Base, desc: Description, rep: Report,
     det, own, named = _across_calls(s, b, desc, rep, forbid)
     c, f = props.batch_independence(s, b, det)
     rep.checks.append(c)
-    named += [f] if f is not None else []
+    named += [_for(f, c)] if f is not None else []
     det = det and own
     if s.conv is not None:
         rep.checks += [props.masked_keys(s, b), props.fully_masked(s, b)]
     if s.causal:
         rep.checks += props.causality(s, b)
     rep.checks += props.weights_seen(s, b)
-    rep.checks.append(props.gradients(s, b, desc.trainable))
+    rep.checks.append(props.gradients(s, b, desc.trainable))  # its finding: where nothing else explains it
     if det:
         if s.self_attn and not s.causal:
             c, f = props.permutation(s, b)
             rep.checks.append(c)
-            named += [f] if f is not None else []
+            named += [_for(f, c)] if f is not None else []
         if not s.self_attn and not s.causal:
             for check in (props.key_order, props.weights_sum_to_one):
                 c, f = check(s, b)
                 rep.checks.append(c)
-                named += [f] if f is not None else []
+                named += [_for(f, c)] if f is not None else []
     return det, named
+
+
+def _for(f: Finding, c: Check) -> Finding:
+    """``f`` marked as the finding of check ``c`` (where it names no check yet)."""
+    f.check = f.check or c.name
+    return f
+
+
+#: checks whose failure only their own finding explains (a mistake in the output does not make them fail)
+OWN_ONLY = ("runs on probe inputs", "output shape and dtype", "eval mode deterministic", "inputs unchanged by a call",
+            "no state between calls", "heads have their own weights", "no forbidden calls")
+#: explained by its own finding or by a mistake located in the output (keys used as values leave W_v unused)
+GRADIENTS = "gradients reach every parameter"
+
+
+#: checks whose finding says the output changes from call to call: no comparison of two calls says more then
+UNSTABLE = ("eval mode deterministic", "no state between calls")
+
+
+def _explained(c: Check, diagnosis: list[Finding]) -> bool:
+    """Whether ``diagnosis`` explains the failing check ``c``: its own finding; for a check a wrong output breaks, a
+    finding about the output (located by the reference, or another such check's) or one that the output changes
+    from call to call (a comparison of two calls then fails whatever else is right); for the gradients, one located
+    or one of a changing output (a layer built in forward leaves the module's own unused)."""
+    if any(f.check == c.name for f in diagnosis) or c.name in OWN_ONLY:
+        return any(f.check == c.name for f in diagnosis)
+    if any(f.check in UNSTABLE for f in diagnosis):
+        return True
+    if c.name == GRADIENTS:
+        return any(not f.check for f in diagnosis)
+    return any(f.check not in (*OWN_ONLY, GRADIENTS) for f in diagnosis)
+
+
+def _every_failure_explained(rep: Report) -> None:
+    """Each failing check explained in the diagnosis with its fix (:func:`_explained`); else its own finding
+    (:func:`~multihead.grader.properties.own_finding`) is added. (A failing check was shown with an empty diagnosis:
+    a module whose gradients never reached W_q was NOT OK without a word of why.)"""
+    for c in rep.failures:
+        if not _explained(c, rep.diagnosis):
+            rep.diagnosis.append(props.own_finding(c))
 
 
 def _fit(s: Session, b: props.Base, readings: list) -> tuple:
@@ -398,6 +442,22 @@ def _fit(s: Session, b: props.Base, readings: list) -> tuple:
             if e <= s.tol:
                 return p, e, H in counts
     return None, best[1], True
+
+
+def _rounded(s: Session, b: props.Base, readings: list):
+    """The dtype of :data:`~multihead.grader.properties.LOW` (narrower than the probes') in which a softmax gives the
+    module's output to the probes' rounding, under one of the two likeliest readings; None where none does."""
+    for parts in readings[:2]:
+        for H in parts_mod.head_counts(parts):
+            p = parts.with_heads(H)
+            for dtype in (d for d in props.LOW if torch.finfo(d).eps > torch.finfo(s.dtype).eps):
+                try:
+                    low = parts_mod.rounded_softmax(p, b.x.q, b.x.k, b.x.v, b.x.keep, dtype)
+                except (RuntimeError, ValueError):
+                    break
+                if low.shape == b.out.shape and props.rel(b.out, low) <= s.tol:
+                    return dtype
+    return None
 
 
 def _observed(parts: parts_mod.Parts, s: Session) -> bool:
@@ -459,6 +519,7 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
     terms = None if fitted is None else (lambda q, k, v: parts_mod.score_terms(fitted, q, k, v))
     c, f = props.stability(s, b, ref_fn, terms)
     rep.checks.append(c)
+    f = None if f is None else _for(f, c)
     if fitted is not None:
         detail = f"{fitted.H} heads" + ("" if fitted.qkv is None else f", fused qkv ({fitted.layout})")
         if fitted.tied:  # attention, with projections narrower than the course's: a warning
@@ -473,6 +534,11 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
                                  "num_heads heads of d_model // num_heads features each.", "heads split",
                                  f"{readings[0].H} heads", f"multi-head attention with {fitted.H} heads"))
         rep.diagnosis += named + ([f] if f is not None else [])
+        return
+    low = _rounded(s, b, readings)
+    if low is not None:  # the spec with its softmax in float16 or bfloat16: precision, not a mistake of the formula
+        rep.checks.append(Check("matches the float64 reference", False, f"rel. error {err:.2e}"))
+        rep.diagnosis += [props.precision(low, err, s.dtype)] + [x for x in named if x.check in OWN_ONLY]
         return
     found, parts = _localise(s, readings) if readings else ([], None)
     found = _unestablished_missing_projection(found, parts, desc)
@@ -526,11 +592,12 @@ def grade_subject(subject, opts: Options) -> Report:
     b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
     if b is None:
         rep.diagnosis += lengths
-        return rep
-    det, named = _properties(s, b, desc, rep, opts.forbid)
-    if not det:
-        rep.diagnosis += named + lengths
-        return rep
-    _white_box(s, b, desc, opts, rep, named)
-    rep.diagnosis += [f for f in lengths if f not in rep.diagnosis]
+    else:
+        det, named = _properties(s, b, desc, rep, opts.forbid)
+        if not det:
+            rep.diagnosis += named + lengths
+        else:
+            _white_box(s, b, desc, opts, rep, named)
+            rep.diagnosis += [f for f in lengths if f not in rep.diagnosis]
+    _every_failure_explained(rep)
     return rep
