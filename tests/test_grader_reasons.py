@@ -5,7 +5,10 @@ in another mask convention told which one fits and how to declare it."""
 
 from __future__ import annotations
 
+import csv
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +160,62 @@ def test_a_low_precision_softmax_is_named_as_precision_with_its_fix(dtype, self_
     assert [f.name for f in rep.diagnosis] == [f"softmax computed in {name} (low precision)"], str(rep)
     assert "torch.softmax(scores.float(), dim=-1)" in rep.diagnosis[0].advice, str(rep)
     assert not any("sum to 1 over the keys" in f.name for f in rep.diagnosis), str(rep)
+
+
+# --- 2. one denominator per assignment ------------------------------------------------------------------------------
+
+SOURCE = '''
+import math, torch
+from torch import nn
+
+
+class MHA(nn.Module):
+    def __init__(self, d_model=32, num_heads=4):
+        super().__init__()
+        self.h, self.d = num_heads, d_model // num_heads
+        self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, q, k, v):
+        B, Lq, _ = q.shape
+        Q, K, V = [x.view(B, -1, self.h, self.d).transpose(1, 2) for x in (self.W_q(q), self.W_k(k), self.W_v(v))]
+        w = torch.softmax(Q @ K.transpose(-1, -2) / math.sqrt(self.d), dim=-1)
+        return self.W_o((w @ V).transpose(1, 2).reshape(B, Lq, -1)){tail}
+'''
+CLASS = {"alice": "", "bob": " + 1e-2 * torch.randn(B, Lq, 32)", "carol": "[:, :, :-1].reshape(3)"}
+
+
+def test_every_grade_of_an_assignment_is_out_of_one_total(tmp_path):
+    """Issue 82.5.2: the console showed 8/13 for a submission whose Canvas row read 8 of the assignment's 15 -- each
+    row's denominator was the checks its own run reached. Now every row, the table, the gradebook's Points Possible,
+    the feedback and the summary are out of the assignment's total (the checks its options make)."""
+    from multihead.grader import classroom
+    from multihead.grader.report import POINTS, Report, assignment, possible
+
+    files = []
+    for learner, tail in CLASS.items():
+        (tmp_path / learner).mkdir()
+        (tmp_path / learner / "mha.py").write_text(SOURCE.replace("{tail}", tail))
+        files.append((tmp_path / learner / "mha.py", "MHA"))
+    got = [classroom.grade_file(f, n, call="qkv", seed=2) for f, n in files]
+    rows = {Path(r["file"]).parent.name: r for r, _ in got}
+    total = possible(POINTS, assignment(masked=False, causal=False, self_attn=False, forbid=False))
+    assert {r["possible"] for r in rows.values()} == {total}, rows
+    assert [r["status"] for r in rows.values()] == ["ok", "not ok", "error"], rows
+    assert rows["alice"]["points"] == total and rows["carol"]["points"] < rows["bob"]["points"] < total, rows
+    bob = got[1][1]
+    assert Report(bob.checks, bob.diagnosis).points()[1] < total  # the old denominator: the checks bob's run reached
+    rows = list(rows.values())
+    shown = classroom.table(rows).splitlines()
+    assert all(re.search(rf" [\d.]+/{total:g} ", line) for line in shown[2:5]), shown
+    assert shown[-1].endswith(f"points out of {total:g}"), shown
+    roster = {f"{n}/mha.py": {"Student": n, "ID": str(i)} for i, n in enumerate(CLASS)}
+    classroom.write_report(rows, tmp_path / "grades.canvas.csv", roster)
+    canvas = list(csv.reader((tmp_path / "grades.canvas.csv").open()))
+    assert canvas[1][0] == "Points Possible" and float(canvas[1][-1]) == total, canvas
+    md, _ = classroom.write_summary(rows, tmp_path / "summary")
+    assert f"of {total:g} on average" in md.read_text()
+    fb = classroom.write_feedback(rows[1], bob, tmp_path / "fb")
+    assert f"of {total:g} points" in fb.read_text()
+    with pytest.raises(ValueError, match="out of different totals"):
+        classroom.out_of([rows[0], {**rows[1], "possible": total - 1}])

@@ -29,7 +29,7 @@ import torch
 from multihead.grader import parts as parts_mod
 from multihead.grader import properties as props
 from multihead.grader import stages
-from multihead.grader.report import Check, Finding, Report
+from multihead.grader.report import Check, Finding, Report, assignment
 from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
 from multihead.grader.subject import RETURNED, Description, Probe
 
@@ -56,6 +56,12 @@ class Options:
     kv_same: bool = False
     #: torch functions and modules the course forbids (:func:`~multihead.grader.subject.forbidden`)
     forbid: tuple = ()
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        """The checks this assignment makes of every module (:func:`~multihead.grader.report.assignment`)."""
+        return assignment(masked=self.conv is not None, causal=self.causal, self_attn=self.self_attn,
+                          forbid=bool(self.forbid))
 
 
 def _size_from(desc: Description, mapping: dict | None) -> int | None:
@@ -570,7 +576,7 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
 
 def grade_subject(subject, opts: Options) -> Report:
     """The :class:`~multihead.grader.report.Report` of the module behind ``subject``."""
-    rep = Report(strict=opts.strict)
+    rep = Report(strict=opts.strict, assignment=opts.checks)
     desc = subject.describe()
     sizes = None if opts.self_attn or opts.embed_dim else _role_sizes(desc, opts.mapping)
     E = opts.embed_dim or (sizes[0] if sizes else _size_from(desc, opts.mapping))
