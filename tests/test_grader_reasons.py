@@ -219,3 +219,29 @@ def test_every_grade_of_an_assignment_is_out_of_one_total(tmp_path):
     assert f"of {total:g} points" in fb.read_text()
     with pytest.raises(ValueError, match="out of different totals"):
         classroom.out_of([rows[0], {**rows[1], "possible": total - 1}])
+
+
+# --- 5. cross-attention probed at Lq == Lk --------------------------------------------------------------------------
+
+
+class TransposedWhereItFits(FourLinear):
+    """Reads its mask as (B, 1, Lk, Lq) and transposes it where the shapes allow: right at Lq != Lk (the shapes keep
+    it as given), the mask applied along the query axis at Lq == Lk."""
+
+    def masked(self, scores, mask):
+        m = mask.transpose(-1, -2) if mask.shape[-1] == scores.shape[-2] else mask
+        return scores.masked_fill(~m, float("-inf"))
+
+
+def test_a_mask_applied_along_the_query_axis_is_caught_at_equal_lengths():
+    """Issue 82.5.5: the probes never made a cross-attention call with Lq == Lk, distinct inputs and a mask: this
+    module was graded OK. The masked-keys check now makes one, in the mask's form, and fails it, saying so."""
+    torch.manual_seed(0)
+    rep = multihead.check(TransposedWhereItFits(), call="qkv_mask", mask="keep")
+    c = rep.check("masked keys have no influence")
+    assert not rep.ok and c.passed is False and "only at Lq == Lk" in c.detail, str(rep)
+    assert any(f.check == c.name and "masked_fill" in f.advice for f in rep.diagnosis), str(rep)
+    torch.manual_seed(0)
+    right = multihead.check(FourLinear(), call="qkv_mask", mask="keep")
+    assert right.ok and right.check("masked keys have no influence").passed, str(right)
+

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from multihead.grader.report import Check, Finding
-from multihead.grader.session import Inputs, Session, tolerance
+from multihead.grader.session import LK, Inputs, Session, tolerance
 from multihead.grader.subject import NO_FRESH, Description, Reply
 
 __all__ = ["Base", "rel", "tolerance"]
@@ -195,8 +195,27 @@ def own_weights(desc: Description) -> tuple[Check, Finding | None]:
 
 
 def masked_keys(s: Session, b: Base) -> Check:
-    """Keys (and values) past each sequence's length changed: no output changes."""
-    x = b.x
+    """Keys (and values) past each sequence's length changed: no output changes. Cross-attention is probed at Lq != Lk
+    and again at Lq == Lk with queries, keys and values of their own, in the mask's form (a mask applied along the
+    query axis shows only there: at Lq != Lk its shapes tell the axes apart)."""
+    e = _masked_change(s, b.x, b.out)
+    if s.self_attn or s.causal or s.square:
+        return Check("masked keys have no influence", e <= s.tol, f"rel. change {e:.2e}")
+    x = s.inputs(LK, LK)  # Lq == Lk: distinct queries, keys and values
+    try:
+        e2 = _masked_change(s, x, s.out(x.q, x.k, x.v, x.keep, x.lens))
+    except RuntimeError as err:
+        return Check("masked keys have no influence", False, "raises at Lq == Lk", str(err).splitlines()[0][:200])
+    ok = max(e, e2) <= s.tol
+    only = not ok and e <= s.tol  # right where the lengths differ, wrong where they are equal
+    return Check("masked keys have no influence", ok, f"rel. change {max(e, e2):.2e}", "" if not only else
+                 f"only at Lq == Lk = {LK} ({e:.2e} at Lq = {b.x.q.shape[1]}, Lk = {b.x.k.shape[1]}): a mistake the "
+                 "lengths hide when they differ, such as the mask applied along the query axis")
+
+
+def _masked_change(s: Session, x: Inputs, out: Tensor) -> float:
+    """How much the output ``out`` of the call on ``x`` changes when the keys and values past each sequence's length
+    change (relative; self-attention: the outputs of the real positions)."""
     Lk = x.k.shape[1]
     k2, v2 = x.k.clone(), x.v.clone()
     blocked = ~(torch.arange(Lk) < x.lens[:, None])  # (B, Lk)
@@ -204,11 +223,9 @@ def masked_keys(s: Session, b: Base) -> Check:
     v2[blocked] -= 3.0
     if s.self_attn:
         pert = s.out(k2, k2, k2, x.keep, x.lens)
-        e = rel(pert[~blocked], b.out[~blocked])
-    else:
-        pert = s.out(x.q, k2, v2, x.keep, x.lens)
-        e = rel(pert, b.out)
-    return Check("masked keys have no influence", e <= s.tol, f"rel. change {e:.2e}")
+        return rel(pert[~blocked], out[~blocked])
+    pert = s.out(x.q, k2, v2, x.keep, x.lens)
+    return rel(pert, out)
 
 
 def fully_masked(s: Session, b: Base) -> Check:
@@ -306,7 +323,7 @@ def _no_gradient(c: Check) -> Finding:
 OWN = {
     "runs on probe inputs": ("raises on the probe inputs", "make forward run on queries (B, Lq, E) and keys and values "
                              "(B, Lk, E) with Lq != Lk, and the mask in the convention the course gives it; the error "
-                             "below says where it stops.", "inputs"),
+                             "(found) says where it stops.", "inputs"),
     "output shape and dtype": ("an output of the wrong shape or dtype", "return (B, Lq, E) in the queries' dtype: the "
                                "heads merged back ((B, H, Lq, D) -> (B, Lq, H*D)) and projected by W_o.", "output"),
     "eval mode deterministic": ("raises when called again", "make forward a function of its inputs and parameters: a "
