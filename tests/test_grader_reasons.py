@@ -245,3 +245,48 @@ def test_a_mask_applied_along_the_query_axis_is_caught_at_equal_lengths():
     right = multihead.check(FourLinear(), call="qkv_mask", mask="keep")
     assert right.ok and right.check("masked keys have no influence").passed, str(right)
 
+
+# --- 6. another mask convention: which fits, and how to declare it ---------------------------------------------------
+
+TORCH_STYLE = '''
+import math, torch
+from torch import nn
+
+
+class TorchStyle(nn.Module):
+    """torch.nn's conventions, by hand: sequence-first, key_padding_mask True = padding, (output, None) returned."""
+
+    def __init__(self, d_model=32, num_heads=4):
+        super().__init__()
+        self.h, self.d = num_heads, d_model // num_heads
+        self.q_proj, self.k_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.v_proj, self.out_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, query, key, value, key_padding_mask=None):
+        (Lq, B, E), Lk = query.shape, key.shape[0]
+        Q, K, V = [p(x).reshape(L, B * self.h, self.d).transpose(0, 1) for p, x, L in
+                   ((self.q_proj, query, Lq), (self.k_proj, key, Lk), (self.v_proj, value, Lk))]
+        s = (Q @ K.transpose(1, 2) / math.sqrt(self.d)).view(B, self.h, Lq, Lk)
+        if key_padding_mask is not None:
+            s = s.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        o = (torch.softmax(s, -1).view(B * self.h, Lq, Lk) @ V).transpose(0, 1).reshape(Lq, B, E)
+        return self.out_proj(o), None
+'''
+
+
+def test_a_module_in_another_mask_convention_is_told_which_fits_and_how_to_declare_it(tmp_path, capsys):
+    """Issue 82.5.6: torch.nn's conventions under a declared --mask keep reported "runs on probe inputs FAIL" with a
+    reshape error; the report now says the block convention fits (sequence-first, (B, Lk) bool) and --mask block, under
+    which the same file is graded OK."""
+    from multihead.apps.cli import main
+
+    path = tmp_path / "torch_style.py"
+    path.write_text(TORCH_STYLE)
+    args = ["check", f"{path}:TorchStyle", "--call", "qkv_mask", "--seed", "3"]
+    assert main([*args, "--mask", "keep"]) == 2
+    got = capsys.readouterr()
+    assert "declare --mask block" in got.err and "sequence-first (L, B, E) inputs, (B, Lk) bool" in got.err, got.err
+    assert "- its mask is in the block convention, not keep [stage: inputs]" in got.out, got.out
+    assert "--mask block on the command line (mask='block' in multihead.check)" in got.out, got.out
+    assert main([*args, "--mask", "block"]) == 0
+    assert "OK: the module computes multi-head attention." in capsys.readouterr().out

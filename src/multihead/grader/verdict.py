@@ -5,8 +5,11 @@ then, when it differs, the stage where it departs (:mod:`multihead.grader.stages
 
 The rules, so that correct code is never failed:
 
+- every comparison -- two calls, a call and the reference -- passes within the rounding of the probes' dtype
+  (:attr:`~multihead.grader.session.Session.tol`): no correct module fails on float rounding;
 - a property that fails is a failure (the module is not multi-head attention, whatever its parts);
-- the output equal to the reference under some reading of the parts is a pass;
+- the output equal to the reference under some reading of the parts is a pass; equal to it with the softmax in
+  float16 or bfloat16, a failure named as precision;
 - otherwise a mistake the localisation *names* (a hypothesis that reproduces what the module
   computed) is a failure, and so is any difference when every part was observed at work (each
   projection a layer seen called on its input, the output the output projection's);
@@ -16,7 +19,9 @@ The rules, so that correct code is never failed:
   weights the reading left unread, or another stage reproduced the output as the merged heads (a W_o
   held where no reading looks is not a missing one);
 - the probes give queries, keys and values the input sizes of their own projections where those differ
-  (the course's query_size, key_size, value_size).
+  (the course's query_size, key_size, value_size);
+- every failing check is in the diagnosis with its fix (:func:`_every_failure_explained`); a module that runs as
+  attention should only with its mask in another convention is told which, and how to declare it.
 """
 
 from __future__ import annotations
@@ -253,6 +258,40 @@ def _mask_as_taken(s: Session, x, first):
     return first
 
 
+#: each mask convention in words, as --mask names it
+IN_WORDS = {"keep": "True = may attend", "block": "True or 1 = masked, as torch.nn's key_padding_mask and the Keras "
+            "tutorial's mask", "additive": "floats added to the scores, -inf masked", "valid_lens": "each sequence's "
+            "length, the course's valid_lens"}
+
+
+def _convention_that_fits(s: Session, x) -> tuple[str, str] | None:
+    """Where no form of the declared convention behaves (:func:`_mask_as_taken`), the first other convention of
+    :data:`~multihead.grader.session.CONVENTIONS` under one of whose forms the module behaves as attention should:
+    (the convention, the form in words); None where none does."""
+    import dataclasses
+
+    from multihead.grader.session import CONVENTIONS
+
+    for conv in (c for c in CONVENTIONS if c != s.conv and not (s.causal and c == "valid_lens")):
+        t = dataclasses.replace(s, conv=conv, seq_first=False, given=None, other_mask=False,
+                                mask_shape=MASK_SHAPES[0], mask_tried=(), shift=0.0)
+        r = _mask_as_taken(t, x, t.call(x.q, x.k, x.v, x.keep, x.lens))
+        if r.error is None and r.out is not None and not _behaves(t, x, r):
+            return conv, _form_words(t)
+    return None
+
+
+def _convention_finding(declared: str, conv: str, form: str) -> Finding:
+    """The finding of a module that runs as attention should only with its mask in ``conv``, not the ``declared``
+    convention: which one fits, and how to declare it."""
+    return Finding(f"its mask is in the {conv} convention, not {declared}", f"declare the convention the module "
+                   f"reads: --mask {conv} on the command line (mask={conv!r} in multihead.check), or make it read the "
+                   f"course's {declared} mask ({IN_WORDS[declared]}).", "inputs",
+                   f"a mask in the {declared} convention ({IN_WORDS[declared]})", f"a module that runs as attention "
+                   f"should with its mask in the {conv} convention ({IN_WORDS[conv]}), given as {form}",
+                   "runs on probe inputs")
+
+
 def _causal_lengths(s: Session, x, first):
     """A causal module graded with valid_lens: the lengths as (B,), its own triangle masking the future, or, when
     that is not causal, per query row (B, Lq) as the course's decoder masks its future (valid_lens 1, 2, ..., Lq, and
@@ -273,6 +312,30 @@ def _causal_lengths(s: Session, x, first):
     return first
 
 
+def _raised(s: Session, rep: Report, x, r, hint: str, named: list) -> None:
+    """The failing "runs on probe inputs" of a first call that raised (or returned no tensor): the shapes given, what
+    was tried, and -- where the module runs as attention should with its mask in another convention -- which one and
+    how to declare it (its finding appended to ``named``)."""
+    hint = hint if (r.error or "").startswith("TypeError") else ""
+    mask = ""
+    if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
+        shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
+        mask = f", mask ({s.conv}) {shape}"
+        if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
+            also = ", ".join(MASK_SHAPES[1:] if not s.causal else MASK_SHAPES[1:2])
+            kinds = ", as bool and as 1/0 floats" if s.conv in ("keep", "block") else ""
+            hint = (f" (it raised on the mask given as {also} too{kinds}; a module that reads masks another way "
+                    "is graded through a function that gives its mask, e.g. call=lambda m, q, k, v, mask: "
+                    "m(q, k, v, mask[:, 0, 0, :, None]) for (B, Lk, 1))")
+    fits = _convention_that_fits(s, x) if s.conv is not None and not hint.startswith(" (its forward") else None
+    if fits is not None:  # correct code in another convention: which, and how to declare it
+        hint = f" (with its mask in the {fits[0]} convention, given as {fits[1]}, it runs as attention should: " \
+               f"declare --mask {fits[0]})"
+        named.append(_convention_finding(s.conv, *fits))
+    rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
+                            f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
+
+
 def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
     """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
     runs with equal lengths is graded on equal lengths, with a finding."""
@@ -290,19 +353,7 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
             s.square = True
             x, r = x2, r2
     if r.error is not None or r.out is None:
-        hint = hint if (r.error or "").startswith("TypeError") else ""
-        mask = ""
-        if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
-            shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
-            mask = f", mask ({s.conv}) {shape}"
-            if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
-                also = ", ".join(MASK_SHAPES[1:] if not s.causal else MASK_SHAPES[1:2])
-                kinds = ", as bool and as 1/0 floats" if s.conv in ("keep", "block") else ""
-                hint = (f" (it raised on the mask given as {also} too{kinds}; a module that reads masks another way "
-                        "is graded through a function that gives its mask, e.g. call=lambda m, q, k, v, mask: "
-                        "m(q, k, v, mask[:, 0, 0, :, None]) for (B, Lk, 1))")
-        rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
-                                f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
+        _raised(s, rep, x, r, hint, named)
         return None
     adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0] or s.given is not None or s.seq_first
     given = _form_words(s)
