@@ -120,15 +120,23 @@ def test_a_parameter_the_gradient_never_reaches_is_named_with_its_fix():
     assert f.check == "gradients reach every parameter" and "fix:" in str(rep) and "W_q.weight" in rep.summary()
 
 
-def test_every_failing_check_has_a_finding():
-    """Each failing check of a module is explained by a finding in the diagnosis: its own, or one about the output."""
+@pytest.mark.parametrize("make, call, mask", [
+    (lambda: DetachedQueries(), "qkv", None), (lambda: NoisyInEval(), "qkv", None),
+    (lambda: HalfSoftmax(), "qkv", None), (lambda: TransposedWhereItFits(), "qkv_mask", "keep")],
+    ids=["detached", "noisy", "float16", "transposed mask"])
+def test_every_failing_check_has_a_finding(make, call, mask):
+    """Each failing check of a module is in the diagnosis: a finding of its own, or -- for a check a wrong output
+    breaks -- one about the output (its own check's, or located by the reference: check '')."""
+    from multihead.grader.verdict import OWN_ONLY
+
     torch.manual_seed(0)
-    for module, call in ((DetachedQueries(), "qkv"), (NoisyInEval(), "qkv"), (TorchWrapped(), "x")):
-        rep = multihead.check(module, call=call)
-        for c in rep.failures:
-            assert any(f.check == c.name for f in rep.diagnosis) or any(f.check in ("", "matches the float64 "
-                                                                                   "reference") for f in rep.diagnosis)
-        assert rep.ok == (not rep.failures and not rep.diagnosis), str(rep)
+    rep = multihead.check(make(), call=call, mask=mask)
+    assert rep.failures and rep.diagnosis, str(rep)
+    about_output = [f for f in rep.diagnosis if f.check not in OWN_ONLY]
+    for c in rep.failures:
+        own = [f for f in rep.diagnosis if f.check == c.name]
+        assert own or (c.name not in OWN_ONLY and about_output), (c.name, str(rep))
+        assert all(f.advice for f in own), str(rep)
 
 
 # --- 4. a low-precision softmax named as precision ------------------------------------------------------------------
