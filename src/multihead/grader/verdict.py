@@ -26,6 +26,7 @@ The rules, so that correct code is never failed:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from multihead.grader import parts as parts_mod
 from multihead.grader import properties as props
 from multihead.grader import stages
 from multihead.grader.report import Check, Finding, Report, assignment
-from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
+from multihead.grader.session import CONVENTIONS, LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
 from multihead.grader.subject import RETURNED, Description, Probe
 
 __all__ = ["Options", "grade_subject"]
@@ -268,10 +269,6 @@ def _convention_that_fits(s: Session, x) -> tuple[str, str] | None:
     """Where no form of the declared convention behaves (:func:`_mask_as_taken`), the first other convention of
     :data:`~multihead.grader.session.CONVENTIONS` under one of whose forms the module behaves as attention should:
     (the convention, the form in words); None where none does."""
-    import dataclasses
-
-    from multihead.grader.session import CONVENTIONS
-
     for conv in (c for c in CONVENTIONS if c != s.conv and not (s.causal and c == "valid_lens")):
         t = dataclasses.replace(s, conv=conv, seq_first=False, given=None, other_mask=False,
                                 mask_shape=MASK_SHAPES[0], mask_tried=(), shift=0.0)
