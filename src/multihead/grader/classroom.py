@@ -21,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from multihead.grader.report import Report, points_scheme, safe
+from multihead.grader.report import possible as report_points_possible
 from multihead.grader.runner import Limits, SandboxError, SandboxSubject
 from multihead.grader.subject import HOW, SELF_CALLS, forbidden
 from multihead.grader.verdict import Options, grade_subject
 
 __all__ = ["FIELDS", "GRADEBOOKS", "feedback_names", "grade_file", "grade_many", "gradebook", "kwargs_of",
-           "load_points", "load_roster", "merge", "names_in_class", "parse_shard", "read_report", "refused", "shard",
+           "load_points", "load_roster", "merge", "names_in_class", "out_of", "parse_shard", "read_report", "refused",
+           "shard",
            "summary", "table", "targets", "write_feedback", "write_gradebook", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
@@ -115,9 +117,11 @@ def scheme_id(scheme: dict | None) -> str:
 
 
 def _row(path: Path, status: str, report: Report | None = None, finding: str = "", seconds: float = 0.0,
-         scheme: dict | None = None, *, seed: int | None = None) -> dict:
+         scheme: dict | None = None, *, seed: int | None = None, checks: tuple[str, ...] = ()) -> dict:
+    """One submission's row: its points out of the assignment's (``checks``,
+    :func:`~multihead.grader.report.assignment`), the one denominator every row of the class shares, graded or not."""
     if report is None:
-        earned, possible, failed, mistakes = 0.0, Report().points(scheme)[1], "", ""
+        earned, possible, failed, mistakes = 0.0, report_points_possible(scheme, checks), "", ""
     else:
         earned, possible = report.points(scheme)
         failed = "; ".join(c.name for c in report.failures + (report.warnings if report.strict else []))
@@ -141,28 +145,25 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     (:func:`~multihead.grader.subject.forbidden`), refused when the module's forward uses one."""
     t0 = time.perf_counter()
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
-    why = refused(Path(path), folder)
-    if why:
-        return _row(path, "error", finding=why, scheme=scheme, seed=seed), None
-    if not name:
-        return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", scheme=scheme,
-                    seed=seed), None
     opts = Options(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
                    seed, strict, HOW[call], call, forbid=forbidden(forbid))
+    kw = dict(scheme=scheme, seed=seed, checks=opts.checks)  # every row out of the assignment's points
+    why = refused(Path(path), folder)
+    if why:
+        return _row(path, "error", finding=why, **kw), None
+    if not name:
+        return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", **kw), None
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
             report = grade_subject(subject, opts)
     except SandboxError as e:
-        return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, scheme=scheme,
-                    seed=seed), None
+        return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, **kw), None
     except (TypeError, ValueError) as e:
-        return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, scheme=scheme, seed=seed), None
+        return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, **kw), None
     first = report.checks[0] if report.checks else None
     if first is not None and first.name == "runs on probe inputs" and first.passed is False:
-        return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0,
-                    scheme, seed=seed), report
-    return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0,
-                scheme=scheme, seed=seed), report
+        return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0, **kw), report
+    return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0, **kw), report
 
 
 def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
@@ -202,6 +203,17 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
         return list(pool.map(one, files))
 
 
+def out_of(rows: list[dict]) -> float | None:
+    """The points the class's assignment is out of: the one denominator its rows share (None for no rows). A
+    ValueError where rows of one table were scored out of different totals (reports of different assignments)."""
+    totals = sorted({float(r["possible"]) for r in rows})
+    if len(totals) > 1:
+        raise ValueError(f"the rows are out of different totals ({', '.join(f'{t:g}' for t in totals)}): they were "
+                         "graded as different assignments (--mask, --causal, --call, --forbid or --points); grade "
+                         "the class with one set of options.")
+    return totals[0] if totals else None
+
+
 def table(rows: list[dict]) -> str:
     """The class table, each file named by its path under the submissions' common folder (``alice/mha.py``: the
     bare name told two learners' ``mha.py`` apart by nothing)."""
@@ -212,7 +224,8 @@ def table(rows: list[dict]) -> str:
         pts = f"{r['points']:g}/{r['possible']:g}"
         lines.append(f"{name:<{w}}  {r['status']:<7}  {pts:>9}  {safe(r['finding'] or r['failed'])}")
     n_ok = sum(r["ok"] for r in rows)
-    lines.append(f"\n{n_ok} of {len(rows)} OK")
+    total = out_of(rows)
+    lines.append(f"\n{n_ok} of {len(rows)} OK" + ("" if total is None else f"; points out of {total:g}"))
     return "\n".join(lines)
 
 
@@ -281,8 +294,9 @@ def write_gradebook(rows: list[dict], path: Path, roster: dict[str, dict]) -> No
     with path.open("w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(head)
-        if kind == ".canvas.csv":  # Canvas reads the points possible from this row
-            wr.writerow(["Points Possible"] + [""] * (len(ids) - 1) + [f"{rows[0]['possible']:g}" if rows else ""])
+        if kind == ".canvas.csv":  # Canvas reads the points possible from this row: the assignment's, every row's
+            total = out_of(rows)
+            wr.writerow(["Points Possible"] + [""] * (len(ids) - 1) + [f"{total:g}" if total is not None else ""])
         for r, name in zip(rows, shown, strict=True):
             student = roster.get(r.get("name") or name) or roster[name]
             cells = [student[c] for c in ids] + [f"{r['points']:g}"]
@@ -470,7 +484,12 @@ def write_summary(rows: list[dict], folder: Path, extra: str = "") -> tuple[Path
     folder.mkdir(parents=True, exist_ok=True)
     counts = summary(rows)
     n = len(rows)
-    md = [f"# Class summary: {sum(r['ok'] for r in rows)} of {n} OK", "", "| mistake | submissions |", "|---|---:|"]
+    total = out_of(rows)
+    md = [f"# Class summary: {sum(r['ok'] for r in rows)} of {n} OK", ""]
+    if total is not None:
+        mean = sum(float(r["points"]) for r in rows) / n
+        md += [f"Points: {mean:.3g} of {total:g} on average (every submission out of {total:g}).", ""]
+    md += ["| mistake | submissions |", "|---|---:|"]
     md += [f"| {safe(name).replace('|', chr(92) + '|')} | {k} |" for name, k in counts] or ["| (none) | 0 |"]
     if extra:
         md += ["", extra]

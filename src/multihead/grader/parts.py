@@ -154,6 +154,33 @@ def per_head(parts: Parts, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None)
     return reference_attention(split(Q, H), split(K, H), split(V, H), keep, scale=scale)
 
 
+def rounded_softmax(parts: Parts, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The spec's output for this reading with its softmax computed in ``dtype`` (the scores rounded to it, the
+    softmax's exps and sums in float32, the weights rounded to it): what a module computes that calls softmax on
+    scores cast to float16 or bfloat16; float64 otherwise."""
+    Q, K, V = parts.projections(q, k, v)
+    H = parts.H
+    D = Q.shape[-1] // H
+    scale = parts.scale if parts.scale is not None else 1 / math.sqrt(D)
+    S = split(Q, H) @ split(K, H).transpose(-1, -2) * scale  # (B, H, Lq, Lk)
+    if keep is not None:
+        S = S.masked_fill(~keep, float("-inf"))
+    W = torch.softmax(S.to(dtype).float(), dim=-1).to(dtype).double()  # (B, H, Lq, Lk), rounded as the module's
+    m = merge(W @ split(V, H))  # (B, H, Lq, D) -> (B, Lq, H*D)
+    return m if parts.o is None else parts.o(m)
+
+
+def score_terms(parts: Parts, q: Tensor, k: Tensor, v: Tensor) -> float:
+    """What the scores add to the rounding of attention on (q, k, v) under this reading: each score sums D terms, and
+    exp turns its error into a relative one times its size, so (D + 1) times the largest |scale * Q_h K_hᵀ|."""
+    Q, K, _ = parts.projections(q, k, v)
+    H = parts.H
+    D = Q.shape[-1] // H
+    scale = parts.scale if parts.scale is not None else 1 / math.sqrt(D)
+    S = split(Q, H) @ split(K, H).transpose(-1, -2)  # (B, H, Lq, D) @ (B, H, D, Lk) -> (B, H, Lq, Lk)
+    return float((D + 1) * (S * scale).abs().max())
+
+
 # --- finding the parts ---------------------------------------------------------------------------
 
 def _stack(projs: list[Proj], name: str) -> Proj:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "points_scheme", "safe"]
+__all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "assignment", "points_scheme", "possible", "safe"]
 
 #: the most characters of a submission's text (an error, a name) shown in a report, a feedback file or the table
 CAP = 2000
@@ -56,6 +56,31 @@ POINTS = {name: 1.0 for name in CHECKS} | {
 }
 
 
+def assignment(*, masked: bool, causal: bool, self_attn: bool, forbid: bool) -> tuple[str, ...]:
+    """The checks an assignment makes of every submission (in :data:`CHECKS` order), from how it is graded alone --
+    a mask, causal, self-attention, forbidden calls -- never from what a submission did: the one set whose points are
+    every submission's denominator (:func:`possible`)."""
+    skip = set()
+    if not masked:
+        skip |= {"masked keys have no influence", "fully masked rows finite"}
+    if not causal:
+        skip |= {"causal: position 0 unchanged when the future changes", "causal: no influence from the future"}
+    if not self_attn or causal:
+        skip.add("permutation equivariance")
+    if self_attn or causal:
+        skip |= {"order of the keys does not matter", "each query's weights sum to 1"}
+    if not forbid:
+        skip.add("no forbidden calls")
+    return tuple(c for c in CHECKS if c not in skip)
+
+
+def possible(scheme: dict[str, float] | None, checks: tuple[str, ...]) -> float:
+    """The points an assignment of ``checks`` (:func:`assignment`) is out of under ``scheme`` (default
+    :data:`POINTS`): one denominator for every submission, graded, failed early or not graded at all."""
+    scheme = POINTS if scheme is None else scheme
+    return sum(scheme.get(name, 0.0) for name in checks)
+
+
 def points_scheme(given: dict | None) -> dict[str, float]:
     """The default :data:`POINTS` updated with ``given`` (check name -> points); a name that is not a
     check, or points that are not a non-negative number, raise a ValueError naming it."""
@@ -79,18 +104,23 @@ class Check:
     figure: str = ""
     detail: str = ""
     severity: str = "failure"
+    #: not applicable for what the module is (no fresh copy to compare with, too few positions to permute), not for a
+    #: failure elsewhere: it earns its points (:meth:`Report.points`)
+    waived: bool = False
 
 
 @dataclass
 class Finding:
     """A departure from multi-head attention: ``name`` (short), ``advice`` (the fix), and where it was
-    located: ``stage``, what the spec ``expected`` and what the module computes (``found``)."""
+    located: ``stage``, what the spec ``expected`` and what the module computes (``found``); ``check``: the check
+    whose failure it explains ('' for a mistake located by comparing the output with the reference)."""
 
     name: str
     advice: str
     stage: str = ""
     expected: str = ""
     found: str = ""
+    check: str = ""
 
     def __str__(self) -> str:
         where = f" [{self.stage}]" if self.stage else ""
@@ -106,6 +136,8 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     diagnosis: list[Finding] = field(default_factory=list)
     strict: bool = False
+    #: the checks the assignment makes of every submission (:func:`assignment`): the points' denominator
+    assignment: tuple[str, ...] = ()
 
     @property
     def failures(self) -> list[Check]:
@@ -156,21 +188,32 @@ class Report:
         return safe(bad[0].name + (f": {bad[0].detail}" if bad[0].detail else "")) if bad else ""
 
     def points(self, scheme: dict[str, float] | None = None) -> tuple[float, float]:
-        """(earned, possible) under ``scheme`` (default :data:`POINTS`). A check earns its points when it
-        passes; one that does not apply counts for neither; a check every module gets but that never ran
-        (the module raised first) counts as possible. A reference comparison that could not be made (the
-        parts unreadable) with nothing found wrong earns its points: the black-box checks vouch for it."""
+        """(earned, possible) under ``scheme`` (default :data:`POINTS`). With an :attr:`assignment` (every report the
+        grader makes), possible is the assignment's (:func:`possible`), the same for every submission, and a check
+        earns its points when it passes or is waived (not applicable for what the module is; the returned weights'
+        sums where it returns none); one never reached (the module failed first) earns nothing. A reference
+        comparison that could not be made (the parts unreadable) with nothing found wrong earns its points: the
+        black-box checks vouch for it. (Without an assignment: the checks that ran, as before issue 82.)"""
         scheme = POINTS if scheme is None else scheme
         ran = {c.name: c for c in self.checks}
-        earned = possible = 0.0
+        if self.assignment:
+            return sum(scheme.get(n, 0.0) for n in self.assignment if self._earns(n, ran)), \
+                possible(scheme, self.assignment)
+        earned = possible_ = 0.0
         for name, pts in scheme.items():
             c = ran.get(name)
             if (c is None and name not in _ALWAYS) or (c is not None and c.passed is None):
                 continue
-            possible += pts
+            possible_ += pts
             if c is not None and (c.passed or self._vouched(c)):
                 earned += pts
-        return earned, possible
+        return earned, possible_
+
+    def _earns(self, name: str, ran: dict[str, Check]) -> bool:
+        c = ran.get(name)
+        if c is None:  # never reached, or the returned weights' sums of a module that returns none (its weights seen)
+            return name == "returned weights rows sum to 1" and "attention weights can be seen" in ran
+        return bool(c.passed) or (c.passed is None and c.waived) or self._vouched(c)
 
     def _vouched(self, c: Check) -> bool:
         return c.name == "matches the float64 reference" and c.severity == "warning" and not self.diagnosis

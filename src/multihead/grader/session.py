@@ -13,11 +13,25 @@ from torch import Tensor
 
 from multihead.grader.subject import Probe, Reply
 
-__all__ = ["CONVENTIONS", "MASK_SHAPES", "Inputs", "Session", "mask_form", "mask_value", "probes"]
+__all__ = ["CONVENTIONS", "MASK_SHAPES", "Inputs", "Session", "mask_form", "mask_value", "probes", "tolerance"]
 
 #: how a module reads masks: bool keep, 1 = blocked (the Keras tutorial), additive, the course's lengths
 CONVENTIONS = ("keep", "block", "additive", "valid_lens")
 B, LQ, LK = 3, 5, 7
+
+
+def tolerance(dtype: torch.dtype, terms: int) -> float:
+    """The largest relative difference (max |a - b| / max |b|) that rounding alone makes between two computations of
+    one output in ``dtype``, each a chain of sums of ``terms`` terms in all: every sum of n terms is off by at most
+    n * eps times the size of its terms (eps: the dtype's machine epsilon), so two correct computations -- one
+    output computed twice, in another batch, along another kernel (torch's fast path and its slow one) or the
+    float64 reference -- differ by at most ``terms * eps`` of the output's size. A ValueError for a dtype that is
+    not a floating one or a count below 1."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"tolerance: dtype must be a floating torch dtype (torch.float32, ...); got {dtype!r}.")
+    if int(terms) < 1:
+        raise ValueError(f"tolerance: terms must be the number of terms summed (>= 1); got {terms!r}.")
+    return torch.finfo(dtype).eps * int(terms)
 
 
 class Inputs(NamedTuple):
@@ -145,6 +159,21 @@ class Session:
     shift: float = 0.0
     #: the inputs given sequence-first, (L, B, E), and the output read back as (B, L, ·): torch.nn's default layout
     seq_first: bool = False
+
+    @property
+    def terms(self) -> int:
+        """The terms summed on the way to one output of attention on the probes: the query, key and value projections
+        (Eq, Ek, Ev terms), the scores (D <= E), the softmax's sum and the weighted values (Lk each), the output
+        projection (E)."""
+        Ek, Ev = self.kv_sizes or (self.E, self.E)
+        return self.E + Ek + Ev + 2 * self.E + 2 * max(LQ, LK)
+
+    @property
+    def tol(self) -> float:
+        """The relative difference rounding alone makes between two correct computations of the probes' outputs in
+        the probes' dtype (:func:`tolerance` of :attr:`terms`): every comparison of two calls, and of a call with the
+        float64 reference, passes within it."""
+        return tolerance(self.dtype, self.terms)
 
     def inputs(self, Lq: int = LQ, Lk: int = LK, Bx: int = B) -> Inputs:
         Lk = Lq if self.self_attn or self.causal or self.square else Lk

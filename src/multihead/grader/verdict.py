@@ -5,8 +5,11 @@ then, when it differs, the stage where it departs (:mod:`multihead.grader.stages
 
 The rules, so that correct code is never failed:
 
+- every comparison -- two calls, a call and the reference -- passes within the rounding of the probes' dtype
+  (:attr:`~multihead.grader.session.Session.tol`): no correct module fails on float rounding;
 - a property that fails is a failure (the module is not multi-head attention, whatever its parts);
-- the output equal to the reference under some reading of the parts is a pass;
+- the output equal to the reference under some reading of the parts is a pass; equal to it with the softmax in
+  float16 or bfloat16, a failure named as precision;
 - otherwise a mistake the localisation *names* (a hypothesis that reproduces what the module
   computed) is a failure, and so is any difference when every part was observed at work (each
   projection a layer seen called on its input, the output the output projection's);
@@ -16,11 +19,14 @@ The rules, so that correct code is never failed:
   weights the reading left unread, or another stage reproduced the output as the merged heads (a W_o
   held where no reading looks is not a missing one);
 - the probes give queries, keys and values the input sizes of their own projections where those differ
-  (the course's query_size, key_size, value_size).
+  (the course's query_size, key_size, value_size);
+- every failing check is in the diagnosis with its fix (:func:`_every_failure_explained`); a module that runs as
+  attention should only with its mask in another convention is told which, and how to declare it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -29,8 +35,8 @@ import torch
 from multihead.grader import parts as parts_mod
 from multihead.grader import properties as props
 from multihead.grader import stages
-from multihead.grader.report import Check, Finding, Report
-from multihead.grader.session import LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
+from multihead.grader.report import Check, Finding, Report, assignment
+from multihead.grader.session import CONVENTIONS, LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
 from multihead.grader.subject import RETURNED, Description, Probe
 
 __all__ = ["Options", "grade_subject"]
@@ -56,6 +62,12 @@ class Options:
     kv_same: bool = False
     #: torch functions and modules the course forbids (:func:`~multihead.grader.subject.forbidden`)
     forbid: tuple = ()
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        """The checks this assignment makes of every module (:func:`~multihead.grader.report.assignment`)."""
+        return assignment(masked=self.conv is not None, causal=self.causal, self_attn=self.self_attn,
+                          forbid=bool(self.forbid))
 
 
 def _size_from(desc: Description, mapping: dict | None) -> int | None:
@@ -173,13 +185,13 @@ def _behaves(s: Session, x, r) -> str:
             r2 = s.call(x.q, x.k, x.v, x.keep, x.lens)
         finally:
             s.shift = 0.0
-        if r2.error is not None or r2.out is None or r2.out.shape != r.out.shape or props.rel(r2.out, r.out) >= props.TOL:
+        if r2.error is not None or r2.out is None or r2.out.shape != r.out.shape or props.rel(r2.out, r.out) > s.tol:
             return "changed its output when one constant was added to the whole mask (it does not add it to the scores)"
     one = props._rows(x, [1])
     r1 = s.call(one.q, one.k, one.v, one.keep, one.lens)
     if r1.error is not None or r1.out is None:
         return f"raised {(r1.error or 'no tensor returned')[:160]} on one sequence alone"
-    if r1.out.shape[1:] != r.out.shape[1:] or props.rel(r1.out[0], r.out[1]) >= props.TOL:
+    if r1.out.shape[1:] != r.out.shape[1:] or props.rel(r1.out[0], r.out[1]) > s.tol:
         return "gave a sequence an output that depends on the other sequences of the batch"
     return ""
 
@@ -247,6 +259,36 @@ def _mask_as_taken(s: Session, x, first):
     return first
 
 
+#: each mask convention in words, as --mask names it
+IN_WORDS = {"keep": "True = may attend", "block": "True or 1 = masked, as torch.nn's key_padding_mask and the Keras "
+            "tutorial's mask", "additive": "floats added to the scores, -inf masked", "valid_lens": "each sequence's "
+            "length, the course's valid_lens"}
+
+
+def _convention_that_fits(s: Session, x) -> tuple[str, str] | None:
+    """Where no form of the declared convention behaves (:func:`_mask_as_taken`), the first other convention of
+    :data:`~multihead.grader.session.CONVENTIONS` under one of whose forms the module behaves as attention should:
+    (the convention, the form in words); None where none does."""
+    for conv in (c for c in CONVENTIONS if c != s.conv and not (s.causal and c == "valid_lens")):
+        t = dataclasses.replace(s, conv=conv, seq_first=False, given=None, other_mask=False,
+                                mask_shape=MASK_SHAPES[0], mask_tried=(), shift=0.0)
+        r = _mask_as_taken(t, x, t.call(x.q, x.k, x.v, x.keep, x.lens))
+        if r.error is None and r.out is not None and not _behaves(t, x, r):
+            return conv, _form_words(t)
+    return None
+
+
+def _convention_finding(declared: str, conv: str, form: str) -> Finding:
+    """The finding of a module that runs as attention should only with its mask in ``conv``, not the ``declared``
+    convention: which one fits, and how to declare it."""
+    return Finding(f"its mask is in the {conv} convention, not {declared}", f"declare the convention the module "
+                   f"reads: --mask {conv} on the command line (mask={conv!r} in multihead.check), or make it read the "
+                   f"course's {declared} mask ({IN_WORDS[declared]}).", "inputs",
+                   f"a mask in the {declared} convention ({IN_WORDS[declared]})", f"a module that runs as attention "
+                   f"should with its mask in the {conv} convention ({IN_WORDS[conv]}), given as {form}",
+                   "runs on probe inputs")
+
+
 def _causal_lengths(s: Session, x, first):
     """A causal module graded with valid_lens: the lengths as (B,), its own triangle masking the future, or, when
     that is not causal, per query row (B, Lq) as the course's decoder masks its future (valid_lens 1, 2, ..., Lq, and
@@ -267,6 +309,30 @@ def _causal_lengths(s: Session, x, first):
     return first
 
 
+def _raised(s: Session, rep: Report, x, r, hint: str, named: list) -> None:
+    """The failing "runs on probe inputs" of a first call that raised (or returned no tensor): the shapes given, what
+    was tried, and -- where the module runs as attention should with its mask in another convention -- which one and
+    how to declare it (its finding appended to ``named``)."""
+    hint = hint if (r.error or "").startswith("TypeError") else ""
+    mask = ""
+    if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
+        shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
+        mask = f", mask ({s.conv}) {shape}"
+        if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
+            also = ", ".join(MASK_SHAPES[1:] if not s.causal else MASK_SHAPES[1:2])
+            kinds = ", as bool and as 1/0 floats" if s.conv in ("keep", "block") else ""
+            hint = (f" (it raised on the mask given as {also} too{kinds}; a module that reads masks another way "
+                    "is graded through a function that gives its mask, e.g. call=lambda m, q, k, v, mask: "
+                    "m(q, k, v, mask[:, 0, 0, :, None]) for (B, Lk, 1))")
+    fits = _convention_that_fits(s, x) if s.conv is not None and not hint.startswith(" (its forward") else None
+    if fits is not None:  # correct code in another convention: which, and how to declare it
+        hint = f" (with its mask in the {fits[0]} convention, given as {fits[1]}, it runs as attention should: " \
+               f"declare --mask {fits[0]})"
+        named.append(_convention_finding(s.conv, *fits))
+    rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
+                            f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
+
+
 def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) -> props.Base | None:
     """The first call (and the failure it is when it raises): cross-attention that raises with Lq != Lk but
     runs with equal lengths is graded on equal lengths, with a finding."""
@@ -284,19 +350,7 @@ def _base(s: Session, rep: Report, hint: str = "", named: list | None = None) ->
             s.square = True
             x, r = x2, r2
     if r.error is not None or r.out is None:
-        hint = hint if (r.error or "").startswith("TypeError") else ""
-        mask = ""
-        if s.conv is not None:  # the mask's shape, and how a module that reads another one is called
-            shape = (B,) if s.conv == "valid_lens" else (B, 1, x.q.shape[1], x.k.shape[1])
-            mask = f", mask ({s.conv}) {shape}"
-            if r.error is not None and s.conv != "valid_lens" and not hint and not r.error.startswith(RETURNED):
-                also = ", ".join(MASK_SHAPES[1:] if not s.causal else MASK_SHAPES[1:2])
-                kinds = ", as bool and as 1/0 floats" if s.conv in ("keep", "block") else ""
-                hint = (f" (it raised on the mask given as {also} too{kinds}; a module that reads masks another way "
-                        "is graded through a function that gives its mask, e.g. call=lambda m, q, k, v, mask: "
-                        "m(q, k, v, mask[:, 0, 0, :, None]) for (B, Lk, 1))")
-        rep.checks.append(Check("runs on probe inputs", False, "", f"{s.how} with q {tuple(x.q.shape)}, k "
-                                f"{tuple(x.k.shape)}{mask}: {r.error or 'no tensor returned'}{hint}"))
+        _raised(s, rep, x, r, hint, named)
         return None
     adapted = s.other_mask or s.mask_shape != MASK_SHAPES[0] or s.given is not None or s.seq_first
     given = _form_words(s)
@@ -348,7 +402,11 @@ def _across_calls(s: Session, b: props.Base, desc: Description, rep: Report,
     if forbid:
         cb, fb = props.no_forbidden(r, forbid)
         rep.checks.append(cb)
-    named += [x for x in (fb, f, state, fo, fi) if x is not None]
+    for name, x in (("no forbidden calls", fb), ("eval mode deterministic", f), ("no state between calls", state),
+                    ("heads have their own weights", fo), ("inputs unchanged by a call", fi)):
+        if x is not None:
+            x.check = x.check or name
+            named.append(x)
     return det and state is None, fo is None and fb is None, named
 
 
@@ -359,25 +417,65 @@ def _properties(s: Session, b: props.Base, desc: Description, rep: Report,
     det, own, named = _across_calls(s, b, desc, rep, forbid)
     c, f = props.batch_independence(s, b, det)
     rep.checks.append(c)
-    named += [f] if f is not None else []
+    named += [_for(f, c)] if f is not None else []
     det = det and own
     if s.conv is not None:
         rep.checks += [props.masked_keys(s, b), props.fully_masked(s, b)]
     if s.causal:
         rep.checks += props.causality(s, b)
     rep.checks += props.weights_seen(s, b)
-    rep.checks.append(props.gradients(s, b, desc.trainable))
+    rep.checks.append(props.gradients(s, b, desc.trainable))  # its finding: where nothing else explains it
     if det:
         if s.self_attn and not s.causal:
             c, f = props.permutation(s, b)
             rep.checks.append(c)
-            named += [f] if f is not None else []
+            named += [_for(f, c)] if f is not None else []
         if not s.self_attn and not s.causal:
             for check in (props.key_order, props.weights_sum_to_one):
                 c, f = check(s, b)
                 rep.checks.append(c)
-                named += [f] if f is not None else []
+                named += [_for(f, c)] if f is not None else []
     return det, named
+
+
+def _for(f: Finding, c: Check) -> Finding:
+    """``f`` marked as the finding of check ``c`` (where it names no check yet)."""
+    f.check = f.check or c.name
+    return f
+
+
+#: checks whose failure only their own finding explains (a mistake in the output does not make them fail)
+OWN_ONLY = ("runs on probe inputs", "output shape and dtype", "eval mode deterministic", "inputs unchanged by a call",
+            "no state between calls", "heads have their own weights", "no forbidden calls")
+#: explained by its own finding or by a mistake located in the output (keys used as values leave W_v unused)
+GRADIENTS = "gradients reach every parameter"
+
+
+#: checks whose finding says the output changes from call to call: no comparison of two calls says more then
+UNSTABLE = ("eval mode deterministic", "no state between calls")
+
+
+def _explained(c: Check, diagnosis: list[Finding]) -> bool:
+    """Whether ``diagnosis`` explains the failing check ``c``: its own finding; for a check a wrong output breaks, a
+    finding about the output (located by the reference, or another such check's) or one that the output changes
+    from call to call (a comparison of two calls then fails whatever else is right); for the gradients, one located
+    or one of a changing output (a layer built in forward leaves the module's own unused)."""
+    if any(f.check == c.name for f in diagnosis) or c.name in OWN_ONLY:
+        return any(f.check == c.name for f in diagnosis)
+    if any(f.check in UNSTABLE for f in diagnosis):
+        return True
+    if c.name == GRADIENTS:
+        return any(not f.check for f in diagnosis)
+    return any(f.check not in (*OWN_ONLY, GRADIENTS) for f in diagnosis)
+
+
+def _every_failure_explained(rep: Report) -> None:
+    """Each failing check explained in the diagnosis with its fix (:func:`_explained`); else its own finding
+    (:func:`~multihead.grader.properties.own_finding`) is added. (A failing check was shown with an empty diagnosis:
+    a module whose gradients never reached W_q was NOT OK without a word of why.)"""
+    for c in rep.failures:
+        if not _explained(c, rep.diagnosis):
+            rep.diagnosis.append(props.own_finding(c))
 
 
 def _fit(s: Session, b: props.Base, readings: list) -> tuple:
@@ -395,9 +493,25 @@ def _fit(s: Session, b: props.Base, readings: list) -> tuple:
             e = props.rel(b.out, ref) if ref.shape == b.out.shape else float("inf")
             if e < best[1]:
                 best = (p, e)
-            if e < 1e-4:
+            if e <= s.tol:
                 return p, e, H in counts
     return None, best[1], True
+
+
+def _rounded(s: Session, b: props.Base, readings: list):
+    """The dtype of :data:`~multihead.grader.properties.LOW` (narrower than the probes') in which a softmax gives the
+    module's output to the probes' rounding, under one of the two likeliest readings; None where none does."""
+    for parts in readings[:2]:
+        for H in parts_mod.head_counts(parts):
+            p = parts.with_heads(H)
+            for dtype in (d for d in props.LOW if torch.finfo(d).eps > torch.finfo(s.dtype).eps):
+                try:
+                    low = parts_mod.rounded_softmax(p, b.x.q, b.x.k, b.x.v, b.x.keep, dtype)
+                except (RuntimeError, ValueError):
+                    break
+                if low.shape == b.out.shape and props.rel(b.out, low) <= s.tol:
+                    return dtype
+    return None
 
 
 def _observed(parts: parts_mod.Parts, s: Session) -> bool:
@@ -456,8 +570,10 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
     readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order, s.kv_sizes)
     fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
     ref_fn = None if fitted is None else (lambda q, k, v, keep: parts_mod.reference(fitted, q, k, v, keep))
-    c, f = props.stability(s, b, ref_fn)
+    terms = None if fitted is None else (lambda q, k, v: parts_mod.score_terms(fitted, q, k, v))
+    c, f = props.stability(s, b, ref_fn, terms)
     rep.checks.append(c)
+    f = None if f is None else _for(f, c)
     if fitted is not None:
         detail = f"{fitted.H} heads" + ("" if fitted.qkv is None else f", fused qkv ({fitted.layout})")
         if fitted.tied:  # attention, with projections narrower than the course's: a warning
@@ -472,6 +588,11 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
                                  "num_heads heads of d_model // num_heads features each.", "heads split",
                                  f"{readings[0].H} heads", f"multi-head attention with {fitted.H} heads"))
         rep.diagnosis += named + ([f] if f is not None else [])
+        return
+    low = _rounded(s, b, readings)
+    if low is not None:  # the spec with its softmax in float16 or bfloat16: precision, not a mistake of the formula
+        rep.checks.append(Check("matches the float64 reference", False, f"rel. error {err:.2e}"))
+        rep.diagnosis += [props.precision(low, err, s.dtype)] + [x for x in named if x.check in OWN_ONLY]
         return
     found, parts = _localise(s, readings) if readings else ([], None)
     found = _unestablished_missing_projection(found, parts, desc)
@@ -503,7 +624,7 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
 
 def grade_subject(subject, opts: Options) -> Report:
     """The :class:`~multihead.grader.report.Report` of the module behind ``subject``."""
-    rep = Report(strict=opts.strict)
+    rep = Report(strict=opts.strict, assignment=opts.checks)
     desc = subject.describe()
     sizes = None if opts.self_attn or opts.embed_dim else _role_sizes(desc, opts.mapping)
     E = opts.embed_dim or (sizes[0] if sizes else _size_from(desc, opts.mapping))
@@ -525,11 +646,12 @@ def grade_subject(subject, opts: Options) -> Report:
     b = _base(s, rep, _call_hint(desc.forward, opts.call), lengths)
     if b is None:
         rep.diagnosis += lengths
-        return rep
-    det, named = _properties(s, b, desc, rep, opts.forbid)
-    if not det:
-        rep.diagnosis += named + lengths
-        return rep
-    _white_box(s, b, desc, opts, rep, named)
-    rep.diagnosis += [f for f in lengths if f not in rep.diagnosis]
+    else:
+        det, named = _properties(s, b, desc, rep, opts.forbid)
+        if not det:
+            rep.diagnosis += named + lengths
+        else:
+            _white_box(s, b, desc, opts, rep, named)
+            rep.diagnosis += [f for f in lengths if f not in rep.diagnosis]
+    _every_failure_explained(rep)
     return rep
