@@ -64,14 +64,23 @@ def _word_tokenizer():
 
 
 def _tiny(folder, tok, family: str):
-    """A random tiny causal LM of ``family`` saved with the tokenizer: Llama and Qwen2 with 6 query heads sharing 3
-    key/value heads, Gemma 3 with 4 sharing 1."""
+    """A random tiny causal LM of ``family`` saved with the tokenizer: Llama (and Llama 3's RoPE scaling), Qwen2,
+    Qwen3 and Mistral with 6 query heads sharing 3 key/value heads, Gemma 3 with 4 sharing 1."""
     torch.manual_seed(0)
     common = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=64, num_hidden_layers=2,
                   max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    grouped = dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_attention_heads=6, num_key_value_heads=3,
                                                                        **common))
+    elif family == "llama3":  # Llama 3's RoPE scaling
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_parameters=rope, **grouped, **common))
+    elif family == "qwen3":  # query/key norms
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**grouped, **common))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**grouped, **common))
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_attention_heads=6, num_key_value_heads=3,
                                                                        **common))
@@ -88,8 +97,9 @@ def _tiny(folder, tok, family: str):
 SMALL = dict(held_out=16, prompts=8, seq=32, batch=2)
 
 
-@pytest.mark.parametrize("family, unit, heads_after, kv_after", [("llama", "group", 4, 2), ("qwen2", "group", 4, 2),
-                                                                 ("gemma3", "query", 2, 1)])
+@pytest.mark.parametrize("family, unit, heads_after, kv_after", [
+    ("llama", "group", 4, 2), ("qwen2", "group", 4, 2), ("gemma3", "query", 2, 1), ("qwen3", "group", 4, 2),
+    ("mistral", "group", 4, 2), ("llama3", "group", 4, 2)])
 def test_the_cut_is_even_and_the_folder_loads_as_it_is_equal_to_the_gated_model(tmp_path, request, family, unit,
                                                                                  heads_after, kv_after):
     """No recovery: the kept model is the cut itself, so the folder read back by from_pretrained must equal the

@@ -497,8 +497,9 @@ def markdown(r: dict) -> str:
     lines = [f"# {r['model']}: {r['unit_words']} cut, {r['k_words']}\n",
              f"`{r['command']}`\n",
              f"CPU flags: {' '.join(r['cpu_flags']) or 'unknown'}; torch {r['torch']}, {r['threads']} thread(s); "
-             f"{r['seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['phases'].items())}); peak resident "
-             f"memory {r['peak_rss_mib']:.0f} MiB.\n"]
+             f"{r['seconds']:.0f} s; peak resident memory {r['peak_rss_mib']:.0f} MiB.\n",
+             "| phase | seconds | peak resident memory by its end (MiB) |", "|---|---:|---:|",
+             *(f"| {k} | {v:.0f} | {r['peak_rss_mib_by_phase'][k]:,.0f} |" for k, v in r["phases"].items()), ""]
     lines += [f"- {n}" for n in r["notes"]]
     lines += ["", "Fidelity on text and prompts neither the choice of the cut nor the recovery saw (" + r["behaviour"]
               + "); " + (f"target: {target[0]} {'ratio ' if target[0] == 'perplexity' else ''}<= {target[1]:g} and "
@@ -588,10 +589,12 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     False when a target was asked and no cut tried met it: nothing is saved then)."""
     started = time.monotonic()
     phases: dict[str, float] = {}
+    peaks: dict[str, float] = {}
 
     def phase(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - the last phase's end, kept here
         now = time.monotonic()
         phases[name] = round(now - since[0], 1)
+        peaks[name] = round(peak_rss_mib())  # the process's peak so far: where it grew is the phase that grew it
         since[0] = now
 
     path, out = Path(path), Path(out)
@@ -630,7 +633,7 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
                     "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
          "sizes": {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})},
          "saved": saved, "formats": formats, "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases,
-         "peak_rss_mib": peak_rss_mib()}
+         "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_by_phase": peaks}
     (out / "report.json").write_text(json.dumps(r, indent=1))
     (out / "report.md").write_text(markdown(r))
     return r
