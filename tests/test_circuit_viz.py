@@ -103,6 +103,12 @@ def test_the_figure_draws_one_curve_per_edge_and_the_faithfulness_curve(small, t
 
     fig = faithfulness_figure(Curve, at=(0.05, 0.5))
     assert "CPR 0.700" in fig.axes[0].get_title() and fig.axes[0].get_xscale() == "log"
+    model, clean, corrupted, _ = small  # a curve of two constructions: a line each, its areas in the legend
+    curve = heads.faithfulness_curve(model, clean, corrupted, _logit_diff, s, budgets=[0.05, 0.2, 1.0])
+    ax = faithfulness_figure(curve).axes[0]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert drawn == {f"{c.how}: CPR {c.cpr:.3f}, CMD {c.cmd:.3f}": c.f for c in curve.curves.values()}
+    assert list(curve.curves) == ["pruned", "greedy"] and f"CPR {curve['pruned'].cpr:.3f}" in ax.get_title()
 
 
 def test_the_page_in_chromium(small, tmp_path):
