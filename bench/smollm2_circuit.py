@@ -6,10 +6,12 @@ value (3 groups of 3 query heads a layer: receivers per group), each MLP's input
 EAP-IG (``--steps`` points), the metric logit(IO) - logit(S) at the last position, direction "denoise" (the corrupted
 run, each edge's writer from the clean run). The prompts come in batches of one token length; an edge's score is the
 prompts' mean (each batch weighted by its prompts). Each method's circuit at MIB's budgets (0.1% ... 100% of the
-edges, by |score|) is then run for real: the clean run with every edge outside it patched from the corrupted run, f =
-(m(C) - m(empty)) / (m(N) - m(empty)) over the whole set (the batches' metrics weighted by their prompts), CPR (area
-under f) and CMD (area of |1 - f|) by the trapezoid rule over the budgets. The heads a 1% circuit keeps: those
-whose output it reads (writers) and those whose query, key or value it feeds (readers).
+edges, by |score|, less the edges on no input-to-logits path: MIB's pruned circuit, ``EdgeScores.circuit``'s default;
+results written before issue 81 kept the raw top edges) is then run for real: the clean run with every edge outside
+it patched from the corrupted run, f = (m(C) - m(empty)) / (m(N) - m(empty)) over the whole set (the batches'
+metrics weighted by their prompts), CPR (area under f) and CMD (area of |1 - f|) by the trapezoid rule over the
+budgets. The heads a 1% circuit keeps: those whose output it reads (writers) and those whose query, key or value it
+feeds (readers).
 
     nice -n 5 .venv/bin/python bench/smollm2_circuit.py   # writes bench/results/smollm2_circuit/smollm2_circuit.{md,json}
 """
@@ -48,7 +50,7 @@ def _curve(heads, model, sets, metric_of, run, scores, budgets):
     for b in sets:
         B = len(b["io"])
         c = heads.faithfulness_curve(model, {"input_ids": b["input_ids"]}, {"input_ids": b["corrupted_ids"]},
-                                     metric_of(b), scores, budgets=budgets, run=run)
+                                     metric_of(b), scores, budgets=budgets, how="pruned", run=run)  # MIB's
         mc = [m + (c.empty + f * (c.full - c.empty)) * B for m, f in zip(mc, c.f, strict=True)]
         full, empty, n, kept = full + c.full * B, empty + c.empty * B, n + B, c.kept
     full, empty = full / n, empty / n

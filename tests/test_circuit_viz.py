@@ -37,7 +37,7 @@ def test_layout_rows_nodes_and_ports(small):
     port (q left of the head, v right), strongest first with its own score; filled nodes are those the edges touch;
     an edge outside the graph and patch_edges' scores are refused."""
     _, _, _, s = small
-    kept = s.circuit(0.2)
+    kept = s.circuit(0.2, how="top")  # the raw top 17: the layout's order is the scores'
     lay = circuit_layout(s, kept)
     assert [r["label"] for r in lay["rows"]] == ["embed", "layer 0", "layer 1", "logits"]
     assert [n["id"] for n in lay["nodes"]] == ["embed"] + [f"layers.{i}.h{h}" for i in range(2) for h in range(4)] + \
@@ -103,6 +103,12 @@ def test_the_figure_draws_one_curve_per_edge_and_the_faithfulness_curve(small, t
 
     fig = faithfulness_figure(Curve, at=(0.05, 0.5))
     assert "CPR 0.700" in fig.axes[0].get_title() and fig.axes[0].get_xscale() == "log"
+    model, clean, corrupted, _ = small  # a curve of two constructions: a line each, its areas in the legend
+    curve = heads.faithfulness_curve(model, clean, corrupted, _logit_diff, s, budgets=[0.05, 0.2, 1.0])
+    ax = faithfulness_figure(curve).axes[0]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert drawn == {f"{c.how}: CPR {c.cpr:.3f}, CMD {c.cmd:.3f}": c.f for c in curve.curves.values()}
+    assert list(curve.curves) == ["pruned", "greedy"] and f"CPR {curve['pruned'].cpr:.3f}" in ax.get_title()
 
 
 def test_the_page_in_chromium(small, tmp_path):
@@ -229,6 +235,10 @@ def test_the_circuit_command_writes_what_the_library_computes(tmp_path, capsys):
     curve = heads.faithfulness_curve(model, ids[CLEAN], ids[CORRUPTED], metric, s)
     assert got["curve"]["f"] == pytest.approx(curve.f, abs=1e-5) and got["curve"]["kept"] == curve.kept
     assert (got["curve"]["cpr"], got["curve"]["cmd"]) == pytest.approx((curve.cpr, curve.cmd), abs=1e-5)
+    assert list(got["curve"]["constructions"]) == ["pruned", "greedy"] == list(curve.curves)
+    for how, one in got["curve"]["constructions"].items():  # each construction's curve, as the library's
+        assert one["kept"] == curve[how].kept and one["f"] == pytest.approx(curve[how].f, abs=1e-5)
+        assert (one["cpr"], one["cmd"]) == pytest.approx((curve[how].cpr, curve[how].cmd), abs=1e-5)
     md = (out / "circuit.md").read_text()
     assert f"| eap-ig | 3 | 5.00% | {len(kept)} of {len(s.edges)} | {f.f:.4f} | {curve.cpr:.4f} | {curve.cmd:.4f} |" in md
     assert f"Kept heads ({len(c['heads'])}): " in md and f"{f.f:.4f}" in printed

@@ -6,6 +6,8 @@ faithfulness on the same GPT-2; bad input refused in one line before any forward
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -110,7 +112,8 @@ def test_transformers_families_graph_exact_at_both_ends(family):
     """GPT-2 (fused q/k/v, MLPs) and Llama with grouped key/value heads (4 query heads share 2): receivers per
     key/value group (k0, k1, not k0..k3); the rebuilt readers (through each layer's norm and rotary embedding) give
     exactly the corrupted run when every edge is patched and the clean run when none is; exact edge patching agrees
-    with EAP to first order on a small change; the curve's budgets keep ceil(budget x edges) edges."""
+    with EAP to first order on a small change; the raw top circuits of the curve keep ceil(budget x edges) edges, the
+    pruned and greedy ones what EdgeScores.circuit returns."""
     T = pytest.importorskip("transformers")
     import multihead.hf as mhf
 
@@ -148,9 +151,13 @@ def test_transformers_families_graph_exact_at_both_ends(family):
     exact = heads.patch_edges(model, clean, corrupted, metric, top, chunk=2)
     est = s.scores[s.graph.index(top)]
     assert (est - exact.scores).abs().max() < 0.5 * exact.scores.abs().max(), (est, exact.scores)
-    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, budgets=[0.05, "50%", 1.0])
+    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, budgets=[0.05, "50%", 1.0],
+                                     how=("top", "pruned", "greedy"))
     n = len(s.edges)
     assert curve.kept == [-(-5 * n // 100), -(-n // 2), n] and curve.f[-1] == pytest.approx(1, abs=1e-4)
+    for how in ("pruned", "greedy"):  # MIB's count (rounded down), less the dangling edges
+        assert curve[how].kept == [len(s.circuit(b, how=how)) for b in (0.05, 0.5, 1.0)] and curve[how].kept[-1] == n
+        assert curve[how].f[-1] == pytest.approx(1, abs=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +199,9 @@ def test_the_induction_circuit_found_by_edges(induction):
     order = [e[:2] for e in s.top(len(s.edges))]
     assert [e for e in order if e in into][0] == into[prev], (s.top(8), prev, ind)
     assert order.index(into[prev]) < -(-5 * len(s.edges) // 100), (order.index(into[prev]), s.top(8))
-    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s)
+    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, how=("top", "pruned", "greedy"))
     assert curve.f[-1] == pytest.approx(1, abs=1e-6) and curve.kept[-1] == 81 and 0 < curve.cmd
-    f = heads.faithfulness(model, clean, corrupted, metric, s.circuit(0.05))
+    f = heads.faithfulness(model, clean, corrupted, metric, s.circuit(0.05, how="top"))
     assert f.f == pytest.approx(curve.f[curve.budgets.index(0.05)], abs=1e-6) and f.kept == 5
 
 
@@ -352,3 +359,145 @@ def test_the_projection_route_equals_the_general_route(monkeypatch):
     general = heads.edge_attribution(model, clean, corrupted, metric)
     assert (fast.scores - general.scores).abs().max() < 1e-6 * general.scores.abs().max()
     assert general.scores.abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------- circuits that hold together (issue 81, 1)
+
+
+def _owners(graph, reader: str) -> list[str]:
+    """The node a reader feeds, from its name alone: a head's query its head, a key/value head's key or value every
+    query head of its group (h // (H / Hkv) == g), an MLP's input the MLP, the logits themselves."""
+    if reader == "logits":
+        return ["logits"]
+    if reader.endswith(".in"):
+        return [reader[:-3]]
+    attn, kind, i = reader.rpartition(".")[0], reader.rpartition(".")[2][0], int(reader.rpartition(".")[2][1:])
+    if kind == "q":
+        return [f"{attn}.h{i}"]
+    H, Hkv = graph.sizes[attn]
+    return [f"{attn}.h{h}" for h in range(H) if h // (H // Hkv) == i]
+
+
+def _dangling(graph, circuit) -> list[tuple[str, str]]:
+    """The edges of ``circuit`` on no path from the embedding to the logits through the circuit's own edges: found by
+    a search over nodes (writers and the logits), independent of heads.circuits."""
+    out_of: dict[str, set] = {}
+    for w, r in circuit:
+        out_of.setdefault(w, set()).update(_owners(graph, r))
+    seen, todo = {"embed"}, ["embed"]  # forward from the embedding
+    while todo:
+        for n in out_of.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    into: dict[str, set] = {}
+    for w, targets in out_of.items():
+        for n in targets:
+            into.setdefault(n, set()).add(w)
+    back, todo = {"logits"}, ["logits"]  # backward from the logits
+    while todo:
+        for n in into.get(todo.pop(), ()):
+            if n not in back:
+                back.add(n)
+                todo.append(n)
+    return [(w, r) for w, r in circuit if w not in seen or not any(n in back for n in _owners(graph, r))]
+
+
+def _greedy_by_hand(s, n: int) -> list[tuple[str, str]]:
+    """EAP-IG's greedy construction written out: n times, of the edges not yet taken whose reader feeds a node in the
+    circuit (the logits at first), the one of largest |score| (the earlier on a tie); its writer joins the circuit."""
+    owners = [_owners(s.graph, r) for _, r in s.edges]
+    mag = s.scores.abs().tolist()
+    nodes, taken = {"logits"}, set()
+    for _ in range(n):
+        open_ = [i for i in range(len(s.edges)) if i not in taken and any(o in nodes for o in owners[i])]
+        if not open_:
+            break
+        best = max(open_, key=lambda i: (mag[i], -i))
+        taken.add(best)
+        nodes.add(s.edges[best][0])
+    return [s.edges[i] for i in sorted(taken)]
+
+
+def _graphs():
+    """Three graphs: the course's 2-layer attention-only model (81 edges), GPT-2 with MLPs (110) and Llama with MLPs
+    and 4 query heads sharing 2 key/value heads (86)."""
+    T = pytest.importorskip("transformers")
+    import multihead.hf as mhf
+
+    torch.manual_seed(0)
+    gpt2 = mhf.attach(T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2,
+                                                     n_head=4)).eval())
+    llama = mhf.attach(T.LlamaForCausalLM(T.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=2)).eval())
+    ids = {"input_ids": torch.randint(0, 50, (1, 6))}
+    return [heads.circuit_graph(_two_layers(), _pair()[0]), heads.circuit_graph(gpt2, ids),
+            heads.circuit_graph(llama, ids)]
+
+
+def test_every_circuit_holds_together_pruned_and_greedy_as_written_out():
+    """On three graphs (no MLP; GPT-2's MLPs; Llama's MLPs and grouped key/value heads), each under 4 draws of scores
+    (heavy-tailed, so that the top edges join at random): at every budget, every edge of the pruned and of the greedy
+    circuit lies on a path from the embedding to the logits through the circuit (a search written here); the pruned
+    circuit is exactly the top floor(budget x edges) by |score| less its dangling edges (MIB's), the greedy one is the
+    greedy construction written out, then pruned; "top" is the raw top ceil(budget x edges), and with every edge all
+    three are the whole graph."""
+    for graph in _graphs():
+        n = len(graph.edges)
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            scores = torch.randn(n, generator=g, dtype=torch.float64) ** 3
+            s = heads.EdgeScores(graph, list(graph.edges), scores, 0.0, 1.0, "eap", "denoise")
+            for b in (0.01, 0.05, 0.1, 0.2, 0.5, 1.0):
+                k = int(b * n + 1e-9)
+                top = [e[:2] for e in s.top(k)]
+                pruned, greedy = s.circuit(b), s.circuit(b, how="greedy")
+                assert pruned == s.circuit(b, how="pruned") and not _dangling(graph, pruned) and len(pruned) <= k
+                gone = set(_dangling(graph, top))
+                assert pruned == [e for e in top if e not in gone], (b, seed)
+                by_hand = _greedy_by_hand(s, k)
+                assert set(greedy) == set(by_hand) - set(_dangling(graph, by_hand)), (b, seed)
+                assert not _dangling(graph, greedy) and len(greedy) <= k
+                assert s.circuit(b, how="top") == [e[:2] for e in s.top(math.ceil(b * n - 1e-9))]
+            assert len(s.circuit(1.0)) == len(s.circuit(1.0, how="greedy")) == len(s.circuit(1.0, how="top")) == n
+            assert s.circuit(top=7, how="greedy") == s.circuit(7 / n + 1e-12, how="greedy")
+            t = float(scores.abs().median())
+            assert s.circuit(threshold=t) == [e for e in s.circuit(threshold=t, how="top") if
+                                              e not in _dangling(graph, s.circuit(threshold=t, how="top"))]
+
+
+def test_a_bad_budget_or_construction_is_refused_naming_the_argument_before_any_forward():
+    """A budget outside (0, 1] (a count passed as a budget: the fix named), a count below 1, an unknown construction,
+    greedy with a threshold, an empty or repeated list of constructions: one line each, before any forward."""
+    model = _two_layers()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    clean, corrupted = _pair()
+    s = heads.edge_attribution(model, clean, corrupted, _logit_diff)
+    calls.clear()
+
+    def refused(match, fn, *a, **kw):
+        with pytest.raises(ValueError, match=match) as e:
+            fn(*a, **kw)
+        assert "\n" not in str(e.value) and not calls, (str(e.value), calls)
+
+    refused(r"^budget: an edge budget must be in \(0, 100%\] of the edges \(a fraction such as 0.05, or '5%'\); got "
+            r"13; for 13 edges pass top=13\.$", s.circuit, 13)
+    refused(r"^budget: an edge budget must be in \(0, 100%\] .*; got '0%'\.$", s.circuit, "0%")
+    refused(r"^budget: an edge budget must be in \(0, 100%\] .*; got -0.1\.$", s.circuit, -0.1, how="greedy")
+    for bad in (0, -3, 2.5, True):
+        refused(rf"^top must be a whole number of edges >= 1; got {bad!r} \(for a share of the edges pass budget=",
+                s.circuit, top=bad)
+    refused(r"^how must be 'pruned' \(MIB's: the top n, edges on no input-to-logits path removed\), 'greedy' "
+            r"\(EAP-IG's: grown from the logits\) or 'top' \(the raw top n\); got 'best'\.$", s.circuit, 0.05,
+            how="best")
+    refused(r"^how='greedy' grows a circuit to a number of edges: pass budget= or top=, not threshold=",
+            s.circuit, threshold=0.1, how="greedy")
+    refused(r"^how must be 'pruned' .*; got 'MIB'\.$", heads.faithfulness_curve, model, clean, corrupted,
+            _logit_diff, s, how=("pruned", "MIB"))
+    for bad in ((), ("greedy", "greedy")):
+        refused(r"^how must name one construction or several, each once \(of pruned, greedy, top\); got",
+                heads.faithfulness_curve, model, clean, corrupted, _logit_diff, s, how=bad)
+    refused(r"^budgets: an edge budget must be in \(0, 100%\] .*; got 5\.$", heads.faithfulness_curve, model, clean,
+            corrupted, _logit_diff, s, budgets=[0.05, 5])

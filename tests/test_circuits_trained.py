@@ -34,6 +34,7 @@ from torch import nn
 
 import multihead
 from multihead import MultiHeadAttention, heads, masks
+from test_circuits import _dangling
 
 N, V, H = 8, 16, 8  # a half's tokens; content tokens (the look-back's queries are V..2V-1); heads per layer
 
@@ -142,7 +143,9 @@ def test_the_known_edges_rank_on_top_and_five_percent_of_the_edges_carry_the_tas
     the four known edges are in its circuit of 5% of the edges (its top 13 of 257), and that circuit has f >= 0.8, the same f
     as the faithfulness curve's at 5%. EAP (denoising and noising) ranks the task head's output edge within its top 3 and
     its value or key edge within the top 6; its 5% circuit's f is computed the same way but not held to 0.8 (see the
-    module's docstring: it is not on every seed)."""
+    module's docstring: it is not on every seed). The circuits that hold together (MIB's pruned top 12, EAP-IG's greedy
+    circuit of 12, each less its dangling edges): every edge on a path from the input to the logits, f the curve's;
+    EAP-IG's keep the four known edges and have f >= 0.8."""
     model, clean, corrupted, metric, known, looked = trained
     assert looked > 0.9, looked
     for method in ("eap-ig", "eap"):
@@ -151,10 +154,107 @@ def test_the_known_edges_rank_on_top_and_five_percent_of_the_edges_carry_the_tas
             assert len(s.edges) == 257 and all(e in s.edges for e in known)
             order = [e[:2] for e in s.top(len(s.edges))]
             rank = [order.index(e) for e in known]
-            f = heads.faithfulness(model, clean, corrupted, metric, s.circuit(0.05))
-            curve = heads.faithfulness_curve(model, clean, corrupted, metric, s)
-            assert f.kept == 13 and f.f == pytest.approx(curve.f[curve.budgets.index(0.05)], abs=1e-6)
+            f = heads.faithfulness(model, clean, corrupted, metric, s.circuit(0.05, how="top"))
+            curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, how=("top", "pruned", "greedy"))
+            at = curve.budgets.index(0.05)
+            assert f.kept == 13 and f.f == pytest.approx(curve.f[at], abs=1e-6)
             if method == "eap-ig":
                 assert max(rank) < 13 and f.f >= 0.8, (direction, known, rank, f, order[:13])
             else:
                 assert rank[3] < 3 and min(rank[1:3]) < 6, (direction, known, rank, order[:13])
+            for how in ("pruned", "greedy"):  # the circuits that hold together: on paths, the same f as the curve's
+                c = s.circuit(0.05, how=how)
+                fc = heads.faithfulness(model, clean, corrupted, metric, c)
+                assert not _dangling(s.graph, c) and 0 < fc.kept == curve[how].kept[at] <= 12
+                assert fc.f == pytest.approx(curve[how].f[at], abs=1e-6)
+                if method == "eap-ig":
+                    assert fc.f >= 0.8 and all(e in c for e in known), (how, direction, fc, c)
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_eap_circuits_of_five_percent_that_hold_together(trained, direction, request):
+    """The issue's goal for EAP (first order) on these models: its pruned and greedy circuits of 5% of the edges have
+    f >= 0.8, denoising and noising. Met on the induction task denoising (f 0.94 both); measured otherwise with this
+    file's models (seed 1) -- induction noising: pruned 0.23, greedy 0.21; look-back denoising 0.74, noising 0.11
+    (both) -- and kept as expected failures (strict: a change that meets the goal turns them into failures to update),
+    not lowered: where the task head's attention is saturated the first-order gradient misses the previous-token
+    head's edges (the module's docstring), and neither construction adds an edge the scores rank low."""
+    model, clean, corrupted, metric, known, _ = trained
+    task = request.node.callspec.params["trained"]
+    if (task, direction) != ("induction", "denoise"):
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                              reason=f"EAP's 5% circuit on {task}, {direction}: f < 0.8 (measured; "
+                                                     "see the docstring)"))
+    s = heads.edge_attribution(model, clean, corrupted, metric, direction=direction)
+    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, budgets=[0.05])
+    for how in ("pruned", "greedy"):
+        assert not _dangling(s.graph, s.circuit(0.05, how=how))
+    assert min(curve["pruned"].f[0], curve["greedy"].f[0]) >= 0.8, (curve.to_markdown(), s.top(13))
+
+
+# --------------------------------------------------- a circuit through the MLPs: GPT-2 trained to copy two back
+
+
+V2, L2 = 16, 12  # the copy task's vocabulary and length
+
+
+def _two_back(g, B):
+    return torch.randint(0, V2, (B, L2), generator=g)  # (B, L): random tokens; position t predicts token t - 2
+
+
+def _two_back_loss(logits, ids):
+    """(B,): the mean loss of predicting each token two back (positions 2..L-1)."""
+    return F.cross_entropy(logits[:, 2:].transpose(1, 2), ids[:, :-2], reduction="none").mean(-1)
+
+
+@functools.lru_cache(maxsize=1)
+def _copy_two_back():
+    """A 2-layer GPT-2 (4 heads a layer, E 32, MLPs: 110 edges) trained to copy the token two back, once per process
+    (150 Adam steps, ~5 s on one thread). The circuit runs embed -> a layer-0 head's value -> the head -> layer 0's
+    MLP -> the logits, beside the heads' own edges into the logits."""
+    T = pytest.importorskip("transformers")
+    import multihead.hf as mhf
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V2, n_positions=L2, n_embd=32, n_layer=2, n_head=4,
+                                           resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    opt, g = torch.optim.Adam(model.parameters(), 1e-2), torch.Generator().manual_seed(0)
+    for _ in range(150):
+        ids = _two_back(g, 32)
+        loss = _two_back_loss(model(ids).logits, ids).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05, f"the copy did not form (loss {loss.item():.3f})"
+    return mhf.attach(model.eval())
+
+
+@pytest.mark.parametrize("method,direction", [
+    ("eap-ig", "denoise"), ("eap-ig", "noise"), ("eap", "denoise"),
+    pytest.param("eap", "noise", marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason="EAP noising's 10% circuits leave the MLP out: f 0.34 (pruned, 5 "
+                                                   "edges of 11 kept), 0.56 (greedy), measured")),
+])
+def test_a_circuit_through_the_mlps_holds_together_at_ten_percent(method, direction):
+    """GPT-2 trained here to copy the token two back (the issue's setting, 110 edges): the pruned and greedy circuits
+    of 10% of the edges (11 before pruning) lie on input-to-logits paths, run through layer 0's MLP (an edge into its
+    input and its edge into the logits both kept) and have f >= 0.8 -- each equal to faithfulness of that circuit
+    computed on its own. EAP noising misses it (measured: 0.34 and 0.56; its pruned circuit keeps 5 edges, none of
+    the MLP's), kept as a strict expected failure."""
+    model = _copy_two_back()
+    clean, corrupted = _two_back(torch.Generator().manual_seed(9), 8), _two_back(torch.Generator().manual_seed(5), 8)
+
+    def metric(out):
+        return -_two_back_loss(out.logits, clean)
+
+    s = heads.edge_attribution(model, clean, corrupted, metric, method=method, direction=direction, steps=5)
+    assert len(s.edges) == 110
+    curve = heads.faithfulness_curve(model, clean, corrupted, metric, s, budgets=[0.1])
+    mlp = "transformer.h.0.mlp"
+    for how in ("pruned", "greedy"):
+        c = s.circuit(0.1, how=how)
+        assert not _dangling(s.graph, c) and len(c) == curve[how].kept[0] <= 11, (how, c)
+        assert (mlp, "logits") in c and any(r == f"{mlp}.in" for _, r in c), (how, c)
+        f = heads.faithfulness(model, clean, corrupted, metric, c)
+        assert f.f == pytest.approx(curve[how].f[0], abs=1e-6)
+        assert f.f >= 0.8, (how, f, c)

@@ -428,7 +428,8 @@ def _circuit_options(p: argparse.ArgumentParser) -> None:
                                                       "(--steps integration points)")
     p.add_argument("--steps", type=int, default=5, help="eap-ig: integration steps, >= 1")
     p.add_argument("--budget", default="1%", help="the circuit kept: this share of the edges, by |score|, in "
-                                                  "(0, 100%%] (1%% or 0.01)")
+                                                  "(0, 100%%] (1%% or 0.01), less those on no input-to-logits path "
+                                                  "(MIB's)")
     p.add_argument("--out", default="out/circuit")
 
 

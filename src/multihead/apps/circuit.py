@@ -1,8 +1,10 @@
 """``multihead circuit --hf DIR``: the circuit of a behaviour in a local transformers causal language model, from two
 texts of the same length and a metric named on the command line (read as ``multihead patch`` reads them): every edge
-scored (EAP or EAP-IG), the top ``--budget`` of the edges kept and checked by intervention (its faithfulness f), the
-faithfulness curve over MIB's budgets with CPR and CMD. Writes OUT/circuit.json, circuit.md, circuit.png,
-circuit.html, curve.png and explorer.html (the clean run's heads, the circuit's outlined)."""
+scored (EAP or EAP-IG), the circuit of ``--budget`` of the edges kept as MIB builds it (the top edges by |score| less
+those on no input-to-logits path: ``EdgeScores.circuit``'s default) and checked by intervention (its faithfulness f),
+the faithfulness curve over MIB's budgets with CPR and CMD for that construction and EAP-IG's greedy one. Writes
+OUT/circuit.json, circuit.md, circuit.png, circuit.html, curve.png and explorer.html (the clean run's heads, the
+circuit's outlined)."""
 
 from __future__ import annotations
 
@@ -59,9 +61,12 @@ def _markdown(record: dict, scores) -> str:
 
 
 def _curve_table(cur: dict) -> str:
-    lines = ["| budget | edges | f |", "|---:|---:|---:|"]
-    lines += [f"| {b:.1%} | {k} | {f:.4f} |" for b, k, f in zip(cur["budgets"], cur["kept"], cur["f"], strict=True)]
-    return "\n".join(lines) + f"\n\nCPR {cur['cpr']:.4f} (higher better), CMD {cur['cmd']:.4f} (0 best)"
+    cs = cur["constructions"]
+    lines = ["| budget | " + " | ".join(f"{h} edges | {h} f" for h in cs) + " |", "|---:|" + "---:|---:|" * len(cs)]
+    for i, b in enumerate(cur["budgets"]):
+        lines.append(f"| {b:.1%} | " + " | ".join(f"{c['kept'][i]} | {c['f'][i]:.4f}" for c in cs.values()) + " |")
+    areas = "; ".join(f"{h}: CPR {c['cpr']:.4f}, CMD {c['cmd']:.4f}" for h, c in cs.items())
+    return "\n".join(lines) + f"\n\n{areas} (CPR higher better, CMD 0 best)"
 
 
 def _record(scores, f: dict, curve, layout: dict, *, path, clean: str, corrupted: str, what: str, budget: float) -> dict:
@@ -75,8 +80,10 @@ def _record(scores, f: dict, curve, layout: dict, *, path, clean: str, corrupted
         "circuit": {"edges": [[w, r] for w, r in f["edges"]], "kept": f["result"].kept, "total": f["result"].total,
                     "f": f["result"].f, "circuit_metric": f["result"].circuit, "full": f["result"].full,
                     "empty": f["result"].empty, "heads": heads, "mlps": mlps},
-        "curve": {"budgets": curve.budgets, "kept": curve.kept, "f": curve.f, "full": curve.full,
-                  "empty": curve.empty, "cpr": curve.cpr, "cmd": curve.cmd},
+        "curve": {"budgets": curve.budgets, "how": curve.how, "kept": curve.kept, "f": curve.f, "full": curve.full,
+                  "empty": curve.empty, "cpr": curve.cpr, "cmd": curve.cmd,
+                  "constructions": {h: {"kept": c.kept, "f": c.f, "cpr": c.cpr, "cmd": c.cmd}
+                                    for h, c in curve.curves.items()}},
     }
 
 
@@ -114,7 +121,8 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
     with torch.no_grad(), multihead.capture(model) as cap:  # the clean run's heads, the circuit's outlined
         model(**inputs[0])
     tokens = [tok.decode([i]) for i in inputs[0]["input_ids"][0].tolist()]
-    explorer(cap, tokens, out / "explorer.html", circuit=[(w, r, s) for w, r, s in scores.top(len(kept))],
+    score = dict(zip(scores.edges, scores.scores.tolist(), strict=True))
+    explorer(cap, tokens, out / "explorer.html", circuit=[(w, r, score[w, r]) for w, r in kept],
              title=f"multihead circuit: {what}")
     print(_markdown(record, scores).split("## The curve")[0].rstrip())
     print(f"wrote {', '.join(str(out / n) for n in FILES)}")

@@ -14,7 +14,9 @@ Everything works through each module's own hook list (:mod:`multihead.layer.hook
 from multihead.heads import timm_forms as _timm_forms  # noqa: F401 - registers timm's SDPA forms with observe
 from multihead.heads.capture import Captured, capture
 from multihead.heads.circuits import (
+    CONSTRUCTIONS,
     MIB_BUDGETS,
+    CircuitCurve,
     CircuitGraph,
     EdgeScores,
     Faithfulness,
@@ -48,9 +50,9 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["Captured", "CircuitGraph", "Curve", "EdgeScores", "Faithfulness", "FaithfulnessCurve", "Importance",
-           "METHODS", "MIB_BUDGETS", "Patching", "ablation_importance", "attention_modules", "attribution", "capture",
-           "circuit_graph", "edge_attribution", "entropy_importance", "faithfulness", "faithfulness_curve", "ffn_blocks",
-           "gated", "gradient_importance", "head_counts", "importance", "mean_head_outputs", "observe", "observed",
-           "patch", "patch_edges", "path_patch", "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize",
-           "save_curve", "unobserve"]
+__all__ = ["CONSTRUCTIONS", "Captured", "CircuitCurve", "CircuitGraph", "Curve", "EdgeScores", "Faithfulness",
+           "FaithfulnessCurve", "Importance", "METHODS", "MIB_BUDGETS", "Patching", "ablation_importance",
+           "attention_modules", "attribution", "capture", "circuit_graph", "edge_attribution", "entropy_importance",
+           "faithfulness", "faithfulness_curve", "ffn_blocks", "gated", "gradient_importance", "head_counts",
+           "importance", "mean_head_outputs", "observe", "observed", "patch", "patch_edges", "path_patch",
+           "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize", "save_curve", "unobserve"]

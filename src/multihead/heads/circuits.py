@@ -24,15 +24,24 @@ q/k/v, the MLPs' outputs and the final residual). ``direction="denoise"`` (defau
 base run is the corrupted input, so a score estimates how much patching that edge from the clean run moves the
 metric. :func:`patch_edges` computes that exactly for chosen edges (batched: ``chunk`` edges a forward).
 
+**Circuits at a budget.** A circuit is a set of edges on paths from the input to the logits: an edge whose writer no
+kept edge reaches from the embedding, or whose reader feeds a head or MLP that reaches the logits through no kept edge,
+joins nothing and does nothing but change what is patched. :meth:`EdgeScores.circuit` builds one three ways
+(``how``, :data:`CONSTRUCTIONS`): ``"pruned"`` (the default, MIB's): the top n edges by |score| (n rounded down, as
+MIB does), then the dangling ones removed until none is left; ``"greedy"`` (EAP-IG's ``apply_greedy``): grown from
+the logits, each step the edge of largest |score| into a reader already in the circuit, then pruned the same way;
+``"top"`` (what ``circuit`` returned before): the raw top n, dangling edges and all.
+
 **Faithfulness.** :func:`faithfulness`: the clean run with every edge outside the circuit patched from the corrupted
 run, ``f = (m(C) - m(empty)) / (m(N) - m(empty))``; :func:`faithfulness_curve` over MIB's budgets (0.1% ... 100% of
-the edges) with CPR (area under f) and CMD (area of |1 - f|), both by the trapezoid rule over the budgets as
-fractions of the edges (MIB, Mueller et al. 2025).
+the edges), for the pruned and the greedy circuit, each with CPR (area under f) and CMD (area of |1 - f|), both by
+the trapezoid rule over the budgets as fractions of the edges (MIB, Mueller et al. 2025).
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,11 +52,14 @@ from torch import Tensor, nn
 from multihead.heads.gates import attention_modules
 from multihead.heads.patching import _call, _per_row, _repeat, _repeat_rows, _rows, _value
 
-__all__ = ["MIB_BUDGETS", "CircuitGraph", "EdgeScores", "Faithfulness", "FaithfulnessCurve", "circuit_graph",
-           "edge_attribution", "faithfulness", "faithfulness_curve", "patch_edges"]
+__all__ = ["CONSTRUCTIONS", "MIB_BUDGETS", "CircuitCurve", "CircuitGraph", "EdgeScores", "Faithfulness",
+           "FaithfulnessCurve", "circuit_graph", "edge_attribution", "faithfulness", "faithfulness_curve", "patch_edges"]
 
 #: MIB's edge budgets, as fractions of the graph's edges (0.1% ... 100%)
 MIB_BUDGETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+#: how :meth:`EdgeScores.circuit` builds a circuit from the scores: "pruned" (MIB's: the top n, dangling edges removed),
+#: "greedy" (EAP-IG's: grown from the logits, then pruned), "top" (the raw top n)
+CONSTRUCTIONS = ("pruned", "greedy", "top")
 
 #: block classes the graph expresses: (attention attribute, MLP attribute, the norm whose input the MLP reads). The
 #: attention reads the block's input (through its own norm, which its forward applies); the block adds the attention's
@@ -132,21 +144,59 @@ class EdgeScores:
         order = self.scores.abs().argsort(descending=True, stable=True)[:n]
         return [(*self.edges[i], float(self.scores[i])) for i in order.tolist()]
 
-    def circuit(self, budget: float | str | None = None, *, top: int | None = None,
-                threshold: float | None = None) -> list[tuple[str, str]]:
-        """The edges kept: the top ``budget`` of the graph's edges by |score| (a fraction in (0, 1] or "5%": at least
-        one edge, ceil(budget x edges)), the ``top`` n, or every edge with |score| >= ``threshold``; one of the three."""
+    def circuit(self, budget: float | str | None = None, *, top: int | None = None, threshold: float | None = None,
+                how: str = "pruned") -> list[tuple[str, str]]:
+        """The circuit kept, (writer, reader) pairs strongest first. One of ``budget`` (a share of the edges scored: a
+        fraction in (0, 1] or "5%"), ``top`` (a number of edges, >= 1) or ``threshold`` (a |score|) sets how many;
+        ``how`` (:data:`CONSTRUCTIONS`) how they are chosen:
+
+        - ``"pruned"`` (the default: what a user of MIB expects, and what MIB scores): the top n by |score| (n =
+          floor(budget x edges), rounded down as MIB does: 0 edges below one; or ``top``; or every edge with |score|
+          >= ``threshold``), then every edge not on a path from the input to the logits removed -- a writer that no
+          kept edge reaches from the embedding, a reader whose head (any head of a key/value group) or MLP reaches
+          the logits through no kept edge -- until none dangles. At most n edges.
+        - ``"greedy"`` (EAP-IG's ``apply_greedy``): from the logits, n times the edge of largest |score| among those
+          into a reader already in the circuit (the logits; a head's q/k/v or an MLP's input once its output is in),
+          then pruned as above (a writer reached from the logits but from no kept path from the input goes). At most
+          n edges (floor, as "pruned"), every one connected to the logits. Not with ``threshold``.
+        - ``"top"`` (what ``circuit`` returned before the other two): the top ceil(budget x edges) by |score| (at least
+          one), the ``top`` n, or every edge over ``threshold``, as they are: edges that join nothing stay.
+
+        Bad input (an unknown ``how``, a budget outside (0, 1], a count below 1) raises ValueError naming the
+        argument."""
+        how = _how(how)
         given = [x is not None for x in (budget, top, threshold)]
         if sum(given) != 1:
             raise ValueError("circuit takes one of budget= (a fraction of the edges), top= (a number of edges) or "
                              f"threshold= (a |score|); got budget={budget!r}, top={top!r}, threshold={threshold!r}.")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise ValueError(f"top must be a whole number of edges >= 1; got {top!r} (for a share of the edges pass "
+                             "budget=, e.g. 0.05 or '5%').")
+        if threshold is not None and how == "greedy":
+            raise ValueError("how='greedy' grows a circuit to a number of edges: pass budget= or top=, not threshold= "
+                             "(or how='pruned' for the edges over a threshold).")
+        n, mag = len(self.edges), self.scores.abs()
+        order = mag.argsort(descending=True, stable=True)  # strongest first; ties: the earlier edge
         if budget is not None:
-            top = _count(_budget(budget), len(self.edges))
-        if top is not None:
-            if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-                raise ValueError(f"top must be a whole number of edges >= 0; got {top!r}.")
-            return [(w, r) for w, r, _ in self.top(top)]
-        return [e for e, s in zip(self.edges, self.scores.tolist(), strict=True) if abs(s) >= threshold]
+            frac = _budget(budget, "budget")
+            top = _count(frac, n) if how == "top" else math.floor(frac * n + 1e-9)
+        pos = self._positions() if how != "top" else None
+        if threshold is not None:
+            chosen = mag >= threshold
+        elif how == "greedy":
+            chosen = _greedy(self.graph, pos, mag, top)
+        else:
+            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen[order[:top]] = True
+        if how != "top":
+            chosen = _on_paths(self.graph, pos, chosen)
+        return [self.edges[i] for i in order[chosen[order]].tolist()]
+
+    def _positions(self) -> Tensor:
+        """(n,) the scored edges' positions in the graph's edges."""
+        if self.edges == self.graph.edges:
+            return torch.arange(len(self.edges))
+        return self.graph.index(self.edges)
 
     def to_markdown(self, n: int = 20) -> str:
         """The top ``n`` edges as a table."""
@@ -170,26 +220,67 @@ class Faithfulness:
 
 
 @dataclass
-class FaithfulnessCurve:
-    """f at each budget (fractions of the edges; ``kept`` edges each), with CPR = area under f and CMD = area of
-    |1 - f| (trapezoid rule over the budgets as fractions)."""
+class CircuitCurve:
+    """One construction's faithfulness over the budgets (``how``: see :meth:`EdgeScores.circuit`): ``kept`` edges and
+    ``f`` at each budget, CPR = area under f and CMD = area of |1 - f| (trapezoid rule over the budgets as
+    fractions)."""
 
-    budgets: list[float]
+    how: str
     kept: list[int]
     f: list[float]
-    full: float
-    empty: float
     cpr: float
     cmd: float
 
+
+@dataclass
+class FaithfulnessCurve:
+    """f at each budget (fractions of the edges) for each construction of the circuit asked (``curves``, by name, in
+    the order asked: by default MIB's pruned top n, then EAP-IG's greedy circuit), with m(N) ``full`` and m(empty)
+    ``empty``. ``kept``, ``f``, ``cpr``, ``cmd`` and ``how`` are the first construction's; ``curve["greedy"]`` is
+    another's (:class:`CircuitCurve`)."""
+
+    budgets: list[float]
+    full: float
+    empty: float
+    curves: dict[str, CircuitCurve]
+
+    def __getitem__(self, how: str) -> CircuitCurve:
+        if how not in self.curves:
+            raise KeyError(f"no {how!r} curve: this one holds {', '.join(self.curves)} (faithfulness_curve's how=).")
+        return self.curves[how]
+
+    @property
+    def how(self) -> str:
+        return next(iter(self.curves))
+
+    @property
+    def kept(self) -> list[int]:
+        return self.curves[self.how].kept
+
+    @property
+    def f(self) -> list[float]:
+        return self.curves[self.how].f
+
+    @property
+    def cpr(self) -> float:
+        return self.curves[self.how].cpr
+
+    @property
+    def cmd(self) -> float:
+        return self.curves[self.how].cmd
+
     def to_markdown(self) -> str:
-        lines = ["| budget | edges | f |", "|---:|---:|---:|"]
-        lines += [f"| {b:.1%} | {k} | {f:.4f} |" for b, k, f in zip(self.budgets, self.kept, self.f, strict=True)]
-        return "\n".join(lines) + f"\n\nCPR {self.cpr:.4f} (higher better), CMD {self.cmd:.4f} (0 best)"
+        cs = list(self.curves.values())
+        lines = ["| budget | " + " | ".join(f"{c.how} edges | {c.how} f" for c in cs) + " |",
+                 "|---:|" + "---:|---:|" * len(cs)]
+        for i, b in enumerate(self.budgets):
+            lines.append(f"| {b:.1%} | " + " | ".join(f"{c.kept[i]} | {c.f[i]:.4f}" for c in cs) + " |")
+        areas = "; ".join(f"{c.how}: CPR {c.cpr:.4f}, CMD {c.cmd:.4f}" for c in cs)
+        return "\n".join(lines) + f"\n\n{areas} (CPR higher better, CMD 0 best)"
 
 
-def _budget(b) -> float:
-    """A budget as a fraction in (0, 1]: a number, or a string "5%"."""
+def _budget(b, name: str = "budgets") -> float:
+    """A budget as a fraction in (0, 1]: a number, or a string "5%"; ``name`` the argument it came from."""
     v = b
     if isinstance(b, str):
         try:
@@ -197,13 +288,98 @@ def _budget(b) -> float:
         except ValueError:
             v = None
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
-        raise ValueError(f"an edge budget must be in (0, 100%] of the edges (a fraction such as 0.05, or '5%'); got "
-                         f"{b!r}.")
+        count = (f"; for {int(v)} edges pass top={int(v)}" if name == "budget" and isinstance(v, int | float) and v > 1
+                 and float(v).is_integer() else "")
+        raise ValueError(f"{name}: an edge budget must be in (0, 100%] of the edges (a fraction such as 0.05, or '5%'); "
+                         f"got {b!r}{count}.")
     return float(v)
 
 
 def _count(frac: float, n: int) -> int:
     return max(1, min(n, math.ceil(frac * n - 1e-9)))
+
+
+def _how(how) -> str:
+    """A construction's name, checked (:data:`CONSTRUCTIONS`)."""
+    if not isinstance(how, str) or how not in CONSTRUCTIONS:
+        raise ValueError(f"how must be 'pruned' (MIB's: the top n, edges on no input-to-logits path removed), 'greedy' "
+                         f"(EAP-IG's: grown from the logits) or 'top' (the raw top n); got {how!r}.")
+    return how
+
+
+def _node_inputs(graph: CircuitGraph) -> list[list[int]]:
+    """Per writer (in :attr:`CircuitGraph.writers` order), the readers that feed it: head h's query and its key/value
+    head's key and value (query head h reads key/value head h // (H / Hkv)); an MLP's input; none for the embedding."""
+    at = {r: i for i, r in enumerate(graph.readers)}
+    feeds: dict[str, list[int]] = {}
+    for u in graph.units:
+        H, Hkv = graph.sizes[u.attn]
+        for h in range(H):
+            g = h // (H // Hkv)
+            feeds[f"{u.attn}.h{h}"] = [at[f"{u.attn}.q{h}"], at[f"{u.attn}.k{g}"], at[f"{u.attn}.v{g}"]]
+        if u.mlp is not None:
+            feeds[u.mlp] = [at[f"{u.mlp}.in"]]
+    return [feeds.get(w, []) for w in graph.writers]
+
+
+def _on_paths(graph: CircuitGraph, pos: Tensor, chosen: Tensor) -> Tensor:
+    """(n,) bool: the ``chosen`` edges (n,) bool, of the edges at graph positions ``pos`` (n,), that lie on a path from
+    the input to the logits through chosen edges (MIB's and EAP-IG's pruning, to the fixed point at once): the writer
+    reached from the embedding, the reader's node (its head, a head of its key/value group, its MLP; the logits)
+    reaching the logits. Writers come in the stream's order and every edge runs to a later node, so one pass each way
+    settles both."""
+    w_all, r_all = graph.matrix()
+    w, r = w_all[pos[chosen]], r_all[pos[chosen]]
+    U, R = len(graph.writers), len(graph.readers)
+    adj = torch.zeros(U, R, dtype=torch.bool)  # (U, R): the chosen edges
+    adj[w, r] = True
+    feeds = _node_inputs(graph)
+    reached = torch.zeros(U, dtype=torch.bool)  # (U,): writers a chosen path from the embedding reaches
+    reached[0] = True
+    for u in range(1, U):
+        reached[u] = bool((adj[:, feeds[u]].any(1) & reached).any())
+    alive = torch.zeros(R, dtype=torch.bool)  # (R,): readers whose node reaches the logits by chosen edges
+    alive[graph.readers.index("logits")] = True
+    for u in range(U - 1, -1, -1):
+        if bool((adj[u] & alive).any()):
+            alive[feeds[u]] = True
+    out = chosen.clone()
+    out[chosen] = reached[w] & alive[r]
+    return out
+
+
+def _greedy(graph: CircuitGraph, pos: Tensor, mag: Tensor, n: int) -> Tensor:
+    """(len(pos),) bool: EAP-IG's greedy circuit of ``n`` edges (before pruning), by |score| ``mag`` (n_edges,): start
+    at the logits; each step adds the strongest edge into a reader already in the circuit (ties: the earlier edge),
+    and a writer added opens the edges into its own readers."""
+    w_all, r_all = graph.matrix()
+    w, r = w_all[pos].tolist(), r_all[pos].tolist()
+    into: dict[int, list[int]] = {}  # reader -> the edges into it
+    for p, reader in enumerate(r):
+        into.setdefault(reader, []).append(p)
+    feeds, m = _node_inputs(graph), mag.tolist()
+    frontier: list[tuple[float, int]] = []  # (-|score|, edge): the edges into the circuit's readers, not yet taken
+    opened: set[int] = set()
+
+    def open_readers(readers):
+        for reader in readers:
+            if reader not in opened:
+                opened.add(reader)
+                for p in into.get(reader, ()):
+                    heapq.heappush(frontier, (-m[p], p))
+
+    open_readers([graph.readers.index("logits")])
+    keep = torch.zeros(len(pos), dtype=torch.bool)
+    joined: set[int] = set()
+    for _ in range(n):
+        if not frontier:
+            break
+        _, p = heapq.heappop(frontier)
+        keep[p] = True
+        if w[p] not in joined:
+            joined.add(w[p])
+            open_readers(feeds[w[p]])
+    return keep
 
 
 # ----------------------------------------------------------------------------------------------- the model's layout
@@ -950,28 +1126,39 @@ def faithfulness(model: nn.Module, clean, corrupted, metric: Callable, circuit: 
 
 
 def faithfulness_curve(model: nn.Module, clean, corrupted, metric: Callable, scores: EdgeScores, *,
-                       budgets: Sequence[float | str] = MIB_BUDGETS, chunk: int = 4, run: Callable | None = None,
-                       readout: str | None = None) -> FaithfulnessCurve:
-    """f at each budget (the top ceil(budget x edges) of ``scores`` by |score|), with CPR and CMD
-    (:class:`FaithfulnessCurve`); ``chunk`` budgets a forward. Budgets outside (0, 100%] are refused first."""
+                       budgets: Sequence[float | str] = MIB_BUDGETS, how: str | Sequence[str] = ("pruned", "greedy"),
+                       chunk: int = 4, run: Callable | None = None, readout: str | None = None) -> FaithfulnessCurve:
+    """f at each budget for each construction in ``how`` (``scores.circuit(budget, how=...)``: by default MIB's pruned
+    top n and EAP-IG's greedy circuit, see :meth:`EdgeScores.circuit`), with CPR and CMD for each
+    (:class:`FaithfulnessCurve`); ``chunk`` circuits a forward. Budgets outside (0, 100%] and unknown constructions are
+    refused before any forward."""
     fr = [_budget(b) for b in budgets]
     if not fr:
         raise ValueError("budgets must name at least one edge budget in (0, 100%].")
+    hows = [_how(h) for h in ([how] if isinstance(how, str) else how if isinstance(how, list | tuple) else [how])]
+    if not hows or len(set(hows)) != len(hows):
+        raise ValueError(f"how must name one construction or several, each once (of {', '.join(CONSTRUCTIONS)}); got "
+                         f"{how!r}.")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a whole number >= 1 (budgets per forward); got {chunk!r}.")
+        raise ValueError(f"chunk must be a whole number >= 1 (circuits per forward); got {chunk!r}.")
     if scores.method == "exact":
         raise ValueError("scores must score every edge of the graph (edge_attribution's), not patch_edges' chosen ones.")
     _inputs_checked(clean, corrupted)
     m = _Model(model, run, readout)
-    circuits = [scores.circuit(b) for b in fr]
+    circuits = [tuple(scores.circuit(b, how=h)) for h in hows for b in fr]
+    unique = list(dict.fromkeys(circuits))  # a circuit two constructions share (all edges, none) runs once
     with _eval(model):
-        graph, got, full, empty, kept = _faith(m, clean, corrupted, metric, circuits, chunk)
+        graph, got, full, empty, kept = _faith(m, clean, corrupted, metric, [list(c) for c in unique], chunk)
     if graph.edges != scores.edges:
         raise ValueError("scores were computed on another graph (another model, or other head counts).")
-    f = [(v - empty) / (full - empty) for v in got]
-    cpr = _trapezoid(fr, f)
-    cmd = _trapezoid(fr, [abs(1 - x) for x in f])
-    return FaithfulnessCurve(fr, kept, f, full, empty, cpr, cmd)
+    at = [unique.index(c) for c in circuits]
+    f, kept = [(got[i] - empty) / (full - empty) for i in at], [kept[i] for i in at]
+    curves = {}
+    for i, h in enumerate(hows):
+        fh = f[i * len(fr):(i + 1) * len(fr)]
+        curves[h] = CircuitCurve(h, kept[i * len(fr):(i + 1) * len(fr)], fh, _trapezoid(fr, fh),
+                                 _trapezoid(fr, [abs(1 - x) for x in fh]))
+    return FaithfulnessCurve(fr, full, empty, curves)
 
 
 def _trapezoid(x: list[float], y: list[float]) -> float:

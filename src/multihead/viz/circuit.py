@@ -179,14 +179,21 @@ def circuit_html(scores, circuit: Sequence[Sequence] | None = None, path: str | 
 
 def faithfulness_figure(curve, *, at: tuple[float, float] | None = None, title: str | None = None):
     """A faithfulness curve (:class:`~multihead.heads.FaithfulnessCurve`) as a matplotlib Figure: f against the share
-    of edges kept (log scale), 1 (the whole model) and 0 (no edge: the corrupted run) marked, CPR and CMD in the title;
-    ``at``: (budget as a fraction, its f) marked (e.g. the circuit kept)."""
+    of edges kept (log scale), one line per construction of the circuit (MIB's pruned, EAP-IG's greedy: each with its
+    CPR and CMD in the legend), 1 (the whole model) and 0 (no edge: the corrupted run) marked, the first
+    construction's CPR and CMD in the title; ``at``: (budget as a fraction, its f) marked (e.g. the circuit kept). Any
+    object with ``budgets``, ``f``, ``cpr`` and ``cmd`` is drawn as one line."""
     from multihead.extras import require
 
     Figure = require("matplotlib.figure", "faithfulness_figure").Figure
     fig = Figure(figsize=(6, 3.6))
     ax = fig.subplots()
-    ax.plot([100 * b for b in curve.budgets], curve.f, "o-", color="C0", label="f (edges outside patched)")
+    try:  # a FaithfulnessCurve: each construction's line
+        lines = [(f"{c.how}: CPR {c.cpr:.3f}, CMD {c.cmd:.3f}", c.f) for c in curve.curves.values()]
+    except AttributeError:  # one curve of f
+        lines = [("f (edges outside patched)", curve.f)]
+    for i, (label, f) in enumerate(lines):
+        ax.plot([100 * b for b in curve.budgets], f, "o-" if i == 0 else "s--", color=f"C{i}", label=label)
     for y in (0.0, 1.0):
         ax.axhline(y, color="#999999", lw=0.8, ls=":")
     if at is not None:
