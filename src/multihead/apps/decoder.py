@@ -26,6 +26,7 @@ changed), cut short to the time budget.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import random
 import resource
@@ -615,11 +616,14 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     phase("judging the unpruned model")
     tried, kept, model = search(Context(ref, t, beh, base, o), scores, counts, kind, kmax)
     phase("the cuts, recovered and judged")
-    saved = save(model, tok, out / "model", t) if model is not None else []
-    phase("saving and reading back")
+    sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
     formats = write_formats(model, ref, tok, out / "model", t, o.formats) if model is not None else []
     if formats:
         phase("the formats, written and read back")
+    del ref  # the unpruned model's 0.5 GB (SmolLM2) gone before the folder is written and read back beside the cut
+    gc.collect()
+    saved = save(model, tok, out / "model", t) if model is not None else []
+    phase("saving and reading back")
     H, Hkv = next(iter(counts.values()))
     unit_words = ("whole key/value groups" if kind == "group" else "query heads evenly inside every key/value group")
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
@@ -631,7 +635,7 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
          "tried": [{"k": c.k, "removed": c.removed, "zero_shot": asdict(c.zero_shot),
                     "recovered": None if c.recovered is None else asdict(c.recovered), "meets": c.final.meets(o.target),
                     "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
-         "sizes": {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})},
+         "sizes": sizes_of,
          "saved": saved, "formats": formats, "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases,
          "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_by_phase": peaks}
     (out / "report.json").write_text(json.dumps(r, indent=1))

@@ -457,9 +457,9 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
                 loss = _kl(_logp(pruned, ids, am), ref, am)
             else:
                 loss = _distil_loss(_hidden(pruned, ids, am), ref, am)
-            opt.zero_grad()
             loss.backward()
             opt.step()
+            opt.zero_grad()  # the gradients freed now, not at the next step: they never sit beside its activations
             decay.step()
             losses.append(loss.item())
             s += 1
