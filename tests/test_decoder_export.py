@@ -136,20 +136,29 @@ def test_gguf_q8_0_holds_each_matrix_in_blocks_within_their_rounding(tmp_path):
 
 def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
     """No source GGUF: the transformers tokenizer (byte-level BPE, SmolLM2's) written as a gpt2 vocabulary --
-    every token by id, the special ones as control tokens, its merges and its special ids."""
+    every token by id, the special ones as control tokens, its merges and its special ids, padded to the model's
+    vocabulary; a tokenizer larger than the vocabulary refused."""
     from multihead.models import smollm2_path
 
     try:
         tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
     except (FileNotFoundError, ImportError) as e:
         pytest.skip(str(e))
-    served = dx.export_gguf(_pruned(), tmp_path / "p.gguf", tokenizer=tok, prompt_ids=IDS)
+    torch.manual_seed(0)  # an embedding 8 rows past the tokenizer (as models pad theirs): [PAD<i>] tokens, unused
+    cfg = transformers.LlamaConfig(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = mh.attach(transformers.LlamaForCausalLM(cfg).eval())
+    heads.prune(m, {n: [0, 1] for n in mh.attention_modules(m)})
+    served = dx.export_gguf(m, tmp_path / "p.gguf", tokenizer=tok, prompt_ids=IDS)
     f = gguf.GGUFReader(str(served.path)).fields
     tokens = f["tokenizer.ggml.tokens"].contents()
-    assert f["tokenizer.ggml.model"].contents() == "gpt2" and len(tokens) == len(tok)
-    assert tokens[:50] == tok.convert_ids_to_tokens(list(range(50)))
+    assert f["tokenizer.ggml.model"].contents() == "gpt2" and len(tokens) == len(tok) + 8
+    assert tokens[:50] == tok.convert_ids_to_tokens(list(range(50))) and tokens[-1] == f"[PAD{len(tok) + 7}]"
     types = f["tokenizer.ggml.token_type"].contents()
     assert types[tok.eos_token_id] == int(gguf.TokenType.CONTROL) and types[300] == int(gguf.TokenType.NORMAL)
+    assert types[-1] == int(gguf.TokenType.UNUSED)
+    with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens, the model's vocabulary 128 rows"):
+        dx.export_gguf(_pruned(), tmp_path / "q.gguf", tokenizer=tok, prompt_ids=IDS)
     merges = f["tokenizer.ggml.merges"].contents()
     assert len(merges) > 40000 and all(len(x.split(" ")) == 2 for x in merges[:100])
     assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id

@@ -187,9 +187,13 @@ def test_a_behaviour_file_is_read_and_each_bad_line_refused_naming_it(tmp_path, 
              "When Mary and John went out, Mary gave it to", "answer": " Mary", "wrong": " John"}] * 4
     f = tmp_path / "b.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in good))
-    batches = decoder.read_behaviour(f, tok)
-    assert sum(len(b["io"]) for b in batches) == 4
-    assert int(batches[0]["io"][0]) == tok(" Mary", add_special_tokens=False)["input_ids"][0]
+    rows = decoder.read_behaviour(f, tok)
+    assert len(rows) == 4 and rows[0][2] == tok(" Mary", add_special_tokens=False)["input_ids"][0]
+    two = tmp_path / "two.jsonl"  # two pairs of different lengths: one chooses, one is judged
+    two.write_text(json.dumps(good[0]) + "\n" + json.dumps({**good[0], "clean": good[0]["clean"] + " the",
+                                                               "corrupted": good[0]["corrupted"] + " the"}))
+    beh = decoder.behaviour(tok, decoder.Options(behaviour=two))
+    assert [len(b["io"]) for b in beh.importance] == [1] and [len(b["io"]) for b in beh.judged] == [1]
     bad = {"not json": ("{clean: 1}", r"line 1: not JSON"),
            "missing": (json.dumps({"clean": "a b"}), r"line 1: corrupted, answer, wrong missing"),
            "two tokens": (json.dumps({**good[0], "answer": " Maryland-ish"}), r"line 1: answer .* is \d+ tokens"),

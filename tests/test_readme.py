@@ -133,10 +133,17 @@ def _decoder_fill(tmp_path) -> dict[str, str]:
         tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
     except (FileNotFoundError, ImportError) as e:
         pytest.skip(str(e))
-    pair = {"clean": "When Mary and John went to the store, John gave a drink to", "answer": " Mary", "wrong": " John",
+    lm = _tiny(tmp_path / "lm", tok, "llama")
+    clean = "When Mary and John went to the store, John gave a drink to"
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm)
+    ids = [tok(w, add_special_tokens=False)["input_ids"][0] for w in (" Mary", " John")]
+    with torch.no_grad():  # the random model's own preference is the behaviour it has (the command refuses one it lacks)
+        last = model(**tok(clean, return_tensors="pt")).logits[0, -1, ids]
+    answer, wrong = (" Mary", " John") if last[0] > last[1] else (" John", " Mary")
+    pair = {"clean": clean, "answer": answer, "wrong": wrong,
             "corrupted": "When Mary and John went to the store, Mary gave a drink to"}
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for _ in range(4)))
-    return {"DIR": str(_tiny(tmp_path / "lm", tok, "llama")), "FILE": str(tmp_path / "pairs.jsonl")}
+    return {"DIR": str(lm), "FILE": str(tmp_path / "pairs.jsonl")}
 
 
 def _tiny_bert(tmp_path) -> Path:

@@ -337,7 +337,8 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="the whole command's time (300, 300s, 5m, 1h30m). The run is costed before any work (printed "
                         "as 'plan:'); a budget that cannot hold one candidate with its recovery is refused. Default: "
                         "4m30s, grown to the plan's cost when the plan needs more. The heads are re-ranked after every "
-                        "step only if that leaves the speed table 30 s, and the table gets what is left")
+                        "step only if that leaves the speed table 30 s, and the table gets what is left. Causal LMs: "
+                        "default 15m, the recovery cut short to fit it, a budget that leaves no time beyond it refused")
     p.add_argument("--out", default="out/prune", help="output folder: new, empty, or one a prune wrote before")
     p.add_argument("--force", action="store_true", help="write into --out even though it holds other files")
 

@@ -286,7 +286,9 @@ def _prune_decoder(args, out: Path, started: float) -> int:
     if not report["met"]:
         print("multihead prune: no cut tried meets the target (report.md lists each); nothing saved", file=sys.stderr)
         return 1
-    return 0
+    for line in report["formats_failed"]:  # the folder is saved; a format that did not read back is a failure
+        print(f"multihead prune: {line}", file=sys.stderr)
+    return 1 if report["formats_failed"] else 0
 
 
 def _report_and_exit(report: dict, out: Path) -> int:

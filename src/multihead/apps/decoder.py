@@ -1,5 +1,6 @@
 """``multihead prune --hf DIR`` on a causal language model: cut the way decoder runtimes load it, recover, judge it as
-decoder users do, in memory bounded by the model and one batch.
+decoder users do, in memory bounded by the models held (the unpruned one, the cut being recovered with its AdamW
+moments and, under a target, the last cut kept) and one batch.
 
 The cut is planned in the units the runtime stores (:func:`plan`): with grouped key/value heads (Hkv > 1) whole
 key/value groups, the same number in every layer (the KV cache shrinks by that share); with one key/value head
@@ -26,7 +27,6 @@ changed), cut short to the time budget.
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import random
 import resource
@@ -198,7 +198,8 @@ def _stacked(windows: Sequence[Tensor]) -> dict:
 def read_behaviour(path: str | Path, tok) -> list[dict]:
     """The user's behaviour: a JSON-lines file, one pair a line, ``{"clean": text, "corrupted": text, "answer":
     token, "wrong": token}`` -- on the clean text the model should rank ``answer`` above ``wrong`` at the last
-    position; the corrupted text has as many tokens. Returns :func:`multihead.apps.ioi.batches`-shaped batches.
+    position; the corrupted text has as many tokens. Returns the pairs as rows (clean ids, corrupted ids, answer id,
+    wrong id), in the file's order (:func:`_batched` makes them batches).
     ValueError, naming the line, for a line that does not parse, a missing key, an answer that is not one token, or
     texts of different lengths."""
     rows = []
@@ -228,22 +229,16 @@ def read_behaviour(path: str | Path, tok) -> list[dict]:
     if len(rows) < 2:
         raise ValueError(f"--behaviour {path} holds {len(rows)} pair(s); give at least 2 (half for importance, half "
                          "judged).")
+    return rows
+
+
+def _batched(rows: list[tuple]) -> list[dict]:
+    """Pairs as :func:`multihead.apps.ioi.batches`-shaped batches, one per token length (no padding)."""
     groups: dict[int, list] = {}
     for r in rows:
         groups.setdefault(len(r[0]), []).append(r)
     return [{"input_ids": torch.tensor([r[0] for r in g]), "corrupted_ids": torch.tensor([r[1] for r in g]),
              "io": torch.tensor([r[2] for r in g]), "s": torch.tensor([r[3] for r in g])} for g in groups.values()]
-
-
-def _split_batches(batches: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Every other prompt for importance, the rest judged (each batch split along B)."""
-    imp, judged = [], []
-    for b in batches:
-        for part, to in ((slice(0, None, 2), imp), (slice(1, None, 2), judged)):
-            piece = {k: v[part] for k, v in b.items()}
-            if len(piece["io"]):
-                to.append(piece)
-    return imp, judged
 
 
 def behaviour(tok, o: Options) -> Behaviour:
@@ -252,8 +247,8 @@ def behaviour(tok, o: Options) -> Behaviour:
     from multihead.apps import ioi
 
     if o.behaviour is not None:
-        imp, judged = _split_batches(read_behaviour(o.behaviour, tok))
-        return Behaviour(f"the pairs of {o.behaviour}", imp, judged)
+        rows = read_behaviour(o.behaviour, tok)  # every other pair (in the file's order) chooses, the rest judge
+        return Behaviour(f"the pairs of {o.behaviour}", _batched(rows[0::2]), _batched(rows[1::2]))
     imp = ioi.batches(tok, ioi.make(o.prompts, tok, seed=2, templates=ioi.TEMPLATES[IMPORTANCE_TEMPLATES]))
     judged = ioi.batches(tok, ioi.make(o.prompts, tok, seed=1, templates=ioi.TEMPLATES[JUDGED_TEMPLATES]))
     return Behaviour("IOI (judged on templates the importance never read)", imp, judged)
@@ -318,9 +313,12 @@ def judge(model: nn.Module, reference: nn.Module, t: Text, beh: Behaviour,
 
     f = causal.fidelity(model, reference, t.held_out)
     s = ioi.score(model, beh.judged)
+    if unpruned is None and s.accuracy == 0:
+        raise ValueError(f"the unpruned model gets none of the {s.n} judged prompts of {beh.name} right: a cut cannot "
+                         "be shown to keep a behaviour the model does not have; give --behaviour pairs it does.")
     base_acc = unpruned.accuracy if unpruned is not None else s.accuracy
     return Judgement(f.perplexity, f.perplexity / f.reference_perplexity, f.kl, f.tokens, s.accuracy,
-                     s.accuracy / base_acc if base_acc > 0 else float(s.accuracy > 0 or 1.0), s.logit_diff, s.n)
+                     s.accuracy / base_acc, s.logit_diff, s.n)
 
 
 def _freeze_embeddings(model: nn.Module) -> None:
@@ -359,6 +357,8 @@ class Context:
     behaviour: Behaviour | None
     unpruned: Judgement
     options: Options
+    #: seconds one judgement takes (the unpruned model's, measured): a recovery's budget leaves room for its own
+    judge_s: float = 0.0
 
     def judge(self, model: nn.Module) -> Judgement:
         return judge(model, self.reference, self.text, self.behaviour, self.unpruned)
@@ -385,8 +385,10 @@ def _recovered(cut: nn.Module, ctx: Context, until: float | None, c: Candidate) 
         c.curve.append({"step": c.steps, "seconds": round(c.seconds, 1), **asdict(c.recovered)})
 
 
-#: seconds kept after the last candidate for saving, reading back and the report
-RESERVE_S = 60.0
+#: seconds kept after the last candidate for saving, reading back and the report; and for each format asked
+RESERVE_S, FORMAT_S = 60.0, 90.0
+#: the judgements a recovery makes: the curve's points (at most 8) and the last
+JUDGEMENTS = 9
 
 
 def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kmax: int
@@ -407,9 +409,9 @@ def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kma
         c = Candidate(k, removed, ctx.judge(cut))
         if o.recover:
             until = None
-            if o.deadline is not None:
-                share = (o.deadline - RESERVE_S - time.monotonic()) / (len(ks) - i)
-                until = time.monotonic() + max(share, 0.0)
+            if o.deadline is not None:  # this candidate's share of what is left, less its judgements
+                left = o.deadline - RESERVE_S - FORMAT_S * len(o.formats) - time.monotonic()
+                until = time.monotonic() + max(left / (len(ks) - i) - JUDGEMENTS * ctx.judge_s, 0.0)
             _recovered(cut, ctx, until, c)
         tried.append(c)
         if not c.final.meets(o.target):
@@ -435,17 +437,18 @@ def sizes(model: nn.Module) -> dict:
             f"kv_bytes_per_token_{str(p.dtype).removeprefix('torch.')}": 2 * kv * p.element_size()}
 
 
-def save(cut: nn.Module, tok, folder: Path, t: Text) -> list[str]:
-    """``cut`` written as a transformers folder with its tokenizer (:func:`multihead.hf.save`: a standard config
-    at the pruned size), then read back with ``AutoModelForCausalLM.from_pretrained`` as it is: its parameters
-    by name and shape the family's own (nothing added) and its logits on a held-out batch equal to ``cut``'s
-    within float32 rounding; RuntimeError otherwise. Returns the lines the report says."""
+def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
+    """``cut`` written as a transformers folder (:func:`multihead.hf.save`: a standard config at the pruned size)
+    with the checkpoint's other files as it shipped them (tokenizer, generation config:
+    :func:`multihead.apps.hf_models.save_with_files`), then read back with ``AutoModelForCausalLM.from_pretrained``
+    as it is: its parameters by name and shape the family's own (nothing added) and its logits on a held-out batch
+    equal to ``cut``'s within float32 rounding; RuntimeError otherwise. Returns the lines the report says."""
     import transformers
 
     import multihead.hf as mhf
+    from multihead.apps.hf_models import save_with_files
 
-    mhf.save(cut, folder)
-    tok.save_pretrained(folder)
+    save_with_files(cut, folder, source)
     cfg = json.loads((folder / "config.json").read_text())
     if cfg.get(mhf.HEADS_KEY) and not cfg.get(mhf.FULL_SIZE_KEY):
         raise RuntimeError(f"{folder}: the cut was written with per-layer counts only multihead.hf.load reads "
@@ -584,6 +587,14 @@ def check(counts: dict, o: Options) -> tuple[str, int, int]:
     return kind, per_layer, units_cut(fraction, per_layer, kind)
 
 
+def _check_budget(o: Options, started: float) -> None:
+    """A time budget that leaves no time beyond the recovery refused (ValueError, one line) before any work."""
+    least = RESERVE_S + FORMAT_S * len(o.formats) + 60.0  # and a minute for loading, importance and judging
+    if o.deadline is not None and o.deadline - started < least:
+        raise ValueError(f"the time budget leaves {o.deadline - started:.0f} s; a causal LM's run needs {least:.0f} s "
+                         "beyond its recovery (saving, reading back, the formats asked): give a longer --time-budget.")
+
+
 def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     """The whole command on the causal LM in ``path``: the plan, importance, the cut(s) recovered and judged, the
     kept model saved into ``out/model`` and read back, ``out/report.{json,md}``. Returns the report (``"met"``:
@@ -599,9 +610,10 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
         since[0] = now
 
     path, out = Path(path), Path(out)
+    _check_budget(o, started)
     tok = tokenizer(path)
     check(config_counts(path), o)  # the plan, refused before any weight is read
-    check_formats(path, o.formats)
+    check_formats(path, o.formats, tok)
     beh = behaviour(tok, o)  # a behaviour file that does not parse: refused here
     ref = load(path)
     counts = layer_counts(ref)  # the counts the derived layouts hold (verified on a probe)
@@ -614,20 +626,19 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     phase("importance")
     base = judge(ref, ref, t, beh)
     phase("judging the unpruned model")
-    tried, kept, model = search(Context(ref, t, beh, base, o), scores, counts, kind, kmax)
+    ctx = Context(ref, t, beh, base, o, phases["judging the unpruned model"] / 2)  # it ran the model twice
+    tried, kept, model = search(ctx, scores, counts, kind, kmax)
     phase("the cuts, recovered and judged")
     sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
+    saved = save(model, path, out / "model", t) if model is not None else []
+    phase("saving and reading back")
     formats = write_formats(model, ref, tok, out / "model", t, o.formats) if model is not None else []
     if formats:
         phase("the formats, written and read back")
-    del ref  # the unpruned model's 0.5 GB (SmolLM2) gone before the folder is written and read back beside the cut
-    gc.collect()
-    saved = save(model, tok, out / "model", t) if model is not None else []
-    phase("saving and reading back")
     H, Hkv = next(iter(counts.values()))
-    unit_words = ("whole key/value groups" if kind == "group" else "query heads evenly inside every key/value group")
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
-         "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind, "unit_words": unit_words,
+         "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
+         "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
          "k_words": f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer "
                     f"({H} query / {Hkv} key/value heads a layer)",
          "target": list(o.target) if o.target else None, "behaviour": beh.name,
@@ -636,8 +647,9 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
                     "recovered": None if c.recovered is None else asdict(c.recovered), "meets": c.final.meets(o.target),
                     "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
          "sizes": sizes_of,
-         "saved": saved, "formats": formats, "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases,
-         "peak_rss_mib": peak_rss_mib(), "peak_rss_mib_by_phase": peaks}
+         "saved": saved, "formats": formats, "formats_failed": [f["failed"] for f in formats if "failed" in f],
+         "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases, "peak_rss_mib": peak_rss_mib(),
+         "peak_rss_mib_by_phase": peaks}
     (out / "report.json").write_text(json.dumps(r, indent=1))
     (out / "report.md").write_text(markdown(r))
     return r
@@ -666,9 +678,9 @@ def summary(r: dict) -> list[str]:
 # --- the formats users run ---
 
 
-def check_formats(path: Path, formats: Sequence[str]) -> None:
+def check_formats(path: Path, formats: Sequence[str], tok) -> None:
     """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
-    hold, or a missing extra (naming its install line)."""
+    hold, a missing extra (naming its install line), or (GGUF) a tokenizer its vocabulary writer cannot write."""
     from multihead.extras import require
     from multihead.hf import decoder_export
 
@@ -687,25 +699,20 @@ def check_formats(path: Path, formats: Sequence[str]) -> None:
             require("gguf" if runtime == "gguf" else "onnxruntime_genai", f"--formats {runtime}")
     except ImportError as e:
         raise ValueError(str(e).splitlines()[0]) from None
+    if any(FORMATS[f][0] == "gguf" for f in formats):
+        import gguf
+        import transformers
 
-
-def _gguf_back(path: Path) -> nn.Module:
-    """A GGUF file read by transformers (dequantized to float32), as a model to score."""
-    import os
-    import tempfile
-
-    import transformers
-
-    with tempfile.TemporaryDirectory() as d:
-        os.symlink(path.resolve(), Path(d) / path.name)
-        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+        decoder_export.tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
 
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
     from multihead.apps import causal
+    from multihead.hf.decoder_export import gguf_model
 
-    f = causal.fidelity(_gguf_back(file), model, t.held_out)
+    f = causal.fidelity(gguf_model(file), model, t.held_out)
     return f.perplexity / f.reference_perplexity
 
 
@@ -731,46 +738,64 @@ def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, fo
     read back: f16 and fp32 files must give the cut model's greedy tokens and logits within their rounding; a
     quantized GGUF file is judged by what quantizing cost its perplexity on the held-out text, beside the cost of
     the same quantization to the unpruned model (written the same way into a temporary folder). GenAI int4: the
-    greedy tokens that agree (its perplexity is not measured). Returns a row a format."""
+    greedy tokens that agree (its perplexity is not measured). Returns a row a format; one whose file did not read
+    back, or whose quantization costs more than twice the unpruned model's plus 0.5%, has "failed"."""
+    rows, ids = [], t.held_out[0]["input_ids"][:1, :16]  # (1, L) a held-out prompt
+    ids = ids[:, : int(t.held_out[0]["attention_mask"][0].sum())]
+    for name in formats:
+        try:
+            row = _written(cut, tok, folder, name, ids)
+            if "path" in row and FORMATS[name] in (("gguf", "q8_0"), ("gguf", "q4_k_m")):
+                _cost_beside_unpruned(row, cut, ref, t, ids)
+        except (ValueError, RuntimeError) as e:  # a file that did not read back: said, the others still written
+            row = {"format": name, "checks": [], "failed": f"{name}: {str(e).splitlines()[0]}"}
+        if "path" in row:
+            p = Path(row["path"])
+            row["bytes"] = sum(f.stat().st_size for f in p.rglob("*")) if p.is_dir() else p.stat().st_size
+        rows.append(row)
+    return rows
+
+
+def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
+    """One format's file written by its runtime's writer and read back: its row (path and the checks' lines; no path
+    where the writer is not built here, said in the line)."""
+    from multihead.hf import decoder_export as dx
+
+    runtime, dtype = FORMATS[name]
+    if runtime == "genai":
+        served = dx.export_genai(cut, folder / f"genai-{dtype}", tokenizer=tok, precision=dtype, prompt_ids=ids)
+        return {"format": name, "path": str(served.path), "checks": served.checks}
+    if dtype != "q4_k_m":
+        served = dx.export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
+                                prompt_ids=ids)
+        return {"format": name, "path": str(served.path), "checks": served.checks}
+    f16 = folder / "gguf" / "model-f16.gguf"
+    if not f16.exists():
+        dx.export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
+    said = _q4_k_m(f16, folder / "gguf" / "model-q4_k_m.gguf")
+    if said is None:
+        return {"format": name, "checks": ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is not "
+                                           "built here (make decoder-llama-cpp builds it)"]}
+    return {"format": name, "path": str(folder / "gguf" / "model-q4_k_m.gguf"), "checks": [said]}
+
+
+def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor) -> None:
+    """A quantized GGUF row's perplexity cost, and the same quantization's cost to the unpruned model (its file
+    written the same way into a temporary folder); "failed" when the cut's is more than twice it plus 0.5%."""
     import tempfile
 
     from multihead.hf import decoder_export as dx
 
-    rows, ids = [], t.held_out[0]["input_ids"][:1, :16]  # (1, L) a held-out prompt
-    ids = ids[:, : int(t.held_out[0]["attention_mask"][0].sum())]
-    for name in formats:
-        runtime, dtype = FORMATS[name]
-        row = {"format": name, "checks": []}
-        if runtime == "genai":
-            served = dx.export_genai(cut, folder / f"genai-{dtype}", tokenizer=tok, precision=dtype, prompt_ids=ids)
-            row.update(path=str(served.path), checks=served.checks)
-        elif dtype == "q4_k_m":
-            f16 = folder / "gguf" / "model-f16.gguf"
-            if not f16.exists():
-                dx.export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
-            said = _q4_k_m(f16, folder / "gguf" / "model-q4_k_m.gguf")
-            if said is None:
-                row["checks"] = ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is not built here "
-                                 "(make decoder-llama-cpp builds it)"]
-                rows.append(row)
-                continue
-            row.update(path=str(folder / "gguf" / "model-q4_k_m.gguf"), checks=[said])
+    dtype = FORMATS[row["format"]][1]
+    row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
+    with tempfile.TemporaryDirectory() as d:
+        if dtype == "q4_k_m":
+            dx.export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
+            _q4_k_m(Path(d) / "unpruned-f16.gguf", Path(d) / "unpruned.gguf")
         else:
-            served = dx.export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
-                                    prompt_ids=ids)
-            row.update(path=str(served.path), checks=served.checks)
-        if runtime == "gguf" and dtype in ("q8_0", "q4_k_m"):
-            row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
-            with tempfile.TemporaryDirectory() as d:
-                src = Path(d) / "unpruned-f16.gguf"
-                if dtype == "q4_k_m":
-                    dx.export_gguf(ref, src, dtype="f16", prompt_ids=ids)
-                    _q4_k_m(src, Path(d) / "unpruned.gguf")
-                else:
-                    dx.export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
-                row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
-            row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
-        row["bytes"] = sum(p.stat().st_size for p in Path(row["path"]).rglob("*")) if Path(row["path"]).is_dir() \
-            else Path(row["path"]).stat().st_size
-        rows.append(row)
-    return rows
+            dx.export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
+        row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
+    row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
+    if not row["within"]:
+        row["failed"] = (f"{row['format']}: quantizing costs the cut model's perplexity {row['cost']:.4f}x, more "
+                         f"than twice the unpruned model's {row['unpruned_cost']:.4f}x plus 0.5%")

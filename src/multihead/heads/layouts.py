@@ -71,9 +71,10 @@ class HeadLayout:
 
     def prune(self, m: nn.Module, keep: list[int], kv: list[int], mean_out: Tensor | None = None,
               gone: list[int] | None = None) -> None:
-        """Keep query heads ``keep`` and key/value heads ``kv`` (indices may repeat: a key/value
-        head copied for uneven groups); q/k/v/o weights shrink. ``mean_out`` (H, Dv): the
-        removed heads' (``gone``) mean output is folded into the output projection's bias."""
+        """Keep query heads ``keep`` and key/value heads ``kv`` (every kept key/value head serving as many kept
+        query heads: :func:`multihead.heads.surgery.kept_heads` refuses uneven groups); q/k/v/o weights shrink.
+        ``mean_out`` (H, Dv): the removed heads' (``gone``) mean output is folded into the output projection's
+        bias."""
         _prune(self, m, keep, kv, mean_out, gone)
 
     def counts(self, m: nn.Module, parent: nn.Module | None) -> tuple[int, int]:

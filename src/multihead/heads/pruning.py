@@ -225,6 +225,16 @@ def prune(model: nn.Module, heads: Mapping[str, Iterable[int]], *,
     return kept
 
 
+def _refuse_grouped(model: nn.Module) -> None:
+    """A model whose query heads share key/value heads refused by a curve that ranks heads over the whole model."""
+    grouped = [n for n, m in attention_modules(model).items() if (_num_kv_heads(m) or _num_heads(m)) < _num_heads(m)]
+    if grouped:
+        raise ValueError(f"{grouped[0]} groups its query heads over shared key/value heads: a curve cutting heads by "
+                         "a ranking over the whole model would leave its groups uneven (heads.prune refuses that). "
+                         "Cut whole key/value groups or the same number of query heads in every group: `multihead "
+                         "prune --hf DIR` does for a causal LM (multihead.apps.decoder.plan).")
+
+
 def _num_kv_heads(m: nn.Module) -> int | None:
     """The module's key/value heads where it groups them (multihead's own, or a derived layout's counts); None
     where every query head has its own (torch.nn's) or no layout is known yet (refused later, by name)."""
@@ -444,10 +454,12 @@ def pruning_curve(
     Returns one dict per step (fraction 0 first), as a :class:`Curve` (a list that a notebook shows
     as a table).
 
-    Raises ValueError before any work unless 0 < step <= max_fraction <= 1."""
+    Raises ValueError before any work unless 0 < step <= max_fraction <= 1, and for a model with grouped key/value
+    heads (a global ranking leaves its groups uneven)."""
     import copy
 
     _check_steps(step, max_fraction)
+    _refuse_grouped(model)
     work = copy.deepcopy(model).eval()
     total = sum(_num_heads(m) for m in attention_modules(work).values())
     # original head ids per module, to report which heads are gone

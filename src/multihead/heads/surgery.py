@@ -156,11 +156,11 @@ def kept_heads(H: int, Hkv: int, remove: set[int]) -> tuple[list[int], list[int]
     per_kv = Counter(h // group for h in keep)
     if len(set(per_kv.values())) <= 1:  # every kept key/value head still serves the same number of heads
         return keep, sorted(per_kv)
-    n = min(per_kv.values())
-    even = [h for g in range(Hkv) for h in range(g * group, (g + 1) * group) if h - g * group >= n] if n else []
+    n = min(per_kv.values())  # >= 1: only groups that keep a head are counted
+    # an even cut beside it: the groups the user emptied stay empty, every other keeps its first n of those kept
+    even = sorted(set(range(H)) - {h for g in per_kv for h in [x for x in keep if x // group == g][:n]})
     raise ValueError(
         f"removing heads {sorted(remove)} leaves the key/value groups uneven (kept query heads per key/value head: "
         f"{dict(sorted(per_kv.items()))}; {H} query heads share {Hkv} key/value heads, {group} each): they would "
         f"need {len(keep)} key/value heads where the module has {Hkv}. Cut whole groups (all {group} query heads of "
-        "a key/value head) or the same number of query heads in every group"
-        + (f", e.g. heads {even}." if even else "."))
+        f"a key/value head) or the same number of query heads in every group, e.g. heads {even}.")

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from multihead.extras import require
 from multihead.hf.attention import PreTrainedModel
 
-__all__ = ["Served", "export_genai", "export_gguf", "layer_counts", "standard_folder"]
+__all__ = ["Served", "export_genai", "export_gguf", "gguf_model", "layer_counts", "standard_folder"]
 
 #: the model classes these exports write (llama.cpp's ``llama`` architecture; GenAI's ``LlamaForCausalLM``)
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -286,7 +286,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
         raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
                          "both.")
     vocab_fields = (_vocab_fields(gguf, vocab) if vocab is not None else
-                    _tokenizer_fields(gguf, tokenizer) if tokenizer is not None else [])
+                    tokenizer_fields(gguf, tokenizer, int(model.config.vocab_size)) if tokenizer is not None else [])
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
@@ -303,17 +303,22 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     return _run_back(model, path, dtype, ids, new_tokens, checks)
 
 
+def gguf_model(path: str | Path) -> nn.Module:
+    """A GGUF file as transformers reads it (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, the
+    weights dequantized to float32), in eval mode."""
+    transformers = require("transformers", "multihead.hf.decoder_export.gguf_model")
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
+        os.symlink(path.resolve(), Path(d) / path.name)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str]) -> Served:
     """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
     greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
-    transformers = require("transformers", "multihead.hf.decoder_export.export_gguf")
     with torch.no_grad():
         ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
-        with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
-            os.symlink(path.resolve(), Path(d) / path.name)
-            back = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32)
-        back.eval()
-        got_logits, got_tokens = _greedy(back, ids, new_tokens)
+        got_logits, got_tokens = _greedy(gguf_model(path), ids, new_tokens)
     counts = layer_counts(model)
     diff = float((got_logits - ref_logits).abs().max())
     if dtype in QUANTIZED:
@@ -432,10 +437,12 @@ def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
     return out
 
 
-def _tokenizer_fields(gguf, tokenizer) -> list[tuple]:
+def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     """(key, value, type, sub_type) of a ``gpt2`` GGUF vocabulary from a transformers byte-level BPE tokenizer:
     every token by id, its type (control: the special tokens; user-defined: other added ones), the merges, and the
-    special tokens' ids. ValueError for a tokenizer of another kind (naming it)."""
+    special tokens' ids; a model whose embedding has more rows than the tokenizer has tokens gets ``[PAD<i>]``
+    tokens marked unused up to ``vocab_size``, as convert_hf_to_gguf.py pads. ValueError for a tokenizer of another
+    kind (naming it), or with more tokens than the model's vocabulary."""
     import json
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -447,10 +454,15 @@ def _tokenizer_fields(gguf, tokenizer) -> list[tuple]:
                          "came from instead.")
     T = gguf.GGUFValueType
     n = len(tokenizer)
+    if n > vocab_size:
+        raise ValueError(f"export_gguf: the tokenizer has {n} tokens, the model's vocabulary {vocab_size} rows: give "
+                         "the model's own tokenizer.")
     added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
     tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
     types = [int(gguf.TokenType.CONTROL if added.get(t) else gguf.TokenType.USER_DEFINED if t in added
                  else gguf.TokenType.NORMAL) for t in tokens]
+    tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]  # the embedding's rows past the tokenizer's tokens
+    types += [int(gguf.TokenType.UNUSED)] * (vocab_size - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
            ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32), ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
