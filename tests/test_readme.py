@@ -283,6 +283,8 @@ NOT_RUN = {
     ("Quick start", "sh"): "the two commands themselves: test_readme_quick_start_is_the_two_commands; CI runs them",
     ("Check your own attention", ""): "the output of the command above it: compared in test_readme_check_transcript",
     ("Layout", ""): "the source tree, checked against the files in test_readme_layout_names_files",
+    **{(h, "sh"): "the package written by tests/test_platforms.py (test_the_how_to_pages_commands_write_the_packages), "
+       "each graded on the platform's layout there" for h in ("Gradescope", "PrairieLearn", "GitHub Classroom")},
 }
 
 

@@ -395,6 +395,19 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--similar-above", type=_similar_share, default=None, metavar="S",
                    help="with --similarity: the share of either submission's code a pair must share to be reported, "
                         "in (0, 1] (default 0.5)")
+    p.add_argument("--platform", choices=["gradescope", "prairielearn", "classroom"], default=None,
+                   help="grade on a course platform: with --write PATH, the assignment's package (gradescope: the "
+                        "autograder OUT.zip; prairielearn: the question folder; classroom: the template repository "
+                        "folder, its workflow); with --grade, the submission the platform laid out under --root, "
+                        "graded as here and written as the platform's results.json")
+    p.add_argument("--write", default=None, metavar="PATH", help="with --platform: write the assignment's package")
+    p.add_argument("--grade", action="store_true", help="with --platform: grade the platform's submission (what "
+                                                        "the package runs on the platform)")
+    p.add_argument("--root", default=None, metavar="DIR", help="with --platform --grade: where the platform's folders "
+                                                               "are (default /autograder, /grade, or the checkout)")
+    p.add_argument("--passed", default=None, metavar="CHECK",
+                   help="with --platform classroom: exit 0 if CHECK earned its points in the grading step's results "
+                        "(each step of the workflow asks one)")
     p.add_argument("--roster", default=None, metavar="FILE",
                    help="for a .canvas.csv / .moodle.csv report: a CSV with a file column (each submission's path "
                         "under the class folder) and the students' columns (Canvas: Student, ID; Moodle: Email "
@@ -464,8 +477,35 @@ def _bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results")
 
 
+#: where GitHub Classroom's grading step writes its results (multihead.grader.platforms.LAYOUTS["classroom"])
+CLASSROOM_RESULTS = ".multihead/results.json"
+
+
+def earned(root: str, check: str) -> bool:
+    """Whether ``check`` earned its points in the results GitHub Classroom's grading step wrote under ``root``
+    (``check --platform classroom --passed CHECK``: one workflow step a check, answered without importing torch); a
+    ValueError where there are no results, or no such check."""
+    import json
+    import os
+
+    path = os.path.join(root, CLASSROOM_RESULTS)
+    if not os.path.isfile(path):
+        raise ValueError(f"--passed: {path} does not exist: the grading step (--platform classroom --grade) writes it")
+    with open(path) as f:
+        tests = {t["name"]: t for t in json.load(f)["tests"]}
+    if check not in tests:
+        raise ValueError(f"--passed {check!r} is not a check of this assignment; its checks: {', '.join(tests)}")
+    return tests[check]["score"] >= tests[check]["max_score"] > 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "check" and args.passed and args.platform == "classroom":
+        try:
+            return 0 if earned(args.root or ".", args.passed) else 1
+        except ValueError as e:
+            print(f"multihead check: {e}", file=sys.stderr)
+            return 2
     from multihead.apps import cli
 
     try:

@@ -364,6 +364,8 @@ def _check(args) -> int:
 
     if args.merge:
         return _merge(args)
+    if args.platform or args.write or args.grade or args.passed:
+        return _platform(args)
     mask = None if args.mask == "none" else args.mask
     part = classroom.parse_shard(args.shard) if args.shard else None
     if part is not None and args.seed is None:
@@ -412,6 +414,50 @@ def _check(args) -> int:
             r["name"], r["class"] = in_class[r["file"]], class_id  # which file of which class, wherever it is mounted
         _class_table(rows)
     return _written(args, rows, similar)
+
+
+#: ``multihead check``'s options an assignment is graded with, as a platform's package passes them on
+ASSIGNMENT = ("name", "init", "call", "mask", "causal", "embed_dim", "scale", "strict", "forbid", "timeout", "memory",
+              "seed")
+
+
+def _platform(args) -> int:
+    """multihead check --platform P --write PATH | --grade [--root DIR] | --passed CHECK: the assignment's package
+    for a course platform, or its grading there (:mod:`multihead.grader.platforms`): the same grading as a folder's."""
+    from multihead.grader import classroom, platforms
+    from multihead.grader.runner import parse_size
+    from multihead.grader.subject import forbidden
+
+    if not args.platform:
+        raise ValueError("--write, --grade and --passed are for a course platform: add --platform gradescope, "
+                         "prairielearn or classroom")
+    if args.passed:  # with --platform classroom, answered by multihead_cli (no torch)
+        raise ValueError("--passed is GitHub Classroom's per-check step: use it with --platform classroom")
+    if bool(args.write) == bool(args.grade) or args.target or args.shard or args.merge or args.similarity:
+        raise ValueError(f"--platform {args.platform} takes --write PATH (the assignment's package) or --grade (on the "
+                         "platform), one of them, and no files to grade, --shard, --merge or --similarity")
+    if _not_honoured(args, None if args.mask == "none" else args.mask):
+        return 2
+    forbid = forbidden((args.forbid or "").split(","))  # a name torch lacks: one line, exit 2 (main)
+    memory = parse_size(args.memory)
+    if args.write:
+        options = {f"--{k.replace('_', '-')}": getattr(args, k) for k in ASSIGNMENT}
+        options["--memory"] = None if args.memory == "4G" else args.memory
+        options["--timeout"] = None if args.timeout == 60.0 else args.timeout
+        out = platforms.write(args.platform, Path(args.write), options, points=args.points, starter=args.starter)
+        print(f"{args.platform}: {out}")
+        return 0
+    if not args.name:
+        raise ValueError("--name NAME is missing: the class each submission defines (e.g. --name MultiHeadAttention)")
+    points = classroom.load_points(args.points) if args.points else None  # a check that does not exist: one line
+    row, out = platforms.grade(args.platform, Path(args.root or platforms.ROOTS[args.platform]), args.name,
+                               starter=args.starter, timeout=args.timeout, memory=memory, points=points,
+                               seed=args.seed, init=args.init, call=args.call,
+                               mask=None if args.mask == "none" else args.mask, causal=args.causal,
+                               embed_dim=args.embed_dim, strict=args.strict, scale=args.scale, forbid=forbid)
+    print(f"{row['status']}: {row['points']:g}/{row['possible']:g} {row['finding']}".rstrip())
+    print(f"results: {out}")
+    return 0
 
 
 def _similar(args, files, part):

@@ -32,7 +32,7 @@ __all__ = ["FIELDS", "GRADEBOOKS", "feedback_names", "grade_file", "grade_many",
            "summary", "table", "targets", "write_feedback", "write_gradebook", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
-          "shard", "name", "class")
+          "shard", "name", "class", "layers")
 
 
 def kwargs_of(text: str | None) -> dict:
@@ -108,7 +108,10 @@ def load_points(path: str | Path) -> dict[str, float]:
         raise ValueError(f"--points {p} is not JSON ({e}); write {{\"check name\": points, ...}}.") from None
     if not isinstance(given, dict):
         raise ValueError(f"--points {p} must hold an object {{\"check name\": points, ...}}.")
-    return points_scheme(given)
+    try:
+        return points_scheme(given)
+    except ValueError as e:  # the file named: the fix is in it
+        raise ValueError(f"--points {p}: {str(e).removeprefix('points: ')}") from None
 
 
 def scheme_id(scheme: dict | None) -> str:
@@ -130,7 +133,7 @@ def _row(path: Path, status: str, report: Report | None = None, finding: str = "
     return {"file": str(path), "ok": status == "ok", "status": status, "points": round(earned, 2),
             "possible": round(possible, 2), "failed": failed, "mistakes": mistakes, "finding": finding,
             "seconds": round(seconds, 2), "seed": seed, "scheme": scheme_id(scheme), "shard": "", "name": Path(path).name,
-            "class": ""}
+            "class": "", "layers": ""}
 
 
 def grade_file(path: Path, name: str | None, *, init: str | None = None, call: str = "qkv", mask: str | None = None,
@@ -155,6 +158,7 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
         return _row(path, "error", finding="no class name: give FILE.py:NAME or --name NAME", **kw), None
     try:
         with SandboxSubject(path, name, init=kwargs_of(init), call=call, seed=seed, limits=limits or Limits()) as subject:
+            layers = "; ".join(subject.layers)  # what confined the submission's process (the row says it)
             report = grade_subject(subject, opts)
     except SandboxError as e:
         return _row(path, e.status, finding=e.finding, seconds=time.perf_counter() - t0, **kw), None
@@ -162,16 +166,21 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
         return _row(path, "error", finding=str(e), seconds=time.perf_counter() - t0, **kw), None
     first = report.checks[0] if report.checks else None
     if first is not None and first.name == "runs on probe inputs" and first.passed is False:
-        return _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0, **kw), report
-    return _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0, **kw), report
+        row = _row(path, "error", report, f"the call raised: {first.detail}", time.perf_counter() - t0, **kw)
+    else:
+        row = _row(path, "ok" if report.ok else "not ok", report, seconds=time.perf_counter() - t0, **kw)
+    return row | {"layers": layers}, report
 
 
 def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
                jobs: int | None = None, points: dict | None = None, feedback: str | Path | None = None,
-               seed: int | None = None, names: dict[Path, Path] | None = None, **opts) -> list[dict]:
+               seed: int | None = None, names: dict[Path, Path] | None = None, reports: dict | None = None,
+               **opts) -> list[dict]:
     """Each file graded in its own sandbox, ``jobs`` at a time (default: $MULTIHEAD_GRADER_JOBS, else the cores,
     at most 4); rows in the order of ``files``. ``feedback``:
-    a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`).
+    a folder that gets one markdown file per submission; ``points``: a scheme (see :func:`load_points`);
+    ``reports``: a dict that gets {file: its Report, or None} (a platform's per-check points,
+    :mod:`multihead.grader.platforms`).
     Warns (RuntimeWarning), in one line, where this machine cannot confine a sandbox (:mod:`multihead.grader.confine`:
     files, network, sockets, other processes) and says what is not confined."""
     import warnings
@@ -181,8 +190,11 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     opts["forbid"] = forbidden(opts.get("forbid") or ())  # a name torch does not have: refused before any grading
     gaps = confine.unconfined()
     if gaps:
+        user = (" Where user namespaces are refused (a Docker container's default) and the grader is root, each "
+                "submission runs as a user of its own." if any(g.startswith("the network") for g in gaps) and
+                os.geteuid() == 0 else "")
         warnings.warn(f"this machine cannot confine a submission's process from: {'; '.join(gaps)}. Grade on Linux "
-                      f"5.13 or later (Landlock; network namespaces; seccomp) to confine it.", RuntimeWarning,
+                      f"5.13 or later (Landlock; network namespaces; seccomp) to confine it.{user}", RuntimeWarning,
                       stacklevel=2)
     scheme = points_scheme(points)
     limits = Limits(wall=timeout, cpu=int(max(timeout * 2, 10)), memory=memory)
@@ -194,6 +206,8 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     def one(item):
         path, name = item
         row, report = grade_file(path, name, limits=limits, seed=seed, scheme=scheme, folder=folder, **opts)
+        if reports is not None:
+            reports[path] = report
         if feedback is not None:
             write_feedback(row, report, Path(feedback), names[path])
         return row

@@ -209,6 +209,14 @@ class Report:
                 earned += pts
         return earned, possible_
 
+    def scored(self, scheme: dict[str, float] | None = None) -> list[tuple[str, float, float, Check | None]]:
+        """(check, points earned, points possible, the check as run or None) for each check of the
+        :attr:`assignment`, in order: the parts :meth:`points` adds up (a platform's per-check tests)."""
+        scheme = POINTS if scheme is None else scheme
+        ran = {c.name: c for c in self.checks}
+        return [(n, scheme.get(n, 0.0) if self._earns(n, ran) else 0.0, scheme.get(n, 0.0), ran.get(n))
+                for n in self.assignment]
+
     def _earns(self, name: str, ran: dict[str, Check]) -> bool:
         c = ran.get(name)
         if c is None:  # never reached, or the returned weights' sums of a module that returns none (its weights seen)

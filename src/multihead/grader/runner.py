@@ -93,6 +93,8 @@ class SandboxSubject:
         self.path, self.name, self.limits = Path(path), name, limits
         self.deadline = time.monotonic() + limits.wall
         self._log_dir = tempfile.mkdtemp(prefix="multihead-sandbox-")
+        if os.geteuid() == 0:  # a sandbox that becomes a user of its own (confine) must pass through to its scratch
+            os.chmod(self._log_dir, 0o711)  # folder: through, never list nor write (its log stays root's)
         self.log = os.path.join(self._log_dir, "output.txt")
         scratch = os.path.join(self._log_dir, "scratch")  # where the sandbox may write (not the log beside it)
         os.mkdir(scratch)
@@ -109,6 +111,8 @@ class SandboxSubject:
             self._warden, self._req, self._rep = _exec_warden(request)
         self._closed, self._output, self._status = False, "", {}
         self.ready = self._recv("starting")
+        #: the layers confining the submission's process, in words (:func:`multihead.grader.confine.confine`)
+        self.layers: list[str] = [safe(x, 100) for x in self.ready[0].get("layers") or []]
         from multihead.grader import confine
 
         missed = [g for g in self.ready[0].get("unconfined") or [] if g not in confine.unconfined()]

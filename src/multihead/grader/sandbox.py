@@ -73,12 +73,13 @@ def _build(path: str, name: str, init: dict, seed: int):
     return module, None
 
 
-def _confine(scratch: str, path: str) -> list[str]:
+def _confine(scratch: str, path: str, active: list[str]) -> list[str]:
     """``scratch`` (the grader's folder for this sandbox, removed by the grader when it ends) becomes the working
     directory, home and temporary folder of everything this process runs (torch's compile cache, Keras' config
     included) and the only place it may write; then the allow-list of :mod:`multihead.grader.confine` applies
     (what this machine cannot confine, the grader has said once: :func:`~multihead.grader.confine.unconfined`).
-    What the learner's file will need of the grader's code is imported first."""
+    What the learner's file will need of the grader's code is imported first; ``active`` gets the layers applied
+    (the warden's resource limits first)."""
     import tempfile
 
     import torch  # noqa: F401 - read from the installation before the doors close (the fork server has it)
@@ -88,16 +89,18 @@ def _confine(scratch: str, path: str) -> list[str]:
     read = confine.readable(exclude=(path,))  # here, in the grader's working directory: never that folder
     os.environ["TMPDIR"] = os.environ["HOME"] = tempfile.tempdir = scratch
     os.chdir(scratch)
-    return confine.confine(scratch, read)  # what it could not confine: the grader compares it with what it said
+    active.append("resource limits")  # the warden set them before this process ran anything
+    return confine.confine(scratch, read, active=active)  # what it could not confine: the grader compares it with what it said
 
 
 def serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str) -> None:
-    gaps = _confine(scratch, path)
-    _serve(req, rep, path, name, init=init, call=call, seed=seed, scratch=scratch, gaps=gaps)
+    layers: list[str] = []
+    gaps = _confine(scratch, path, layers)
+    _serve(req, rep, path, name, init=init, call=call, seed=seed, scratch=scratch, gaps=(gaps, layers))
 
 
 def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, seed: int, scratch: str,
-           gaps: list[str]) -> None:
+           gaps: tuple[list[str], list[str]]) -> None:
     import torch
 
     from multihead.grader import wire
@@ -112,7 +115,7 @@ def _serve(req: int, rep: int, path: str, name: str, *, init: dict, call: str, s
     pristine = Pristine()  # the module as built: a fresh copy of it answers a call that asks for one
     fn = caller(call)
     n_params = sum(1 for _ in module.parameters())
-    wire.send(rep, {"ready": True, "params": n_params, "unconfined": gaps})
+    wire.send(rep, {"ready": True, "params": n_params, "unconfined": gaps[0], "layers": gaps[1]})
     while True:
         try:
             header, tensors = wire.recv(req)

@@ -1,0 +1,398 @@
+"""Course platforms (issue 82): Gradescope's autograder zip, PrairieLearn's external-grader question and GitHub
+Classroom's workflow, each run here on the platform's own layout under a folder of the test's (the root the scripts
+read from MULTIHEAD_PLATFORM_ROOT), from this project's environment. Each gives the points and feedback `multihead
+check` gives the same class; where user namespaces are refused (Docker's default seccomp profile, reproduced here by
+a seccomp filter on the grader's own process), hostile submissions read, send, forge and leak nothing, and the rows
+and results files say which layers confined them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from multihead.apps.cli import main
+from multihead.grader import confine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_grader import HONEST, HOSTILE, THIEF  # noqa: E402
+
+
+def _submission(**mistake) -> str:
+    """A learner's file of the documentation's class (tools/docs_pictures.py's ``submission``)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "docs_pictures.py"
+    spec = importlib.util.spec_from_file_location("docs_pictures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.submission(**mistake)
+
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+#: the assignment: the documentation's class (tools/docs_pictures.py), graded as docs/how-to/grade-a-class.md does
+OPTIONS = ["--name", "MultiHeadAttention", "--init", "d_model=32, num_heads=4", "--call", "qkv_mask", "--mask", "keep",
+           "--seed", "3"]
+CLASS = {"ada": _submission(), "ben": _submission(scale="self.d")}  # right; scores divided by d_k
+
+
+def _env(root: Path | None = None, **extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=SRC, MULTIHEAD_PYTHON=sys.executable, KERAS_BACKEND="torch", **extra)
+    if root is not None:
+        env["MULTIHEAD_PLATFORM_ROOT"] = str(root)
+    return env
+
+
+@pytest.fixture(scope="module")
+def by_check(tmp_path_factory):
+    """`multihead check` on the class's folder: {learner: (row, feedback markdown)}."""
+    tmp = tmp_path_factory.mktemp("check")
+    for who, text in CLASS.items():
+        (tmp / "class" / who).mkdir(parents=True)
+        (tmp / "class" / who / "mha.py").write_text(text)
+    assert main(["check", str(tmp / "class"), *OPTIONS, "--report", str(tmp / "r.json"), "--feedback",
+                 str(tmp / "fb")]) == 1
+    rows = {Path(r["file"]).parent.name: r for r in json.loads((tmp / "r.json").read_text())}
+    return {who: (rows[who], (tmp / "fb" / who / "mha.md").read_text()) for who in CLASS}
+
+
+def _same_as_check(by_check, who: str, points: float, possible: float, tests: list[tuple[float, float]], output: str):
+    row, feedback = by_check[who]
+    assert (points, possible) == (row["points"], row["possible"]), (who, points, row)
+    assert sum(t[0] for t in tests) == pytest.approx(row["points"]) and \
+        sum(t[1] for t in tests) == pytest.approx(row["possible"])
+    assert output == feedback
+
+
+def test_gradescope_autograder_grades_as_check_does(tmp_path, by_check):
+    starter = tmp_path / "mha.py"
+    starter.write_text(CLASS["ada"])
+    zipped = tmp_path / "autograder.zip"
+    assert main(["check", "--platform", "gradescope", "--write", str(zipped), *OPTIONS, "--starter", str(starter)]) == 0
+    with zipfile.ZipFile(zipped) as z:
+        assert sorted(z.namelist()) == ["run_autograder", "setup.sh"]
+        assert z.getinfo("run_autograder").external_attr >> 16 & 0o111
+        setup = z.read("setup.sh").decode()
+    assert "download.pytorch.org/whl/cpu torch" in setup and "multihead==" in setup and "python3 -m venv" in setup
+    assert subprocess.run(["bash", "-n", "-c", setup]).returncode == 0
+    for who in CLASS:
+        root = tmp_path / who
+        (root / "submission").mkdir(parents=True)
+        (root / "results").mkdir()
+        with zipfile.ZipFile(zipped) as z:
+            z.extractall(root / "source")
+        (root / "submission" / "mha.py").write_text(CLASS[who])
+        run = subprocess.run(["bash", str(root / "source" / "run_autograder")], env=_env(root), capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        res = json.loads((root / "results" / "results.json").read_text())
+        tests = [(t["score"], t["max_score"]) for t in res["tests"]]
+        assert all(t["visibility"] == "visible" and t["name"] and "output" in t for t in res["tests"])
+        _same_as_check(by_check, who, res["score"], sum(t[1] for t in tests), tests, res["output"])
+        assert res["extra_data"]["layers"] == by_check[who][0]["layers"] != ""
+    bad = [t for t in json.loads((tmp_path / "ben" / "results" / "results.json").read_text())["tests"]
+           if t["score"] < t["max_score"]]
+    assert [t["name"] for t in bad] == ["matches the float64 reference"] and "scores divided by d_k" in bad[0]["output"]
+
+
+def test_prairielearn_question_grades_as_check_does(tmp_path, by_check):
+    starter = tmp_path / "mha.py"
+    starter.write_text(CLASS["ada"])
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"matches the float64 reference": 4}))  # the default: the same points as check's
+    question = tmp_path / "question"
+    assert main(["check", "--platform", "prairielearn", "--write", str(question), *OPTIONS, "--starter", str(starter),
+                 "--points", str(points), "--timeout", "50"]) == 0
+    info = json.loads((question / "info.json").read_text())
+    grading = info["externalGradingOptions"]
+    assert info["gradingMethod"] == "External" and grading["entrypoint"] == "/grade/tests/run.sh"
+    assert grading["timeout"] >= 100 and grading["image"] and (question / "Dockerfile").is_file()
+    assert (question / "clientFilesQuestion" / "mha.py").read_text() == CLASS["ada"]
+    for who in CLASS:
+        root = tmp_path / who
+        (root / "student").mkdir(parents=True)
+        (root / "results").mkdir()
+        (root / "tests").symlink_to(question / "tests")
+        (root / "student" / "mha.py").write_text(CLASS[who])
+        run = subprocess.run([str(root / "tests" / "run.sh")], env=_env(root), capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        res = json.loads((root / "results" / "results.json").read_text())
+        tests = [(t["points"], t["max_points"]) for t in res["tests"]]
+        assert res["gradable"] is True and 0 <= res["score"] <= 1
+        possible = sum(t[1] for t in tests)  # PrairieLearn's score is a share (rounded to 6 places)
+        _same_as_check(by_check, who, round(res["score"] * possible, 4), possible, tests, res["output"])
+        assert res["message"] == (by_check[who][0]["finding"] or "OK")
+    assert json.loads((tmp_path / "ada" / "results" / "results.json").read_text())["score"] == 1.0
+
+
+def _workflow_steps(repo: Path) -> list[dict]:
+    yaml = pytest.importorskip("yaml")
+    flow = yaml.safe_load((repo / ".github" / "workflows" / "classroom.yml").read_text())
+    assert set(flow["on"]) == {"push", "workflow_dispatch"}
+    return flow["jobs"]["run-autograding-tests"]["steps"]
+
+
+def test_github_classroom_workflow_reports_the_points_check_gives(tmp_path, by_check):
+    for who in CLASS:
+        repo = tmp_path / who
+        repo.mkdir()
+        (repo / "mha.py").write_text(CLASS[who])  # the learner's push: their file where the template's was
+        assert main(["check", "--platform", "classroom", "--write", str(repo), *OPTIONS, "--starter",
+                     str(repo / "mha.py")]) == 0
+        steps = _workflow_steps(repo)
+        graders = [s for s in steps if s.get("uses", "").startswith("classroom-resources/autograding-command-grader")]
+        reporter = steps[-1]
+        assert reporter["uses"].startswith("classroom-resources/autograding-grading-reporter")
+        assert reporter["with"]["runners"].split(",") == [s["id"] for s in graders]
+        assert all(f"steps.{s['id']}.outputs.result" in reporter["env"][f"{s['id'].upper().replace('-', '_')}_RESULTS"]
+                   for s in graders)
+        env = _env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        grade = next(s for s in steps if s.get("name") == "Grade")
+        run = subprocess.run(grade["run"], shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        scores = []
+        for s in graders:
+            assert s["with"]["timeout"] >= 1 and s["with"]["test-name"] == s["name"]
+            ok = subprocess.run(s["with"]["command"], shell=True, cwd=repo, env=env, timeout=60).returncode == 0
+            scores.append((s["with"]["max-score"] * ok, s["with"]["max-score"]))
+        res = json.loads((repo / ".multihead" / "results.json").read_text())
+        _same_as_check(by_check, who, sum(s for s, _ in scores), sum(m for _, m in scores), scores, res["output"])
+
+
+def test_bad_platform_input_is_one_line_before_any_grading(tmp_path, capsys):
+    starter = tmp_path / "mha.py"
+    starter.write_text(HONEST)
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"matches the reference": 3}))
+    cases = [
+        (["--platform", "gradescope", "--write", str(tmp_path / "a.zip"), "--call", "qkv"], "--name NAME is missing"),
+        (["--platform", "prairielearn", "--write", str(tmp_path / "q"), "--name", "MHA", "--points", str(points)],
+         "'matches the reference' is not a check"),
+        (["--platform", "gradescope", "--grade", "--root", str(tmp_path / "empty"), "--name", "MHA"],
+         f"{tmp_path / 'empty' / 'submission'} does not exist"),
+        (["--platform", "prairielearn", "--grade", "--root", str(tmp_path), "--name", "MHA"],
+         f"{tmp_path / 'student'} does not exist"),
+        (["--platform", "classroom", "--write", str(tmp_path / "repo"), "--name", "MHA"],
+         "--platform classroom --write needs --starter FILE"),
+        (["--platform", "gradescope", "--write", str(tmp_path / "a.tar"), "--name", "MHA"], "give OUT.zip"),
+        (["--write", str(tmp_path / "a.zip"), "--name", "MHA"], "add --platform gradescope"),
+        (["--platform", "gradescope", str(starter), "--grade", "--name", "MHA"], "one of them, and no files"),
+    ]
+    for argv, said in cases:
+        assert main(["check", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert said in err and len(err.strip().splitlines()) == 1 and out == "", (argv, err)
+    assert not (tmp_path / "a.zip").exists() and not (tmp_path / "q").exists() and not (tmp_path / "repo").exists()
+
+
+def test_a_submission_missing_from_the_layout_is_said_in_the_results(tmp_path, capsys):
+    for plat, folder in (("gradescope", "submission"), ("prairielearn", "student")):
+        root = tmp_path / plat
+        (root / folder).mkdir(parents=True)
+        (root / folder / "notes.txt").write_text("no code")
+        assert main(["check", "--platform", plat, "--grade", "--root", str(root), "--name", "MHA", "--starter",
+                     "mha.py"]) == 0
+        res = json.loads((root / "results" / "results.json").read_text())
+        said = json.dumps(res)
+        assert "no mha.py in the submission: hand in the file mha.py" in said, said
+        if plat == "prairielearn":
+            assert res["gradable"] is False and res["score"] == 0
+        else:
+            assert res["score"] == 0 and sum(t["max_score"] for t in res["tests"]) == 16
+    capsys.readouterr()
+
+
+# --- where user namespaces are refused --------------------------------------------------------------------------
+
+#: run the `multihead` command after refusing `unshare` to this process and all it starts (EPERM), as Docker's
+#: default seccomp profile does: the grader then runs as the platforms run it
+DENIED = textwrap.dedent('''
+    import ctypes, platform, struct, sys
+    nr = {"x86_64": 272, "aarch64": 97}[platform.machine()]
+    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
+    op = lambda code, k, jt=0, jf=0: struct.pack("=HBBI", code, jt, jf, k)
+    prog = b"".join([op(0x20, 4), op(0x15, arch, 0, 3), op(0x20, 0), op(0x15, nr, 0, 1), op(0x06, 0x50001),
+                     op(0x06, 0x7FFF0000)])
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(Prog(len(prog) // 8, ctypes.cast(
+        buf, ctypes.c_void_p))), 0, 0) == 0
+    assert libc.unshare(0x10000000) == -1 and ctypes.get_errno() == 1  # user namespaces refused
+    from multihead_cli import main
+    sys.exit(main(sys.argv[1:]))
+    ''')
+
+
+def _denied(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", DENIED, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=400)
+
+
+def _listeners(tmp_path: Path):
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(str(tmp_path / "listener.sock"))
+    unix.listen(4)
+    unix.settimeout(0.2)
+
+    def received() -> list[bytes]:
+        got = []
+        for listener in (udp, unix):
+            try:
+                got.append(listener.recv(4096) if listener is udp else listener.accept()[0].recv(4096))
+            except (TimeoutError, OSError):
+                pass
+        return got
+
+    return udp.getsockname()[1], str(tmp_path / "listener.sock"), received
+
+
+#: a submission that, at import, writes a results file of its own where each platform reads one, and prints one
+FORGER = textwrap.dedent('''
+    import json, os
+    for path in FORGE:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"score": 99, "gradable": True, "tests": []}, f)
+            print("forged", path)
+        except OSError as e:
+            print("refused: forge", path, e)
+    print(json.dumps({"score": 99}))
+    ''')
+
+
+needs_landlock = pytest.mark.skipif(platform.system() != "Linux" or confine.abi() == 0 or os.geteuid() != 0,
+                                    reason="Landlock and a grader running as root (as the platforms run it)")
+
+
+@needs_landlock
+def test_without_user_namespaces_the_hostile_class_gets_nothing_more(tmp_path):
+    """The hostile class of tests/test_grader.py (a thief of a classmate's file by every path, a sender over UDP and
+    a Unix socket, the grader's environment and escape sequences put into its error) graded by `multihead check`
+    with user namespaces refused: each submission runs as a user of its own under Landlock and the seccomp filter,
+    and the thief is graded on its own code, nothing arrives, no token or escape reaches the report."""
+    port, unix, received = _listeners(tmp_path)
+    subs = tmp_path / "class"
+    for who in ("alice", "mallory", "environ", "escapes"):
+        (subs / who).mkdir(parents=True)
+    alice = subs / "alice" / "mha.py"
+    alice.write_text(HONEST)
+    (subs / "mallory" / "mha.py").write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(alice)!r}, {port}, {unix!r}\n" + THIEF)
+    for who in ("environ", "escapes"):
+        (subs / who / "mha.py").write_text(HOSTILE[who])
+    token = f"tok-{os.getpid()}"
+    mode = alice.stat().st_mode
+    run = _denied(["check", "class", "--name", "MHA", "--call", "qkv", "--seed", "3", "--timeout", "90", "--report",
+                   str(tmp_path / "grades.csv")], tmp_path, _env(MULTIHEAD_TEST_SECRET_TOKEN=token))
+    rows = {Path(r["file"]).parent.name: r for r in csv.DictReader((tmp_path / "grades.csv").open())}
+    assert rows["alice"]["status"] == "ok", (rows, run.stderr)
+    assert rows["mallory"]["status"] == "not ok" and rows["mallory"]["finding"].startswith("scores divided by d_k")
+    assert rows["environ"]["status"] == "error" and "env: {" in rows["environ"]["finding"]
+    assert received() == [] and alice.stat().st_mode == mode and alice.read_text() == HONEST
+    for text in (run.stdout, run.stderr, (tmp_path / "grades.csv").read_text()):
+        assert token not in text and "\x1b" not in text and "\u202e" not in text
+    for r in rows.values():
+        assert "a user of its own" in r["layers"] and "Landlock" in r["layers"] and "seccomp" in r["layers"], r
+        assert "namespaces" not in r["layers"]
+    assert "cannot confine a submission's process from: the network" in run.stderr  # said once, as before
+
+
+@needs_landlock
+def test_without_user_namespaces_a_platform_submission_cannot_forge_its_results(tmp_path):
+    """Through Gradescope's and PrairieLearn's layouts with user namespaces refused: a submission that writes a
+    results file where the platform reads it, reads the teacher's source folder and sends what it read is graded on
+    its own code; the results file is the grader's and says which layers were active."""
+    port, unix, received = _listeners(tmp_path)
+    for plat, folder, package in (("gradescope", "submission", "source"), ("prairielearn", "student", "tests")):
+        root = tmp_path / plat
+        (root / folder).mkdir(parents=True)
+        (root / package).mkdir()
+        secret = root / package / "solution.py"
+        secret.write_text(HONEST)
+        forge = [str(root / "results" / "results.json"), str(root / folder / "results.json")]
+        (root / folder / "mha.py").write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(secret)!r}, {port}, {unix!r}\n"
+                                              f"FORGE = {forge!r}\n" + FORGER + THIEF)
+        run = _denied(["check", "--platform", plat, "--grade", "--root", str(root), "--name", "MHA", "--call", "qkv",
+                       "--seed", "3", "--starter", "mha.py"], tmp_path, _env())
+        assert run.returncode == 0, run.stdout + run.stderr
+        res = json.loads((root / "results" / "results.json").read_text())
+        said = res.get("extra_data") or res["sandbox"]
+        assert said["status"] == "not ok" and "a user of its own" in said["layers"], (res, run.stderr)
+        assert "scores divided by d_k" in res["output"] and res["tests"], res
+        score = res["score"] if plat == "gradescope" else res["score"] * 16
+        assert score == 12 and not (root / folder / "results.json").exists()
+        assert received() == [] and secret.read_text() == HONEST
+
+
+def test_per_check_points_add_up_to_the_reports_points():
+    """Report.scored is the breakdown Report.points sums (every platform's tests are its rows)."""
+    from multihead.grader.report import Check, Finding, Report, assignment
+
+    names = assignment(masked=False, causal=False, self_attn=False, forbid=False)
+    checks = [Check(n, n != "matches the float64 reference") for n in names[:-3]] + \
+        [Check("matches the float64 reference", False)]
+    rep = Report(checks, [Finding("scores divided by d_k", "fix")], assignment=names)
+    rows = rep.scored()
+    assert [n for n, *_ in rows] == list(names)
+    assert (sum(r[1] for r in rows), sum(r[2] for r in rows)) == rep.points()
+    assert [n for n, got, pts, c in rows if got < pts] == [*names[-3:-1], "matches the float64 reference"]
+
+
+def test_the_forged_results_file_of_a_previous_push_is_never_read(tmp_path):
+    import multihead_cli
+    from multihead.grader import platforms
+
+    assert multihead_cli.CLASSROOM_RESULTS == platforms.LAYOUTS["classroom"][1]
+    (tmp_path / ".multihead").mkdir()
+    (tmp_path / ".multihead" / "results.json").write_text(json.dumps(
+        {"tests": [{"name": "matches the float64 reference", "score": 4, "max_score": 4}]}))
+    check = ["check", "--platform", "classroom", "--root", str(tmp_path), "--passed"]
+    assert main([*check, "matches the float64 reference"]) == 0  # what a step reads, after the grading step
+    (tmp_path / "mha.py").write_text("raise SystemExit('no')\n")
+    platforms.grade("classroom", tmp_path, "MHA", starter="mha.py", call="qkv", seed=1, timeout=30)
+    assert main([*check, "matches the float64 reference"]) == 1
+    assert main([*check, "no such check"]) == 2
+    with pytest.raises(ValueError, match="'no such check' is not a check of this assignment"):
+        multihead_cli.earned(str(tmp_path), "no such check")
+    code = "import sys, multihead_cli; multihead_cli.main(sys.argv[1:]); print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code, *check, "matches the float64 reference"], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "False", run.stdout + run.stderr  # a step's command: no torch, no second
+
+
+def test_the_how_to_pages_commands_write_the_packages(tmp_path, monkeypatch, capsys):
+    """docs/how-to/grade-on-a-platform.md's command lines, as written (the grading they set up: the tests above)."""
+    import re
+    import shlex
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "grade-on-a-platform.md").read_text()
+    lines = [b.replace("\\\n", " ").strip() for b in re.findall(r"```sh\n(.*?)```", page, re.S)]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mha.py").write_text(CLASS["ada"])
+    (tmp_path / "points.json").write_text(json.dumps({"matches the float64 reference": 4}))
+    (tmp_path / "questions").mkdir()
+    written = []
+    for line in lines:
+        words = shlex.split(line)
+        assert words[:3] == [".venv/bin/multihead", "check", "--platform"], line
+        assert main(words[1:]) == 0, line
+        written.append(capsys.readouterr().out.strip())
+    assert written == ["gradescope: autograder.zip", "prairielearn: questions/mha", "classroom: template"]
+    assert zipfile.is_zipfile(tmp_path / "autograder.zip") and (tmp_path / "questions" / "mha" / "info.json").is_file()
+    assert (tmp_path / "template" / ".github" / "workflows" / "classroom.yml").is_file()
+    assert (tmp_path / "template" / "mha.py").read_text() == CLASS["ada"]
