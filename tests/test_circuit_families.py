@@ -158,9 +158,10 @@ def _patched(model, spec, inputs, reader: str, change, caps) -> torch.Tensor:
         return _metric(model(**inputs)).mean()
 
 
-def _by_hand(model, spec, base_in, src_in, edge, *, grad=False) -> float:
-    """Exact edge patching written out (t = 1); with ``grad``, its derivative along the change at t = 0 (EAP)."""
-    base, src = _capture(model, spec, base_in), _capture(model, spec, src_in)
+def _by_hand(model, spec, base_in, caps, edge, *, grad=False) -> float:
+    """Exact edge patching written out (t = 1); with ``grad``, its derivative along the change at t = 0 (EAP).
+    ``caps``: the base and the source run's captures."""
+    base, src = caps
     t = torch.tensor(0.0 if grad else 1.0, dtype=torch.float32, requires_grad=grad)
     with torch.set_grad_enabled(grad):
         value = _patched(model, spec, base_in, edge[1], _change(model, spec, base, src, edge[0], t), base)
@@ -199,9 +200,10 @@ def test_each_edge_patched_equals_the_patch_written_out_and_eap_its_derivative(f
     exact = heads.patch_edges(model, clean, corrupted, _metric, chosen, chunk=5)
     s = heads.edge_attribution(model, clean, corrupted, _metric)
     est = s.scores[g.index(chosen)]
+    caps = _capture(model, spec, corrupted), _capture(model, spec, clean)
     for e, v, eap in zip(chosen, exact.scores.tolist(), est.tolist(), strict=True):
-        assert v + exact.base == pytest.approx(_by_hand(model, spec, corrupted, clean, e), abs=1e-6), e
-        assert eap == pytest.approx(_by_hand(model, spec, corrupted, clean, e, grad=True), abs=1e-7, rel=1e-5), e
+        assert v + exact.base == pytest.approx(_by_hand(model, spec, corrupted, caps, e), abs=1e-6), e
+        assert eap == pytest.approx(_by_hand(model, spec, corrupted, caps, e, grad=True), abs=1e-7, rel=1e-5), e
     assert exact.scores.abs().max() > 1e-3 and est.abs().max() > 1e-3  # the edges move the metric
     none = heads.faithfulness(model, clean, corrupted, _metric, [])
     every = heads.faithfulness(model, clean, corrupted, _metric, s.edges)
