@@ -9,11 +9,17 @@ every later reader: the residual stream carries it there. Where a layer normalis
 exact -- a reader's input is rebuilt from the writers and its q/k/v recomputed from that (the norm and the
 projections run again on the rebuilt input, through the module's own forward), as TransformerLens does.
 
-Models the graph expresses (checked from the module tree before any forward; anything else is refused by name):
-transformers' GPT-2, Llama, Qwen2 and Mistral decoder layers, multihead's pre-norm ``EncoderBlock``, and multihead
-attention modules that add straight onto the residual stream (``x = x + attn(x)``: the course's small models). On the
-first run it is also checked that each read point equals the embedding plus the writers before it, and that an
-attention module's output is the sum of its heads' writes plus a constant; a model failing either is refused.
+Models the graph expresses (:data:`BLOCKS`, checked from the module tree before any forward; anything else is refused
+by name, :data:`REFUSED` saying why for the post-norm encoders): transformers' GPT-2, Llama, Qwen2, Qwen3 (query/key
+norms per head), Mistral and Phi-3 (a fused qkv_proj) decoder layers; GPT-NeoX/Pythia and GPT-J, whose MLP reads the
+block's input beside the attention (no edge from a head to its own layer's MLP; GPT-J's MLP input rebuilt through the
+attention's own ``ln_1``); Gemma 2, Gemma 3 and OLMo 2, whose blocks normalise the attention's and the MLP's outputs
+before the add (an MLP and its norm are one writer; a head's edge is non-linear: each reader's input is rebuilt with
+the norm run on its own patched sum of the layer's heads, as EAP-IG's code does for Gemma 2, and EAP takes the
+gradient through that norm); multihead's pre-norm ``EncoderBlock``, and multihead attention modules that add straight
+onto the residual stream (``x = x + attn(x)``: the course's small models). On the first run it is also checked that
+each read point equals the embedding plus the writes before it, and that an attention module's output is the sum of
+its heads' writes plus a constant; a model failing either is refused.
 
 **Scores.** :func:`edge_attribution`: ``method="eap"`` scores every edge with one forward of each input and one
 backward (Syed et al. 2023): the metric's gradient at the reader's input (in the base run) dotted with the writer's
@@ -61,15 +67,49 @@ MIB_BUDGETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 #: "greedy" (EAP-IG's: grown from the logits, then pruned), "top" (the raw top n)
 CONSTRUCTIONS = ("pruned", "greedy", "top")
 
-#: block classes the graph expresses: (attention attribute, MLP attribute, the norm whose input the MLP reads). The
-#: attention reads the block's input (through its own norm, which its forward applies); the block adds the attention's
-#: and the MLP's outputs to the stream unnormalised.
+@dataclass(frozen=True)
+class Block:
+    """How a block class writes into the residual stream, by its submodules' attribute names: ``attn`` its
+    self-attention (reading the block's input, through its own norm, which its forward applies); ``mlp`` its MLP;
+    ``mlp_in`` the module whose input is the stream the MLP reads (its norm; the MLP itself where it reads the stream
+    unnormalised); ``attn_post``/``mlp_post`` a norm between the attention's/MLP's output and the residual add (Gemma 2
+    and 3, OLMo 2: the norm's output is what the block adds); ``parallel`` True, or the name of the block's boolean
+    attribute saying so, where the MLP reads the block's input beside the attention (GPT-J, GPT-NeoX): no edge from a
+    head to its own layer's MLP; ``mlp_via`` where the MLP reads the output of the attention's own norm (GPT-J's
+    ``ln_1``): its input is rebuilt as that norm of the rebuilt stream."""
+
+    attn: str
+    mlp: str
+    mlp_in: str
+    attn_post: str | None = None
+    mlp_post: str | None = None
+    parallel: bool | str = False
+    mlp_via: str | None = None
+
+
+#: block classes the graph expresses: the block adds its attention's and MLP's outputs (or their post-norms' outputs)
+#: to the stream; every reader's input is rebuilt through the block's own forward and norms.
 BLOCKS = {
-    "GPT2Block": ("attn", "mlp", "ln_2"),
-    "LlamaDecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
-    "Qwen2DecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
-    "MistralDecoderLayer": ("self_attn", "mlp", "post_attention_layernorm"),
-    "EncoderBlock": ("attn", "ffn", "norm2"),
+    "GPT2Block": Block("attn", "mlp", "ln_2"),
+    "LlamaDecoderLayer": Block("self_attn", "mlp", "post_attention_layernorm"),
+    "Qwen2DecoderLayer": Block("self_attn", "mlp", "post_attention_layernorm"),
+    "Qwen3DecoderLayer": Block("self_attn", "mlp", "post_attention_layernorm"),
+    "MistralDecoderLayer": Block("self_attn", "mlp", "post_attention_layernorm"),
+    "Phi3DecoderLayer": Block("self_attn", "mlp", "post_attention_layernorm"),
+    "GPTNeoXLayer": Block("attention", "mlp", "post_attention_layernorm", parallel="use_parallel_residual"),
+    "GPTJBlock": Block("attn", "mlp", "mlp", parallel=True, mlp_via="ln_1"),
+    "Gemma2DecoderLayer": Block("self_attn", "mlp", "pre_feedforward_layernorm", "post_attention_layernorm",
+                                "post_feedforward_layernorm"),
+    "Gemma3DecoderLayer": Block("self_attn", "mlp", "pre_feedforward_layernorm", "post_attention_layernorm",
+                                "post_feedforward_layernorm"),
+    "Olmo2DecoderLayer": Block("self_attn", "mlp", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"),
+    "EncoderBlock": Block("attn", "ffn", "norm2"),
+}
+#: blocks refused with the reason: {the class an attention module sits in: why the graph cannot express it}
+REFUSED = {
+    "BertAttention": "a post-norm encoder: LayerNorm(x + attention(x)) renormalises the whole stream after every add, "
+                     "so no reader's input is the embedding plus the writers' writes and an edge has no one place to act",
+    "RobertaAttention": "a post-norm encoder, as BERT's: the whole stream renormalised after every add",
 }
 #: where a transformers model's final norm sits, beside its stack of blocks
 _FINAL_NORMS = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
@@ -78,12 +118,18 @@ _FINAL_NORMS = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
 @dataclass(frozen=True)
 class _Unit:
     """One attention layer of the stack: its module, the block whose input it reads (None: the module's own input),
-    the block's MLP and the module whose input the MLP reads."""
+    the block's MLP, the module whose input the MLP reads, the module whose output is the MLP's write (the MLP or its
+    post-norm), the attention's post-norm (None: the attention's output is its write), whether the MLP reads the
+    block's input beside the attention (parallel), and the norm the MLP reads through (GPT-J's shared ``ln_1``)."""
 
     attn: str
     block: str | None
     mlp: str | None
     mlp_norm: str | None
+    mlp_out: str | None = None
+    attn_post: str | None = None
+    parallel: bool = False
+    mlp_via: str | None = None
 
 
 @dataclass
@@ -399,15 +445,12 @@ def _units(model: nn.Module, readout: str | None) -> tuple[list[_Unit], str, dic
         parent = named[parent_name]
         kind = type(parent).__name__
         if kind in BLOCKS:
-            a, mlp, norm = BLOCKS[kind]
-            if getattr(parent, a, None) is not m:
-                raise ValueError(f"{n} is a {type(m).__name__} in a {kind} other than its self-attention (cross-"
-                                 "attention reads another stream): the circuit graph cannot express it.")
-            pre = f"{parent_name}." if parent_name else ""
-            units.append(_Unit(n, parent_name, pre + mlp, pre + norm))
+            units.append(_block_unit(n, m, parent_name, parent))
             stacks.add(parent_name.rsplit(".", 1)[0] if "." in parent_name else "")
         elif type(m).__name__ == "MultiHeadAttention" and (isinstance(parent, nn.ModuleList) or parent is model):
             units.append(_Unit(n, None, None, None))
+        elif kind in REFUSED:
+            raise ValueError(f"{n} sits in a {kind}, {REFUSED[kind]}: the circuit graph cannot express it.")
         else:
             raise ValueError(f"{n} sits in a {kind}, a block the circuit graph cannot express (it expresses "
                              f"{', '.join(sorted(BLOCKS))}, and multihead attention modules adding straight onto the "
@@ -418,6 +461,26 @@ def _units(model: nn.Module, readout: str | None) -> tuple[list[_Unit], str, dic
         raise ValueError(f"readout {readout!r} is not a module of the model (the module whose input is the final "
                          "residual stream: the final norm, or the unembedding).")
     return units, readout, mods
+
+
+def _block_unit(n: str, m: nn.Module, parent_name: str, parent: nn.Module) -> _Unit:
+    """The unit of attention module ``n`` in a block of a class :data:`BLOCKS` lists, its submodules checked."""
+    kind = type(parent).__name__
+    b = BLOCKS[kind]
+    if getattr(parent, b.attn, None) is not m:
+        raise ValueError(f"{n} is a {type(m).__name__} in a {kind} other than its self-attention (cross-"
+                         "attention reads another stream): the circuit graph cannot express it.")
+    parallel = b.parallel if isinstance(b.parallel, bool) else getattr(parent, b.parallel, None)
+    if not isinstance(parallel, bool):
+        raise ValueError(f"{parent_name} is a {kind} without a boolean {b.parallel!r} (whether its MLP reads the "
+                         "block's input beside the attention): the circuit graph cannot tell how it reads the stream.")
+    for a in (b.mlp, b.mlp_in, b.attn_post, b.mlp_post, b.mlp_via):
+        if a is not None and not isinstance(getattr(parent, a, None), nn.Module):
+            raise ValueError(f"{parent_name} is a {kind} without its {a!r} module: the circuit graph cannot express "
+                             "how it writes into the stream.")
+    pre = f"{parent_name}." if parent_name else ""
+    return _Unit(n, parent_name, pre + b.mlp, pre + b.mlp_in, pre + (b.mlp_post or b.mlp),
+                 pre + b.attn_post if b.attn_post else None, parallel, pre + b.mlp_via if b.mlp_via else None)
 
 
 def _readout(model, named, units, stacks) -> str:
@@ -471,6 +534,9 @@ class _Run:
         self.call_args: dict[int, tuple] = {}
         self.r0: dict[int, int] = {}  # unit -> its first reader's index
         self.rmlp: dict[int, int] = {}
+        self.hw0: dict[int, int] = {}  # unit -> its first head's writer index
+        self.post_in: dict[int, Tensor] = {}  # units with a norm after the attention: its input, (c B, L, E)
+        self.post_out: dict[int, Tensor] = {}  # ... and its output, the layer's write into the stream
 
     # the writers and readers' indices follow the stream's order; sizes come from the call itself
     def _add_writes(self, w: Tensor) -> None:
@@ -490,8 +556,28 @@ class _Run:
         if not mask.any():
             return None
         D = torch.stack(self.deltas)  # (U, c, B, L, E)
-        d = torch.einsum("pur,upble->rpble", mask, D)
+        posts = [(j, self.hw0[j], self.sizes[j][0]) for j in self.post_out]
+        linear = mask.clone()
+        for _, a, H in posts:  # heads whose sum is normalised before the add: not a sum of their changes
+            linear[:, a:a + H] = 0
+        d = torch.einsum("pur,upble->rpble", linear, D)  # (R, c, B, L, E)
+        for j, a, H in posts:
+            d = d + self._through_post(j, mask[:, a:a + H], D[a:a + H])
         return d.reshape(len(readers), self.c * self.B, *d.shape[3:])  # (R, c, B, L, E) -> (R, c B, L, E)
+
+    def _through_post(self, j: int, mask: Tensor, D: Tensor) -> Tensor:
+        """(R, c, B, L, E): what each reader's input loses where unit j's patched heads (mask (c, H, R), their changes
+        D (H, c, B, L, E)) are replaced before the norm after the attention: the norm's live output less the norm of
+        the attention's output with those heads' writes replaced (exact: the norm runs on each reader's own sum)."""
+        ds = torch.einsum("phr,hpble->rpble", mask, D)  # (R, c, B, L, E): the patched heads' live - replacement
+        out = torch.zeros_like(ds)
+        hit = mask.any(0).any(0)  # (R,): readers that patch one of these heads
+        if hit.any():
+            y = self.post_in[j].view(self.c, self.B, *ds.shape[3:])  # (c B, L, E) -> (c, B, L, E)
+            live = self.post_out[j].view(self.c, self.B, *ds.shape[3:])
+            norm = self.named[self.units[j].attn_post]
+            out[hit] = live - norm.forward(y - ds[hit])  # forward, not __call__: no hook sees this
+        return out
 
     def install(self, stack: contextlib.ExitStack) -> None:
         for i, u in enumerate(self.units):
@@ -503,9 +589,11 @@ class _Run:
             stack.callback(mod.register_forward_hook(self._attn_out(i)).remove)
             for p in _qkv_layers(mod) if self.grad else ():
                 stack.callback(p.register_forward_hook(self._proj(i, p)).remove)
+            if u.attn_post is not None:
+                stack.callback(self.named[u.attn_post].register_forward_hook(self._post(i)).remove)
             if u.mlp is not None:
                 stack.callback(self.named[u.mlp_norm].register_forward_pre_hook(self._read(("mlp", i))).remove)
-                stack.callback(self.named[u.mlp].register_forward_hook(self._mlp_out(i)).remove)
+                stack.callback(self.named[u.mlp_out].register_forward_hook(self._mlp_out(i)).remove)
         stack.callback(self.named[self.readout].register_forward_pre_hook(self._read("readout")).remove)
         if self.units[0].block is None:  # the stream starts outside any module: at the token embeddings
             for n, e in self.named.items():
@@ -635,8 +723,19 @@ class _Run:
             W = self.W.get(i)
             if W is None:  # checked on the call's first run, then kept in the stream's dtype
                 W = self.W[i] = _o_weight(self.units[i].attn, module, out, y).to(y.dtype)
+            self.hw0[i] = len(self.writes)
             with torch.no_grad():  # the writes are read, never differentiated
                 self._add_writes(torch.einsum("blhd,hde->hble", out.detach().to(W.dtype), W))  # (H, c B, L, E)
+            return None
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, output):
+            if self.nested is None:
+                if not isinstance(output, Tensor) or args[0] is not self.y[i]:
+                    raise ValueError(f"{self.units[i].attn_post} does not take {self.units[i].attn}'s output to a "
+                                     "tensor: the circuit graph cannot express the norm after the attention.")
+                self.post_in[i], self.post_out[i] = args[0], output
             return None
         return hook
 
@@ -660,11 +759,15 @@ class _Run:
                 i = key[1]
                 self.rmlp[i] = self.r0[i] + sum(self.sizes[i]) + self.sizes[i][1]
                 readers = [self.rmlp[i]]
+            via = None
+            if key != "readout" and self.units[key[1]].mlp_via is not None:  # the MLP reads the attention's norm
+                x, via = self.x[("attn", key[1])], self.named[self.units[key[1]].mlp_via]
             self.x[key] = x
             d = self._delta(readers)
             if d is None:
                 return None
-            return (x - d[0].to(x), *args[1:])
+            x = x - d[0].to(x)  # the rebuilt stream
+            return (x if via is None else via.forward(x), *args[1:])
         return hook
 
     def _mlp_out(self, i):
@@ -684,8 +787,9 @@ def _qkv_layers(mod: nn.Module) -> list[nn.Module]:
     """The attention module's q/k/v projection layers (one fused layer counted once), from its head layout; none
     where it has no layout (the readers' gradients then take the general route)."""
     hooks = mod.__dict__.get("attention_hooks")
-    if hooks is not None and hooks.layout is not None:
-        ps = hooks.layout.projections(mod, hooks.parent)[:3]
+    lay = _layout(mod)
+    if lay is not None:
+        ps = lay.projections(mod, hooks.parent)[:3]
     elif hasattr(mod, "projections"):
         ps = mod.projections()[:3]
     else:
@@ -696,6 +800,22 @@ def _qkv_layers(mod: nn.Module) -> list[nn.Module]:
                 and all(p is not q for q in out):
             out.append(p)
     return out
+
+
+def _layout(mod: nn.Module):
+    """The module's head layout: the verified one (attach's: cuts are exact), else the first its projections allow on
+    its last call (Phi-3's fused qkv_proj, OLMo 2's: a cut there does not verify, their query/key norms being sized
+    for every head, but which rows of the projections hold head h is what the graph needs, and the heads' writes are
+    checked on the call: :func:`_o_weight`); None where there is none."""
+    from multihead.heads.layouts import candidates
+
+    hooks = mod.__dict__.get("attention_hooks")
+    if hooks is None:
+        return None
+    if hooks.layout is not None or hooks.seen is None or hooks.parent is None:
+        return hooks.layout
+    lays = candidates(mod, "", hooks.parent, "", hooks.seen)
+    return None if isinstance(lays, str) or not lays else lays[0]
 
 
 def _no_cache(x):
@@ -713,8 +833,9 @@ def _o_weight(name: str, module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
     from multihead.heads.surgery import out_in
 
     hooks = module.__dict__["attention_hooks"]
-    if hooks.layout is not None:
-        o = hooks.layout.projections(module, hooks.parent)[3]
+    lay = _layout(module)
+    if lay is not None:
+        o = lay.projections(module, hooks.parent)[3]
     elif hasattr(module, "projections"):
         o = module.projections()[3]
     else:
@@ -764,10 +885,10 @@ class _Model:
             rs = [f"{u.attn}.q{h}" for h in range(H)] + [f"{u.attn}.{x}{g}" for x in "kv" for g in range(Hkv)]
             edges += [(w, q) for q in rs for w in writers]
             readers += rs
-            writers = writers + [f"{u.attn}.h{h}" for h in range(H)]
+            before, writers = writers, writers + [f"{u.attn}.h{h}" for h in range(H)]
             if u.mlp is not None:
                 readers.append(f"{u.mlp}.in")
-                edges += [(w, f"{u.mlp}.in") for w in writers]
+                edges += [(w, f"{u.mlp}.in") for w in (before if u.parallel else writers)]
                 writers = writers + [u.mlp]
         readers.append("logits")
         edges += [(w, "logits") for w in writers]
@@ -790,9 +911,12 @@ class _Model:
 
         for i, u in enumerate(self.units):
             same(("attn", i), u.block or u.attn)
-            acc = acc + r.y[i].detach().double()
+            if u.mlp is not None and u.parallel:
+                same(("mlp", i), u.mlp_via or u.mlp_norm)
+            acc = acc + (r.post_out[i] if u.attn_post is not None else r.y[i]).detach().double()
             if u.mlp is not None:
-                same(("mlp", i), u.mlp_norm)
+                if not u.parallel:
+                    same(("mlp", i), u.mlp_norm)
                 acc = acc + r.mlp_y[i].detach().double()
         same("readout", self.readout)
 
@@ -940,18 +1064,35 @@ def _score(m: _Model, r: _Run, metric, output, deltas: Tensor, full: Tensor) -> 
 
     def add(grads: Tensor, writers: int) -> int:  # grads (n_r, B, L, E)
         full[:writers, r0:r0 + grads.shape[0]] += (deltas[:writers] @ grads.flatten(1).to(deltas).t()).double()
+        _through_posts(r, deltas, grads, writers, full[:, r0:r0 + grads.shape[0]])
         return r0 + grads.shape[0]
 
     for i in range(n):
         r0 = add(_attn_grads(r, i, g[3 * i:3 * i + 3]), u0)
-        u0 += r.sizes[i][0]
+        before, u0 = u0, u0 + r.sizes[i][0]
         if i in gm:
             xm = r.x[("mlp", i)]
             (gx,) = torch.autograd.grad(r.mlp_y[i], xm, gm[i], retain_graph=True, allow_unused=True)
-            r0 = add((torch.zeros_like(xm) if gx is None else gx).unsqueeze(0), u0)
+            r0 = add((torch.zeros_like(xm) if gx is None else gx).unsqueeze(0), before if m.units[i].parallel else u0)
             u0 += 1
     add(g[-1].unsqueeze(0), u0)
     return float(total.detach())
+
+
+def _through_posts(r: _Run, deltas: Tensor, grads: Tensor, writers: int, full: Tensor) -> None:
+    """For the heads of each layer with a norm after the attention among the first ``writers``: their rows of
+    ``full`` (U, n_r) take the readers' gradients ``grads`` (n_r, B, L, E) back through that norm (its Jacobian at the
+    run's attention output), not straight (the linear term ``add`` gave them is replaced)."""
+    for j in r.post_out:
+        a, H = r.hw0[j], r.sizes[j][0]
+        if a + H > writers:
+            continue
+        out, y = r.post_out[j], r.post_in[j]
+        try:
+            (gj,) = torch.autograd.grad(out, y, grads.to(out), retain_graph=True, is_grads_batched=True)
+        except RuntimeError:  # an operation without a batching rule: one backward a reader
+            gj = torch.stack([torch.autograd.grad(out, y, gi, retain_graph=True)[0] for gi in grads.to(out)])
+        full[a:a + H] += (deltas[a:a + H] @ (gj - grads.to(gj)).flatten(1).to(deltas).t()).double()
 
 
 def _one_head_each(gt: Tensor) -> Tensor:
