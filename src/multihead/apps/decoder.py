@@ -716,14 +716,11 @@ def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     return f.perplexity / f.reference_perplexity
 
 
-def _q4_k_m(f16: Path, dst: Path) -> str | None:
-    """``f16`` quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``);
-    None when llama.cpp is not built here, else the line it says."""
+def _q4_k_m(f16: Path, dst: Path) -> str:
+    """``f16`` quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``, where
+    ``make decoder-llama-cpp`` built it): the line it says."""
     import ctypes
-    import importlib.util
 
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -769,13 +766,15 @@ def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
         served = dx.export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
                                 prompt_ids=ids)
         return {"format": name, "path": str(served.path), "checks": served.checks}
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"format": name, "checks": ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is not "
+                                           "built here (make decoder-llama-cpp builds it)"]}
     f16 = folder / "gguf" / "model-f16.gguf"
     if not f16.exists():
         dx.export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
     said = _q4_k_m(f16, folder / "gguf" / "model-q4_k_m.gguf")
-    if said is None:
-        return {"format": name, "checks": ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is not "
-                                           "built here (make decoder-llama-cpp builds it)"]}
     return {"format": name, "path": str(folder / "gguf" / "model-q4_k_m.gguf"), "checks": [said]}
 
 
