@@ -205,7 +205,9 @@ def test_the_induction_circuit_found_by_edges(induction):
     assert f.f == pytest.approx(curve.f[curve.budgets.index(0.05)], abs=1e-6) and f.kept == 5
 
 
-def test_bad_input_is_refused_in_one_line_before_any_forward():
+def _refusals():
+    """(model, clean, corrupted, its edge scores, refused(match, fn, *a, **kw), calls): ``refused`` checks that ``fn``
+    raises a one-line ValueError matching ``match`` before any forward hooked into ``calls`` (the model's)."""
     model = _two_layers()
     calls = []
     model.register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -217,6 +219,11 @@ def test_bad_input_is_refused_in_one_line_before_any_forward():
         with pytest.raises(ValueError, match=match) as e:
             fn(*a, **kw)
         assert "\n" not in str(e.value) and not calls, (str(e.value), calls)
+    return model, clean, corrupted, s, refused, calls
+
+
+def test_bad_input_is_refused_in_one_line_before_any_forward():
+    model, clean, corrupted, s, refused, calls = _refusals()
 
     refused(r"clean is 6 tokens and corrupted 5: .*same token count; choose a corrupted input of the same length, or "
             r"pad the shorter", heads.edge_attribution, model, clean, corrupted[:, :5], _logit_diff)
@@ -470,17 +477,7 @@ def test_every_circuit_holds_together_pruned_and_greedy_as_written_out():
 def test_a_bad_budget_or_construction_is_refused_naming_the_argument_before_any_forward():
     """A budget outside (0, 1] (a count passed as a budget: the fix named), a count below 1, an unknown construction,
     greedy with a threshold, an empty or repeated list of constructions: one line each, before any forward."""
-    model = _two_layers()
-    calls = []
-    model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    clean, corrupted = _pair()
-    s = heads.edge_attribution(model, clean, corrupted, _logit_diff)
-    calls.clear()
-
-    def refused(match, fn, *a, **kw):
-        with pytest.raises(ValueError, match=match) as e:
-            fn(*a, **kw)
-        assert "\n" not in str(e.value) and not calls, (str(e.value), calls)
+    model, clean, corrupted, s, refused, _ = _refusals()
 
     refused(r"^budget: an edge budget must be in \(0, 100%\] of the edges \(a fraction such as 0.05, or '5%'\); got "
             r"13; for 13 edges pass top=13\.$", s.circuit, 13)
