@@ -6,7 +6,8 @@ fold; :mod:`~multihead.heads.pruning` removes heads physically and draws the pru
 :mod:`~multihead.heads.observe` gives the same tools any module that calls SDPA; :mod:`~multihead.heads.patching`
 runs activation patching per head (a causal experiment on a chosen behaviour); :mod:`~multihead.heads.circuits`
 finds circuits: edge attribution between heads' outputs and their q/k/v inputs (EAP, EAP-IG), exact edge patching and
-faithfulness by intervention; :mod:`~multihead.heads.neurons`
+faithfulness by intervention; :mod:`~multihead.heads.mib` does it MIB's way (a dataset of padded prompt pairs, MIB's
+graph file); :mod:`~multihead.heads.neurons`
 scores and cuts feed-forward neurons the same way (past the heads' share of the work).
 Everything works through each module's own hook list (:mod:`multihead.layer.hooks`).
 """
@@ -36,6 +37,16 @@ from multihead.heads.importance import (
     gradient_importance,
     importance,
 )
+from multihead.heads.mib import (
+    PromptPairs,
+    dataset_attribution,
+    dataset_faithfulness,
+    dataset_faithfulness_curve,
+    mib_names,
+    prompt_pairs,
+    read_mib_graph,
+    write_mib_graph,
+)
 from multihead.heads.neurons import ffn_blocks, prune_neurons
 from multihead.heads.observe import observe, observed, unobserve
 from multihead.heads.patching import Patching, attribution, patch, path_patch
@@ -51,8 +62,10 @@ from multihead.heads.pruning import (
 )
 
 __all__ = ["CONSTRUCTIONS", "Captured", "CircuitCurve", "CircuitGraph", "Curve", "EdgeScores", "Faithfulness",
-           "FaithfulnessCurve", "Importance", "METHODS", "MIB_BUDGETS", "Patching", "ablation_importance",
-           "attention_modules", "attribution", "capture", "circuit_graph", "edge_attribution", "entropy_importance",
+           "FaithfulnessCurve", "Importance", "METHODS", "MIB_BUDGETS", "Patching", "PromptPairs",
+           "ablation_importance", "attention_modules", "attribution", "capture", "circuit_graph", "dataset_attribution",
+           "dataset_faithfulness", "dataset_faithfulness_curve", "edge_attribution", "entropy_importance",
            "faithfulness", "faithfulness_curve", "ffn_blocks", "gated", "gradient_importance", "head_counts",
-           "importance", "mean_head_outputs", "observe", "observed", "patch", "patch_edges", "path_patch",
-           "plot_curve", "prune", "prune_neurons", "pruning_curve", "resize", "save_curve", "unobserve"]
+           "importance", "mean_head_outputs", "mib_names", "observe", "observed", "patch", "patch_edges", "path_patch",
+           "plot_curve", "prompt_pairs", "prune", "prune_neurons", "pruning_curve", "read_mib_graph", "resize",
+           "save_curve", "unobserve", "write_mib_graph"]

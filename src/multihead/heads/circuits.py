@@ -144,7 +144,9 @@ class CircuitGraph:
     edges: list[tuple[str, str]]
     units: list[_Unit]
     readout: str
-    sizes: dict[str, tuple[int, int]]  # {module: (H, Hkv)}
+    sizes: dict[str, tuple[int, int]]  # {module: (H, Hkv)}; (H, H) where ungrouped
+    ungrouped: bool = False  # one key and one value reader per query head (MIB's graph), not per key/value head
+    width: int = 0  # E, the residual stream's width
 
     def index(self, edges: Sequence[tuple[str, str]]) -> Tensor:
         """The positions of ``edges`` in :attr:`edges` (refused by name when one is not in the graph)."""
@@ -225,7 +227,7 @@ class EdgeScores:
         order = mag.argsort(descending=True, stable=True)  # strongest first; ties: the earlier edge
         if budget is not None:
             frac = _budget(budget, "budget")
-            top = _count(frac, n) if how == "top" else math.floor(frac * n + 1e-9)
+            top = _count(frac, n) if how == "top" else int(frac * n)  # MIB's count: int(pct * n_edges)
         pos = self._positions() if how != "top" else None
         if threshold is not None:
             chosen = mag >= threshold
@@ -514,8 +516,9 @@ class _Run:
     ``rep`` (c copies of the base input, batch c B)."""
 
     def __init__(self, model, units, readout, mods, *, c=1, B=None, patched=None, rep=None, interp=None,
-                 grad=False, W=None):
+                 grad=False, W=None, ungroup=False):
         self.model, self.units, self.readout, self.mods, self.grad = model, units, readout, mods, grad
+        self.ungroup = ungroup
         self.named = dict(model.named_modules())
         self.c, self.B, self.patched, self.rep, self.interp = c, B, patched, rep, interp
         self.x: dict = {}  # ("attn", l) / ("mlp", l) / "readout" -> the residual stream read there
@@ -648,6 +651,9 @@ class _Run:
 
     def _inputs(self, i):
         def hook(module, q: Tensor, k: Tensor, v: Tensor):
+            if self.ungroup and k.shape[1] != q.shape[1]:  # MIB's graph: a key and a value reader per query head
+                rep = q.shape[1] // k.shape[1]  # query head h reads key/value head h // rep
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # (B, Hkv, L, D) -> (B, H, L, D)
             if self.nested is not None:
                 if self.nested == i:
                     self.got = (q, k, v)
@@ -858,14 +864,17 @@ def _o_weight(name: str, module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
 class _Model:
     """The model's layout and how it is called, checked: the units, the readout, the modules, the call."""
 
-    def __init__(self, model, run, readout):
-        self.model = model
+    def __init__(self, model, run, readout, ungroup=False):
+        if not isinstance(ungroup, bool):
+            raise TypeError(f"ungroup must be True (MIB's graph: a key and a value reader per query head) or False (one "
+                            f"per key/value head); got {ungroup!r}.")
+        self.model, self.ungroup = model, ungroup
         self.units, self.readout, self.mods = _units(model, readout)
         self.call = run or _call
         self.W: dict[int, Tensor] = {}  # each unit's (H, Dv, E) output weights, checked on the call's first run
 
     def forward(self, inputs, *, grad=False, **kw) -> tuple[object, _Run]:
-        r = _Run(self.model, self.units, self.readout, self.mods, grad=grad, W=self.W, **kw)
+        r = _Run(self.model, self.units, self.readout, self.mods, grad=grad, W=self.W, ungroup=self.ungroup, **kw)
         with contextlib.ExitStack() as stack, torch.set_grad_enabled(grad):
             r.install(stack)
             output = self.call(self.model, inputs)
@@ -892,7 +901,8 @@ class _Model:
                 writers = writers + [u.mlp]
         readers.append("logits")
         edges += [(w, "logits") for w in writers]
-        return CircuitGraph(writers, readers, edges, self.units, self.readout, sizes)
+        return CircuitGraph(writers, readers, edges, self.units, self.readout, sizes, self.ungroup,
+                            int(r.x[("attn", 0)].shape[-1]))
 
     def check_stream(self, r: _Run) -> None:
         """Each read point equals the embedding plus every module's output before it (the residual stream is a sum)."""
@@ -964,10 +974,14 @@ def _eval(model):
         model.train(was)
 
 
-def circuit_graph(model: nn.Module, inputs, *, run: Callable | None = None, readout: str | None = None) -> CircuitGraph:
+def circuit_graph(model: nn.Module, inputs, *, run: Callable | None = None, readout: str | None = None,
+                  ungroup: bool = False) -> CircuitGraph:
     """The model's edge graph (:class:`CircuitGraph`), from one forward of ``inputs`` without gradients (the head
-    counts are the call's). A module kind the graph cannot express is refused by name before the forward."""
-    m = _Model(model, run, readout)
+    counts are the call's). ``ungroup``: MIB's graph, a key and a value reader per query head (a grouped key/value
+    head's inputs read once per query head of its group, as MIB and TransformerLens' ``ungroup_grouped_query_attention``
+    count them), not one per key/value head. A module kind the graph cannot express is refused by name before the
+    forward."""
+    m = _Model(model, run, readout, ungroup)
     with _eval(model):
         _, r = m.forward(inputs)
     m.check_stream(r)
@@ -975,8 +989,8 @@ def circuit_graph(model: nn.Module, inputs, *, run: Callable | None = None, read
 
 
 def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, method: str = "eap", steps: int = 5,
-                     direction: str = "denoise", run: Callable | None = None,
-                     readout: str | None = None) -> EdgeScores:
+                     direction: str = "denoise", run: Callable | None = None, readout: str | None = None,
+                     ungroup: bool = False) -> EdgeScores:
     """Every edge's attribution score (:class:`EdgeScores`, in :attr:`CircuitGraph.edges` order).
 
     ``clean``, ``corrupted``: the model's inputs (a dict of keyword arguments, a tuple, or one tensor), batch B, the
@@ -992,43 +1006,54 @@ def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, me
     summed in float64. A head's query/key/value reader's gradient is taken back through its own columns of the q/k/v
     projection (where the attention module's head layout names the projections; checked on every layer: the
     readers' gradients add up to the layer's), then through the norm. EAP-IG's points are a left Riemann sum: its
-    error falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow)."""
+    error falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow). ``ungroup``: MIB's
+    graph (:func:`circuit_graph`)."""
+    _method_checked(method, steps)
+    _inputs_checked(clean, corrupted)
+    base_in, src_in = _direction(direction, clean, corrupted)
+    m = _Model(model, run, readout, ungroup)
+    with _eval(model):
+        graph, full, base_v, src_v, B = _attribute(m, base_in, src_in, metric, steps if method == "eap-ig" else 1)
+    w, rr = graph.matrix()
+    scores = full[w.to(full.device), rr.to(full.device)].cpu()
+    return EdgeScores(graph, list(graph.edges), scores, base_v, src_v, method, direction,
+                      steps if method == "eap-ig" else 1)
+
+
+def _method_checked(method, steps) -> None:
     if method not in ("eap", "eap-ig"):
         raise ValueError(f"method must be 'eap' or 'eap-ig'; got {method!r}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1 (EAP-IG's integration points); got {steps!r}.")
-    _inputs_checked(clean, corrupted)
-    base_in, src_in = _direction(direction, clean, corrupted)
-    m = _Model(model, run, readout)
-    with _eval(model):
-        with torch.no_grad():
-            src_output, src = m.forward(src_in)
-        m.check_stream(src)
-        graph = m.graph(src)
-        steps = steps if method == "eap-ig" else 1
-        full = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)  # (U, R)
-        base_v, deltas, base0, base_emb, B = 0.0, None, None, {}, 1
-        for s in range(steps):
-            interp = None if s == 0 else {"a": s / steps, "x0": (base0, src.x[("attn", 0)].detach()),
-                                          "emb": {n: (e, src.emb[n]) for n, e in base_emb.items()}}
-            output, r = m.forward(base_in, grad=True, interp=interp)
-            if s == 0:
-                base0, B, base_emb = r.x[("attn", 0)].detach(), _batch(r), dict(r.emb)
-                _per_row(metric, output, B)
-                deltas = torch.stack([a.detach() - b.detach() for a, b in zip(src.writes, r.writes, strict=True)])
-                deltas = deltas.flatten(1)  # (U, B, L, E) -> (U, B L E)
-                full = full.to(deltas.device)
-                src.writes.clear()
-            else:
-                _on_the_line(r, base0, interp)
-            r.writes.clear()
-            value = _score(m, r, metric, output, deltas, full)
-            base_v = value if s == 0 else base_v
-            del r, output  # the graph of this step goes
-        w, rr = graph.matrix()
-        scores = (full / steps)[w.to(full.device), rr.to(full.device)].cpu()
-        return EdgeScores(graph, list(graph.edges), scores, base_v, _value(metric, src_output, B), method, direction,
-                          steps)
+
+
+def _attribute(m: _Model, base_in, src_in, metric, steps: int) -> tuple[CircuitGraph, Tensor, float, float, int]:
+    """One batch's scores: (the graph, (U, R) float64 scores averaged over the batch and the steps, the base and
+    source runs' metrics, the batch size B)."""
+    with torch.no_grad():
+        src_output, src = m.forward(src_in)
+    m.check_stream(src)
+    graph = m.graph(src)
+    full = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)  # (U, R)
+    base_v, deltas, base0, base_emb, B = 0.0, None, None, {}, 1
+    for s in range(steps):
+        interp = None if s == 0 else {"a": s / steps, "x0": (base0, src.x[("attn", 0)].detach()),
+                                      "emb": {n: (e, src.emb[n]) for n, e in base_emb.items()}}
+        output, r = m.forward(base_in, grad=True, interp=interp)
+        if s == 0:
+            base0, B, base_emb = r.x[("attn", 0)].detach(), _batch(r), dict(r.emb)
+            _per_row(metric, output, B)
+            deltas = torch.stack([a.detach() - b.detach() for a, b in zip(src.writes, r.writes, strict=True)])
+            deltas = deltas.flatten(1)  # (U, B, L, E) -> (U, B L E)
+            full = full.to(deltas.device)
+            src.writes.clear()
+        else:
+            _on_the_line(r, base0, interp)
+        r.writes.clear()
+        value = _score(m, r, metric, output, deltas, full)
+        base_v = value if s == 0 else base_v
+        del r, output  # the graph of this step goes
+    return graph, full / steps, base_v, _value(metric, src_output, B), B
 
 
 def _on_the_line(r: _Run, base0: Tensor, interp: dict) -> None:
@@ -1205,16 +1230,16 @@ def _edge_masks(graph: CircuitGraph, sets: list[Tensor]) -> Tensor:
 
 def patch_edges(model: nn.Module, clean, corrupted, metric: Callable, edges: Sequence[tuple[str, str]], *,
                 direction: str = "denoise", chunk: int = 16, run: Callable | None = None,
-                readout: str | None = None) -> EdgeScores:
+                readout: str | None = None, ungroup: bool = False) -> EdgeScores:
     """Exact edge patching (ACDC-style verification of attribution scores): for each edge, the base run with that
     edge's writer taken from the source run at that reader only (the reader's input rebuilt; everything else
     computed as usual). ``scores``: the metric's change from the base run, the quantity :func:`edge_attribution`
-    estimates. ``chunk`` edges a forward."""
+    estimates. ``chunk`` edges a forward; ``ungroup``: MIB's graph (:func:`circuit_graph`)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number >= 1 (edges per forward); got {chunk!r}.")
     _inputs_checked(clean, corrupted)
     base_in, src_in = _direction(direction, clean, corrupted)
-    m = _Model(model, run, readout)
+    m = _Model(model, run, readout, ungroup)
     with _eval(model), torch.no_grad():
         src_output, src = m.forward(src_in)
         m.check_stream(src)
@@ -1255,12 +1280,12 @@ def _faith(m, clean, corrupted, metric, circuits: list[list], chunk) -> tuple[Ci
 
 
 def faithfulness(model: nn.Module, clean, corrupted, metric: Callable, circuit: Sequence[tuple[str, str]], *,
-                 run: Callable | None = None, readout: str | None = None) -> Faithfulness:
+                 run: Callable | None = None, readout: str | None = None, ungroup: bool = False) -> Faithfulness:
     """A circuit's faithfulness by intervention: the clean run with every edge outside ``circuit`` (writer, reader
     pairs; a triple's score is ignored) patched from the corrupted run, ``f = (m(C) - m(empty)) / (m(N) -
-    m(empty))`` (:class:`Faithfulness`)."""
+    m(empty))`` (:class:`Faithfulness`). ``ungroup``: the circuit is on MIB's graph (:func:`circuit_graph`)."""
     _inputs_checked(clean, corrupted)
-    m = _Model(model, run, readout)
+    m = _Model(model, run, readout, ungroup)
     with _eval(model):
         graph, got, full, empty, kept = _faith(m, clean, corrupted, metric, [[e[:2] for e in circuit]], 1)
     return Faithfulness((got[0] - empty) / (full - empty), got[0], full, empty, kept[0], len(graph.edges))
@@ -1285,7 +1310,7 @@ def faithfulness_curve(model: nn.Module, clean, corrupted, metric: Callable, sco
     if scores.method == "exact":
         raise ValueError("scores must score every edge of the graph (edge_attribution's), not patch_edges' chosen ones.")
     _inputs_checked(clean, corrupted)
-    m = _Model(model, run, readout)
+    m = _Model(model, run, readout, scores.graph.ungrouped)
     circuits = [tuple(scores.circuit(b, how=h)) for h in hows for b in fr]
     unique = list(dict.fromkeys(circuits))  # a circuit two constructions share (all edges, none) runs once
     with _eval(model):
