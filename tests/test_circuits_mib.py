@@ -19,7 +19,7 @@ T = pytest.importorskip("transformers")
 def _mib_count(L: int, H: int) -> int:
     """MIB's (EAP-IG's Graph.from_model) edge count, from its rules: layer l's 3 H attention readers read the input and
     the H heads and MLP of each earlier layer; its MLP those and its own heads; the logits every writer."""
-    return sum((1 + l * (H + 1)) * 3 * H + (1 + l * (H + 1) + H) for l in range(L)) + 1 + L * (H + 1)
+    return sum((1 + i * (H + 1)) * 3 * H + (1 + i * (H + 1) + H) for i in range(L)) + 1 + L * (H + 1)
 
 
 def _llama():
@@ -208,14 +208,14 @@ def test_the_circuit_written_in_mibs_graph_file_reads_back(tmp_path):
     path = heads.write_mib_graph(s, tmp_path / "importances.json", circuit)
     d = json.loads(path.read_text())
     assert d["cfg"] == {"n_layers": 2, "n_heads": 4, "parallel_attn_mlp": False, "d_model": 32}
-    assert set(d["nodes"]) == {"input", "logits", "m0", "m1"} | {f"a{l}.h{h}" for l in range(2) for h in range(4)}
+    assert set(d["nodes"]) == {"input", "logits", "m0", "m1"} | {f"a{i}.h{h}" for i in range(2) for h in range(4)}
     srcs = ["input"]  # MIB's rules, written out: every writer so far into each later reader
     want = set()
-    for l in range(2):
-        want |= {f"{w}->a{l}.h{h}<{x}>" for w in srcs for h in range(4) for x in "qkv"}
-        srcs = srcs + [f"a{l}.h{h}" for h in range(4)]
-        want |= {f"{w}->m{l}" for w in srcs}
-        srcs = srcs + [f"m{l}"]
+    for i in range(2):
+        want |= {f"{w}->a{i}.h{h}<{x}>" for w in srcs for h in range(4) for x in "qkv"}
+        srcs = srcs + [f"a{i}.h{h}" for h in range(4)]
+        want |= {f"{w}->m{i}" for w in srcs}
+        srcs = srcs + [f"m{i}"]
     want |= {f"{w}->logits" for w in srcs}
     assert set(d["edges"]) == want and len(want) == 110
     assert sum(e["in_graph"] for e in d["edges"].values()) == len(circuit) > 0
@@ -249,3 +249,44 @@ def test_bad_pairs_are_refused_in_one_line_naming_the_pair():
         assert "\n" not in str(e.value)
     with pytest.raises(TypeError, match=r"^pairs must be a PromptPairs"):
         heads.dataset_attribution(_gpt2(), ({"input_ids": torch.zeros(1, 3, dtype=torch.long)},))
+
+
+def test_the_circuit_command_scores_a_dataset_on_mibs_graph_and_writes_mibs_file(tmp_path, capsys):
+    """multihead circuit --hf DIR --pairs FILE --mib (EAP, 10%) on a tiny GPT-2 and pairs of 11, 8 and 10 words:
+    importances.json, read back onto the model's ungrouped graph, holds dataset_attribution's scores on the same model
+    in memory and the pruned circuit at the budget; circuit.json's f is dataset_faithfulness's. A --pairs line that is
+    not a pair, and --pairs with --clean, are refused in one line (exit 2) before the model loads."""
+    import multihead.hf as mhf
+    from multihead.apps.cli import main
+    from test_patching import tiny_gpt2
+
+    d, model, vocab = tiny_gpt2(tmp_path)
+    texts = [("when mary and john went out john gave a drink to", "when mary and john went out mary gave a drink to",
+              ["mary", "john"]),
+             ("mary and john went out john gave", "mary and john went out mary gave", ["a", "drink"]),
+             ("when john and mary went out mary gave a drink", "when john and mary went out john gave a drink",
+              ["to", "out"])]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps({"clean": c, "corrupted": x, "answers": a}) for c, x, a in texts))
+    out = tmp_path / "o"
+    assert main(["circuit", "--hf", str(d), "--pairs", str(f), "--mib", "--method", "eap", "--budget", "10%",
+                 "--batch-size", "2", "--out", str(out)]) == 0
+    mhf.attach(model)
+    pairs = heads.prompt_pairs([[vocab[w] for w in c.split()] for c, _, _ in texts],
+                               [[vocab[w] for w in x.split()] for _, x, _ in texts],
+                               [(vocab[a], vocab[b]) for _, _, (a, b) in texts])
+    s = heads.dataset_attribution(model, pairs, method="eap", batch_size=3)
+    back, kept = heads.read_mib_graph(out / "importances.json", s.graph)
+    assert (back.scores - s.scores).abs().max() < 1e-6 * s.scores.abs().max() and kept == s.circuit(0.1)
+    got = json.loads((out / "circuit.json").read_text())
+    one = heads.dataset_faithfulness(model, pairs, kept)
+    assert got["circuit"]["f"] == pytest.approx(one.f, abs=1e-5) and got["circuit"]["kept"] == len(kept) > 0
+    capsys.readouterr()
+    f.write_text('{"clean": "when mary"}\n')
+    for argv, said in ((["--pairs", str(f)], "--pairs " + str(f) + ": line 1 is not a JSON object with clean, "
+                                                                    "corrupted and answers"),
+                       (["--pairs", str(f), "--clean", "when"], "give --clean, --corrupted and --metric (one pair), "
+                                                                 "or --pairs FILE (a dataset), not both")):
+        assert main(["circuit", "--hf", str(d), *argv, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err

@@ -172,7 +172,9 @@ EXAMPLES = {
         '  multihead circuit --hf DIR --clean "When Mary and John went out, John gave a drink to" \\\n'
         '      --corrupted "When Mary and John went out, Mary gave a drink to" --metric logit-diff:Mary,John \\\n'
         '      --method eap-ig --steps 5 --budget 1%\n'
-        'circuit.json, circuit.md, circuit.png, circuit.html, curve.png and explorer.html go to --out (default out/circuit)'
+        '  multihead circuit --hf DIR --pairs ioi.jsonl --mib --budget 5%   # a dataset, MIB\'s graph and file\n'
+        'circuit.json, circuit.md, circuit.png, circuit.html, curve.png and explorer.html go to --out (default out/circuit);\n'
+        'with --mib also importances.json (MIB\'s graph file)'
     ),
     "bench": (
         'examples:\n'
@@ -434,10 +436,17 @@ def _circuit_options(p: argparse.ArgumentParser) -> None:
     each, before the model loads)."""
     p.add_argument("--hf", required=True, metavar="DIR", help="a local transformers causal language model (config, "
                                                               "weights, tokenizer)")
-    p.add_argument("--clean", required=True, help="the text showing the behaviour")
-    p.add_argument("--corrupted", required=True, help="the same number of tokens, the behaviour broken")
-    p.add_argument("--metric", required=True, help="logit-diff:TOKEN_A,TOKEN_B (last position) or loss (of the clean "
-                                                   "text)")
+    p.add_argument("--clean", default=None, help="the text showing the behaviour (or --pairs)")
+    p.add_argument("--corrupted", default=None, help="the same number of tokens, the behaviour broken")
+    p.add_argument("--metric", default=None, help="logit-diff:TOKEN_A,TOKEN_B (last position) or loss (of the clean "
+                                                  "text)")
+    p.add_argument("--pairs", default=None, metavar="FILE",
+                   help='a dataset in place of --clean/--corrupted/--metric: JSON lines {"clean": TEXT, "corrupted": '
+                        'TEXT, "answers": [A, B]}, padded and scored at each pair\'s last real token, averaged (MIB\'s '
+                        "logit difference)")
+    p.add_argument("--batch-size", type=_positive(int), default=16, help="--pairs: pairs a forward")
+    p.add_argument("--mib", action="store_true", help="MIB's graph (a key and a value reader per query head) and "
+                                                      "OUT/importances.json, the graph file MIB's evaluator reads")
     p.add_argument("--method", default="eap-ig", help="eap (one forward of each text, one backward) or eap-ig "
                                                       "(--steps integration points)")
     p.add_argument("--steps", type=int, default=5, help="eap-ig: integration steps, >= 1")

@@ -4,19 +4,26 @@ scored (EAP or EAP-IG), the circuit of ``--budget`` of the edges kept as MIB bui
 those on no input-to-logits path: ``EdgeScores.circuit``'s default) and checked by intervention (its faithfulness f),
 the faithfulness curve over MIB's budgets with CPR and CMD for that construction and EAP-IG's greedy one. Writes
 OUT/circuit.json, circuit.md, circuit.png, circuit.html, curve.png and explorer.html (the clean run's heads, the
-circuit's outlined)."""
+circuit's outlined). MIB's way: ``--mib`` scores MIB's graph (a key and a value reader per query head) and writes
+OUT/importances.json, the graph file MIB's evaluator reads (``heads.write_mib_graph``); ``--pairs FILE`` (JSON lines
+``{"clean": ..., "corrupted": ..., "answers": [A, B]}``) scores a dataset of prompt pairs, padded, each at its last
+real token, averaged (``heads.dataset_attribution``), in place of one --clean/--corrupted/--metric."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-__all__ = ["FILES", "METHODS", "checked", "run"]
+import torch
+
+__all__ = ["FILES", "METHODS", "MIB_FILE", "checked", "read_pairs", "run"]
 
 #: the scoring methods the command takes (heads.edge_attribution's)
 METHODS = ("eap", "eap-ig")
 #: the files the command writes into OUT
 FILES = ("circuit.json", "circuit.md", "circuit.png", "circuit.html", "curve.png", "explorer.html")
+#: with --mib, also: MIB's graph file (the name MIB's run_evaluation.py looks for)
+MIB_FILE = "importances.json"
 
 
 def checked(method: str, steps: int, budget: str | float) -> float:
@@ -87,24 +94,79 @@ def _record(scores, f: dict, curve, layout: dict, *, path, clean: str, corrupted
     }
 
 
-def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Path, *, method: str = "eap-ig",
-        steps: int = 5, budget: str | float = "1%") -> dict:
+def read_pairs(file: str | Path) -> list[dict]:
+    """The prompt pairs of a JSON-lines file, one ``{"clean": TEXT, "corrupted": TEXT, "answers": [A, B]}`` a line;
+    a line otherwise is refused naming its number."""
+    rows = []
+    for i, line in enumerate(Path(file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict) or not {"clean", "corrupted", "answers"} <= set(row):
+            raise ValueError(f"--pairs {file}: line {i} is not a JSON object with clean, corrupted and answers "
+                             '(e.g. {"clean": "...", "corrupted": "...", "answers": [" Mary", " John"]}).')
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--pairs {file}: no pairs in it (one JSON object a line).")
+    return rows
+
+
+def _dataset(path, pairs_file, *, method, steps, frac, mib, batch_size):
+    """--pairs: the model, its tokenizer, the pairs (checked before the model loads), scores, the circuit, f, curve."""
+    import transformers
+
+    import multihead.hf as mhf
+    from multihead import heads
+    from multihead.apps.hf_models import _tokenizer
+
+    rows = read_pairs(pairs_file)
+    tok, _ = _tokenizer(Path(path))
+    pairs = heads.prompt_pairs([r["clean"] for r in rows], [r["corrupted"] for r in rows],
+                               [tuple(r["answers"]) for r in rows], tokenizer=tok)
+    model = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(path).eval())
+    scores = heads.dataset_attribution(model, pairs, method=method, steps=steps, batch_size=batch_size, ungroup=mib)
+    kept = scores.circuit(frac)
+    f = heads.dataset_faithfulness(model, pairs, kept, ungroup=mib, batch_size=batch_size)
+    curve = heads.dataset_faithfulness_curve(model, pairs, scores, batch_size=batch_size)
+    n = int(pairs.lengths[0])
+    first = {"input_ids": pairs.clean[:1, :n], "attention_mask": torch.ones(1, n, dtype=torch.long)}
+    what = f"logit(answer) - logit(corrupted answer), {len(pairs)} pairs"
+    return model, tok, scores, kept, f, curve, first, what, rows[0]
+
+
+def run(path: str | Path, clean: str | None, corrupted: str | None, metric: str | None, out: str | Path, *,
+        method: str = "eap-ig", steps: int = 5, budget: str | float = "1%", mib: bool = False,
+        pairs: str | Path | None = None, batch_size: int = 16) -> dict:
     """Find the circuit in the model at ``path``; writes OUT/circuit.json (loads back with :func:`json.load`: every
     edge with its score, the circuit kept with its f, the curve), circuit.md, circuit.png, circuit.html, curve.png and
-    explorer.html. Returns the record written to circuit.json."""
+    explorer.html; with ``mib``, on MIB's graph, and OUT/importances.json (``heads.read_mib_graph`` reads it back);
+    with ``pairs`` (a JSON-lines file, :func:`read_pairs`), over that dataset instead of ``clean``/``corrupted``/
+    ``metric``. Returns the record written to circuit.json."""
     import multihead
     from multihead import heads
     from multihead.apps.patching import _last_logits_only, load
     from multihead.viz import circuit_figure, circuit_html, circuit_layout, explorer, faithfulness_figure
 
     frac = checked(method, steps, budget)
-    model, inputs, fn, what, tok = load(path, clean, corrupted, metric, command="circuit",
-                                        why="edges are compared position by position")
-    call = _last_logits_only(model) if metric != "loss" else None
-    scores = heads.edge_attribution(model, inputs[0], inputs[1], fn, method=method, steps=steps, run=call)
-    kept = scores.circuit(frac)
-    f = heads.faithfulness(model, inputs[0], inputs[1], fn, kept, run=call)
-    curve = heads.faithfulness_curve(model, inputs[0], inputs[1], fn, scores, run=call)
+    one = (clean, corrupted, metric)
+    if (pairs is None and None in one) or (pairs is not None and any(x is not None for x in one)):
+        raise ValueError("give --clean, --corrupted and --metric (one pair), or --pairs FILE (a dataset), not both.")
+    if pairs is not None:
+        model, tok, scores, kept, f, curve, first, what, row = _dataset(path, pairs, method=method, steps=steps,
+                                                                        frac=frac, mib=mib, batch_size=batch_size)
+        clean, corrupted, inputs = row["clean"], row["corrupted"], [first]
+    else:
+        model, inputs, fn, what, tok = load(path, clean, corrupted, metric, command="circuit",
+                                            why="edges are compared position by position")
+        call = _last_logits_only(model) if metric != "loss" else None
+        scores = heads.edge_attribution(model, inputs[0], inputs[1], fn, method=method, steps=steps, run=call,
+                                        ungroup=mib)
+        kept = scores.circuit(frac)
+        f = heads.faithfulness(model, inputs[0], inputs[1], fn, kept, run=call, ungroup=mib)
+        curve = heads.faithfulness_curve(model, inputs[0], inputs[1], fn, scores, run=call)
     layout = circuit_layout(scores, kept)
     record = _record(scores, {"edges": kept, "result": f}, curve, layout, path=path, clean=clean, corrupted=corrupted,
                      what=what, budget=frac)
@@ -112,12 +174,12 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     (out / "circuit.json").write_text(json.dumps(record, indent=1))
     (out / "circuit.md").write_text(_markdown(record, scores))
+    if mib:
+        heads.write_mib_graph(scores, out / MIB_FILE, kept)
     title = f"{what}: {len(kept)} of {len(scores.edges)} edges ({method}), f = {f.f:.3f}"
     circuit_figure(scores, kept, title=title).savefig(out / "circuit.png", dpi=110)
     circuit_html(scores, kept, out / "circuit.html", title=f"multihead circuit: {title}")
     faithfulness_figure(curve, at=(frac, f.f)).savefig(out / "curve.png", dpi=110)
-    import torch
-
     with torch.no_grad(), multihead.capture(model) as cap:  # the clean run's heads, the circuit's outlined
         model(**inputs[0])
     tokens = [tok.decode([i]) for i in inputs[0]["input_ids"][0].tolist()]
@@ -125,5 +187,5 @@ def run(path: str | Path, clean: str, corrupted: str, metric: str, out: str | Pa
     explorer(cap, tokens, out / "explorer.html", circuit=[(w, r, score[w, r]) for w, r in kept],
              title=f"multihead circuit: {what}")
     print(_markdown(record, scores).split("## The curve")[0].rstrip())
-    print(f"wrote {', '.join(str(out / n) for n in FILES)}")
+    print(f"wrote {', '.join(str(out / n) for n in FILES + ((MIB_FILE,) if mib else ()))}")
     return record

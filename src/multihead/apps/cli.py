@@ -571,7 +571,7 @@ def _circuit(args) -> int:
     from multihead.apps import circuit
 
     circuit.run(args.hf, args.clean, args.corrupted, args.metric, args.out, method=args.method, steps=args.steps,
-                budget=args.budget)
+                budget=args.budget, mib=args.mib, pairs=args.pairs, batch_size=args.batch_size)
     return 0
 
 

@@ -95,7 +95,7 @@ def _ids(tokenizer, text, what: str, bos: bool) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if bos:
             if tokenizer.bos_token_id is None:
-                raise ValueError(f"bos=True but the tokenizer has no bos_token_id; pass bos=False.")
+                raise ValueError("bos=True but the tokenizer has no bos_token_id; pass bos=False.")
             ids = [tokenizer.bos_token_id] + ids
         return ids
     ids = [int(t) for t in (text.tolist() if isinstance(text, Tensor) else text)]
