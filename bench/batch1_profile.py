@@ -35,7 +35,8 @@ def main(model_dir: str) -> None:
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps import runtimes, timing
+    from multihead import timing
+    from multihead.apps import runtimes
     from multihead.apps.data import sentences
 
     torch.set_num_threads(2)

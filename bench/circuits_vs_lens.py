@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     if a.peak:
         return _peak(a)
-    from multihead.apps import timing
+    from multihead import timing
 
     calls, model = _setup(a, KINDS)
     diff = _compare(calls)

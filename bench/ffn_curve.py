@@ -27,8 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) -> None:
     import multihead.hf as mhf
-    from multihead import heads
-    from multihead.apps import deploy, hf_models, runtimes, target, timing
+    from multihead import heads, timing
+    from multihead.apps import deploy, hf_models, runtimes, target
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
     from multihead.models import minilm_path
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from multihead import heads
-from multihead.apps import timing
+from multihead import heads, timing
 from multihead.apps.deploy import flops
 
 #: (package, model name, create kwargs for --tiny)

@@ -58,7 +58,8 @@ def test_no_import_cycle():
 
 #: the concerns, bottom up: a module may import its own concern and those below (see ARCHITECTURE.md)
 LAYERS = [
-    ("multihead.masks", "multihead.extras", "multihead.core.validation"),  # vocabulary, optional deps, input checks
+    ("multihead.masks", "multihead.extras", "multihead.core.validation", "multihead.timing"),  # vocabulary, optional
+    # deps, input checks, timings that hold still
     ("multihead.backends",),  # ways of computing attention
     ("multihead.core",),  # functional attention, padding, varlen, ring attention
     ("multihead.layer",),  # the module, its plan, hooks, cache, the course's modules, the drop-in

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from multihead.apps import runtimes, timing
+from multihead import timing
+from multihead.apps import runtimes
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
@@ -121,7 +122,7 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
     unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's, round by round: below 1 is
     slower), pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer: the median of the
-    rounds' ratios, :func:`multihead.apps.timing.paired`), range (its 95% interval), bound, share} where
+    rounds' ratios, :func:`multihead.timing.paired`), range (its 95% interval), bound, share} where
     ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the pruned file
     delivers ((speed-up - 1) / (bound - 1))."""
     engines: dict[str, dict[str, dict]] = {}  # runtime -> {"standard"/"unpruned"/"pruned": {key: model}}

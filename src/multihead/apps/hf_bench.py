@@ -78,7 +78,7 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
 
 def _time_batch_size(models: dict, batches: list, ref: torch.Tensor, max_seconds: float) -> tuple[list, str | None]:
     """Every model on ``batches`` in interleaved rounds: (rows of the table, the busy-machine note)."""
-    from multihead.apps import timing
+    from multihead import timing
 
     fidelity = {n: float((torch.cat([_pooled(m, b) for b in batches]) * ref).sum(-1).mean()) for n, m in models.items()}
     calls = {n: (lambda m=m: [m(**b) for b in batches]) for n, m in models.items()}
@@ -208,7 +208,7 @@ def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, l
         log("  sentence-transformers not installed: its table is skipped")
         return None
     import multihead.hf as mhf
-    from multihead.apps import timing
+    from multihead import timing
 
     def encoder(swap=None, packed=False, served=False):
         st = SentenceTransformer(str(path), device="cpu")

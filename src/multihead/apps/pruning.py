@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead import heads
-from multihead.apps import timing
+from multihead import heads, timing
 from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
 
 
