@@ -9,7 +9,7 @@ prefill ms, KV-cache bytes per token and peak memory, beside the bound of the wo
 Runtimes (both on the CPU, 2 threads, fp32 activations):
   - ONNX Runtime GenAI 0.18: its builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``) run on the
     unpruned folder (the peer: exactly what the runtime's users run) and, through
-    ``multihead.hf.decoder_export.export_genai``, on the pruned model's standard folder; fp32 weights, fp32 cache.
+    ``multihead.deploy.gguf.export_genai``, on the pruned model's standard folder; fp32 weights, fp32 cache.
   - llama.cpp (llama-cpp-python): the unpruned and the pruned model both written by ``export_gguf`` in f16, as
     llama.cpp's convert_hf_to_gguf.py writes an fp32 Llama (its default), SmolLM2's own vocabulary copied from the
     package's GGUF; llama.cpp's default f16 cache.
@@ -125,7 +125,7 @@ def _files(work: Path, runtimes: list[str]) -> dict:
 
     import multihead.hf as mh
     from multihead import heads
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy import gguf as dx
     from multihead.models import smollm2_path
 
     torch.set_num_threads(THREADS)
@@ -177,7 +177,7 @@ def _llama_tokens(files: dict, models: dict, prompt) -> None:
     import torch
     from llama_cpp import Llama
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy import gguf as dx
 
     for variant, model in models.items():
         llm = Llama(model_path=str(files["llama.cpp", variant]), n_ctx=64, n_threads=THREADS, verbose=False,

@@ -96,7 +96,7 @@ def _run(model, prompt, path: Path, dtype: str) -> dict:
     """Write the file; run it in llama.cpp without and with flash attention; compare with the torch model."""
     import torch
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy import gguf as dx
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

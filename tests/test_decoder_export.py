@@ -1,4 +1,4 @@
-"""A decoder served where decoders run (multihead.hf.decoder_export): a tiny random Llama with grouped key/value
+"""A decoder served where decoders run (multihead.deploy.gguf): a tiny random Llama with grouped key/value
 heads (4 query / 2 key-value heads), pruned by a whole key/value group in every layer, written as GGUF (read back by
 gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator); a cut that differs
 between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf here, run in llama.cpp by
@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 
 import multihead.hf as mh  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.hf import decoder_export as dx  # noqa: E402
+from multihead.deploy import gguf as dx  # noqa: E402
 
 V = 128
 

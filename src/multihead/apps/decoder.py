@@ -681,8 +681,8 @@ def summary(r: dict) -> list[str]:
 def check_formats(path: Path, formats: Sequence[str], tok) -> None:
     """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
     hold, a missing extra (naming its install line), or (GGUF) a tokenizer its vocabulary writer cannot write."""
+    from multihead.deploy import gguf as dx
     from multihead.extras import require
-    from multihead.hf import decoder_export
 
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -690,9 +690,9 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
     if not formats:
         return
     archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or ["?"]
-    if archs[0] not in decoder_export.ARCHITECTURES:
+    if archs[0] not in dx.ARCHITECTURES:
         raise ValueError(f"--formats {','.join(formats)}: the GGUF and GenAI writers hold "
-                         f"{', '.join(decoder_export.ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
+                         f"{', '.join(dx.ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
                          "folder is written either way: leave --formats out).")
     try:
         for runtime in {FORMATS[f][0] for f in formats}:
@@ -704,13 +704,13 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
         import transformers
 
         vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-        decoder_export.tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
+        dx.tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
 
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
     from multihead.apps import causal
-    from multihead.hf.decoder_export import gguf_model
+    from multihead.deploy.gguf import gguf_model
 
     f = causal.fidelity(gguf_model(file), model, t.held_out)
     return f.perplexity / f.reference_perplexity
@@ -756,7 +756,7 @@ def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, fo
 def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
     """One format's file written by its runtime's writer and read back: its row (path and the checks' lines; no path
     where the writer is not built here, said in the line)."""
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy import gguf as dx
 
     runtime, dtype = FORMATS[name]
     if runtime == "genai":
@@ -783,7 +783,7 @@ def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, id
     written the same way into a temporary folder); "failed" when the cut's is more than twice it plus 0.5%."""
     import tempfile
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy import gguf as dx
 
     dtype = FORMATS[row["format"]][1]
     row["cost"] = _quantization_cost(Path(row["path"]), cut, t)

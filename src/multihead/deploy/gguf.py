@@ -281,7 +281,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     counts, path = _gguf_args(model, path, dtype, vocab, new_tokens)
     uneven = len(set(counts)) > 1
     ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
-    gguf = require("gguf", "multihead.hf.decoder_export.export_gguf")
+    gguf = require("gguf", "multihead.deploy.gguf.export_gguf")
     if vocab is not None and tokenizer is not None:
         raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
                          "both.")
@@ -306,7 +306,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
 def gguf_model(path: str | Path) -> nn.Module:
     """A GGUF file as transformers reads it (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, the
     weights dequantized to float32), in eval mode."""
-    transformers = require("transformers", "multihead.hf.decoder_export.gguf_model")
+    transformers = require("transformers", "multihead.deploy.gguf.gguf_model")
     path = Path(path)
     with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
         os.symlink(path.resolve(), Path(d) / path.name)
@@ -531,7 +531,7 @@ def export_genai(model: nn.Module, folder: str | Path, *, tokenizer, precision: 
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise ValueError(f"export_genai: new_tokens must be a whole number >= 1; got {new_tokens!r}.")
     ids = _prompt(model, prompt_ids, new_tokens, "export_genai")
-    og = require("onnxruntime_genai", "multihead.hf.decoder_export.export_genai")
+    og = require("onnxruntime_genai", "multihead.deploy.gguf.export_genai")
 
     with tempfile.TemporaryDirectory() as d:
         src = standard_folder(model, Path(d) / "hf", tokenizer=tokenizer)
