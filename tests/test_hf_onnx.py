@@ -423,7 +423,7 @@ def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_ma
     where the padding is at the right only), one from the tokens (equal where no real token is 0), a model taking
     more than 2048 positions, and one whose config names a window."""
     ov = pytest.importorskip("openvino")
-    from multihead.deploy.onnx import padding_mask_only
+    from multihead.deploy.openvino import padding_mask_only
 
     toy = _Masked(kind, longest, **config).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
@@ -455,7 +455,7 @@ def test_a_failed_simplification_keeps_the_verified_openvino_conversion():
     """_simplified returns the verified model itself, saying why, where the rewritten copy fails its check against
     the torch model (or a rewrite raises): a rewrite never costs the export its OpenVINO file."""
     ov = pytest.importorskip("openvino")
-    from multihead.deploy.onnx import _simplified
+    from multihead.deploy.openvino import _simplified
 
     toy = _Masked("padding", 64).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
@@ -484,7 +484,7 @@ def test_openvino_reshape_after_attention_is_left_out_only_where_it_keeps_every_
     ov = pytest.importorskip("openvino")
     from openvino import opset13 as ops
 
-    from multihead.deploy.onnx import identity_reshapes
+    from multihead.deploy.openvino import identity_reshapes
 
     qkv = [ops.parameter([-1, 2, -1, 4], np.float32, name=n) for n in "qkv"]  # (B, H, L, D)
     att = ops.scaled_dot_product_attention(*qkv, causal=False)  # (B, H, L, D)
@@ -543,7 +543,7 @@ def test_openvino_int8_query_and_key_products_merge_into_one_only_where_the_arit
     import numpy as np
 
     ov = pytest.importorskip("openvino")
-    from multihead.deploy.onnx import merge_query_key
+    from multihead.deploy.openvino import merge_query_key
 
     ir = _quantized_attention(case)
     kinds = [o.get_type_name() for o in ir.get_ordered_ops()]

@@ -75,7 +75,7 @@ DOORS = {"multihead", "multihead.compat", "multihead.distributed"}
 #: names the documentation imports from a floor below the one that holds them ({door: the modules it re-exports}):
 #: imported inside the door's module ``__getattr__`` only (or for type checkers), so the lower floor never loads
 #: the upper one when it is imported (tests below)
-REEXPORTS = {"multihead.hf": {"multihead.deploy.onnx"}}
+REEXPORTS = {"multihead.hf": {"multihead.deploy.fastembed", "multihead.deploy.folder", "multihead.deploy.onnx"}}
 
 
 def _layer(name: str) -> int:

@@ -162,16 +162,8 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
         log(f"  no runtime table: {e}")
         return None
     from multihead.deploy import peers
-    from multihead.deploy.onnx import (
-        ONNX_DIR,
-        ONNX_FILE,
-        ONNX_INT8_FILE,
-        ONNX_OPT_FILE,
-        ONNX_OPT_INT8_FILE,
-        OPENVINO_DIR,
-        OPENVINO_FILE,
-        OPENVINO_INT8_FILE,
-    )
+    from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE, ONNX_OPT_FILE, ONNX_OPT_INT8_FILE
+    from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE
 
     full = mhf.attach(transformers.AutoModel.from_pretrained(path).eval())
     kept = mhf.load(pruned, quantized=False)

@@ -54,7 +54,9 @@ from multihead.hf.encoder import serve
 from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
 
 if TYPE_CHECKING:  # the runtimes' writers documented here live a floor up, in multihead.deploy: see __getattr__
-    from multihead.deploy.onnx import export, export_onnx, fastembed
+    from multihead.deploy.fastembed import fastembed
+    from multihead.deploy.folder import export
+    from multihead.deploy.onnx import export_onnx
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
            "export", "export_onnx", "fastembed", "load", "loading", "save", "serve"]
@@ -438,8 +440,8 @@ def __getattr__(name: str):
     :mod:`multihead.deploy` (the floor above, with every runtime's room): imported when first asked for, so that
     importing this package loads none of it and the rooms can import this floor."""
     if name in ("export", "export_onnx", "fastembed"):
-        from multihead.deploy import onnx
+        from multihead.deploy import fastembed, folder, onnx
 
-        globals()[name] = getattr(onnx, name)
+        globals()[name] = getattr({"export": folder, "export_onnx": onnx, "fastembed": fastembed}[name], name)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
