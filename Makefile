@@ -95,7 +95,7 @@ clean:
 
 # llama.cpp itself, out of `make test` (llama-cpp-python built from the registry's sdist: a C++ build of 193 steps,
 # 56 min on 2 shared cores at load ~17, reniced; GGML_NATIVE builds ggml's CPU kernels for this CPU, AVX-512 here;
-# uv keeps the wheel, so a second run does not rebuild): the GGUF files multihead.hf.decoder_export writes run there
+# uv keeps the wheel, so a second run does not rebuild): the GGUF files multihead.deploy.gguf writes run there
 # (greedy tokens and last logits against the torch model's) and are timed beside ONNX Runtime GenAI's
 # (bench/decoder_runtimes.py -> bench/results/decoder_runtimes.md)
 .PHONY: decoder-llama-cpp

@@ -51,7 +51,7 @@ def _setup(a, kinds):
         from transformer_lens.model_bridge import TransformerBridge
         from transformer_lens.tools.analysis import attribution_patching as ap
 
-        from multihead.apps.runtimes import scratch  # removed when the run ends
+        from multihead.deploy.peers import scratch  # removed when the run ends
 
         folder = scratch()
         model.save_pretrained(folder)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     if a.peak:
         return _peak(a)
-    from multihead.apps import timing
+    from multihead import timing
 
     calls, model = _setup(a, KINDS)
     diff = _compare(calls)

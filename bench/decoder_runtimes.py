@@ -9,7 +9,7 @@ prefill ms, KV-cache bytes per token and peak memory, beside the bound of the wo
 Runtimes (both on the CPU, 2 threads, fp32 activations):
   - ONNX Runtime GenAI 0.18: its builder (``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``) run on the
     unpruned folder (the peer: exactly what the runtime's users run) and, through
-    ``multihead.hf.decoder_export.export_genai``, on the pruned model's standard folder; fp32 weights, fp32 cache.
+    ``multihead.deploy.genai.export_genai``, on the pruned model's standard folder; fp32 weights, fp32 cache.
   - llama.cpp (llama-cpp-python): the unpruned and the pruned model both written by ``export_gguf`` in f16, as
     llama.cpp's convert_hf_to_gguf.py writes an fp32 Llama (its default), SmolLM2's own vocabulary copied from the
     package's GGUF; llama.cpp's default f16 cache.
@@ -125,7 +125,9 @@ def _files(work: Path, runtimes: list[str]) -> dict:
 
     import multihead.hf as mh
     from multihead import heads
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy.genai import export_genai
+    from multihead.deploy.gguf import export_gguf
+    from multihead.deploy.llama import layer_counts
     from multihead.models import smollm2_path
 
     torch.set_num_threads(THREADS)
@@ -144,19 +146,19 @@ def _files(work: Path, runtimes: list[str]) -> dict:
         out["genai", "unpruned"] = _builder(src, work / "genai-unpruned")
         out["genai", "pruned"] = work / "genai-pruned"
         if not (out["genai", "pruned"] / "genai_config.json").is_file():
-            s = dx.export_genai(pruned, out["genai", "pruned"], tokenizer=tok, prompt_ids=prompt)
+            s = export_genai(pruned, out["genai", "pruned"], tokenizer=tok, prompt_ids=prompt)
             print("genai pruned:", s.checks[0], file=sys.stderr)
     if "llama.cpp" in runtimes:
         for variant, m in (("unpruned", base), ("pruned", pruned)):
             p = work / f"smollm2-{variant}-f16.gguf"
             if not p.is_file():
-                s = dx.export_gguf(m, p, dtype="f16", vocab=vocab, prompt_ids=prompt)
+                s = export_gguf(m, p, dtype="f16", vocab=vocab, prompt_ids=prompt)
                 print(f"gguf {variant}:", "; ".join(s.checks), file=sys.stderr)
             out["llama.cpp", variant] = p
         _llama_tokens(out, {"unpruned": base, "pruned": pruned}, prompt)
     cfg = base.config
     shapes = {"E": cfg.hidden_size, "F": cfg.intermediate_size, "L": cfg.num_hidden_layers, "V": cfg.vocab_size,
-              "D": cfg.head_dim, "unpruned": dx.layer_counts(base)[0][:2], "pruned": dx.layer_counts(pruned)[0][:2],
+              "D": cfg.head_dim, "unpruned": layer_counts(base)[0][:2], "pruned": layer_counts(pruned)[0][:2],
               "tied": bool(cfg.tie_word_embeddings), "positions": cfg.max_position_embeddings}
     return out, shapes
 
@@ -177,7 +179,7 @@ def _llama_tokens(files: dict, models: dict, prompt) -> None:
     import torch
     from llama_cpp import Llama
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy.check import TOLERANCE
 
     for variant, model in models.items():
         llm = Llama(model_path=str(files["llama.cpp", variant]), n_ctx=64, n_threads=THREADS, verbose=False,
@@ -191,7 +193,7 @@ def _llama_tokens(files: dict, models: dict, prompt) -> None:
                 want.append(int(model(input_ids=seq).logits[0, -1].argmax()))
                 seq = torch.cat([seq, seq.new_tensor([[want[-1]]])], dim=1)  # (1, L + step)
         diff = float((torch.from_numpy(llm.scores[llm.n_tokens - 1].copy()).float() - ref).abs().max())
-        tol = dx.TOLERANCE["f16"] * max(1.0, float(ref.abs().max()))
+        tol = TOLERANCE["f16"] * max(1.0, float(ref.abs().max()))
         for _ in range(8):
             got.append(int(llm.scores[llm.n_tokens - 1].argmax()))
             llm.eval([got[-1]])

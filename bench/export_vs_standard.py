@@ -60,8 +60,9 @@ def main(argv=None) -> None:
 
     import multihead.hf as mhf
     from multihead import heads
-    from multihead.apps import deploy, hf_models, runtimes
+    from multihead.apps import hf_models
     from multihead.apps.data import package_sentences, sentences
+    from multihead.deploy import compare, peers
     from multihead.models import minilm_path
 
     path = minilm_path()
@@ -106,16 +107,16 @@ def main(argv=None) -> None:
     kinds = {"unseen package descriptions": [{k: v for k, v in tok(unseen[i:i + 16], padding=True, truncation=True,
                                                                  max_length=128, return_tensors="pt").items()
                                               if k in ("input_ids", "attention_mask")} for i in range(0, 192, 16)]}
-    d = runtimes.scratch()  # removed when the run ends
+    d = peers.scratch()  # removed when the run ends
     ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
-    standard = runtimes.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
+    standard = peers.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
     base = mhf.export(full, d / "unpruned", **ov)
     files = mhf.export(kept, d / "pruned", **ov)
-    rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
+    rows = compare.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
                            min_rounds=a.min_rounds, log=print)
     print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "
           f"2 threads\n")
-    print(deploy.markdown(rows, deploy.fidelity(full, files, kinds)))
+    print(compare.markdown(rows, compare.fidelity(full, files, kinds)))
     if a.profile_openvino:
         peer_ir = standard.get("openvino_pt_int8") or standard["openvino_int8"]
         _profile({"peer": peer_ir, "unpruned": base["openvino_int8"], "pruned": files["openvino_int8"]}, inputs[1])

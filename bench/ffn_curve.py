@@ -27,9 +27,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) -> None:
     import multihead.hf as mhf
-    from multihead import heads
-    from multihead.apps import deploy, hf_models, runtimes, target, timing
+    from multihead import heads, timing
+    from multihead.apps import hf_models, target
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.deploy import compare, peers
     from multihead.models import minilm_path
 
     torch.set_num_threads(2)
@@ -42,7 +43,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                         on_step=lambda row, m: snaps.__setitem__(round(row["fraction"], 2), copy.deepcopy(m).eval()))
     inputs, _ = setup.runtime_texts
     inputs = {b: inputs[b] for b in (1, 16)}
-    base = mhf.export(snaps[0.0], runtimes.scratch())  # removed when the run ends
+    base = mhf.export(snaps[0.0], peers.scratch())  # removed when the run ends
     rows, files, models = [], {}, {}
     for hf in head_fractions:
         for ff in ffn_fractions:
@@ -54,21 +55,21 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                 setup.recover_fn(m, steps, quantize="int8")
             fid = target.fidelity(setup, m)
             key = f"{hf:.0%} heads + {ff:.0%} neurons"
-            files[key] = mhf.export(m, runtimes.scratch())
+            files[key] = mhf.export(m, peers.scratch())
             models[key] = m
             rows.append({"model": key, "fidelity": fid, "seconds": time.monotonic() - started})
             print(f"{key}: worst kind {fid.lo:.4f} (mean {fid.mean:.4f}), {time.monotonic() - started:.0f} s",
                   flush=True)
-    engines = {"unpruned": deploy.runtimes.ort_session(base["onnx_int8"])}
-    engines |= {k: deploy.runtimes.ort_session(f["onnx_int8"]) for k, f in files.items()}
+    engines = {"unpruned": peers.ort_session(base["onnx_int8"])}
+    engines |= {k: peers.ort_session(f["onnx_int8"]) for k, f in files.items()}
     table = {}
     for B, batches in inputs.items():
         calls = {k: (lambda e=e, xs=batches: [e(b["input_ids"], b["attention_mask"]) for b in xs])
                  for k, e in engines.items()}
         t = timing.interleaved(calls, warmup=1, max_seconds=60, min_rounds=7)
         for k in files:
-            bound = (sum(deploy.work(snaps[0.0], b) for b in batches)
-                     / sum(deploy.work(models[k], b) for b in batches))
+            bound = (sum(compare.work(snaps[0.0], b) for b in batches)
+                     / sum(compare.work(models[k], b) for b in batches))
             table[(k, B)] = (t["unpruned"].median / t[k].median, bound, t[k].median / len(batches),
                              timing.busy_note({k: t[k], "unpruned": t["unpruned"]}))
     flags = "VNNI" if "avx512_vnni" in Path("/proc/cpuinfo").read_text() else "AVX2, no VNNI"

@@ -22,9 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, pruning, runtimes
+    from multihead.apps import hf_models, pruning
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
     from multihead.apps.target import Fidelity
+    from multihead.deploy import peers
     from multihead.models import minilm_path
 
     path = minilm_path()
@@ -38,7 +39,7 @@ def main() -> None:
     for label, extra in (("recovery split only", None), ("recovery split + stdlib docstrings", wide)):
         t = time.monotonic()
         setup = hf_models.hf_setup(path, recover_extra=extra)
-        out = runtimes.scratch()  # removed when the run ends
+        out = peers.scratch()  # removed when the run ends
         report = pruning.run(setup, out, pruning.Options(0.4, step=0.1, reestimate=False, recover=400,
                                                           quantize="int8", max_seconds=1.0))
         model = mhf.load(out / "model")

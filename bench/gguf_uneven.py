@@ -96,12 +96,13 @@ def _run(model, prompt, path: Path, dtype: str) -> dict:
     """Write the file; run it in llama.cpp without and with flash attention; compare with the torch model."""
     import torch
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy.check import TOLERANCE
+    from multihead.deploy.gguf import export_gguf
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         t = time.perf_counter()
-        served = dx.export_gguf(model, path, dtype=dtype, vocab=_vocab_file(), prompt_ids=prompt)
+        served = export_gguf(model, path, dtype=dtype, vocab=_vocab_file(), prompt_ids=prompt)
         export_s = time.perf_counter() - t
     with torch.no_grad():
         ref = model(input_ids=prompt).logits[0].float()  # (L, V)
@@ -112,7 +113,7 @@ def _run(model, prompt, path: Path, dtype: str) -> dict:
     counts, D = served.counts, served.counts[0][2]
     out = {"file": path.name, "dtype": dtype, "counts": counts, "warning": [str(w.message) for w in said],
            "arch": served.checks[0], "export_s": export_s, "mb": path.stat().st_size / 2**20, "want": want,
-           "tol": dx.TOLERANCE["f16"] * max(1.0, float(ref[-1].abs().max())),
+           "tol": TOLERANCE["f16"] * max(1.0, float(ref[-1].abs().max())),
            "kv_expected": 2 * sum(c[1] for c in counts) * D * 2,
            "kv_unpruned": 2 * len(counts) * int(model.config.num_key_value_heads) * D * 2}
     for fa in (False, True):

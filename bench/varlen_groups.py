@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from multihead.apps import timing
+from multihead import timing
 from multihead.core import varlen
 
 

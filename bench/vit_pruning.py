@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from multihead import heads
-from multihead.apps import timing
-from multihead.apps.deploy import flops
+from multihead import heads, timing
+from multihead.deploy.compare import flops
 
 #: (package, model name, create kwargs for --tiny)
 MODELS = {
@@ -55,7 +54,7 @@ def build(package: str, name: str, tiny: dict | None) -> tuple[torch.nn.Module, 
 
 
 def work(model: torch.nn.Module, x: torch.Tensor) -> float:
-    """FLOPs of one forward on ``x``, attention included (:func:`multihead.apps.deploy.flops`)."""
+    """FLOPs of one forward on ``x``, attention included (:func:`multihead.deploy.compare.flops`)."""
     return flops(lambda: model(x))
 
 

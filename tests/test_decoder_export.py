@@ -1,4 +1,4 @@
-"""A decoder served where decoders run (multihead.hf.decoder_export): a tiny random Llama with grouped key/value
+"""A decoder served where decoders run (multihead.deploy.gguf, multihead.deploy.genai): a tiny random Llama with grouped key/value
 heads (4 query / 2 key-value heads), pruned by a whole key/value group in every layer, written as GGUF (read back by
 gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator); a cut that differs
 between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf here, run in llama.cpp by
@@ -16,7 +16,9 @@ gguf = pytest.importorskip("gguf")
 
 import multihead.hf as mh  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.hf import decoder_export as dx  # noqa: E402
+from multihead.deploy.genai import export_genai  # noqa: E402
+from multihead.deploy.gguf import _permute, export_gguf  # noqa: E402
+from multihead.deploy.llama import layer_counts, standard_folder  # noqa: E402
 
 V = 128
 
@@ -60,7 +62,7 @@ def _greedy(model, n=6):
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_gguf_of_a_pruned_model_is_llama_at_the_pruned_size_and_reads_back(tmp_path, dtype):
     m = _pruned()
-    served = dx.export_gguf(m, tmp_path / "p.gguf", dtype=dtype, prompt_ids=IDS, new_tokens=6)
+    served = export_gguf(m, tmp_path / "p.gguf", dtype=dtype, prompt_ids=IDS, new_tokens=6)
     assert served.counts == (2, 1, 16) and served.max_logit_diff <= served.tolerance
     r = gguf.GGUFReader(str(served.path))
     assert r.fields["llama.attention.head_count"].contents() == 2
@@ -81,7 +83,7 @@ def test_gguf_q_and_k_rows_are_in_llama_cpp_rotary_order(tmp_path):
     """The file's attn_q rows are llama.cpp's permutation of q_proj's: within each head, row 2i is rotary pair i's
     first half, row 2i+1 its second half (HF keeps the halves apart: rows i and i + D/2)."""
     m = _pruned()
-    dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=IDS)
+    export_gguf(m, tmp_path / "p.gguf", prompt_ids=IDS)
     q = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "p.gguf")).tensors}["blk.0.attn_q.weight"]
     hf = m.model.layers[0].self_attn.q_proj.weight.detach().numpy()  # (H*D, E)
     D = 16
@@ -92,9 +94,10 @@ def test_gguf_q_and_k_rows_are_in_llama_cpp_rotary_order(tmp_path):
 
 
 def test_a_wrong_file_is_caught_and_deleted(tmp_path, monkeypatch):
-    monkeypatch.setattr(dx, "_permute", lambda w, n: w)  # q/k rows left in HF's order: transformers reads them wrong
+    # q/k rows left in HF's order: transformers reads them wrong
+    monkeypatch.setattr("multihead.deploy.gguf._permute", lambda w, n: w)
     with pytest.raises(ValueError, match="differs from the torch model.*deleted"):
-        dx.export_gguf(_pruned(), tmp_path / "p.gguf", prompt_ids=IDS)
+        export_gguf(_pruned(), tmp_path / "p.gguf", prompt_ids=IDS)
     assert not (tmp_path / "p.gguf").exists()
 
 
@@ -107,7 +110,7 @@ def test_gguf_copies_the_source_vocabulary(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    served = dx.export_gguf(_pruned(), tmp_path / "p.gguf", vocab=src, prompt_ids=IDS)
+    served = export_gguf(_pruned(), tmp_path / "p.gguf", vocab=src, prompt_ids=IDS)
     f = gguf.GGUFReader(str(served.path)).fields
     assert f["tokenizer.ggml.model"].contents() == "gpt2" and f["tokenizer.ggml.tokens"].contents()[5] == "t5"
 
@@ -118,14 +121,14 @@ def test_gguf_q8_0_holds_each_matrix_in_blocks_within_their_rounding(tmp_path):
     step itself stored in f16) of the model's; the
     1-D tensors stay f32; transformers reads the file (dequantized) and its greedy tokens are reported."""
     m = _pruned()
-    served = dx.export_gguf(m, tmp_path / "p.gguf", dtype="q8_0", prompt_ids=IDS, new_tokens=6)
+    served = export_gguf(m, tmp_path / "p.gguf", dtype="q8_0", prompt_ids=IDS, new_tokens=6)
     r = gguf.GGUFReader(str(served.path))
     types = {t.name: t.tensor_type for t in r.tensors}
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
     assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
     k = {t.name: t for t in r.tensors}["blk.1.attn_k.weight"]
     got = gguf.quants.dequantize(np.asarray(k.data), k.tensor_type)  # (Hkv*D, E), GGML's rotary row order
-    want = dx._permute(m.model.layers[1].self_attn.k_proj.weight.detach().numpy(), 1)
+    want = _permute(m.model.layers[1].self_attn.k_proj.weight.detach().numpy(), 1)
     step = np.abs(want).reshape(want.shape[0], -1, 32).max(-1, keepdims=True) / 127  # (rows, blocks, 1)
     err = np.abs(got - want).reshape(step.shape[0], -1, 32)
     # q = round(w / d) with d = max/127, then d stored in f16 (2^-11 relative): |w - q d16| <= d/2 + 127 d 2^-11
@@ -149,7 +152,7 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     m = mh.attach(transformers.LlamaForCausalLM(cfg).eval())
     heads.prune(m, {n: [0, 1] for n in mh.attention_modules(m)})
-    served = dx.export_gguf(m, tmp_path / "p.gguf", tokenizer=tok, prompt_ids=IDS)
+    served = export_gguf(m, tmp_path / "p.gguf", tokenizer=tok, prompt_ids=IDS)
     f = gguf.GGUFReader(str(served.path)).fields
     tokens = f["tokenizer.ggml.tokens"].contents()
     assert f["tokenizer.ggml.model"].contents() == "gpt2" and len(tokens) == len(tok) + 8
@@ -158,7 +161,7 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
     assert types[tok.eos_token_id] == int(gguf.TokenType.CONTROL) and types[300] == int(gguf.TokenType.NORMAL)
     assert types[-1] == int(gguf.TokenType.UNUSED)
     with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens, the model's vocabulary 128 rows"):
-        dx.export_gguf(_pruned(), tmp_path / "q.gguf", tokenizer=tok, prompt_ids=IDS)
+        export_gguf(_pruned(), tmp_path / "q.gguf", tokenizer=tok, prompt_ids=IDS)
     merges = f["tokenizer.ggml.merges"].contents()
     assert len(merges) > 40000 and all(len(x.split(" ")) == 2 for x in merges[:100])
     assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
@@ -166,7 +169,7 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
 
 def test_standard_folder_loads_at_the_pruned_size(tmp_path):
     m = _pruned()
-    dx.standard_folder(m, tmp_path / "hf", tokenizer=_tokenizer())
+    standard_folder(m, tmp_path / "hf", tokenizer=_tokenizer())
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (2, 1, 16)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -177,11 +180,11 @@ def test_standard_folder_loads_at_the_pruned_size(tmp_path):
 def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     m = _pruned()
-    served = dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), prompt_ids=IDS, new_tokens=6)
+    served = export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), prompt_ids=IDS, new_tokens=6)
     cfg = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (2, 1, 16)
     assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4
-    q = dx.export_genai(m, tmp_path / "g4", tokenizer=_tokenizer(), precision="int4", prompt_ids=IDS, new_tokens=6)
+    q = export_genai(m, tmp_path / "g4", tokenizer=_tokenizer(), precision="int4", prompt_ids=IDS, new_tokens=6)
     onnx_dir = tmp_path / "g4"
     import onnx
 
@@ -221,7 +224,7 @@ def test_uneven_cut_written_as_deci_with_each_layers_counts_and_weights(tmp_path
     (per-layer head-count arrays), each layer's tensors at its own size and equal to the pruned model's weights."""
     m = _pruned(groups=((2, 3), ()))
     with pytest.warns(UserWarning, match="loads in llama.cpp.*not in transformers' GGUF reader") as rec:
-        served = dx.export_gguf(m, tmp_path / "u.gguf", dtype=dtype, prompt_ids=IDS)
+        served = export_gguf(m, tmp_path / "u.gguf", dtype=dtype, prompt_ids=IDS)
     assert "\n" not in str(rec[0].message) and str(rec[0].message) in served.checks
     assert served.counts == [(2, 1, 16), (4, 2, 16)] and served.tokens == [] and np.isnan(served.max_logit_diff)
     r = gguf.GGUFReader(str(served.path))
@@ -233,7 +236,7 @@ def test_uneven_cut_written_as_deci_with_each_layers_counts_and_weights(tmp_path
     shapes = {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()}  # GGUF order: (in, out)
     assert [shapes[f"blk.{i}.attn_{x}.weight"] for i in (0, 1) for x in ("q", "k", "v", "output")] == [
         (64, 32), (64, 16), (64, 16), (32, 64), (64, 64), (64, 32), (64, 32), (64, 64)]
-    counts = dx.layer_counts(m)
+    counts = layer_counts(m)
     want_dtype = np.float16 if dtype == "f16" else np.float32
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -259,7 +262,7 @@ def test_a_layer_with_every_head_cut_is_deci_attention_free_layer(tmp_path):
         pos = (torch.zeros(1, 5, 16), torch.ones(1, 5, 16))
         assert m.model.layers[1].self_attn(x, pos, None)[0].abs().max() == 0
     with pytest.warns(UserWarning, match="layers \\[1\\] H=0, Hkv=0"):
-        served = dx.export_gguf(m, tmp_path / "u.gguf")
+        served = export_gguf(m, tmp_path / "u.gguf")
     r = gguf.GGUFReader(str(served.path))
     assert r.fields["deci.attention.head_count"].contents() == [2, 0, 4]
     assert r.fields["deci.attention.head_count_kv"].contents() == [1, 0, 2]
@@ -270,15 +273,15 @@ def test_a_layer_with_every_head_cut_is_deci_attention_free_layer(tmp_path):
 
 def test_uneven_cut_refused_where_one_count_holds_every_layer(tmp_path):
     m = _pruned(groups=((2, 3), ()))  # layer 0 cut, layer 1 whole
-    assert dx.layer_counts(m) == [(2, 1, 16), (4, 2, 16)]
+    assert layer_counts(m) == [(2, 1, 16), (4, 2, 16)]
     with pytest.raises(ValueError, match=r"differs between layers \(layers \[0\] H=2, Hkv=1; layers \[1\] H=4.*"
                        "export_gguf"):
-        dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer())
+        export_genai(m, tmp_path / "g", tokenizer=_tokenizer())
     with pytest.raises(ValueError, match="one head count for every layer"):
-        dx.standard_folder(m, tmp_path / "hf")
+        standard_folder(m, tmp_path / "hf")
     # llama.cpp takes the head size from layer 0's count: a first layer with no head is refused, naming it
     with pytest.raises(ValueError, match="layer 0 has every head cut.*keep a head in layer 0") as e:
-        dx.export_gguf(_uneven(2, ((0, 1, 2, 3), ())), tmp_path / "p.gguf")
+        export_gguf(_uneven(2, ((0, 1, 2, 3), ())), tmp_path / "p.gguf")
     assert "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -286,21 +289,21 @@ def test_uneven_cut_refused_where_one_count_holds_every_layer(tmp_path):
 def test_bad_input_refused_in_one_line(tmp_path):
     m = _pruned()
     cases = [
-        (lambda: dx.export_gguf(m, tmp_path / "p.bin"), ValueError, r"\*\.gguf"),
-        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", dtype="q4_0"), ValueError, "dtype='q4_0'"),
-        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", vocab=tmp_path / "none.gguf"), ValueError, "not a file"),
-        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=torch.zeros(1, 60, dtype=torch.long)),
+        (lambda: export_gguf(m, tmp_path / "p.bin"), ValueError, r"\*\.gguf"),
+        (lambda: export_gguf(m, tmp_path / "p.gguf", dtype="q4_0"), ValueError, "dtype='q4_0'"),
+        (lambda: export_gguf(m, tmp_path / "p.gguf", vocab=tmp_path / "none.gguf"), ValueError, "not a file"),
+        (lambda: export_gguf(m, tmp_path / "p.gguf", prompt_ids=torch.zeros(1, 60, dtype=torch.long)),
          ValueError, "longer than the model's 64 positions"),
-        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", prompt_ids=[3, V]), ValueError, "outside the vocabulary"),
-        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=None), TypeError, "tokenizer must be"),
-        (lambda: dx.export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), precision="int8"), ValueError,
+        (lambda: export_gguf(m, tmp_path / "p.gguf", prompt_ids=[3, V]), ValueError, "outside the vocabulary"),
+        (lambda: export_genai(m, tmp_path / "g", tokenizer=None), TypeError, "tokenizer must be"),
+        (lambda: export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), precision="int8"), ValueError,
          "precision='int8'"),
-        (lambda: dx.export_gguf(m, tmp_path / "p.gguf", tokenizer=_tokenizer()), ValueError,
+        (lambda: export_gguf(m, tmp_path / "p.gguf", tokenizer=_tokenizer()), ValueError,
          "this writes byte-level BPE vocabularies"),
-        (lambda: dx.export_gguf(torch.nn.Linear(2, 2), tmp_path / "p.gguf"), TypeError, "transformers model"),
+        (lambda: export_gguf(torch.nn.Linear(2, 2), tmp_path / "p.gguf"), TypeError, "transformers model"),
     ]
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V))
-    cases.append((lambda: dx.export_gguf(gpt2, tmp_path / "p.gguf"), ValueError, "got GPT2LMHeadModel"))
+    cases.append((lambda: export_gguf(gpt2, tmp_path / "p.gguf"), ValueError, "got GPT2LMHeadModel"))
     for call, exc, msg in cases:
         with pytest.raises(exc, match=msg) as e:
             call()
@@ -312,16 +315,16 @@ def test_gated_or_mean_compensated_models_refused(tmp_path):
     m = _pruned()
     name = next(iter(mh.attention_modules(m)))
     with heads.gated(m, {name: torch.tensor([1.0, 0.0])}), pytest.raises(ValueError, match="heads.prune first"):
-        dx.export_gguf(m, tmp_path / "p.gguf")
+        export_gguf(m, tmp_path / "p.gguf")
     m.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="mean_outputs"):
-        dx.export_gguf(m, tmp_path / "p.gguf")
+        export_gguf(m, tmp_path / "p.gguf")
 
 
 def test_missing_extra_names_what_installs_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ImportError, match=r"multihead\[decoder\]"):
-        dx.export_gguf(_pruned(), tmp_path / "p.gguf")
+        export_gguf(_pruned(), tmp_path / "p.gguf")
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
     with pytest.raises(ImportError, match=r"multihead\[decoder\]"):
-        dx.export_genai(_pruned(), tmp_path / "g", tokenizer=_tokenizer())
+        export_genai(_pruned(), tmp_path / "g", tokenizer=_tokenizer())

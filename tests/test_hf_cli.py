@@ -367,10 +367,10 @@ def test_prune_ffn_cuts_neurons_too_and_the_folder_loads_everywhere_at_its_cut_s
     for loaded in (mhf.load(out / "model"), mhf.attach(T.BertModel.from_pretrained(out / "model").eval())):
         assert loaded.encoder.layer[0].intermediate.dense.out_features == 31
         assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
-    from multihead.apps import deploy
+    from multihead.deploy import compare
 
     batch = {"input_ids": torch.randint(3, 200, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
-    bound = deploy.work(mhf.attach(T.BertModel.from_pretrained(bert_dir).eval()), batch) / deploy.work(loaded, batch)
+    bound = compare.work(mhf.attach(T.BertModel.from_pretrained(bert_dir).eval()), batch) / compare.work(loaded, batch)
     assert bound > 1.2  # a quarter of the heads and half the neurons: past the heads' share of the work
     assert (out / "model" / "onnx" / "model_int8.onnx").is_file()  # the files are written without the table too
     assert main(["prune", "--model", "toy", "--ffn", "0.5", "--out", str(tmp_path / "t")]) == 2

@@ -84,8 +84,8 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
 
 def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quantize_it(tmp_path):
     """save(quantize="int8") keeps the float weights: load(quantized=False) gives the pruned float model exactly
-    (load() the int8 one), and its export quantized by ONNX Runtime (runtimes.ort_int8) stays close to it."""
-    from multihead.apps import runtimes
+    (load() the int8 one), and its export quantized by ONNX Runtime (peers.ort_int8) stays close to it."""
+    from multihead.deploy import peers
     from multihead.quantize import is_quantized
 
     model = _bert(True)
@@ -99,7 +99,7 @@ def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quant
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).last_hidden_state
         assert torch.equal(as_float(input_ids=ids, attention_mask=am).last_hidden_state, want)
-    served = runtimes.ort_int8(runtimes.export(as_float, {"input_ids": ids, "attention_mask": am}))
+    served = peers.ort_int8(peers.export(as_float, {"input_ids": ids, "attention_mask": am}))
     got = served(input_ids=ids, attention_mask=am).last_hidden_state
     keep = am.bool()
     cos = torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1)
@@ -107,30 +107,30 @@ def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quant
 
 
 def test_the_same_model_is_exported_once_per_process_and_a_changed_one_again():
-    """runtimes.export caches by content (class, config, every tensor): the same checkpoint gives the same file,
+    """peers.export caches by content (class, config, every tensor): the same checkpoint gives the same file,
     a pruned or gated one its own export."""
-    from multihead.apps import runtimes
+    from multihead.deploy import peers
 
     model = _bert(False)
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
-    first = runtimes.export(model, ex)
-    assert runtimes.export(_bert(False), ex) == first  # built again from the same seed: the same weights
-    assert runtimes.export(_bert(True), ex) == first  # padding-free: exported padded, the same graph
+    first = peers.export(model, ex)
+    assert peers.export(_bert(False), ex) == first  # built again from the same seed: the same weights
+    assert peers.export(_bert(True), ex) == first  # padding-free: exported padded, the same graph
     pruned = _bert(False)
     heads.prune(pruned, {"encoder.layer.0.attention.self": [1]})
-    assert runtimes._fingerprint(pruned) != runtimes._fingerprint(model)
+    assert peers._fingerprint(pruned) != peers._fingerprint(model)
     with heads.gated(model, {"encoder.layer.0.attention.self": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
-        assert runtimes._fingerprint(model) is None  # a gate is not in the weights: never cached
+        assert peers._fingerprint(model) is None  # a gate is not in the weights: never cached
 
 
 def test_the_runtime_files_a_process_makes_are_removed_when_it_ends(tmp_path):
-    """runtimes.scratch: each call a new empty folder inside one folder of the process's, under the temporary folder;
+    """peers.scratch: each call a new empty folder inside one folder of the process's, under the temporary folder;
     gone when the process ends, normally or by an exception (the standard files are ~0.8 GB of an encoder's run)."""
     import os
     import subprocess
     import sys
 
-    code = ("import sys\nfrom multihead.apps import runtimes\na, b = runtimes.scratch(), runtimes.scratch()\n"
+    code = ("import sys\nfrom multihead.deploy import peers\na, b = peers.scratch(), peers.scratch()\n"
             "assert a != b and a.parent == b.parent and not any(a.iterdir())\n(a / 'f.onnx').write_bytes(b'x' * 10)\n"
             "print(a)\nif sys.argv[1] == 'raise':\n    raise RuntimeError('ended by an exception')\n")
     for end in ("return", "raise"):
@@ -246,21 +246,21 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     """Round 6 found multihead's export of the unpruned MiniLM 1.28x slower in ONNX Runtime than the standard export
     (its graph was multihead's attention function, not the one ONNX Runtime is tuned for). Now the file is the
     transformers graph users export: unpruned, the same operators as ``torch.onnx.export`` of the sdpa model (the
-    peer, runtimes.standard_files); pruned, the same operators at the pruned size. The optimized file is the eager graph
+    peer, peers.standard_files); pruned, the same operators at the pruned size. The optimized file is the eager graph
     ONNX Runtime's optimizer fuses each layer's attention in (the peer's eager candidate's operators), each layer's
     Attention op at its own head count. Each file (fp32, optimized, int8) equals the torch model within its
     rounding."""
     import json
 
-    from multihead.apps import runtimes
-    from multihead.hf.export import EXPORT_JSON, ONNX_DIR
+    from multihead.deploy import peers
+    from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
 
     model = _bert(False)
     torch.manual_seed(0)
     peer = T.BertModel(model.config.__class__(**{**model.config.to_dict(), "_attn_implementation": "sdpa"})).eval()
     peer.load_state_dict(model.state_dict())
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
-    std = runtimes.standard_files(peer, ex, openvino=False)
+    std = peers.standard_files(peer, ex, openvino=False)
     assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager_optimized",
             "onnx_eager_optimized_int8"} <= set(std)
     ours = mhf.export(model, tmp_path / "u", openvino=False)
@@ -302,7 +302,7 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     """The peer of each row is the fastest standard file of the unpruned model; multihead's own export of the unpruned
     model is a column (its ratio to the peer), never the baseline; the speed-up is the peer's time over the pruned
     file's, read round by round (the median of the rounds' ratios, in its 95% interval), beside the bound."""
-    from multihead.apps import deploy, runtimes
+    from multihead.deploy import compare, peers
 
     model = _bert(False)
     peer = T.BertModel(model.config.__class__(**{**model.config.to_dict(), "_attn_implementation": "sdpa"})).eval()
@@ -310,25 +310,25 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     g = torch.Generator().manual_seed(4)
     batches = [{"input_ids": torch.randint(3, 100, (4, 9), generator=g), "attention_mask": torch.ones(4, 9,
                                                                                                    dtype=torch.long)}]
-    std = runtimes.standard_files(peer, batches[0], openvino=False)
-    assert all(f.is_relative_to(runtimes._SCRATCH.name) for f in std.values())  # removed when the process ends
+    std = peers.standard_files(peer, batches[0], openvino=False)
+    assert all(f.is_relative_to(peers._SCRATCH.name) for f in std.values())  # removed when the process ends
     base = mhf.export(model, tmp_path / "u", openvino=False)
     import copy
 
     kept = copy.deepcopy(model)
     heads.prune(kept, {"encoder.layer.0.attention.self": [0, 1], "encoder.layer.1.attention.self": [2]})
     files = mhf.export(kept, tmp_path / "p", openvino=False)
-    rows = deploy.compare(model, kept, std, base, files, {4: batches}, max_seconds=0.5)
+    rows = compare.compare(model, kept, std, base, files, {4: batches}, max_seconds=0.5)
     assert [r["runtime"] for r in rows] == ["ONNX Runtime fp32", "ONNX Runtime int8"]
     for r in rows:
-        assert r["peer"] in runtimes.STANDARD.values() and set(r["standard"]) <= set(runtimes.STANDARD.values())
+        assert r["peer"] in peers.STANDARD.values() and set(r["standard"]) <= set(peers.STANDARD.values())
         assert r["peer_ms"]["median_ms"] == min(t["median_ms"] for t in r["standard"].values())
         for got, other in ((r["speedup"], r["pruned_ms"]), (r["unpruned_vs_peer"], r["unpruned_ms"])):
             # each a median of the rounds' ratios: within what the two sides' extremes allow
             assert r["peer_ms"]["min_ms"] / other["max_ms"] - 1e-3 <= got <= r["peer_ms"]["max_ms"] / other["min_ms"] + 1e-3
         assert r["range"][0] - 1e-3 <= r["speedup"] <= r["range"][1] + 1e-3  # its 95% interval holds it
         assert r["bound"] > 1 and r["pruned_file"] in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8")
-    table = deploy.markdown(rows)
+    table = compare.markdown(rows)
     assert "peer: the standard export" in table and "torch.onnx.export" in table
     # every standard file's time, not only the fastest one's: the plain export and the optimized one side by side
     every = table.split("each standard file of the unpruned model")[1]
@@ -345,8 +345,8 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
     import json
 
     ov = pytest.importorskip("openvino")
-    from multihead.apps import runtimes
-    from multihead.hf.export import EXPORT_JSON, ONNX_DIR
+    from multihead.deploy import peers
+    from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
 
     model = _bert(packed)
     peer = T.BertModel(model.config.__class__(**{**model.config.to_dict(), "_attn_implementation": "sdpa"})).eval()
@@ -360,7 +360,7 @@ def test_openvino_files_come_from_the_pytorch_model_as_optimum_intel_converts(tm
     widths = {tuple(op.get_output_shape(0)) for op in ir.get_ops() if op.get_type_name() == "Constant"}
     assert (16, 32) in widths and (24, 32) in widths  # q/k/v weights (out, in): 2 heads of 8, then 3
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
-    std = runtimes.standard_files(peer, ex, openvino=True)
+    std = peers.standard_files(peer, ex, openvino=True)
     assert {"openvino", "openvino_pt"} <= set(std)
     # the attention ops read the padding mask from the input; the standard conversion keeps transformers' mask graph
     assert "mask read from attention_mask" in meta["openvino"], meta
@@ -423,7 +423,7 @@ def test_openvino_attention_mask_is_read_from_the_input_only_where_the_traced_ma
     where the padding is at the right only), one from the tokens (equal where no real token is 0), a model taking
     more than 2048 positions, and one whose config names a window."""
     ov = pytest.importorskip("openvino")
-    from multihead.hf.export import padding_mask_only
+    from multihead.deploy.openvino import padding_mask_only
 
     toy = _Masked(kind, longest, **config).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
@@ -455,7 +455,7 @@ def test_a_failed_simplification_keeps_the_verified_openvino_conversion():
     """_simplified returns the verified model itself, saying why, where the rewritten copy fails its check against
     the torch model (or a rewrite raises): a rewrite never costs the export its OpenVINO file."""
     ov = pytest.importorskip("openvino")
-    from multihead.hf.export import _simplified
+    from multihead.deploy.openvino import _simplified
 
     toy = _Masked("padding", 64).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
@@ -484,7 +484,7 @@ def test_openvino_reshape_after_attention_is_left_out_only_where_it_keeps_every_
     ov = pytest.importorskip("openvino")
     from openvino import opset13 as ops
 
-    from multihead.hf.export import identity_reshapes
+    from multihead.deploy.openvino import identity_reshapes
 
     qkv = [ops.parameter([-1, 2, -1, 4], np.float32, name=n) for n in "qkv"]  # (B, H, L, D)
     att = ops.scaled_dot_product_attention(*qkv, causal=False)  # (B, H, L, D)
@@ -543,7 +543,7 @@ def test_openvino_int8_query_and_key_products_merge_into_one_only_where_the_arit
     import numpy as np
 
     ov = pytest.importorskip("openvino")
-    from multihead.hf.export import merge_query_key
+    from multihead.deploy.openvino import merge_query_key
 
     ir = _quantized_attention(case)
     kinds = [o.get_type_name() for o in ir.get_ordered_ops()]

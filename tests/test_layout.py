@@ -58,7 +58,8 @@ def test_no_import_cycle():
 
 #: the concerns, bottom up: a module may import its own concern and those below (see ARCHITECTURE.md)
 LAYERS = [
-    ("multihead.masks", "multihead.extras", "multihead.core.validation"),  # vocabulary, optional deps, input checks
+    ("multihead.masks", "multihead.extras", "multihead.core.validation", "multihead.timing"),  # vocabulary, optional
+    # deps, input checks, timings that hold still
     ("multihead.backends",),  # ways of computing attention
     ("multihead.core",),  # functional attention, padding, varlen, ring attention
     ("multihead.layer",),  # the module, its plan, hooks, cache, the course's modules, the drop-in
@@ -66,10 +67,15 @@ LAYERS = [
     ("multihead.heads",),  # capture, gates, importance, surgery, pruning
     ("multihead.interop", "multihead.models"),  # other implementations' weights; small models built from ours
     ("multihead.hf",),  # transformers
+    ("multihead.deploy",),  # where prediction happens: one room per runtime, the checks, the peers, the table
     ("multihead.grader",),  # the grader
     ("multihead.apps", "multihead.examples"),  # the applications
 ]
 DOORS = {"multihead", "multihead.compat", "multihead.distributed"}
+#: names the documentation imports from a floor below the one that holds them ({door: the modules it re-exports}):
+#: imported inside the door's module ``__getattr__`` only (or for type checkers), so the lower floor never loads
+#: the upper one when it is imported (tests below)
+REEXPORTS = {"multihead.hf": {"multihead.deploy.fastembed", "multihead.deploy.folder", "multihead.deploy.onnx"}}
 
 
 def _layer(name: str) -> int:
@@ -85,9 +91,25 @@ def _layer(name: str) -> int:
 
 def test_no_import_runs_up_the_layers():
     graph = _graph()
-    up = {n: sorted(d for d in deps if d not in DOORS and _layer(d) > _layer(n))
+    up = {n: sorted(d for d in deps if d not in DOORS and _layer(d) > _layer(n) and d not in REEXPORTS.get(n, ()))
           for n, deps in graph.items() if n not in DOORS}
     assert not {n: d for n, d in up.items() if d}, "imports that run up the layers"
+
+
+def test_reexports_are_imported_only_when_asked_for():
+    """A door's re-export of an upper floor's names (:data:`REEXPORTS`) sits in its module ``__getattr__`` or under
+    ``if TYPE_CHECKING``, nowhere else: importing the lower floor never imports the upper one."""
+    for door, upper in REEXPORTS.items():
+        tree = ast.parse((ROOT.parent / (door.replace(".", "/") + "/__init__.py")).read_text())
+        lazy = set()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__" or \
+                    isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                lazy |= {id(n) for n in ast.walk(node)}
+        floors = {u.rsplit(".", 1)[0] for u in upper}  # multihead.deploy.onnx -> multihead.deploy
+        eager = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and id(n) not in lazy
+                 and any(n.module == f or n.module.startswith(f + ".") for f in floors)]
+        assert not eager, f"{door} imports {sorted(upper)} at import time (lines {eager})"
 
 
 def test_the_doors_are_not_used_inside_the_package():
@@ -149,7 +171,7 @@ def test_no_sys_path_edits_in_the_package():
 #: attention-function interface and torch.nn.MultiheadAttention / TransformerEncoderLayer's
 MIRRORS = {("multihead.hf.attention", "attention_forward"), ("multihead.layer.dropin", "forward"),
            ("multihead.layer.dropin", "__init__"), ("multihead.hf.forms", "bloom_attention_forward"),
-           ("multihead.apps.deploy", "_math_sdpa")}  # F.scaled_dot_product_attention's signature, written out
+           ("multihead.deploy.compare", "_math_sdpa")}  # F.scaled_dot_product_attention's signature, written out
 
 
 def _functions():

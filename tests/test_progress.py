@@ -18,7 +18,7 @@ pytest.importorskip("tqdm")
 SCRIPT = """
 import time
 import multihead.extras
-from multihead.apps.timing import interleaved
+from multihead.timing import interleaved
 from multihead.models import ViTConfig, train_vit
 
 multihead.extras.LOG_EVERY = 0.2

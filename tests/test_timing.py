@@ -1,11 +1,11 @@
-"""multihead.apps.timing: every round's time is kept, and ``paired`` reads a speed-up round by round, so a machine
+"""multihead.timing: every round's time is kept, and ``paired`` reads a speed-up round by round, so a machine
 whose speed drifts between rounds does not widen it."""
 
 from __future__ import annotations
 
 import pytest
 
-from multihead.apps import timing
+from multihead import timing
 
 
 class _Clock:

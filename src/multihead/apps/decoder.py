@@ -681,8 +681,9 @@ def summary(r: dict) -> list[str]:
 def check_formats(path: Path, formats: Sequence[str], tok) -> None:
     """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
     hold, a missing extra (naming its install line), or (GGUF) a tokenizer its vocabulary writer cannot write."""
+    from multihead.deploy.gguf import tokenizer_fields
+    from multihead.deploy.llama import ARCHITECTURES
     from multihead.extras import require
-    from multihead.hf import decoder_export
 
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -690,9 +691,9 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
     if not formats:
         return
     archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or ["?"]
-    if archs[0] not in decoder_export.ARCHITECTURES:
+    if archs[0] not in ARCHITECTURES:
         raise ValueError(f"--formats {','.join(formats)}: the GGUF and GenAI writers hold "
-                         f"{', '.join(decoder_export.ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
+                         f"{', '.join(ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
                          "folder is written either way: leave --formats out).")
     try:
         for runtime in {FORMATS[f][0] for f in formats}:
@@ -704,13 +705,13 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
         import transformers
 
         vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-        decoder_export.tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
+        tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
 
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
     from multihead.apps import causal
-    from multihead.hf.decoder_export import gguf_model
+    from multihead.deploy.gguf import gguf_model
 
     f = causal.fidelity(gguf_model(file), model, t.held_out)
     return f.perplexity / f.reference_perplexity
@@ -756,14 +757,15 @@ def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, fo
 def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
     """One format's file written by its runtime's writer and read back: its row (path and the checks' lines; no path
     where the writer is not built here, said in the line)."""
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy.genai import export_genai
+    from multihead.deploy.gguf import export_gguf
 
     runtime, dtype = FORMATS[name]
     if runtime == "genai":
-        served = dx.export_genai(cut, folder / f"genai-{dtype}", tokenizer=tok, precision=dtype, prompt_ids=ids)
+        served = export_genai(cut, folder / f"genai-{dtype}", tokenizer=tok, precision=dtype, prompt_ids=ids)
         return {"format": name, "path": str(served.path), "checks": served.checks}
     if dtype != "q4_k_m":
-        served = dx.export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
+        served = export_gguf(cut, folder / "gguf" / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
                                 prompt_ids=ids)
         return {"format": name, "path": str(served.path), "checks": served.checks}
     import importlib.util
@@ -773,7 +775,7 @@ def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
                                            "built here (make decoder-llama-cpp builds it)"]}
     f16 = folder / "gguf" / "model-f16.gguf"
     if not f16.exists():
-        dx.export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
+        export_gguf(cut, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
     said = _q4_k_m(f16, folder / "gguf" / "model-q4_k_m.gguf")
     return {"format": name, "path": str(folder / "gguf" / "model-q4_k_m.gguf"), "checks": [said]}
 
@@ -783,16 +785,16 @@ def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, id
     written the same way into a temporary folder); "failed" when the cut's is more than twice it plus 0.5%."""
     import tempfile
 
-    from multihead.hf import decoder_export as dx
+    from multihead.deploy.gguf import export_gguf
 
     dtype = FORMATS[row["format"]][1]
     row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
     with tempfile.TemporaryDirectory() as d:
         if dtype == "q4_k_m":
-            dx.export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
+            export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
             _q4_k_m(Path(d) / "unpruned-f16.gguf", Path(d) / "unpruned.gguf")
         else:
-            dx.export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
+            export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
         row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
     row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
     if not row["within"]:

@@ -12,7 +12,7 @@ ONNX Runtime (the pruned model served by another runtime); with the ``onnx`` ext
 the unpruned checkpoint, and with
 the ``openvino`` extra, OpenVINO's fp32 model of it, and with ``nncf`` too its int8 model (static quantization
 calibrated on the corpus' importance split; all from ``multihead.hf.export_onnx``; see
-:mod:`multihead.apps.runtimes`). Fidelity: mean cosine of mean-pooled last hidden states to the sdpa model's
+:mod:`multihead.deploy.peers`). Fidelity: mean cosine of mean-pooled last hidden states to the sdpa model's
 on every timed sentence.
 
 And inside sentence-transformers (when installed): ``SentenceTransformer(<package>).encode`` on the same
@@ -48,7 +48,7 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps import runtimes
+    from multihead.deploy import peers
 
     models = {
         "transformers (sdpa)": transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(),
@@ -65,20 +65,20 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
         heads = f"{kept}/{total}"  # the pruned model's heads / the checkpoint's (72 in all-MiniLM-L6-v2)
         models[f"multihead, {heads} heads, {is_quantized(m) or 'fp32'}, padding-free"] = m
         models[f"multihead served, {heads} heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
-    models |= runtimes.peers(models["transformers (sdpa)"], example, log, calibration)  # what practitioners deploy
+    models |= peers.peers(models["transformers (sdpa)"], example, log, calibration)  # what practitioners deploy
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
-        from multihead.hf.export import ONNX_DIR, ONNX_INT8_FILE
+        from multihead.deploy.onnx import ONNX_DIR, ONNX_INT8_FILE
 
         written = Path(pruned) / ONNX_DIR / ONNX_INT8_FILE  # its own int8 file where the folder has it (prune --hf's)
         models[f"multihead, {heads} heads, exported, ONNX Runtime int8"] = (
-            runtimes.ort_session(written) if written.is_file() else
-            runtimes.ort_int8(runtimes.export(mhf.load(pruned, quantized=False), example)))
+            peers.ort_session(written) if written.is_file() else
+            peers.ort_int8(peers.export(mhf.load(pruned, quantized=False), example)))
     return models
 
 
 def _time_batch_size(models: dict, batches: list, ref: torch.Tensor, max_seconds: float) -> tuple[list, str | None]:
     """Every model on ``batches`` in interleaved rounds: (rows of the table, the busy-machine note)."""
-    from multihead.apps import timing
+    from multihead import timing
 
     fidelity = {n: float((torch.cat([_pooled(m, b) for b in batches]) * ref).sum(-1).mean()) for n, m in models.items()}
     calls = {n: (lambda m=m: [m(**b) for b in batches]) for n, m in models.items()}
@@ -142,8 +142,8 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
                    log, sizes: dict[int, int]) -> dict | None:
     """The pruned model's own runtime files (``pruned``/onnx, ``pruned``/openvino as ``prune --hf`` wrote them;
     exported here from its float weights when the folder has none) against the unpruned checkpoint's standard files
-    (exported as users export it: :func:`multihead.apps.runtimes.standard_files`), with multihead's own export of the
-    unpruned checkpoint as a column, in each runtime: :func:`multihead.apps.deploy.compare` on three kinds of unseen
+    (exported as users export it: :func:`multihead.deploy.peers.standard_files`), with multihead's own export of the
+    unpruned checkpoint as a column, in each runtime: :func:`multihead.deploy.compare.compare` on three kinds of unseen
     text (the held-out
     sentences, the installed packages' descriptions, passages of the held-out sentences), with the fidelity of each
     pruned file per kind. None without the onnx extra."""
@@ -152,8 +152,8 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps import deploy
     from multihead.apps.data import package_sentences
+    from multihead.deploy import compare
     from multihead.extras import require
 
     try:
@@ -161,17 +161,9 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
     except ImportError as e:
         log(f"  no runtime table: {e}")
         return None
-    from multihead.apps import runtimes
-    from multihead.hf.export import (
-        ONNX_DIR,
-        ONNX_FILE,
-        ONNX_INT8_FILE,
-        ONNX_OPT_FILE,
-        ONNX_OPT_INT8_FILE,
-        OPENVINO_DIR,
-        OPENVINO_FILE,
-        OPENVINO_INT8_FILE,
-    )
+    from multihead.deploy import peers
+    from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE, ONNX_OPT_FILE, ONNX_OPT_INT8_FILE
+    from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE
 
     full = mhf.attach(transformers.AutoModel.from_pretrained(path).eval())
     kept = mhf.load(pruned, quantized=False)
@@ -185,7 +177,7 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
         base = mhf.export(full, Path(made) / "unpruned", openvino=False)  # a column: ONNX Runtime's files
         # (OpenVINO's would be converted from the same graph as the standard ones)
         peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
-        standard = runtimes.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
+        standard = peers.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
         n = max(sizes) * max(sizes.values())  # items of each kind: enough for the largest batch's batches
         others = package_sentences(n, exclude=set(held_out))
         long = hf_models.passages(tok, held_out[200:], n, hf_models.PASSAGE_TOKENS)
@@ -193,9 +185,9 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
                  ("passages of held-out sentences", len(long), "passages"))
         inputs, by_kind = hf_models.runtime_texts(tok, kinds, held_out[:n] + others, long, hf_models.PASSAGE_TOKENS,
                                                   sizes)
-        rows = deploy.compare(full, kept, standard, base, files, inputs, max_seconds=max_seconds, log=log)
-        fid = deploy.fidelity(full, files, by_kind)
-    log(deploy.markdown(rows, fid))
+        rows = compare.compare(full, kept, standard, base, files, inputs, max_seconds=max_seconds, log=log)
+        fid = compare.fidelity(full, files, by_kind)
+    log(compare.markdown(rows, fid))
     return {"rows": rows, "fidelity": fid}
 
 
@@ -208,7 +200,7 @@ def _sentence_transformers(path, pruned, sents: list[str], max_seconds: float, l
         log("  sentence-transformers not installed: its table is skipped")
         return None
     import multihead.hf as mhf
-    from multihead.apps import timing
+    from multihead import timing
 
     def encoder(swap=None, packed=False, served=False):
         st = SentenceTransformer(str(path), device="cpu")
@@ -254,12 +246,12 @@ def markdown(r: dict) -> str:
     lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads, "
              "inference_mode; speed-up = transformers sdpa's time / the peer's (median, range over interleaved "
              "rounds)", ""]
-    from multihead.apps import deploy
+    from multihead.deploy import compare
 
     for B, s in r["sizes"].items():
         lines += [f"**Batch {B}** ({s['batches']} batches, {s['tokens'][0]}-{s['tokens'][1]} tokens)", ""]
         lines += _table("peer", "batch", s["rows"], "ms_per_batch")
-        best = deploy.recommend(s["rows"], min_cosine=RECOMMEND_COSINE)
+        best = compare.recommend(s["rows"], min_cosine=RECOMMEND_COSINE)
         lines += ["", f"Recommended at batch {B}: {best}."] if best else []
         lines += (["", f"note: {s['busy']}"] if s.get("busy") else []) + [""]
     st = r.get("sentence_transformers")
@@ -273,5 +265,5 @@ def markdown(r: dict) -> str:
                   "standard files (exported as each runtime's documentation does it; the faster way is the peer), "
                   "multihead's own export of the unpruned checkpoint beside them, runtime by runtime, on unseen text "
                   "of three kinds (ms per batch); the bound is the ratio of the padded call's floating-point work", "",
-                  deploy.markdown(r["runtimes"]["rows"], r["runtimes"]["fidelity"])]
+                  compare.markdown(r["runtimes"]["rows"], r["runtimes"]["fidelity"])]
     return "\n".join(lines) + "\n"

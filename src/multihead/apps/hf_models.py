@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead.apps.deploy import pooled  # noqa: F401 - the fidelity's pooling, used here and by its callers
 from multihead.apps.pruning import Setup
+from multihead.deploy.compare import pooled  # noqa: F401 - the fidelity's pooling, used here and by its callers
 from multihead.quantize import quantize
 
 
@@ -353,12 +353,12 @@ def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict], peer: nn.Mo
     importance text), the unpruned ``peer`` (the transformers model as loaded) made into the standard files the
     runtime table times it against, the text its files are timed and scored on, and its served form timed beside."""
     import multihead.hf as mhf
-    from multihead.apps import runtimes
+    from multihead.deploy import peers
 
     calibration = _calibration(imp)
     setup.export_fn = lambda m, folder: _export(m, folder, calibration)
-    setup.standard_fn = lambda: runtimes.standard_files(peer, {"input_ids": example[0], "attention_mask": example[1]},
-                                                        calibration)
+    setup.standard_fn = lambda: peers.standard_files(peer, {"input_ids": example[0], "attention_mask": example[1]},
+                                                     calibration)
     setup.runtime_texts = texts
     setup.serve_fn = mhf.serve
 
@@ -385,7 +385,7 @@ RUNTIME_BATCHES = {1: 4, 16: 1, 64: 1}
 
 def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit: int,
                   sizes: dict[int, int] | None = None) -> tuple[dict, dict]:
-    """The runtime table's text (:mod:`multihead.apps.deploy`), from every held-out kind (the split's sentences, the
+    """The runtime table's text (:mod:`multihead.deploy.compare`), from every held-out kind (the split's sentences, the
     other kind's, the passages): ({batch size: batches}, {kind: batches}). At each batch size, each kind with
     enough items gives ``sizes[B]`` batches (default :data:`RUNTIME_BATCHES`; a kind with fewer than the batch size
     is left out there);
@@ -412,13 +412,13 @@ def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit
 def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | None = None
                   ) -> list[tuple[str, object, Callable]]:
     """The unpruned transformers encoder ``model`` in ONNX Runtime and OpenVINO, from its standard files
-    (:func:`multihead.apps.runtimes.standard_files`, exported once with the (ids, am) ``example``), those whose extra
+    (:func:`multihead.deploy.peers.standard_files`, exported once with the (ids, am) ``example``), those whose extra
     (onnx, openvino) is installed: [(name, model, run_fn)]."""
-    from multihead.apps import runtimes
+    from multihead.deploy import peers
 
     ids, am = example
     return [(name, m, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))
-            for name, m in runtimes.peers(model, {"input_ids": ids, "attention_mask": am}, None, calibration).items()]
+            for name, m in peers.peers(model, {"input_ids": ids, "attention_mask": am}, None, calibration).items()]
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead import heads
-from multihead.apps import timing
+from multihead import heads, timing
 from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
 
 
@@ -63,7 +62,7 @@ class Setup:
     #: serve_fn(model) -> the kept model rebuilt lean for prediction (multihead.hf.serve), timed beside it
     serve_fn: Callable | None = None
     #: standard_fn() -> {key: path}: the unpruned model made into each runtime's files as users make them
-    #: (:func:`multihead.apps.runtimes.standard_files`): the runtime table's peer
+    #: (:func:`multihead.deploy.peers.standard_files`): the runtime table's peer
     standard_fn: Callable | None = None
     #: (clean inputs, corrupted inputs, metric(output) -> (B,)): the activation-patching experiment of the importance
     #: methods' comparison (:mod:`multihead.apps.methods`)
@@ -464,11 +463,11 @@ def recovery_too_long(setup: Setup, o: Options) -> str | None:
 
 def _bound(setup: Setup, unpruned: nn.Module, kept: nn.Module) -> dict[str, float] | None:
     """{batch size: FLOPs of the unpruned model / the kept one's} on the speed table's first batch of each size
-    (:func:`multihead.apps.deploy.flops`), or None for a setup whose models the counter cannot run (transformers
+    (:func:`multihead.deploy.compare.flops`), or None for a setup whose models the counter cannot run (transformers
     checkpoints and MiniLM: their bound is the runtime table's)."""
     if setup.name not in ("toy", "vit"):
         return None
-    from multihead.apps.deploy import flops
+    from multihead.deploy.compare import flops
 
     out = {}
     for b, xs in setup.speed_inputs.items():
@@ -503,7 +502,7 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     """The kept float model written where users run it (``setup.export_fn``: ``folder``/onnx, ``folder``/openvino)
     and, with the runtime peers on, its files timed in each runtime against the unpruned model's standard files
     (``setup.standard_fn``: exported as users export it; the faster way of making each is the peer) with
-    multihead's own export of the unpruned model as a row (:func:`multihead.apps.deploy.compare`, each speed-up
+    multihead's own export of the unpruned model as a row (:func:`multihead.deploy.compare.compare`, each speed-up
     beside its bound), and scored per kind of text: {"files", "rows", "fidelity", "optimizer"} or {"note"} (a
     missing extra), None when the setup exports nothing. "optimizer" says what ONNX Runtime's optimizer fused in the
     pruned file, and what it could not."""
@@ -511,7 +510,7 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
         return None
     if not o.runtime_files:
         return {"note": _NO_RUNTIME_FILES}
-    from multihead.apps import deploy
+    from multihead.deploy import compare
 
     try:
         files = setup.export_fn(kept, folder)
@@ -520,7 +519,7 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     out = {"files": {k: str(Path(v).relative_to(folder)) for k, v in files.items()}}
     if not o.runtime_peers or setup.runtime_texts is None:
         return out
-    from multihead.hf.export import EXPORT_JSON, ONNX_DIR
+    from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
 
     exported = folder / ONNX_DIR / EXPORT_JSON
     if exported.is_file():
@@ -537,9 +536,9 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     with tempfile.TemporaryDirectory(prefix="multihead-") as d:  # only for the table: removed after it
         base = mhf.export(unpruned, Path(d), openvino=False)
         seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
-        out["rows"] = deploy.compare(unpruned, kept, standard, base, files, inputs,
+        out["rows"] = compare.compare(unpruned, kept, standard, base, files, inputs,
                                      max_seconds=seconds / len(inputs) * 3, log=print if o.progress else None)
-    out["fidelity"] = deploy.fidelity(unpruned, files, kinds)
+    out["fidelity"] = compare.fidelity(unpruned, files, kinds)
     return out
 
 
@@ -830,7 +829,7 @@ def runtime_section(d: dict | None) -> list[str]:
         return []
     if "note" in d:
         return [f"Note: {d['note']}", ""]
-    from multihead.apps import deploy
+    from multihead.deploy import compare
 
     lines = ["## Where prediction happens", "", "The kept model written for other runtimes, in `model/`: " +
              ", ".join(f"`{p}`" for p in d["files"].values()) + " (inputs `input_ids`, `attention_mask`"
@@ -844,5 +843,5 @@ def runtime_section(d: dict | None) -> list[str]:
                   "peer; multihead's own export of the unpruned model is a column, never the baseline. Timed in the "
                   "same interleaved rounds on the held-out text of every kind (ms per batch, median and min-max); the "
                   "bound is the ratio of the floating-point work of the padded call (what these runtimes compute), "
-                  "the most a cut of that work could give.", "", deploy.markdown(d["rows"], d.get("fidelity"))]
+                  "the most a cut of that work could give.", "", compare.markdown(d["rows"], d.get("fidelity"))]
     return lines

@@ -16,7 +16,7 @@ head layout (which weights hold head h), which ``heads.prune`` uses.
 The package's transformers code lives in six files, imported one way:
 :mod:`multihead.hf.attention` (the attention function, its registration, module discovery),
 :mod:`multihead.hf.layouts` (head layouts: derived, verified, explained, cut), this file (``attach``,
-save / load / ONNX export, and the public names), :mod:`multihead.hf.packed` (padding-free
+save / load, and the public names: the runtimes' writers from :mod:`multihead.deploy`), :mod:`multihead.hf.packed` (padding-free
 models), :mod:`multihead.hf.encoder` (a BERT-family encoder rebuilt lean for prediction) and
 :mod:`multihead.hf.forms` (SDPA forms of families that compute attention by hand, for
 :func:`multihead.heads.observe`). Nothing else in the package imports transformers.
@@ -28,6 +28,7 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -50,8 +51,12 @@ from multihead.hf.attention import (  # noqa: F401
     refusal,
 )
 from multihead.hf.encoder import serve
-from multihead.hf.export import export, export_onnx, fastembed
 from multihead.hf.layouts import HeadLayout, derive, explain, out_features, probe_inputs
+
+if TYPE_CHECKING:  # the runtimes' writers documented here live a floor up, in multihead.deploy: see __getattr__
+    from multihead.deploy.fastembed import fastembed
+    from multihead.deploy.folder import export
+    from multihead.deploy.onnx import export_onnx
 
 __all__ = ["SUPPORTED", "HeadLayout", "attach", "attention_forward", "attention_modules", "derive", "explain",
            "export", "export_onnx", "fastembed", "load", "loading", "save", "serve"]
@@ -428,3 +433,15 @@ def _resize_ffn(model: nn.Module, widths: dict, cfg_file: Path) -> None:
                              f"{type(model).__name__}.")
         if int(width) != blocks[down].width:
             cut_block(model, blocks[down], list(range(int(width))), None)
+
+
+def __getattr__(name: str):
+    """``export``, ``export_onnx`` and ``fastembed``, documented here (``multihead.hf.export(model, DIR)``), live in
+    :mod:`multihead.deploy` (the floor above, with every runtime's room): imported when first asked for, so that
+    importing this package loads none of it and the rooms can import this floor."""
+    if name in ("export", "export_onnx", "fastembed"):
+        from multihead.deploy import fastembed, folder, onnx
+
+        globals()[name] = getattr({"export": folder, "export_onnx": onnx, "fastembed": fastembed}[name], name)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

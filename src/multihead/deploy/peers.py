@@ -112,7 +112,7 @@ def ort_int8(f: Path) -> RuntimeModel:
     """The ONNX file ``f`` dynamically quantized to int8 by onnxruntime (QInt8 weights, one scale per output
     channel: on all-MiniLM-L6-v2 pruned 40%, mean cosine 0.970 where one scale per tensor gives 0.947, in about
     the same time), in :func:`ort_session`."""
-    from multihead.hf.export import quantize_standard
+    from multihead.deploy.onnx import quantize_standard
 
     return ort_session(quantize_standard(f, f.with_name("int8.onnx"), matmul_only=True))
 
@@ -123,9 +123,9 @@ def openvino_fp32(f: Path) -> RuntimeModel:
 
 
 def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
-    """The ONNX file ``f`` quantized by NNCF's static int8 (:func:`multihead.hf.export.openvino_int8`, calibrated on
+    """The ONNX file ``f`` quantized by NNCF's static int8 (:func:`multihead.deploy.openvino.openvino_int8`, calibrated on
     ``calibration``: text the timing never uses), compiled by :func:`openvino_model`."""
-    from multihead.hf.export import openvino_int8 as quantized_ir
+    from multihead.deploy.openvino import openvino_int8 as quantized_ir
 
     return openvino_model(quantized_ir(f, scratch() / "int8.xml", calibration))
 
@@ -167,8 +167,9 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     int8 (with ``calibration``) where the openvino extra is installed, and the same from the PyTorch model through
     OpenVINO's PyTorch frontend (:func:`_openvino_pt`: optimum-intel's way). {key: path} (keys as :data:`STANDARD`), exported
     once per process for the same weights."""
+    from multihead.deploy.onnx import optimize, quantize_standard
+    from multihead.deploy.trace import _export_example, input_names
     from multihead.extras import quiet_logs, require
-    from multihead.hf.export import _export_example, input_names, optimize, quantize_standard
 
     require("onnxscript", "the standard ONNX export")
     names = input_names(model)
@@ -213,10 +214,11 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
 
 def _eager_optimized(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
     """{"onnx_eager_optimized", "onnx_eager_optimized_int8": path} in ``d``: ``model`` with transformers' eager attention
-    through the TorchScript exporter (:func:`multihead.hf.export.eager_onnx`, inputs ``xs`` named ``names``), ONNX
+    through the TorchScript exporter (:func:`multihead.deploy.onnx.eager_onnx`, inputs ``xs`` named ``names``), ONNX
     Runtime's optimizer given the config's head count and hidden size (as optimum gives them), ``quantize_dynamic``
     per channel; {} where the optimizer has no pass for the model type or the export fails (told to ``log``)."""
-    from multihead.hf.export import ORT_MODEL_TYPES, _padded_eval, eager_onnx, optimize, quantize_standard
+    from multihead.deploy.onnx import ORT_MODEL_TYPES, eager_onnx, optimize, quantize_standard
+    from multihead.deploy.trace import _padded_eval
 
     if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
         return {}
@@ -240,8 +242,8 @@ def _openvino_standard(model, f: Path, xs: tuple, names: list[str], d: Path, *, 
     """OpenVINO's files of the unpruned ``model`` in ``d``: ``convert_model`` of the ONNX file ``f`` and of the PyTorch
     model (:func:`_openvino_pt`), each with NNCF's static int8 where ``calibration`` is given; {} without the openvino
     extra (told to ``log``)."""
+    from multihead.deploy.openvino import openvino_int8
     from multihead.extras import require
-    from multihead.hf.export import openvino_int8
 
     try:
         ov = require("openvino", "OpenVINO's standard conversion")
@@ -262,8 +264,8 @@ def _openvino_pt(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[
     and the one optimum-intel and sentence-transformers' OpenVINO backend take); {} where it fails (told to ``log``)."""
     import warnings
 
+    from multihead.deploy.trace import _padded_eval
     from multihead.extras import quiet_logs, require
-    from multihead.hf.export import _padded_eval
 
     ov = require("openvino", "OpenVINO's standard conversion")
     try:

@@ -1,6 +1,6 @@
 """The cut where prediction happens: a pruned encoder's exported files (:func:`multihead.hf.export`) against what
 users run today -- the unpruned transformers model made into each runtime's files the way that runtime's
-documentation does it (:func:`multihead.apps.runtimes.standard_files`; with ONNX Runtime's transformer optimizer
+documentation does it (:func:`multihead.deploy.peers.standard_files`; with ONNX Runtime's transformer optimizer
 too, the faster of the two being the peer) -- in the same runtime (ONNX Runtime fp32 and int8, OpenVINO fp32 and
 int8), timed interleaved at each batch size, each speed-up beside the arithmetic bound of the work the cut removed
 (:func:`work`: the floating-point operations of the padded call, as the runtimes compute padding), with the pruned
@@ -18,15 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from multihead.apps import runtimes, timing
+from multihead import timing
+from multihead.deploy import peers
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized", "onnx_eager_optimized"), runtimes.ort_session),
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized", "onnx_eager_optimized"), peers.ort_session),
             ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
-             runtimes.ort_session),
-            ("OpenVINO fp32", ("openvino", "openvino_pt"), runtimes.openvino_model),
-            ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), runtimes.openvino_model))
+             peers.ort_session),
+            ("OpenVINO fp32", ("openvino", "openvino_pt"), peers.openvino_model),
+            ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), peers.openvino_model))
 
 
 def pooled(model, ids, am):
@@ -113,7 +114,7 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
             files_pruned: dict[str, Path], inputs: dict[int, list[dict]], *, max_seconds: float = 20.0,
             min_rounds: int = 7, log: Callable | None = None) -> list[dict]:
     """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
-    (``standard``: :func:`multihead.apps.runtimes.standard_files`), multihead's own export of it (``files_full``; None
+    (``standard``: :func:`multihead.deploy.peers.standard_files`), multihead's own export of it (``files_full``; None
     leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
     in the same interleaved rounds (per batch size, every runtime together, each file's batches one after another as a
     server runs them; at least ``min_rounds`` unless ``max_seconds`` runs out first) on ``inputs`` ({batch size:
@@ -121,7 +122,7 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
     unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's, round by round: below 1 is
     slower), pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer: the median of the
-    rounds' ratios, :func:`multihead.apps.timing.paired`), range (its 95% interval), bound, share} where
+    rounds' ratios, :func:`multihead.timing.paired`), range (its 95% interval), bound, share} where
     ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the pruned file
     delivers ((speed-up - 1) / (bound - 1))."""
     engines: dict[str, dict[str, dict]] = {}  # runtime -> {"standard"/"unpruned"/"pruned": {key: model}}
@@ -149,8 +150,8 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
             un_key, un = _fastest(per, label, "unpruned", sides)
             pr_key, pr = _fastest(per, label, "pruned", sides)
             s, lo, hi = timing.paired(peer, pr)
-            rows.append({"runtime": label, "batch": B, "peer": runtimes.STANDARD[peer_key], "peer_ms": peer.to_json(),
-                         "standard": {runtimes.STANDARD[k]: per[(label, "standard", k)].to_json()
+            rows.append({"runtime": label, "batch": B, "peer": peers.STANDARD[peer_key], "peer_ms": peer.to_json(),
+                         "standard": {peers.STANDARD[k]: per[(label, "standard", k)].to_json()
                                       for k in sides["standard"]},
                          "unpruned_ms": un.to_json() if un is not None else None, "unpruned_file": un_key,
                          "unpruned_vs_peer": round(timing.paired(peer, un)[0], 3) if un is not None else None,

@@ -1,0 +1,22 @@
+"""Where prediction happens: a (pruned) model written as each runtime's files at its pruned size, every file checked
+against the torch model before it is kept, and timed against the peers' files of the same runtime.
+
+One room per runtime, each the whole story of it:
+
+- :mod:`multihead.deploy.onnx`: the ONNX export, ONNX Runtime's transformer optimizer, int8 quantization;
+- :mod:`multihead.deploy.openvino`: OpenVINO's conversion, its graph rewrites, NNCF's static int8;
+- :mod:`multihead.deploy.fastembed`: the ONNX files opened as fastembed's ``TextEmbedding``;
+- :mod:`multihead.deploy.gguf`: a Llama decoder as llama.cpp's GGUF (per-layer head counts for an uneven cut);
+- :mod:`multihead.deploy.genai`: a Llama decoder as ONNX Runtime GenAI's model, through its own builder.
+
+What the rooms share: :mod:`multihead.deploy.check` (every comparison of a written file with the torch model),
+:mod:`multihead.deploy.trace` (the graph the encoder rooms trace), :mod:`multihead.deploy.llama` (a decoder's head
+counts read from its weights, its refusals, its standard transformers folder), :mod:`multihead.deploy.folder`
+(an encoder's folder of ONNX and OpenVINO files: ``multihead.hf.export``). Above them, :mod:`multihead.deploy.peers`
+(the unpruned model made into each runtime's files the way its documentation does it) and
+:mod:`multihead.deploy.compare` (the runtime table: the pruned files against the peers, beside the bound of the work
+removed). The documented writers stay reachable as ``multihead.hf.export``, ``multihead.hf.export_onnx`` and
+``multihead.hf.fastembed``.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,300 @@
+"""GGUF, for llama.cpp: a (pruned) decoder language model written as a GGUF file at its pruned size (llama.cpp's
+layout, written with the ``gguf`` package). The ``decoder`` extra.
+
+    from multihead.deploy import gguf
+    gguf.export_gguf(model, "model.gguf", vocab="source.gguf")  # read back by gguf and by transformers
+
+It takes a ``LlamaForCausalLM`` (SmolLM2 and Llama 2/3 checkpoints are this class): each layer's counts are read from
+its projections (:func:`multihead.deploy.llama.layer_counts`), and a cut the same in every layer is written as the
+standard configuration every runtime loads. A cut that differs between layers (an uneven cut) keeps each layer's
+counts: llama.cpp's ``deci`` architecture (DeciLM's Llama body) reads per-layer head-count arrays, and ``export_gguf``
+says in one line that the file loads in llama.cpp, not in transformers' GGUF reader. No file is ever written at full
+size with zeros.
+
+The file is read back and compared with the torch model before it is returned (:mod:`multihead.deploy.check`): through
+``gguf``'s reader (each tensor, the head counts) and through transformers (``AutoModelForCausalLM.from_pretrained(folder,
+gguf_file=...)``: logits within the file's rounding, greedy tokens equal). A file that differs is deleted and a
+ValueError says by how much.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from multihead.deploy.check import QUANTIZED, TOLERANCE, Served, _compare, _greedy, _prompt
+from multihead.deploy.llama import _check_layers, _layers, _uneven, layer_counts
+from multihead.extras import require
+
+__all__ = ["export_gguf", "gguf_model", "tokenizer_fields"]
+
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf ``LlamaModel.permute``: within each head, the rotary halves (HF's
+    rotate_half layout) interleaved as pairs (GGML's rope): rows (n_head, 2, D/2) -> (n_head, D/2, 2)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab: str | Path | None = None,
+                tokenizer=None, prompt_ids=None, new_tokens: int = 8) -> Served:
+    """Write ``model`` (a LlamaForCausalLM, pruned or not) as a GGUF file of llama.cpp's ``llama`` architecture, as
+    llama.cpp's ``convert_hf_to_gguf.py`` writes a Llama: its tensor names (``token_embd``, ``blk.N.attn_q`` ...,
+    ``output``, left out when tied), q/k rows permuted to GGML's rotary layout, the head counts, head size
+    (``rope.dimension_count``, ``attention.key_length``/``value_length``: a pruned model's H*D differs from its
+    width), 1-D tensors in f32 and the matrices in ``dtype`` ("f32" or "f16").
+
+    A cut that differs between layers (an uneven cut) is written in llama.cpp's ``deci`` architecture instead, as
+    convert_hf_to_gguf.py writes a DeciLM / Llama-3.1-Nemotron-NAS model: a Llama body whose
+    ``deci.attention.head_count`` and ``head_count_kv`` are arrays, one count per layer, each layer's q/k/v/o tensors
+    at its own size; a layer with every head cut is written as deci's attention-free layer (counts 0, no attention
+    tensors: the layer adds nothing before its MLP, as the pruned model computes). llama.cpp loads that file
+    (llama-cpp-python 0.3.36, checked by ``bench/gguf_uneven.py``); transformers' GGUF reader does not (it reads one
+    head count per model), so the file is checked by ``gguf``'s reader only and a UserWarning says so in one line.
+    Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count).
+
+    ``vocab``: a GGUF file (the one the model came from) whose ``tokenizer.*`` fields are copied unchanged, so
+    llama.cpp tokenizes as before; or the model's own transformers ``tokenizer`` (a byte-level BPE, as SmolLM2's,
+    Llama 3's and Qwen's are), written as convert_hf_to_gguf.py writes a ``gpt2`` vocabulary (tokens, types,
+    merges, special ids; no ``tokenizer.ggml.pre``: llama.cpp then splits words by its default expression); neither
+    writes none (transformers and gguf read the file; llama.cpp needs one). ``dtype`` "q8_0": the matrices in
+    blocks of 32 at 8 bits (gguf's quantizer), the file's greedy tokens and logit difference reported
+    (:data:`QUANTIZED`).
+
+    Checked before it is returned (else deleted, ValueError): read back with ``gguf.GGUFReader`` (every tensor equal
+    to the weights as written, the counts), then (one count for every layer) loaded by
+    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` and run on ``prompt_ids`` (default: 16 fixed
+    random ids): logits within the dtype's rounding (:data:`TOLERANCE`) and ``new_tokens`` greedy tokens equal to the
+    torch model's. An uneven file's :class:`Served` has ``counts`` per layer, ``max_logit_diff`` and ``tolerance``
+    NaN and no ``tokens``: no runtime was run."""
+    counts, path = _gguf_args(model, path, dtype, vocab, new_tokens)
+    uneven = len(set(counts)) > 1
+    ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
+    gguf = require("gguf", "multihead.deploy.gguf.export_gguf")
+    if vocab is not None and tokenizer is not None:
+        raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
+                         "both.")
+    vocab_fields = (_vocab_fields(gguf, vocab) if vocab is not None else
+                    tokenizer_fields(gguf, tokenizer, int(model.config.vocab_size)) if tokenizer is not None else [])
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    written = _write_gguf(gguf, model, tmp, counts, dtype, vocab_fields)
+    os.replace(tmp, path)
+
+    checks = _read_back(gguf, path, written, counts)
+    if uneven:
+        where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
+                 f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama), not in transformers' GGUF reader "
+                 "(one head count per model), so no runtime checked it here.")
+        warnings.warn(where, UserWarning, stacklevel=2)
+        return Served(path, "gguf", float("nan"), float("nan"), [], counts, [*checks, where])
+    return _run_back(model, path, dtype, ids, new_tokens, checks)
+
+
+def gguf_model(path: str | Path) -> nn.Module:
+    """A GGUF file as transformers reads it (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, the
+    weights dequantized to float32), in eval mode."""
+    transformers = require("transformers", "multihead.deploy.gguf.gguf_model")
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
+        os.symlink(path.resolve(), Path(d) / path.name)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str]) -> Served:
+    """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
+    greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
+    with torch.no_grad():
+        ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
+        got_logits, got_tokens = _greedy(gguf_model(path), ids, new_tokens)
+    counts = layer_counts(model)
+    diff = float((got_logits - ref_logits).abs().max())
+    if dtype in QUANTIZED:
+        same = sum(a == b for a, b in zip(got_tokens, ref_tokens))
+        checks.append(f"transformers gguf_file= (dequantized): logits max |diff| {diff:.3g} ({dtype}: judged by "
+                      f"perplexity, not a tolerance), {same} of {new_tokens} greedy tokens equal")
+        return Served(path, "gguf", diff, float("inf"), got_tokens, counts[0], checks)
+    tol = TOLERANCE[dtype] * max(1.0, float(ref_logits.abs().max()))
+    _compare("export_gguf", path, diff, tol, got_tokens, ref_tokens)
+    checks.append(f"transformers gguf_file=: logits max |diff| {diff:.3g} (tolerance {tol:.3g}), {new_tokens} greedy "
+                  "tokens equal")
+    return Served(path, "gguf", diff, tol, got_tokens, counts[0], checks)
+
+
+def _gguf_args(model: nn.Module, path: str | Path, dtype: str, vocab, new_tokens) -> tuple[list, Path]:
+    """export_gguf's refusals, before any work: returns the (H, Hkv, D) of every layer and the path."""
+    counts = _check_layers(model, "export_gguf")
+    if len(set(counts)) > 1 and counts[0][0] == 0:
+        raise ValueError(f"export_gguf: layer 0 has every head cut ({_uneven(counts)}); llama.cpp's deci graph takes "
+                         "the head size from layer 0's head count, so the file would not load: keep a head in layer 0.")
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"export_gguf: dtype={dtype!r}; use one of {GGUF_DTYPES}.")
+    path = Path(path)
+    if path.suffix != ".gguf" or path.is_dir():
+        raise ValueError(f"export_gguf writes a file named *.gguf; got {path}.")
+    if vocab is not None and not Path(vocab).is_file():
+        raise ValueError(f"export_gguf: vocab={vocab} is not a file; give the GGUF file the model came from, or None.")
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
+        raise ValueError(f"export_gguf: new_tokens must be a whole number >= 1; got {new_tokens!r}.")
+    return counts, path
+
+
+def _gguf_header(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str):
+    """A GGUFWriter on ``tmp`` holding the model's fields: llama's, or deci's with per-layer head-count arrays."""
+    cfg = model.config
+    layers = _layers(model)
+    uneven = len(set(counts)) > 1
+    D = counts[0][2]
+    w = gguf.GGUFWriter(str(tmp), "deci" if uneven else "llama")
+    w.add_name(str(getattr(cfg, "_name_or_path", "") or "multihead").rstrip("/").split("/")[-1] or "multihead")
+    w.add_vocab_size(int(cfg.vocab_size))
+    w.add_context_length(int(cfg.max_position_embeddings))
+    w.add_embedding_length(int(cfg.hidden_size))
+    w.add_block_count(len(layers))
+    w.add_feed_forward_length(int(layers[0].mlp.gate_proj.weight.shape[0]))
+    w.add_rope_dimension_count(D)
+    w.add_head_count([c[0] for c in counts] if uneven else counts[0][0])
+    w.add_head_count_kv([c[1] for c in counts] if uneven else counts[0][1])
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    return w
+
+
+#: the tensors of a layer's attention block, which a layer with every head cut does not have in deci's layout
+_ATTENTION_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                      "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+
+
+def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str,
+                vocab_fields: list[tuple]) -> dict[str, np.ndarray]:
+    """Write the GGUF file ``tmp`` as convert_hf_to_gguf.py writes a Llama (a DeciLM when the counts differ between
+    layers); returns {tensor name: array written}."""
+    cfg = model.config
+    layers = _layers(model)
+    arch = gguf.MODEL_ARCH.DECI if len(set(counts)) > 1 else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, len(layers))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    state = model.state_dict()
+    cut = {f"model.layers.{i}.{t}" for i, c in enumerate(counts) if c[0] == 0 for t in _ATTENTION_TENSORS}
+    tensors = [(names.get_name(n, try_suffixes=(".weight", ".bias")), n, t) for n, t in state.items()
+               if not (tied and n == "lm_head.weight") and n not in cut]  # tied: llama.cpp reads token_embd twice
+    unnamed = [n for name, n, _ in tensors if name is None]
+    if unnamed:
+        raise ValueError(f"export_gguf: {unnamed[:3]} have no name in llama.cpp's Llama layout.")
+    w = _gguf_header(gguf, model, tmp, counts, dtype)
+    for key, val, vtype, sub in vocab_fields:
+        w.add_key_value(key, val, vtype, sub_type=sub)
+    written = {}
+    for name, hf_name, t in tensors:
+        data = t.detach().float().cpu().numpy()
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            H, Hkv, _ = counts[int(hf_name.split(".")[2])]  # model.layers.<i>.self_attn...
+            # (H*D, E) or (Hkv*D, E), each head's rows in GGML's rotary order
+            data = _permute(data, H if hf_name.endswith("q_proj.weight") else Hkv)
+        raw = None
+        if dtype in QUANTIZED and data.ndim == 2 and data.shape[1] % 32 == 0:  # blocks of 32 along each row
+            raw = getattr(gguf.GGMLQuantizationType, QUANTIZED[dtype])
+            data = gguf.quants.quantize(np.ascontiguousarray(data), raw)  # (rows, bytes per row) uint8
+        elif dtype != "f32" and data.ndim > 1:  # f16, and a quantized file's matrices that make no whole blocks
+            data = data.astype(np.float16)
+        written[name] = np.ascontiguousarray(data)
+        w.add_tensor(name, written[name], raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
+    """(key, value, type, sub_type) of every ``tokenizer.*`` field of the GGUF file ``vocab``."""
+    reader = gguf.GGUFReader(str(vocab))
+    out = []
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype, sub))
+    if not any(k == "tokenizer.ggml.model" for k, *_ in out):
+        raise ValueError(f"export_gguf: vocab={vocab} holds no tokenizer (no tokenizer.ggml.model field).")
+    return out
+
+
+def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
+    """(key, value, type, sub_type) of a ``gpt2`` GGUF vocabulary from a transformers byte-level BPE tokenizer:
+    every token by id, its type (control: the special tokens; user-defined: other added ones), the merges, and the
+    special tokens' ids; a model whose embedding has more rows than the tokenizer has tokens gets ``[PAD<i>]``
+    tokens marked unused up to ``vocab_size``, as convert_hf_to_gguf.py pads. ValueError for a tokenizer of another
+    kind (naming it), or with more tokens than the model's vocabulary."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = json.loads(backend.to_str())["model"] if backend is not None else {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"export_gguf: tokenizer= is a {model.get('type', type(tokenizer).__name__)} tokenizer"
+                         f"{' with byte fallback (SentencePiece-style)' if model.get('byte_fallback') else ''}; "
+                         "this writes byte-level BPE vocabularies (gpt2) only: give vocab= the GGUF file the model "
+                         "came from instead.")
+    T = gguf.GGUFValueType
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise ValueError(f"export_gguf: the tokenizer has {n} tokens, the model's vocabulary {vocab_size} rows: give "
+                         "the model's own tokenizer.")
+    added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    types = [int(gguf.TokenType.CONTROL if added.get(t) else gguf.TokenType.USER_DEFINED if t in added
+                 else gguf.TokenType.NORMAL) for t in tokens]
+    tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]  # the embedding's rows past the tokenizer's tokens
+    types += [int(gguf.TokenType.UNUSED)] * (vocab_size - n)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+           ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32), ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
+    for key, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                     ("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
+        if tid is not None:
+            out.append((f"tokenizer.ggml.{key}_token_id", int(tid), T.UINT32, None))
+    return out
+
+
+def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> list[str]:
+    uneven = len(set(counts)) > 1
+    arch = "deci" if uneven else "llama"
+    H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if uneven else counts[0][:2]
+    D = counts[0][2]
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    meta = {"general.architecture": arch, f"{arch}.attention.head_count": H, f"{arch}.attention.head_count_kv": Hkv,
+            f"{arch}.rope.dimension_count": D, f"{arch}.attention.key_length": D, f"{arch}.block_count": len(counts)}
+    wrong = {k: (field(k), v) for k, v in meta.items() if field(k) != v}
+    tensors = {t.name: t for t in reader.tensors}
+    if wrong or set(tensors) != set(written):
+        path.unlink()
+        raise ValueError(f"export_gguf: the file read back differs: fields {wrong}, tensors missing "
+                         f"{sorted(set(written) - set(tensors))[:5]} extra {sorted(set(tensors) - set(written))[:5]}; "
+                         "it was deleted.")
+    for name, want in written.items():
+        got = np.asarray(tensors[name].data)
+        if got.dtype != want.dtype or got.reshape(want.shape).tobytes() != want.tobytes():
+            path.unlink()
+            raise ValueError(f"export_gguf: tensor {name} read back differs from the weights written "
+                             f"({got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}); it was deleted.")
+    return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count {H}, "
+            f"head_count_kv {Hkv}, head size {D}"]

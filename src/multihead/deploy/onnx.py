@@ -1,0 +1,275 @@
+"""ONNX, for ONNX Runtime: a (pruned) transformers model written as one ONNX file (:func:`export_onnx`), ONNX
+Runtime's transformer optimizer on it (:func:`optimize`, from the eager-attention graph with each layer's head count
+written: :func:`eager_onnx`, :func:`write_head_counts`) and its int8 quantization (:func:`quantize_standard`); the
+files :func:`multihead.deploy.folder.export` writes under ``DIR/onnx/``.
+
+The graph is the model's own transformers graph with transformers' SDPA attention -- the graph ``torch.onnx.export``
+gives for the unpruned model, the one users export and ONNX Runtime's optimizer knows -- at the pruned size: each
+attention module's projections hold its kept heads only (checked on the written graph); a family without SDPA is
+exported through multihead's attention function. A model whose heads are cut by gates or stored as zeros is
+refused, naming the module. Every file is run once on padded batches and compared with the torch model before it
+is kept (:mod:`multihead.deploy.check`). The peers' ONNX files (the unpruned model exported as ONNX Runtime's
+documentation does it) are made in :mod:`multihead.deploy.peers`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from multihead.deploy.check import _refuse_full_size
+from multihead.deploy.trace import _attention, _export_example, _padded_eval, _TokensToHidden, input_names, standard_attention
+from multihead.hf.attention import PreTrainedModel, attention_modules
+from multihead.hf.layouts import probe_inputs
+
+ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
+ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_optimized_int8.onnx", "export.json"
+
+
+#: transformers' model types ONNX Runtime's transformer optimizer has a pass for (``optimizer.MODEL_TYPES``'s names)
+ORT_MODEL_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "distilbert": "bert", "electra": "bert",
+                   "mpnet": "bert", "camembert": "bert", "deberta-v2": "bert", "gpt2": "gpt2"}
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, example: dict | None = None, standard: bool = True) -> Path:
+    """Write ``model`` (pruned or not) as an ONNX file taking ``input_ids`` and ``attention_mask`` (and
+    ``token_type_ids`` where the model has token types: :func:`input_names`), each (B, L), both sizes dynamic
+    (L up to the config's ``max_position_embeddings``), and giving its first output, named ``last_hidden_state``
+    (or ``logits``). Uses ``torch.onnx.export`` (the ``onnx`` extra) on the model's transformers graph with SDPA
+    attention (:func:`standard_attention`; ``standard=False``: through multihead's attention function). A pruned
+    model is written at its pruned size; a padding-free model is exported padded (the same outputs on real tokens;
+    ONNX gets one static graph).
+    Refused with a clear error: a quantized model (export the float one and quantize in ONNX Runtime), heads cut
+    by gates or stored as zeros (:func:`_refuse_full_size`), a model whose forward takes no ``attention_mask``, a
+    decoder whose call would make a cache, and masks other than a (B, L) 0/1 padding mask in ``example``."""
+    _export_onnx(model, Path(path), example, standard)
+    return Path(path)
+
+
+def _export_onnx(model: nn.Module, path: Path, example: dict | None, standard: bool) -> str:
+    """:func:`export_onnx`'s work; returns the attention implementation the graph holds ("sdpa", or multihead's
+    name where ``standard`` is False or transformers' SDPA graph cannot be exported)."""
+    from multihead.extras import quiet_logs, require
+    from multihead.quantize import is_quantized
+
+    require("onnxscript", "multihead.hf.export_onnx")
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"export_onnx takes a transformers PreTrainedModel; got {type(model).__name__}.")
+    if is_quantized(model):
+        raise ValueError("export_onnx: the model is quantized (PyTorch's dynamic int8 kernels have no ONNX form); "
+                         "export the float model and quantize the ONNX file with onnxruntime.quantization.")
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"export_onnx: {type(model).__name__}.forward takes no attention_mask; the exported graph's "
+                         "inputs are input_ids and attention_mask (B, L).")
+    names = input_names(model)
+    xs = _export_example(example if example is not None else probe_inputs(model), names)
+    if getattr(model.config, "use_cache", False) and any(getattr(m, "is_causal", False)
+                                                        for m in attention_modules(model).values()):
+        raise ValueError("export_onnx: a decoder would make a key/value cache; set model.config.use_cache = False "
+                         "to export the one-pass graph.")
+    _refuse_full_size(model)
+    with _padded_eval(model):
+        L_max = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
+        B, L = torch.export.Dim("B"), torch.export.Dim("L", max=L_max)
+        with torch.no_grad():
+            out_name = next(iter(model(**dict(zip(names, xs))).keys()))  # last_hidden_state, logits, ...
+
+        def write() -> None:
+            with warnings.catch_warnings(), quiet_logs("torch.onnx"):  # the exporter's notices, not the user's
+                warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+                warnings.filterwarnings("ignore", message=r"# The axis name: \w+ will not be used")  # B, L shared
+                torch.onnx.export(_TokensToHidden(model, "token_type_ids" in names).eval(), xs, str(path), dynamo=True,
+                                  input_names=names, output_names=[out_name],
+                                  dynamic_shapes={n: {0: B, 1: L} for n in names}, verbose=False)
+
+        own = model.config._attn_implementation
+        if standard:
+            try:
+                with standard_attention(model) as used:
+                    write()
+                return used
+            except Exception as e:  # noqa: BLE001 - transformers' SDPA graph cannot be exported here (a layer with no
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"  # head left: its -1
+                warnings.warn(f"export_onnx: transformers' SDPA graph could not be exported ({why}); exporting "
+                              "multihead's attention function's graph instead", RuntimeWarning, stacklevel=3)
+        write()
+        return own
+
+
+def _written_and_checked(model: nn.Module, f: Path, example: dict | None, check) -> tuple[str, str | None]:
+    """``f`` written with transformers' SDPA graph and checked (``check(path)``); where that graph cannot be exported or
+    fails its check (a layer with no head left: a -1 reshape of zero elements), multihead's attention function's
+    graph, itself checked. (the attention the file holds, why the standard graph was not kept or None)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", RuntimeWarning)
+        attention = _export_onnx(model, f, example, standard=True)
+    fallback = next((str(w.message) for w in said if "SDPA graph" in str(w.message)), None)
+    try:
+        check(f)
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime's and verify's failures share no base class
+        if attention == model.config._attn_implementation:  # multihead's graph already: nothing to fall back to
+            raise
+        fallback = f"transformers' SDPA graph failed its check ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        attention = _export_onnx(model, f, example, standard=False)
+        check(f)
+    return attention, fallback
+
+
+def _optimized(model: nn.Module, f: Path, example: dict | None, check) -> tuple[dict[str, Path], dict]:
+    """The optimized files beside the fp32 file ``f``, checked (``check(path)``) and quantized like the plain one:
+    ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what the optimizer fused). First the eager-attention
+    graph with each layer's head count written (:func:`eager_onnx`, :func:`write_head_counts`), the form ONNX Runtime's
+    optimizer fuses into one ``Attention`` op per layer; where it fuses no attention there (or that graph cannot be
+    written), ``f`` itself through the optimizer. The optimizer is optional: its failure leaves the plain files and
+    is said in the record."""
+    out, out_int8 = f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE)
+    try:
+        fused = _eager_fused(model, f, out, example)
+        if not fused.get("written"):
+            return {}, fused
+        check(out)
+        quantize_standard(out, out_int8, matmul_only=True)
+        return {"onnx_optimized": out, "onnx_optimized_int8": out_int8}, fused
+    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
+        for name in (out, out_int8):
+            name.unlink(missing_ok=True)
+        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
+
+
+def _eager_fused(model: nn.Module, f: Path, out: Path, example: dict | None) -> dict:
+    """``out``: the eager graph with its head counts through :func:`optimize` where that fuses attention, else the file
+    ``f`` through it; :func:`optimize`'s record with "graph" (which of the two) added."""
+    eager, why = f.with_name("eager.onnx"), None
+    if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is not None:
+        try:
+            with _padded_eval(model):
+                names = input_names(model)
+                import onnx
+
+                eager_onnx(_TokensToHidden(model, "token_type_ids" in names), model,
+                           _export_example(example if example is not None else probe_inputs(model), names), names,
+                           eager, output=onnx.load(str(f), load_external_data=False).graph.output[0].name)
+            counts = write_head_counts(eager)
+            fused = optimize(model, eager, out)
+            if fused["written"] and sum(v for k, v in fused["fused"].items() if "Attention" in k):
+                return fused | {"graph": f"eager attention (TorchScript exporter), {counts} head counts written"}
+            why = fused["note"]
+        except Exception as e:  # noqa: BLE001 - the eager graph is optional: the exporters' failures share no base
+            why = f"the eager graph could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        finally:
+            eager.unlink(missing_ok=True)
+    fused = optimize(model, f, out)
+    return fused | {"graph": f"{f.name}'s" + (f" (the eager one: {why})" if why else "")}
+
+
+def eager_onnx(wrapper: nn.Module, model: nn.Module, xs: tuple[Tensor, ...], names: list[str], path: Path, *,
+               output: str = "last_hidden_state") -> Path:
+    """``wrapper`` (a module calling ``model`` on ``xs``, the graph's inputs ``names``, each (B, L); its output named
+    ``output``) written as ONNX
+    with ``model``'s attention switched to transformers' eager function (MatMul, scale, Add of the mask, Softmax,
+    MatMul: the pattern ONNX Runtime's attention fusion matches) by ``torch.onnx.export``'s TorchScript exporter
+    (``dynamo=False``, opset 17; B and L dynamic), the way optimum-style exports write transformers encoders."""
+    from multihead.extras import quiet_logs
+
+    with _attention(model, "eager") as used:
+        if used != "eager":
+            raise RuntimeError(f"transformers kept {used!r} attention; the eager graph needs 'eager'")
+        with warnings.catch_warnings(), quiet_logs("torch.onnx"):
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
+            torch.onnx.export(wrapper.eval(), xs, str(path), dynamo=False, opset_version=17, input_names=names,
+                              output_names=[output], dynamic_axes={n: {0: "B", 1: "L"} for n in names})
+    import onnx
+
+    g = onnx.load(str(path))  # constants the exporter left unread: ONNX Runtime warns of each on every load
+    used = {i for n in g.graph.node for i in n.input}
+    for t in [t for t in g.graph.initializer if t.name not in used]:
+        g.graph.initializer.remove(t)
+    onnx.save(g, str(path))
+    return path
+
+
+def write_head_counts(path: Path) -> int:
+    """Rewrite the ONNX file ``path`` so that each reshape splitting a projection into heads, (B, L, E') -> (B, L, -1, D)
+    (transformers' modules reshape with -1 heads), names its layer's head count for -1: the projection's width over D,
+    read from its weight. ONNX Runtime's attention fusion reads each layer's heads there (``num_heads=0``); a pruned
+    model's layers differ. The same computation (a -1 stands for exactly that count). Returns how many were written."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    g = OnnxModel(onnx.load(str(path)))
+    written = 0
+    for node in g.get_nodes_by_op_type("Reshape"):
+        concat = g.get_parent(node, 1)  # Concat(B, L, -1, D)
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 4:
+            continue
+        h, d = g.get_constant_value(concat.input[2]), g.get_constant_value(concat.input[3])
+        if h is None or d is None or np.size(h) != 1 or np.size(d) != 1 or int(np.ravel(h)[0]) != -1:
+            continue
+        proj = g.match_parent_path(node, ["Add", "MatMul"], [0, None])  # x @ W + b
+        w = g.get_initializer(proj[1].input[1]) if proj is not None else None
+        if w is None or len(w.dims) != 2 or w.dims[1] % int(np.ravel(d)[0]):
+            continue
+        heads = numpy_helper.from_array(np.array([w.dims[1] // int(np.ravel(d)[0])], dtype=np.int64),
+                                        f"{node.name}/heads")
+        g.add_initializer(heads)
+        concat.input[2] = heads.name
+        written += 1
+    g.save_model_to_file(str(path))
+    return written
+
+
+def quantize_standard(source: Path, out: Path, *, matmul_only: bool = False) -> Path:
+    """``source`` quantized the way ONNX Runtime's documentation does it for transformers on a CPU:
+    ``quantize_dynamic`` with int8 weights, one scale per output channel, its default operators (the embeddings'
+    gathers included); ``matmul_only``: the matrix products alone (MatMul, and the projections of an ``Attention`` op
+    ONNX Runtime's optimizer fused), as torch's own int8 model quantizes its Linear layers (what :func:`export`
+    writes: within torch's int8 rounding of the model; the embeddings cost no time)."""
+    from multihead.extras import quiet_logs, require
+
+    require("onnxruntime", "int8 quantization")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    ops = {"op_types_to_quantize": ["MatMul", "Attention"]} if matmul_only else {}
+    with quiet_logs(""):  # onnxruntime's "consider pre-processing" advice goes to the root logger
+        quantize_dynamic(str(source), str(out), weight_type=QuantType.QInt8, per_channel=True,
+                         extra_options={"DefaultTensorType": 1}, **ops)  # FLOAT where shape inference stops at a fused op
+    return out
+
+
+def optimize(model: nn.Module, source: Path, out: Path, *, heads_from_config: bool = False) -> dict:
+    """``source`` through ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``, the model type
+    from the config: :data:`ORT_MODEL_TYPES`), written to ``out`` when the optimizer knows the type: {"model_type",
+    "fused": {op: count}, "written": bool, "note": what it could not fuse (None when attention was fused too)}. The
+    attention fusion reads each layer's head count from the graph's reshapes (``num_heads=0``; a -1 there fuses
+    nothing: :func:`write_head_counts`); ``heads_from_config``: the config's ``num_attention_heads`` and
+    ``hidden_size`` stand for a -1, as optimum passes them (right for an unpruned model only)."""
+    from multihead.extras import quiet_logs
+
+    cfg = model.config
+    kind = ORT_MODEL_TYPES.get(getattr(cfg, "model_type", ""))
+    if kind is None:
+        return {"model_type": getattr(cfg, "model_type", None), "fused": {}, "written": False,
+                "note": f"ONNX Runtime's transformer optimizer has no pass for model type {cfg.model_type!r}"}
+    from onnxruntime.transformers import optimizer
+
+    with quiet_logs("onnxruntime"), quiet_logs(""):
+        heads = (int(cfg.num_attention_heads), int(cfg.hidden_size)) if heads_from_config else (0, 0)
+        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=heads[0], hidden_size=heads[1])
+        fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        graph = opt.model.graph  # constants the fused ops no longer read: ONNX Runtime warns of each on every load
+        used = {i for n in graph.node for i in n.input}
+        for t in [t for t in graph.initializer if t.name not in used]:
+            graph.initializer.remove(t)
+        opt.save_model_to_file(str(out))
+    attention = sum(v for k, v in fused.items() if "Attention" in k)
+    note = None if attention else (
+        "ONNX Runtime's optimizer fused no attention in this graph (transformers' SDPA masks are not the pattern it "
+        f"matches): it fused {', '.join(f'{k} x{v}' for k, v in fused.items()) or 'nothing'}")
+    return {"model_type": kind, "fused": fused, "written": True, "note": note}
