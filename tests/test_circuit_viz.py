@@ -253,7 +253,7 @@ def test_the_circuit_command_writes_what_the_library_computes(tmp_path, capsys):
                                             "position"),
     ({"--budget": "0%"}, "--budget must be a share of the edges in (0, 100%], e.g. 1% or 0.01; got '0%'"),
     ({"--budget": "150%"}, "--budget must be a share of the edges in (0, 100%]"),
-    ({"--method": "acdc"}, "--method must be one of eap, eap-ig; got 'acdc'"),
+    ({"--method": "acdc"}, "--method must be one of eap, eap-ig, atp*; got 'acdc'"),
     ({"--steps": "0"}, "--steps must be a whole number >= 1"),
 ])
 def test_the_circuit_command_refuses_bad_input_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch,

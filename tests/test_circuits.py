@@ -262,7 +262,7 @@ def test_bad_input_is_refused_in_one_line_before_any_forward():
         heads.edge_attribution(model, clean, corrupted, lambda out: out[:, -1, 0] * 0)
     with pytest.raises(ValueError, match=r"metric must return a tensor computed from the model's output"):
         heads.edge_attribution(model, clean, corrupted, lambda out: 1.0)
-    with pytest.raises(ValueError, match=r"method must be 'eap' or 'eap-ig'; got 'acdc'"):
+    with pytest.raises(ValueError, match=r"method must be one of 'eap', 'eap-ig', 'atp\*'; got 'acdc'"):
         heads.edge_attribution(model, clean, corrupted, _logit_diff, method="acdc")
     with pytest.raises(ValueError, match=r"edge \('layers.1.h0', 'layers.0.q0'\) is not in the graph"):
         heads.patch_edges(model, clean, corrupted, _logit_diff, [("layers.1.h0", "layers.0.q0")])

@@ -447,8 +447,9 @@ def _circuit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_positive(int), default=16, help="--pairs: pairs a forward")
     p.add_argument("--mib", action="store_true", help="MIB's graph (a key and a value reader per query head) and "
                                                       "OUT/importances.json, the graph file MIB's evaluator reads")
-    p.add_argument("--method", default="eap-ig", help="eap (one forward of each text, one backward) or eap-ig "
-                                                      "(--steps integration points)")
+    p.add_argument("--method", default="eap-ig", help="eap (one forward of each text, one backward), eap-ig "
+                                                      "(--steps integration points) or atp* (AtP*: queries and keys "
+                                                      "with the softmax recomputed, and GradDrop)")
     p.add_argument("--steps", type=int, default=5, help="eap-ig: integration steps, >= 1")
     p.add_argument("--budget", default="1%", help="the circuit kept: this share of the edges, by |score|, in "
                                                   "(0, 100%%] (1%% or 0.01), less those on no input-to-logits path "

@@ -19,7 +19,7 @@ import torch
 __all__ = ["FILES", "METHODS", "MIB_FILE", "checked", "read_pairs", "run"]
 
 #: the scoring methods the command takes (heads.edge_attribution's)
-METHODS = ("eap", "eap-ig")
+METHODS = ("eap", "eap-ig", "atp*")
 #: the files the command writes into OUT
 FILES = ("circuit.json", "circuit.md", "circuit.png", "circuit.html", "curve.png", "explorer.html")
 #: with --mib, also: MIB's graph file (the name MIB's run_evaluation.py looks for)

@@ -16,16 +16,19 @@ from multihead.heads import timm_forms as _timm_forms  # noqa: F401 - registers 
 from multihead.heads.capture import Captured, capture
 from multihead.heads.circuits import (
     CONSTRUCTIONS,
+    EDGE_METHODS,
     MIB_BUDGETS,
     CircuitCurve,
     CircuitGraph,
     EdgeScores,
     Faithfulness,
     FaithfulnessCurve,
+    NodeScores,
     circuit_graph,
     edge_attribution,
     faithfulness,
     faithfulness_curve,
+    node_attribution,
     patch_edges,
 )
 from multihead.heads.gates import attention_modules, gated
@@ -61,11 +64,11 @@ from multihead.heads.pruning import (
     save_curve,
 )
 
-__all__ = ["CONSTRUCTIONS", "Captured", "CircuitCurve", "CircuitGraph", "Curve", "EdgeScores", "Faithfulness",
-           "FaithfulnessCurve", "Importance", "METHODS", "MIB_BUDGETS", "Patching", "PromptPairs",
-           "ablation_importance", "attention_modules", "attribution", "capture", "circuit_graph", "dataset_attribution",
-           "dataset_faithfulness", "dataset_faithfulness_curve", "edge_attribution", "entropy_importance",
-           "faithfulness", "faithfulness_curve", "ffn_blocks", "gated", "gradient_importance", "head_counts",
-           "importance", "mean_head_outputs", "mib_names", "observe", "observed", "patch", "patch_edges", "path_patch",
-           "plot_curve", "prompt_pairs", "prune", "prune_neurons", "pruning_curve", "read_mib_graph", "resize",
-           "save_curve", "unobserve", "write_mib_graph"]
+__all__ = ["CONSTRUCTIONS", "Captured", "CircuitCurve", "CircuitGraph", "Curve", "EDGE_METHODS", "EdgeScores",
+           "Faithfulness", "FaithfulnessCurve", "Importance", "METHODS", "MIB_BUDGETS", "NodeScores", "Patching",
+           "PromptPairs", "ablation_importance", "attention_modules", "attribution", "capture", "circuit_graph",
+           "dataset_attribution", "dataset_faithfulness", "dataset_faithfulness_curve", "edge_attribution",
+           "entropy_importance", "faithfulness", "faithfulness_curve", "ffn_blocks", "gated", "gradient_importance",
+           "head_counts", "importance", "mean_head_outputs", "mib_names", "node_attribution", "observe", "observed",
+           "patch", "patch_edges", "path_patch", "plot_curve", "prompt_pairs", "prune", "prune_neurons",
+           "pruning_curve", "read_mib_graph", "resize", "save_curve", "unobserve", "write_mib_graph"]

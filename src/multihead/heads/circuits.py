@@ -29,6 +29,9 @@ run's (alpha = 0, 1/steps, ..., (steps-1)/steps: ``steps=1`` is EAP). Gradients 
 q/k/v, the MLPs' outputs and the final residual). ``direction="denoise"`` (default, TransformerLens' convention): the
 base run is the corrupted input, so a score estimates how much patching that edge from the clean run moves the
 metric. :func:`patch_edges` computes that exactly for chosen edges (batched: ``chunk`` edges a forward).
+``method="atp*"`` (Kramár et al. 2024's AtP*): the edges into queries and keys scored with the softmax recomputed
+exactly (right where a saturated head makes EAP's gradient vanish), and GradDrop against cancelling paths;
+:func:`node_attribution` scores the nodes (heads, MLPs, the embedding) as the sums of their edges.
 
 **Circuits at a budget.** A circuit is a set of edges on paths from the input to the logits: an edge whose writer no
 kept edge reaches from the embedding, or whose reader feeds a head or MLP that reaches the logits through no kept edge,
@@ -58,14 +61,17 @@ from torch import Tensor, nn
 from multihead.heads.gates import attention_modules
 from multihead.heads.patching import _call, _per_row, _repeat, _repeat_rows, _rows, _value
 
-__all__ = ["CONSTRUCTIONS", "MIB_BUDGETS", "CircuitCurve", "CircuitGraph", "EdgeScores", "Faithfulness",
-           "FaithfulnessCurve", "circuit_graph", "edge_attribution", "faithfulness", "faithfulness_curve", "patch_edges"]
+__all__ = ["CONSTRUCTIONS", "EDGE_METHODS", "MIB_BUDGETS", "CircuitCurve", "CircuitGraph", "EdgeScores", "Faithfulness",
+           "FaithfulnessCurve", "NodeScores", "circuit_graph", "edge_attribution", "faithfulness", "faithfulness_curve",
+           "node_attribution", "patch_edges"]
 
 #: MIB's edge budgets, as fractions of the graph's edges (0.1% ... 100%)
 MIB_BUDGETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 #: how :meth:`EdgeScores.circuit` builds a circuit from the scores: "pruned" (MIB's: the top n, dangling edges removed),
 #: "greedy" (EAP-IG's: grown from the logits, then pruned), "top" (the raw top n)
 CONSTRUCTIONS = ("pruned", "greedy", "top")
+#: the scoring methods of :func:`edge_attribution` and :func:`node_attribution`
+EDGE_METHODS = ("eap", "eap-ig", "atp*")
 
 @dataclass(frozen=True)
 class Block:
@@ -186,6 +192,7 @@ class EdgeScores:
     method: str
     direction: str
     steps: int = 1
+    graddrop: bool = False  # AtP*'s GradDrop: the scores are magnitudes (>= 0), see edge_attribution
 
     def top(self, n: int = 10) -> list[tuple[str, str, float]]:
         """The ``n`` edges of largest |score|, strongest first: (writer, reader, score)."""
@@ -251,6 +258,38 @@ class EdgeScores:
         lines = ["| writer | reader | score |", "|---|---|---:|"]
         lines += [f"| {w} | {r} | {s:.4g} |" for w, r, s in self.top(n)]
         return "\n".join(lines)
+
+
+@dataclass
+class NodeScores:
+    """Scores of a graph's nodes, its writers (:func:`node_attribution`): ``nodes`` ("embed", each head's output
+    ``"{module}.h{h}"``, each MLP), ``scores`` (n,) float64 in that order: the metric's change estimated for patching
+    that node alone from the source run (its output at every position), or with ``graddrop`` its magnitude;
+    ``base``/``source``, ``method``, ``direction`` as :class:`EdgeScores`."""
+
+    graph: CircuitGraph
+    nodes: list[str]
+    scores: Tensor
+    base: float
+    source: float
+    method: str
+    direction: str
+    graddrop: bool = False
+
+    def top(self, n: int = 10) -> list[tuple[str, float]]:
+        """The ``n`` nodes of largest |score|, strongest first: (node, score)."""
+        order = self.scores.abs().argsort(descending=True, stable=True)[:n]
+        return [(self.nodes[i], float(self.scores[i])) for i in order.tolist()]
+
+    def heads(self) -> dict[str, Tensor]:
+        """{attention module: (H,) its heads' scores}, the layout of :class:`~multihead.heads.Patching`'s values."""
+        at = {n: i for i, n in enumerate(self.nodes)}
+        return {u.attn: self.scores[[at[f"{u.attn}.h{h}"] for h in range(self.graph.sizes[u.attn][0])]]
+                for u in self.graph.units}
+
+    def to_markdown(self, n: int = 20) -> str:
+        """The top ``n`` nodes as a table."""
+        return "\n".join(["| node | score |", "|---|---:|"] + [f"| {w} | {v:.4g} |" for w, v in self.top(n)])
 
 
 @dataclass
@@ -516,9 +555,10 @@ class _Run:
     ``rep`` (c copies of the base input, batch c B)."""
 
     def __init__(self, model, units, readout, mods, *, c=1, B=None, patched=None, rep=None, interp=None,
-                 grad=False, W=None, ungroup=False):
+                 grad=False, W=None, ungroup=False, drop=None, atp=None):
         self.model, self.units, self.readout, self.mods, self.grad = model, units, readout, mods, grad
-        self.ungroup = ungroup
+        self.ungroup, self.drop, self.atp = ungroup, drop, atp  # GradDrop's layer; AtP*'s q/k pass (_AtP)
+        self.swap: int | None = None  # AtP*: a nested call's writers (rows: q rebuilt n, k rebuilt n, the base run)
         self.named = dict(model.named_modules())
         self.c, self.B, self.patched, self.rep, self.interp = c, B, patched, rep, interp
         self.x: dict = {}  # ("attn", l) / ("mlp", l) / "readout" -> the residual stream read there
@@ -597,6 +637,10 @@ class _Run:
             if u.mlp is not None:
                 stack.callback(self.named[u.mlp_norm].register_forward_pre_hook(self._read(("mlp", i))).remove)
                 stack.callback(self.named[u.mlp_out].register_forward_hook(self._mlp_out(i)).remove)
+            if self.drop == i:  # GradDrop: the layer's writes reach the stream without a gradient back through them
+                writes = [u.attn_post or u.attn] + ([u.mlp_out] if u.mlp is not None else [])
+                for name in writes:  # registered after the recording hooks: they see the live output
+                    stack.callback(self.named[name].register_forward_hook(_detached).remove)
         stack.callback(self.named[self.readout].register_forward_pre_hook(self._read("readout")).remove)
         if self.units[0].block is None:  # the stream starts outside any module: at the token embeddings
             for n, e in self.named.items():
@@ -655,6 +699,14 @@ class _Run:
                 rep = q.shape[1] // k.shape[1]  # query head h reads key/value head h // rep
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # (B, Hkv, L, D) -> (B, H, L, D)
             if self.nested is not None:
+                if self.nested == i and self.swap is not None:  # AtP*: q alone, then k alone, from the rebuilt rows
+                    n, cB = self.swap, q.shape[0] // (2 * self.swap + 1)
+                    base = slice(2 * n * cB, None)  # the last cB rows: the base run's stream
+
+                    def rep(t):  # (cB, h, L, D) -> (n cB, h, L, D)
+                        return t[base].repeat(n, 1, 1, 1)
+                    return (torch.cat([q[:n * cB], rep(q), q[base]]), torch.cat([rep(k), k[n * cB:]]),
+                            torch.cat([rep(v), rep(v), v[base]]))
                 if self.nested == i:
                     self.got = (q, k, v)
                     raise _Stop
@@ -667,6 +719,8 @@ class _Run:
             if d is not None:
                 q, k, v = self._rebuilt(i, q, k, v, readers, d)
             self.qkv[i] = (q, k, v)
+            if self.atp is not None:
+                self.atp.unit(self, i)
             return q, k, v
         return hook
 
@@ -678,24 +732,8 @@ class _Run:
         if not need:
             return q, k, v
         x = self.x[("attn", i)]
-        n, cB = len(need), x.shape[0]
-        xs = torch.cat([x - d[j].to(x) for j in need])  # (n c B, L, E)
-        args, kwargs = self.call_args[i]
-        args, kwargs = _no_cache(_repeat_rows(args[1:], n, cB)), _no_cache(_repeat_rows(kwargs, n, cB))
-        u = self.units[i]
-        unit = self.named[u.block] if u.block is not None else self.mods[u.attn]
-        self.nested = i
-        try:
-            if "hidden_states" in kwargs and not args:
-                unit(**{**kwargs, "hidden_states": xs})
-            else:
-                unit(xs, *args, **{k_: w for k_, w in kwargs.items() if k_ != "hidden_states"})
-            raise RuntimeError(f"{u.attn}: its forward did not reach the attention call")
-        except _Stop:
-            pass
-        finally:
-            self.nested = None
-        qn, kn, vn = self.got
+        cB = x.shape[0]
+        qn, kn, vn = self.nested_call(i, torch.cat([x - d[j].to(x) for j in need]))  # (n c B, L, E)
         q, k, v = q.clone(), k.clone(), v.clone()
         for t, j in enumerate(need):
             rows = slice(t * cB, (t + 1) * cB)
@@ -707,9 +745,34 @@ class _Run:
                 v[:, j - H - Hkv] = vn[rows, j - H - Hkv]
         return q, k, v
 
+    def nested_call(self, i: int, xs: Tensor, swap: int | None = None):
+        """Unit i's own forward on the streams ``xs`` ((n c B, L, E): n copies of the call's rows), ended once its
+        q, k, v are known (or, with ``swap``, AtP*'s rows: once its heads' outputs are); returns what was caught."""
+        x = self.x[("attn", i)]
+        n, cB = xs.shape[0] // x.shape[0], x.shape[0]
+        args, kwargs = self.call_args[i]
+        args, kwargs = _no_cache(_repeat_rows(args[1:], n, cB)), _no_cache(_repeat_rows(kwargs, n, cB))
+        u = self.units[i]
+        unit = self.named[u.block] if u.block is not None else self.mods[u.attn]
+        self.nested, self.swap = i, swap
+        try:
+            if "hidden_states" in kwargs and not args:
+                unit(**{**kwargs, "hidden_states": xs})
+            else:
+                unit(xs, *args, **{k_: w for k_, w in kwargs.items() if k_ != "hidden_states"})
+            raise RuntimeError(f"{u.attn}: its forward did not reach the attention call")
+        except _Stop:
+            pass
+        finally:
+            self.nested, self.swap = None, None
+        return self.got
+
     def _heads(self, i):
         def transform(module, out: Tensor, live) -> Tensor:
             if self.nested is not None:
+                if self.nested == i and self.swap is not None:
+                    self.got = out
+                    raise _Stop
                 return out
             if out.dim() != 4:
                 raise ValueError(f"{self.units[i].attn}: its heads' output is packed ({tuple(out.shape)}, padding-"
@@ -861,6 +924,60 @@ def _o_weight(name: str, module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
     return W
 
 
+def _detached(module, args, output):
+    """GradDrop's hook: the module's output unchanged, with no gradient back through the module."""
+    if isinstance(output, Tensor):
+        return output.detach()
+    if isinstance(output, tuple | list) and output and isinstance(output[0], Tensor):
+        return type(output)((output[0].detach(), *output[1:]))
+    return None
+
+
+class _AtP:
+    """AtP*'s query/key pass, run from each unit's input hook in a forward of the base input (no gradients): for each
+    writer u before unit i, the unit's heads' outputs with the queries, then the keys, recomputed from the stream with
+    u's write taken from the source run (the unit's own forward: norm, projections, rotary embeddings, the attention
+    with its mask, softmax exact), the other two of q, k, v the base run's; each reader's score is the metric's gradient
+    at the heads' outputs (``gout``: one dict per gradient run, {unit: (B, L, H, Dv)}) dotted with the outputs' change.
+    ``src``: the source run's writes; ``qk``: {unit: (runs, writers, H + Hkv) float64}, its q then k readers."""
+
+    def __init__(self, src: list[Tensor], gout: list[dict], chunk: int):
+        self.src, self.gout, self.chunk = src, gout, chunk
+        self.qk: dict[int, Tensor] = {}
+
+    def change(self, r: _Run, u: int) -> Tensor:
+        """(B, L, E): the stream's change where writer u's write is the source run's (through the norm after the
+        attention where a head's layer has one: the norm of the patched sum less the norm's output, exact)."""
+        d = self.src[u].to(r.writes[u]) - r.writes[u]
+        for j in r.post_out:
+            a, H = r.hw0[j], r.sizes[j][0]
+            if a <= u < a + H:
+                return r.named[r.units[j].attn_post].forward(r.post_in[j] + d) - r.post_out[j]
+        return d
+
+    def unit(self, r: _Run, i: int) -> None:
+        H, Hkv = r.sizes[i]
+        x = r.x[("attn", i)]
+        cB, U = x.shape[0], len(r.writes)
+        out = torch.zeros(len(self.gout), U, H + Hkv, dtype=torch.float64, device=x.device)
+        changes = [self.change(r, u) for u in range(U)]
+        todo = [u for u in range(U) if bool(changes[u].abs().amax() > 0)]
+        for a in range(0, len(todo), self.chunk):
+            part = todo[a:a + self.chunk]
+            n = len(part)
+            moved = torch.cat([x + changes[u].to(x) for u in part])  # (n B, L, E)
+            got = r.nested_call(i, torch.cat([moved, moved, x]), swap=n).double()  # ((2n + 1) B, L, H, Dv)
+            o = got[2 * n * cB:]  # (B, L, H, Dv): the base run's outputs, from the same call
+            dq = (got[:n * cB] - o.repeat(n, 1, 1, 1)).view(n, cB, *o.shape[1:])  # (n, B, L, H, Dv)
+            dk = (got[n * cB:2 * n * cB] - o.repeat(n, 1, 1, 1)).view(n, cB, *o.shape[1:])
+            for run, g in enumerate(self.gout):
+                gi = g[i].double()  # (B, L, H, Dv)
+                out[run, part, :H] = torch.einsum("nblhd,blhd->nh", dq, gi)
+                sk = torch.einsum("nblhd,blhd->nh", dk, gi)  # (n, H): query head h reads key head h // (H / Hkv)
+                out[run, part, H:] = sk.view(n, Hkv, H // Hkv).sum(-1)  # (n, H) -> (n, Hkv, H / Hkv) -> (n, Hkv)
+        self.qk[i] = out
+
+
 class _Model:
     """The model's layout and how it is called, checked: the units, the readout, the modules, the call."""
 
@@ -990,13 +1107,14 @@ def circuit_graph(model: nn.Module, inputs, *, run: Callable | None = None, read
 
 def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, method: str = "eap", steps: int = 5,
                      direction: str = "denoise", run: Callable | None = None, readout: str | None = None,
-                     ungroup: bool = False) -> EdgeScores:
+                     ungroup: bool = False, graddrop: bool | None = None) -> EdgeScores:
     """Every edge's attribution score (:class:`EdgeScores`, in :attr:`CircuitGraph.edges` order).
 
     ``clean``, ``corrupted``: the model's inputs (a dict of keyword arguments, a tuple, or one tensor), batch B, the
     same token count; ``metric(output)`` -> a scalar or a (B,) tensor (averaged), computed from the output so that its
-    gradient reaches the readers. ``method``: "eap" (one forward of each input, one backward of the base run) or
-    "eap-ig" (``steps`` forwards and backwards on the line between the two runs' embeddings). Score of edge u -> v:
+    gradient reaches the readers. ``method``: "eap" (one forward of each input, one backward of the base run),
+    "eap-ig" (``steps`` forwards and backwards on the line between the two runs' embeddings) or "atp*" (AtP*, below).
+    Score of edge u -> v:
     sum over positions of (u's write in the source run - in the base run) . d metric / d (v's input), where a reader's
     input is its own copy of the residual stream (a head's query, a key/value head's key or value, an MLP's input,
     the final residual). ``readout``: the module whose input is the final residual (found for transformers models
@@ -1007,24 +1125,142 @@ def edge_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, me
     projection (where the attention module's head layout names the projections; checked on every layer: the
     readers' gradients add up to the layer's), then through the norm. EAP-IG's points are a left Riemann sum: its
     error falls as 1/steps (the embedding's edges add up to the metric's whole change as steps grow). ``ungroup``: MIB's
-    graph (:func:`circuit_graph`)."""
-    _method_checked(method, steps)
+    graph (:func:`circuit_graph`).
+
+    **AtP*** (Kramár et al. 2024), ``method="atp*"``: EAP, with two changes.
+
+    - *The query/key correction.* A saturated softmax has a gradient near zero, so EAP's linear estimate of an edge
+      into a query or key can miss a patch that changes which key wins. For each edge u -> a head's query (a key/value
+      head's key), the unit's own forward recomputes that query (key) from the stream with u's write taken from the
+      source run -- the norm, the projection, rotary embeddings -- and the attention with its mask and the softmax
+      exactly, the other inputs the base run's; the score is the metric's gradient at the heads' outputs dotted with
+      the outputs' change (for a key/value head, summed over the query heads of its group). **Exact**: the new
+      query/key, the attention weights and the heads' outputs of the patched run. **Approximate** (first order): only
+      what lies after the heads' outputs -- so the score *equals* exact edge patching (:func:`patch_edges`) wherever
+      the metric is linear in those outputs (the last layer, no norm or MLP between it and a linear metric), and
+      is first order in the rest of the model elsewhere. Edges into values, MLPs and the logits keep EAP's score.
+      Cost: one forward of the unit, up to its heads' outputs, per writer before it (8 writers a call).
+    - *GradDrop* (``graddrop``, default True with "atp*"): against cancelling paths, the scores are taken again
+      with the gradient dropped at each layer l's writes (its heads' outputs and its MLP's: one more forward and
+      backward per layer), and an edge's score is the mean over the layers l other than its reader's own of
+      |score with l dropped| (the reader's own layer drops its gradient entirely; edges into the logits: the mean over
+      every layer, which is |score|): a magnitude, >= 0, for ranking. ``graddrop=False``: the signed QK-corrected
+      scores. Needs two or more layers. Refused with the other methods."""
+    _method_checked(method, steps, graddrop)
     _inputs_checked(clean, corrupted)
     base_in, src_in = _direction(direction, clean, corrupted)
     m = _Model(model, run, readout, ungroup)
+    graddrop = _graddrop_checked(m, method, graddrop)
     with _eval(model):
-        graph, full, base_v, src_v, B = _attribute(m, base_in, src_in, metric, steps if method == "eap-ig" else 1)
+        graph, full, _, base_v, src_v, _ = _scores(m, base_in, src_in, metric, method=method, steps=steps, graddrop=graddrop)
     w, rr = graph.matrix()
     scores = full[w.to(full.device), rr.to(full.device)].cpu()
     return EdgeScores(graph, list(graph.edges), scores, base_v, src_v, method, direction,
-                      steps if method == "eap-ig" else 1)
+                      steps if method == "eap-ig" else 1, graddrop)
 
 
-def _method_checked(method, steps) -> None:
-    if method not in ("eap", "eap-ig"):
-        raise ValueError(f"method must be 'eap' or 'eap-ig'; got {method!r}.")
+def node_attribution(model: nn.Module, clean, corrupted, metric: Callable, *, method: str = "atp*", steps: int = 5,
+                     direction: str = "denoise", run: Callable | None = None, readout: str | None = None,
+                     graddrop: bool | None = None) -> NodeScores:
+    """Every node's attribution score (:class:`NodeScores`): the embedding, each head's output, each MLP -- the
+    estimated change of the metric when that node's output is patched from the source run (at every position), as
+    :func:`~multihead.heads.patch` measures it for heads. A node's score is the sum of its edges' scores
+    (:func:`edge_attribution`, the same ``method``): with "eap" that is attribution patching of the node's output,
+    (its change) . d metric / d (its output), as :func:`~multihead.heads.attribution`; with "atp*" each edge into a
+    later head's query or key has the softmax recomputed (exact for that edge alone; a node moving a head's query and
+    key together is scored as the sum of the two), and with GradDrop (the default) a node's score is the mean over
+    the layers other than its own of |its score with layer l's gradient dropped| (Kramár et al.'s
+    1/(L-1) sum over l; the embedding: the mean over all L), a magnitude. Arguments as :func:`edge_attribution`."""
+    _method_checked(method, steps, graddrop)
+    _inputs_checked(clean, corrupted)
+    base_in, src_in = _direction(direction, clean, corrupted)
+    m = _Model(model, run, readout, False)
+    graddrop = _graddrop_checked(m, method, graddrop)
+    with _eval(model):
+        graph, _, nodes, base_v, src_v, _ = _scores(m, base_in, src_in, metric, method=method, steps=steps, graddrop=graddrop)
+    return NodeScores(graph, list(graph.writers), nodes.cpu(), base_v, src_v, method, direction, graddrop)
+
+
+def _method_checked(method, steps, graddrop=None) -> None:
+    if method not in EDGE_METHODS:
+        raise ValueError(f"method must be one of {', '.join(repr(x) for x in EDGE_METHODS)}; got {method!r}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1 (EAP-IG's integration points); got {steps!r}.")
+    if graddrop is not None and not isinstance(graddrop, bool):
+        raise TypeError(f"graddrop must be True or False (AtP*'s GradDrop); got {graddrop!r}.")
+    if graddrop and method != "atp*":
+        raise ValueError(f"graddrop is part of AtP*: pass method='atp*' (got method={method!r}).")
+
+
+def _graddrop_checked(m: _Model, method: str, graddrop: bool | None) -> bool:
+    """AtP*'s GradDrop on by default; it averages over the layers other than a reader's own: two or more needed."""
+    on = method == "atp*" and graddrop is not False
+    if on and len(m.units) < 2:
+        raise ValueError("graddrop averages over the layers other than a node's own: the model has one attention "
+                         "layer; pass graddrop=False.")
+    return on
+
+
+def _scores(m: _Model, base_in, src_in, metric, *, method: str, steps: int, graddrop: bool):
+    """(the graph, (U, R) edge scores, (U,) node scores, the base and source metrics, B) by ``method``."""
+    if method == "atp*":
+        return _atp(m, base_in, src_in, metric, graddrop)
+    graph, full, base_v, src_v, B = _attribute(m, base_in, src_in, metric, steps if method == "eap-ig" else 1)
+    return graph, full, full.sum(1), base_v, src_v, B
+
+
+def _blocks_of(graph: CircuitGraph) -> tuple[Tensor, Tensor]:
+    """(R,), (U,): the layer (unit) each reader and each writer belongs to; -1 for the logits and the embedding."""
+    rb, wb = [], [-1]
+    for i, u in enumerate(graph.units):
+        H, Hkv = graph.sizes[u.attn]
+        rb += [i] * (H + 2 * Hkv + (u.mlp is not None))
+        wb += [i] * (H + (u.mlp is not None))
+    return torch.tensor(rb + [-1]), torch.tensor(wb)
+
+
+def _atp(m: _Model, base_in, src_in, metric, graddrop: bool, chunk: int = 8):
+    """AtP*'s scores (:func:`edge_attribution`): EAP's from one gradient run of the base input (and one more per
+    layer, that layer's writes detached, with GradDrop), the query/key readers' columns replaced by :class:`_AtP`'s
+    pass; the edges' and nodes' GradDrop means."""
+    with torch.no_grad():
+        src_output, src = m.forward(src_in)
+    m.check_stream(src)
+    graph = m.graph(src)
+    fulls, gouts, deltas, base_v, B = [], [], None, 0.0, 1
+    for drop in [None] + (list(range(len(m.units))) if graddrop else []):
+        output, r = m.forward(base_in, grad=True, drop=drop)
+        if drop is None:
+            B = _batch(r)
+            _per_row(metric, output, B)
+            deltas = torch.stack([a.detach() - b.detach() for a, b in zip(src.writes, r.writes, strict=True)])
+            deltas = deltas.flatten(1)  # (U, B, L, E) -> (U, B L E)
+        r.writes.clear()
+        full = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64, device=deltas.device)
+        gout: dict[int, Tensor] = {}
+        value = _score(m, r, metric, output, deltas, full, gout=gout)
+        base_v = value if drop is None else base_v
+        fulls.append(full)
+        gouts.append(gout)
+        del r, output
+    del deltas
+    qk = _AtP([w.detach() for w in src.writes], gouts, chunk)
+    with torch.no_grad():
+        _, fin = m.forward(base_in, atp=qk)
+    for i, got in qk.qk.items():  # (runs, writers before unit i, H + Hkv): the q then k readers' columns
+        for full, g in zip(fulls, got.to(fulls[0].device), strict=True):
+            full[:g.shape[0], fin.r0[i]:fin.r0[i] + g.shape[1]] = g
+    src_v = _value(metric, src_output, B)
+    if not graddrop:
+        return graph, fulls[0], fulls[0].sum(1), base_v, src_v, B
+    rb, wb = _blocks_of(graph)
+    dropped = torch.stack(fulls[1:])  # (L, U, R): the scores with layer l's gradient dropped
+    layers = torch.arange(len(m.units))
+    keep_r = (layers[:, None] != rb[None, :]).to(dropped)  # (L, R): every layer but the reader's own
+    keep_w = (layers[:, None] != wb[None, :]).to(dropped)  # (L, U)
+    edges = (dropped.abs() * keep_r[:, None, :]).sum(0) / keep_r.sum(0)[None, :]  # (U, R)
+    nodes = (dropped.sum(2).abs() * keep_w).sum(0) / keep_w.sum(0)  # (U,)
+    return graph, edges, nodes, base_v, src_v, B
 
 
 def _attribute(m: _Model, base_in, src_in, metric, steps: int) -> tuple[CircuitGraph, Tensor, float, float, int]:
@@ -1066,10 +1302,11 @@ def _on_the_line(r: _Run, base0: Tensor, interp: dict) -> None:
                          "embeddings; use method='eap'.")
 
 
-def _score(m: _Model, r: _Run, metric, output, deltas: Tensor, full: Tensor) -> float:
+def _score(m: _Model, r: _Run, metric, output, deltas: Tensor, full: Tensor, *, gout: dict | None = None) -> float:
     """Adds this run's scores into ``full`` (U, R): for each block of readers (a layer's q/k/v, an MLP's input, the
     logits) the writers before it (their changes ``deltas`` (U, B L E)) dotted with the readers' gradients, one
-    matrix product a block; returns the metric."""
+    matrix product a block; returns the metric. ``gout``: filled with the metric's gradient at each unit's heads'
+    outputs ((B, L, H, Dv), AtP*'s)."""
     value = metric(output)
     total = value.double().mean() if isinstance(value, Tensor) else None
     if total is None or not total.requires_grad:
@@ -1079,8 +1316,13 @@ def _score(m: _Model, r: _Run, metric, output, deltas: Tensor, full: Tensor) -> 
     wrt = [t for i in range(n) for t in r.qkv[i]]
     mlps = [i for i, u in enumerate(m.units) if u.mlp is not None]
     wrt += [r.mlp_y[i] for i in mlps] + [r.x["readout"]]
+    k = len(wrt)
+    wrt += [r.out[i] for i in range(n)] if gout is not None else []
     g = torch.autograd.grad(total, wrt, retain_graph=True, allow_unused=True)
     g = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(wrt, g, strict=True)]
+    if gout is not None:
+        gout.update((i, gi.detach()) for i, gi in enumerate(g[k:]))
+        g = g[:k]
     if all(not gi.any() for gi in g):
         raise ValueError("metric's gradient is zero at every reader: it does not depend on the model's output through "
                          "the model (a constant, or a value of the inputs); compute it from the logits.")

@@ -32,14 +32,15 @@ from multihead.heads.circuits import (
     EdgeScores,
     Faithfulness,
     FaithfulnessCurve,
-    _attribute,
     _budget,
     _direction,
     _eval,
     _faith,
+    _graddrop_checked,
     _how,
     _method_checked,
     _Model,
+    _scores,
     _trapezoid,
 )
 
@@ -157,28 +158,30 @@ def _pairs_checked(pairs) -> None:
 
 def dataset_attribution(model: nn.Module, pairs: PromptPairs, *, method: str = "eap-ig", steps: int = 5,
                         direction: str = "noise", batch_size: int = 16, ungroup: bool = True,
-                        readout: str | None = None) -> EdgeScores:
+                        readout: str | None = None, graddrop: bool | None = None) -> EdgeScores:
     """Every edge's score over the dataset (:class:`EdgeScores`): :func:`~multihead.heads.edge_attribution` on each
     batch with MIB's metric, each batch's mean weighted by its size (the scores, ``base`` and ``source`` are means over
-    the pairs). Defaults are MIB's: EAP-IG, ``direction="noise"`` (EAP-IG's: the clean run's gradient, the corrupted
-    run's change), the ungrouped graph."""
+    the pairs; with AtP*'s GradDrop, each batch's magnitudes averaged). Defaults are MIB's: EAP-IG,
+    ``direction="noise"`` (EAP-IG's: the clean run's gradient, the corrupted run's change), the ungrouped graph."""
     _pairs_checked(pairs)
-    _method_checked(method, steps)
+    _method_checked(method, steps, graddrop)
     _direction(direction, None, None)
     m = _Model(model, None, readout, ungroup)
+    graddrop = _graddrop_checked(m, method, graddrop)
     steps = steps if method == "eap-ig" else 1
     total, base_v, src_v, graph, N = None, 0.0, 0.0, None, 0
     with _eval(model):
         for clean, corrupted, metric, B in pairs.batches(batch_size):
             base_in, src_in = _direction(direction, clean, corrupted)
-            g, full, bv, sv, _ = _attribute(m, base_in, src_in, metric, steps)
+            g, full, _, bv, sv, _ = _scores(m, base_in, src_in, metric, method=method, steps=steps,
+                                             graddrop=graddrop)
             if graph is not None and g.edges != graph.edges:
                 raise ValueError("the model's graph changed between batches (head counts differ by call).")
             graph, total = g, full * B if total is None else total + full * B
             base_v, src_v, N = base_v + bv * B, src_v + sv * B, N + B
     w, r = graph.matrix()
     scores = (total / N)[w.to(total.device), r.to(total.device)].cpu()
-    return EdgeScores(graph, list(graph.edges), scores, base_v / N, src_v / N, method, direction, steps)
+    return EdgeScores(graph, list(graph.edges), scores, base_v / N, src_v / N, method, direction, steps, graddrop)
 
 
 def _dataset_faith(model, pairs, circuits: list[list], *, ungroup, batch_size, chunk, readout):
