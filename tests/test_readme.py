@@ -122,17 +122,13 @@ def _interop(ns, tmp_path):
 
 
 def _decoder_fill(tmp_path) -> dict[str, str]:
-    """A tiny Llama with SmolLM2's tokenizer (byte-level BPE: the GGUF vocabulary is written from it) and a file of
-    four behaviour pairs, for the decoder's command lines."""
+    """A tiny Llama with a byte-level BPE tokenizer (the GGUF vocabulary is written from it) and a file of four
+    behaviour pairs, for the decoder's command lines."""
     import transformers
 
-    from multihead.models import smollm2_path
-    from test_decoder_prune import _tiny
+    from test_decoder_prune import _byte_bpe, _tiny
 
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_path())
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(str(e))
+    tok = _byte_bpe()
     lm = _tiny(tmp_path / "lm", tok, "llama")
     clean = "When Mary and John went to the store, John gave a drink to"
     model = transformers.AutoModelForCausalLM.from_pretrained(lm)

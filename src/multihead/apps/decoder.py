@@ -266,12 +266,15 @@ class Text:
 
 
 def text(tok, o: Options) -> Text:
-    """Recovery on the standard library's docstrings and the language reference, packed into windows; fidelity on
-    ``o.held_out`` sentences of the installed packages' descriptions (another kind of text, none in the recovery)."""
+    """Recovery on the standard library's docstrings (as many as the steps use) and the language reference, packed
+    into windows; fidelity on ``o.held_out`` sentences of the installed packages' descriptions (another kind of
+    text, none in the recovery)."""
     from multihead.apps import causal
     from multihead.apps.data import docstring_sentences, package_sentences, sentences
 
-    known = sentences() + docstring_sentences()
+    need = (2 + max(o.recover, 1) * o.batch) * o.seq  # tokens: the importance's 2 windows, each step's own batch
+    known = sentences() + docstring_sentences(need // 8)  # a docstring sentence has 8 tokens or more: as many as the
+    # steps can use (all of them, about 6,500, for 400 steps of 2 windows of 128), and no stdlib file parsed for less
     unseen = package_sentences(o.held_out, exclude=set(known))
     if len(unseen) < 8:
         raise ValueError(f"only {len(unseen)} package sentences to judge fidelity on (8 at least): install more "
