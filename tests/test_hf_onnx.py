@@ -191,8 +191,28 @@ def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
         embed = mhf.fastembed(d, int8=int8)
         got = torch.from_numpy(__import__("numpy").stack(list(embed.embed(texts))))  # (3, E)
         assert (got - want).abs().max() < tol, int8
+    _served_is_the_fastest(d)
     with pytest.raises(ValueError, match=r"fastembed: .* has no onnx/model.onnx beside a config.json"):
         mhf.fastembed(tmp_path)
+
+
+def _served_is_the_fastest(d):
+    """Each file to serve export wrote (no serve_batch: the best geometric mean over the batch sizes it timed) is the
+    same bytes as the form its own timing, in export.json, found fastest; the CPU's flags are recorded."""
+    import filecmp
+    import json
+    import math
+
+    from multihead.timing import cpu_flags
+
+    record = json.loads((d / "onnx" / "export.json").read_text())["serve"]
+    assert record["cpu_flags"] == cpu_flags() and record["serve_batch"] is None
+    runtimes = {label: r for label, r in record.items() if isinstance(r, dict)}
+    assert {"ONNX Runtime fp32", "ONNX Runtime int8"} <= set(runtimes)
+    for r in runtimes.values():
+        best = min(r["ms"], key=lambda k: sum(math.log(v) for v in r["ms"][k].values()))
+        assert r["key"] == best and filecmp.cmp(d / r["file"], d / "onnx" / r["files"][best], shallow=False)
+        assert set(r["ms"][best]) == {"1", "16", "64"}
 
 
 def test_a_missing_extra_is_named(tmp_path, monkeypatch):
@@ -208,7 +228,8 @@ def test_a_missing_extra_is_named(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"OpenVINO IR export needs openvino, which is not installed: pip install "
                                           r"'multihead\[openvino\]'"):
         mhf.export(model, tmp_path / "m", openvino=True)
-    assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8"}  # ONNX only
+    assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8", "onnx_eager", "onnx_eager_int8", "onnx_optimized",
+                                                      "onnx_optimized_int8", "serve", "serve_int8"}  # ONNX only
 
 
 def test_a_layer_with_every_head_cut_is_exported_at_its_size(tmp_path):
