@@ -158,17 +158,18 @@ def _hf_only(args) -> str | None:
                           (args.serve_batch, "--serve-batch"), (args.runtimes, "--runtimes")):
         if given and not args.hf:
             return f"{option} applies to transformers checkpoints: give --hf DIR"
-    return None
+    return _serving(args)
 
 
 #: ``prune --runtimes``: each runtime's name, the modules its files need and the extra that installs them
 RUNTIME_EXTRAS = {"onnx": (("onnxruntime", "onnxscript"), "onnx"), "openvino": (("openvino",), "openvino")}
 
 
-def _serving(args) -> tuple[int | None, bool | None] | str:
-    """(serve batch, OpenVINO's files: None where installed, True asked for, False left out) from ``--serve-batch``
-    and ``--runtimes``, or the one line that refuses them: a batch that is not a positive whole number, an unknown
-    runtime, a runtime asked for (ONNX Runtime's with --serve-batch too) whose extra is missing."""
+def _serving(args) -> str | None:
+    """The one line that refuses ``--serve-batch`` or ``--runtimes`` (a batch that is not a positive whole number, an
+    unknown runtime, a runtime asked for -- ONNX Runtime's with --serve-batch too -- whose extra is missing), or None
+    with ``args.serve_batch`` made a number and ``args.openvino`` set (OpenVINO's files: None where installed, True
+    asked for, False left out)."""
     import importlib.util
 
     batch = None
@@ -188,15 +189,12 @@ def _serving(args) -> tuple[int | None, bool | None] | str:
         missing = next((m for m in modules if importlib.util.find_spec(m) is None), None)
         if missing is not None:
             return (f"the {name} runtime needs {missing}, which is not installed: pip install 'multihead[{extra}]'")
-    return batch, ("openvino" in names) if names else None
+    args.serve_batch, args.openvino = batch, ("openvino" in names) if names else None
+    return None
 
 
 def _prune(args) -> int:
     started = time.monotonic()  # the time budget counts from here; the speed table gets what is left of it
-    serving = _serving(args)
-    if isinstance(serving, str):  # before any work, even the imports
-        _said(serving)
-        return 2
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,8 +243,8 @@ def _prune(args) -> int:
     curve = bool(args.recover) and setup.name == "toy"  # the demo's model: every step recovered, both curves drawn
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover or 0,
                               quantize=args.quantize, target=goal, deadline=None,
-                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
-                              runtime_files=not args.no_runtime_files, serve_batch=serving[0], openvino=serving[1],
+                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers, openvino=args.openvino,
+                              runtime_files=not args.no_runtime_files, serve_batch=args.serve_batch,
                               ffn=args.ffn or 0.0, recover_curve=curve)
     try:  # what this model cannot do, or a plan the time budget cannot hold, refused before any work
         pruning.check_options(setup, options)

@@ -67,9 +67,9 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
         models[f"multihead served, {heads} heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
     models |= peers.peers(models["transformers (sdpa)"], example, log, calibration)  # what practitioners deploy
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
-        from multihead.deploy.serve import SERVE
+        from multihead.deploy.onnx import ONNX_DIR, ONNX_SERVE_INT8_FILE
 
-        written = Path(pruned) / SERVE["ONNX Runtime int8"][0]  # its int8 file to serve where the folder has it
+        written = Path(pruned) / ONNX_DIR / ONNX_SERVE_INT8_FILE  # its int8 file to serve where the folder has it
         models[f"multihead, {heads} heads, exported, ONNX Runtime int8"] = (
             peers.ort_session(written) if written.is_file() else
             peers.ort_int8(peers.export(mhf.load(pruned, quantized=False), example)))

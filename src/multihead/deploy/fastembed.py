@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE
-from multihead.deploy.serve import SERVE
+from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE, ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE
 
 
 def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True, name: str | None = None):
@@ -27,7 +26,7 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
     from fastembed.common.model_description import ModelSource, PoolingType
 
     folder = Path(folder)
-    f = folder / SERVE["ONNX Runtime int8" if int8 else "ONNX Runtime fp32"][0]
+    f = folder / ONNX_DIR / (ONNX_SERVE_INT8_FILE if int8 else ONNX_SERVE_FILE)
     if not f.is_file():  # written with serve=False: the SDPA graph's file
         f = folder / ONNX_DIR / (ONNX_INT8_FILE if int8 else ONNX_FILE)
     if not f.is_file() or not (folder / "config.json").is_file():

@@ -72,10 +72,11 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     ``"onnx_eager"`` and ``"onnx_eager_int8"`` where the eager graph can be written, ``"onnx_optimized"`` and
     ``"onnx_optimized_int8"`` where ONNX Runtime's optimizer applies, ``"openvino"`` and ``"openvino_int8"`` where
     those are written, and with ``serve`` the files to serve: ``"serve"``, ``"serve_int8"`` (``onnx/serve.onnx``,
-    ``onnx/serve_int8.onnx``), ``"openvino_serve"``, ``"openvino_serve_int8"`` where OpenVINO's are written. A plain ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's
-    outputs. ``openvino``: None writes the OpenVINO files where the extra is installed, True requires them
-    (ImportError naming the extra), False leaves them out. ``serve``: time each runtime's forms here (a few seconds, on
-    random tokens: :func:`multihead.deploy.serve.measure`) and write the fastest under its serving name
+    ``onnx/serve_int8.onnx``), ``"openvino_serve"``, ``"openvino_serve_int8"`` where OpenVINO's are written. A plain
+    ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs. ``openvino``: None writes the
+    OpenVINO files where the extra is installed, True requires them (ImportError naming the extra), False leaves them
+    out. ``serve``: time each runtime's forms here (a few seconds, on random tokens:
+    :func:`multihead.deploy.serve.measure`) and write the fastest under its serving name
     (:data:`multihead.deploy.serve.SERVE`), fastest at batch ``serve_batch`` (a positive whole number) or, by default,
     by the geometric mean over batch 1, 16 and 64; False writes no serving file (``prune --hf`` chooses it from its
     own runtime table: :func:`multihead.deploy.serve.write`)."""

@@ -29,6 +29,8 @@ from multihead.hf.layouts import probe_inputs
 ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
 ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_optimized_int8.onnx", "export.json"
 ONNX_EAGER_FILE, ONNX_EAGER_INT8_FILE = "model_eager.onnx", "model_eager_int8.onnx"
+#: the files to serve: the fastest of the fp32 and of the int8 forms on the machine that wrote them (deploy/serve.py)
+ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE = "serve.onnx", "serve_int8.onnx"
 
 
 #: transformers' model types ONNX Runtime's transformer optimizer has a pass for (``optimizer.MODEL_TYPES``'s names)

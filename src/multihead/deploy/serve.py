@@ -19,13 +19,16 @@ from pathlib import Path
 import torch
 
 from multihead import timing
+from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR, ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE
+from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_SERVE_FILE, OPENVINO_SERVE_INT8_FILE
 
 #: per runtime (the runtime table's labels): the file to serve, relative to the folder, and the forms (keys of
 #: :func:`multihead.deploy.folder.export`'s result) it is chosen among
-SERVE = {"ONNX Runtime fp32": ("onnx/serve.onnx", ("onnx", "onnx_eager", "onnx_optimized")),
-         "ONNX Runtime int8": ("onnx/serve_int8.onnx", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8")),
-         "OpenVINO fp32": ("openvino/serve.xml", ("openvino",)),
-         "OpenVINO int8": ("openvino/serve_int8.xml", ("openvino_int8",))}
+SERVE = {"ONNX Runtime fp32": (f"{ONNX_DIR}/{ONNX_SERVE_FILE}", ("onnx", "onnx_eager", "onnx_optimized")),
+         "ONNX Runtime int8": (f"{ONNX_DIR}/{ONNX_SERVE_INT8_FILE}",
+                               ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8")),
+         "OpenVINO fp32": (f"{OPENVINO_DIR}/{OPENVINO_SERVE_FILE}", ("openvino",)),
+         "OpenVINO int8": (f"{OPENVINO_DIR}/{OPENVINO_SERVE_INT8_FILE}", ("openvino_int8",))}
 #: each runtime's serving file's key in :func:`multihead.deploy.folder.export`'s result
 SERVE_KEYS = {"ONNX Runtime fp32": "serve", "ONNX Runtime int8": "serve_int8", "OpenVINO fp32": "openvino_serve",
               "OpenVINO int8": "openvino_serve_int8"}
@@ -87,7 +90,7 @@ def measure(files: dict[str, Path], batches: dict[int, list[dict]], *, max_secon
     opened = {(label, k): opener(label)(Path(files[k])) for label, (_, keys) in SERVE.items() for k in keys
               if k in files}
     for B, xs in batches.items():
-        calls = {f"{label}, {k}": (lambda m=m: [m(*_args(b)) for b in xs]) for (label, k), m in opened.items()}
+        calls = {f"{label}, {k}": (lambda m=m, xs=xs: [m(*_args(b)) for b in xs]) for (label, k), m in opened.items()}
         t = timing.interleaved(calls, warmup=1, min_rounds=min_rounds, max_rounds=max(30, min_rounds),
                                max_seconds=max_seconds, late_rounds=3)
         for (label, k) in opened:
@@ -127,8 +130,6 @@ def write(folder: str | Path, files: dict[str, Path], times: dict[str, dict[str,
     runtime: {"file", "form", "key", "chosen_by", "fastest", "ms"}} added to ``folder``/onnx/export.json under "serve"
     and returned. ``measured_on``: what the times were measured on (the report's words). :func:`served` lists the
     files written."""
-    from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
-
     check_serve_batch(serve_batch)
     folder = Path(folder)
     record: dict = {"cpu_flags": timing.cpu_flags(), "serve_batch": serve_batch, "measured_on": measured_on}
@@ -138,8 +139,8 @@ def write(folder: str | Path, files: dict[str, Path], times: dict[str, dict[str,
         name, _ = SERVE[label]
         got = choose(forms, serve_batch)
         _link(Path(files[got["key"]]), folder / name)
-        record[label] = {"file": name, "form": Path(files[got["key"]]).name, **got,
-                         "files": {k: Path(files[k]).name for k in forms},
+        where = {k: Path(os.path.relpath(files[k], folder)).as_posix() for k in forms}  # onnx/model_int8.onnx, ...
+        record[label] = {"file": name, "form": where[got["key"]], **got, "files": where,
                          "fastest": {str(B): k for B, k in got["fastest"].items()},
                          "ms": {k: {str(B): round(v, 3) for B, v in t.items()} for k, t in got["ms"].items()}}
     made = folder / ONNX_DIR / EXPORT_JSON
@@ -195,8 +196,8 @@ def lines(record: dict | None) -> list[str]:
 
 
 def opener(label: str) -> Callable:
-    """How the runtime ``label``'s files are opened (:func:`multihead.deploy.peers.ort_session` or
-    :func:`multihead.deploy.peers.openvino_model`)."""
-    from multihead.deploy import peers
+    """How the runtime ``label``'s files are opened (:func:`multihead.deploy.session.ort_session` or
+    :func:`multihead.deploy.session.openvino_model`)."""
+    from multihead.deploy import session
 
-    return peers.ort_session if label.startswith("ONNX") else peers.openvino_model
+    return session.ort_session if label.startswith("ONNX") else session.openvino_model
