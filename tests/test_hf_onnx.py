@@ -282,8 +282,8 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     peer.load_state_dict(model.state_dict())
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     std = peers.standard_files(peer, ex, openvino=False)
-    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager_optimized",
-            "onnx_eager_optimized_int8"} <= set(std)
+    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager", "onnx_eager_int8",
+            "onnx_eager_optimized", "onnx_eager_optimized_int8"} <= set(std)
     ours = mhf.export(model, tmp_path / "u", openvino=False)
     assert _ops(ours["onnx"]) == _ops(std["onnx"])
     assert _ops(ours["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
@@ -301,6 +301,12 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     shapes = {tuple(t.dims) for t in onnx.load(str(cut["onnx"])).graph.initializer}
     assert (32, 16) in shapes and (32, 24) in shapes  # layer 0 keeps 2 heads of 8, layer 1 keeps 3
     assert _ops(cut["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
+    # the eager form: the peer's plain export of the eager-attention model at the pruned size, the same products and
+    # softmaxes (no fused op; the mask's own nodes may differ)
+    def compute(f):
+        return [o for o in _ops(f) if o in ("MatMul", "Softmax", "Attention", "MultiHeadAttention")]
+
+    assert compute(cut["onnx_eager"]) == compute(std["onnx_eager"]) and "Softmax" in compute(std["onnx_eager"])
     for key, op in (("onnx_optimized", "Attention"), ("onnx_optimized_int8", "QAttention")):
         fused = [n for n in onnx.load(str(cut[key])).graph.node if n.op_type == op]
         assert [onnx.helper.get_attribute_value(a) for n in fused for a in n.attribute if a.name == "num_heads"] == [2, 3]
@@ -310,7 +316,7 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     feed = {"input_ids": ids.numpy(), "attention_mask": am.numpy(), "token_type_ids": torch.zeros_like(ids).numpy()}
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).last_hidden_state[am.bool()]  # (N, E) the real tokens
-    for key in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8"):
+    for key in ("onnx", "onnx_optimized", "onnx_eager", "onnx_int8", "onnx_optimized_int8", "onnx_eager_int8"):
         got = torch.from_numpy(ort.InferenceSession(str(cut[key])).run(None, feed)[0])[am.bool()]
         err = float((got - want).abs().max())
         # fp32: float rounding; int8: weights rounded to 1/254 of each channel's range, activations per call

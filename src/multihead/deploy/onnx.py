@@ -175,7 +175,7 @@ def _eager_fused(model: nn.Module, f: Path, eager: Path | None, out: Path) -> di
     if eager is not None and ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is not None:
         fused = optimize(model, eager, out)
         if fused["written"] and sum(v for k, v in fused["fused"].items() if "Attention" in k):
-            return fused | {"graph": f"{eager.name}: eager attention (TorchScript exporter), head counts written"}
+            return fused | {"graph": f"eager attention (TorchScript exporter, {eager.name}), head counts written"}
         why = fused["note"]
     fused = optimize(model, f, out)
     return fused | {"graph": f"{f.name}'s" + (f" (the eager one: {why})" if why else "")}
