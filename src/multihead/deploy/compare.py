@@ -135,18 +135,18 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
                  "pruned": {k: make(files_pruned[k]) for k in keys if k in files_pruned}}
         if sides["standard"] and sides["pruned"]:
             engines[label] = sides
-    measured = {B: _timed(engines, full, pruned, batches, B, max_seconds, min_rounds, log)
+    measured = {B: _timed(engines, full, pruned, batches, B, max_seconds=max_seconds, min_rounds=min_rounds, log=log)
                 for B, batches in inputs.items()}
     from multihead.deploy import serve
 
     served = {label: serve.choose({k: {B: m[1][(label, "pruned", k)].to_json()["median_ms"]
                                        for B, m in measured.items()} for k in sides["pruned"]}, serve_batch)
               for label, sides in engines.items()}  # from the medians the rows hold: serve.from_rows agrees
-    return [_row(label, B, sides, bound, per, busy, served[label]) for B, (bound, per, busy) in measured.items()
-            for label, sides in engines.items()]
+    return [_row(label, B, sides, per, bound=bound, busy=busy, served=served[label])
+            for B, (bound, per, busy) in measured.items() for label, sides in engines.items()]
 
 
-def _timed(engines: dict, full: nn.Module, pruned: nn.Module, batches: list[dict], B: int, max_seconds: float,
+def _timed(engines: dict, full: nn.Module, pruned: nn.Module, batches: list[dict], B: int, *, max_seconds: float,
            min_rounds: int, log) -> tuple[float, dict, dict]:
     """Every file of every runtime timed on ``batches`` in the same interleaved rounds: (the bound, {(runtime, side,
     key): Timing per batch}, {runtime: the busy-machine note})."""
@@ -164,7 +164,7 @@ def _timed(engines: dict, full: nn.Module, pruned: nn.Module, batches: list[dict
     return bound, {c: t[names[c]].scaled(1 / len(batches)) for c in calls}, busy
 
 
-def _row(label: str, B: int, sides: dict, bound: float, per: dict, busy: dict, served: dict) -> dict:
+def _row(label: str, B: int, sides: dict, per: dict, *, bound: float, busy: dict, served: dict) -> dict:
     """One row of :func:`compare`: runtime ``label`` at batch ``B``, the file to serve (``served``:
     :func:`multihead.deploy.serve.choose`'s) against the peer."""
     peer_key, peer = _fastest(per, label, "standard", sides)
