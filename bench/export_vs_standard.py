@@ -5,6 +5,7 @@ peer beside the bound of the work removed, the pruned files' cosine on that text
 
     .venv/bin/python bench/export_vs_standard.py [--fraction 0.4] [--pruned OUT/model] [--keep-per-layer N]
         [--max-seconds 20] [--min-rounds 7] [--batches 1 16 64] [--calls 8] [--openvino] [--profile-openvino]
+        [--serve-batch N]
 
 Without ``--pruned`` the cut is ``--fraction`` of the heads, least important by ablation (mean replacement) on 64
 sentences, with no recovery (a speed measurement: the fidelity is the zero-shot one); with it, the folder ``prune
@@ -21,18 +22,14 @@ import argparse
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 
 def _flags() -> str:
-    want = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile")
-    try:
-        have = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return platform.processor()
-    return " ".join(f for f in want if f in have) or "none of " + ", ".join(want)
+    from multihead.timing import CPU_FLAGS, cpu_flags
+
+    return " ".join(cpu_flags()) or platform.processor() or "none of " + ", ".join(CPU_FLAGS)
 
 
 def main(argv=None) -> None:
@@ -48,6 +45,9 @@ def main(argv=None) -> None:
                    help="batch-1 calls in each round (one sentence each; more average a short call's jitter)")
     p.add_argument("--openvino", action="store_true",
                    help="OpenVINO's rows too (fp32, and NNCF's static int8 calibrated on 64 training sentences)")
+    p.add_argument("--serve-batch", type=int, default=None,
+                   help="the file to serve is the fastest pruned form at this batch size (default: the best geometric "
+                        "mean over the batch sizes timed)")
     p.add_argument("--profile-openvino", action="store_true",
                    help="after the table, OpenVINO's int8 files node by node at batch 1 (needs --openvino)")
     a = p.parse_args(argv)
@@ -110,13 +110,17 @@ def main(argv=None) -> None:
     d = peers.scratch()  # removed when the run ends
     ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
     standard = peers.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
-    base = mhf.export(full, d / "unpruned", **ov)
-    files = mhf.export(kept, d / "pruned", **ov)
+    base = mhf.export(full, d / "unpruned", serve=False, **ov)
+    files = mhf.export(kept, d / "pruned", serve=False, **ov)
     rows = compare.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
-                           min_rounds=a.min_rounds, log=print)
+                           min_rounds=a.min_rounds, log=print, serve_batch=a.serve_batch)
     print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "
           f"2 threads\n")
     print(compare.markdown(rows, compare.fidelity(full, files, kinds)))
+    from multihead.deploy import serve  # each runtime's file to serve, chosen from this table
+
+    print("\n".join(serve.lines(serve.write(d / "pruned", files, serve.from_rows(rows), a.serve_batch,
+                                             measured_on="this table's unseen text"))))
     if a.profile_openvino:
         peer_ir = standard.get("openvino_pt_int8") or standard["openvino_int8"]
         _profile({"peer": peer_ir, "unpruned": base["openvino_int8"], "pruned": files["openvino_int8"]}, inputs[1])

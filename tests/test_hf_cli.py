@@ -181,7 +181,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     out = tmp_path / "q"
     assert main(["prune", "--hf", str(bert_dir), "--fraction", "0.25", "--step", "0.25", "--recover", "3",
                  "--quantize", "int8", "--corpus", str(corpus_file), "--sentences", "16", "32",
-                 "--max-seconds", "0.2", "--out", str(out)]) == 0
+                 "--max-seconds", "0.2", "--serve-batch", "16", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert report["final"]["quantize"] == "int8" and report["recovery"]["steps"] == 3
@@ -232,7 +232,8 @@ def _runtime_files_match_the_model(out, report, said):
         want = model(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state  # (B, L, E)
         torch_int8 = quantize(model, "int8")(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state
     int8_err = float((torch_int8 - want)[keep].abs().max())
-    for f, tol in (("onnx/model.onnx", 1e-4), ("onnx/model_int8.onnx", 3 * int8_err)):
+    for f, tol in (("onnx/model.onnx", 1e-4), ("onnx/model_int8.onnx", 3 * int8_err), ("onnx/serve.onnx", 1e-4),
+                   ("onnx/serve_int8.onnx", 3 * int8_err)):  # the files to serve: loaded as the docs load them
         session = ort.InferenceSession(str(out / "model" / f))
         assert [o.name for o in session.get_outputs()] == ["last_hidden_state"]
         got = torch.from_numpy(session.run(None, feed)[0])
@@ -263,6 +264,52 @@ def _runtime_files_match_the_model(out, report, said):
         (n, b) for n in ("ONNX Runtime fp32", "ONNX Runtime int8") + (("OpenVINO fp32",) if ov else ()) for b in (1, 16)}
     assert all(row["bound"] > 1.0 and row["speedup"] > 0 for row in r["rows"])
     assert "## Where prediction happens" in (out / "report.md").read_text() and "bound (work removed)" in said
+    _served_is_the_fastest_printed(out, r, said)
+
+
+def _served_is_the_fastest_printed(out, r, said):
+    """--serve-batch 16: each runtime's file to serve is the fastest pruned form of the batch-16 row of the runtime
+    table the run printed (the forms' line lists the fastest first), the same bytes as that form; the report names it
+    and the CPU's flags, as every results file does."""
+    import filecmp
+
+    from multihead.timing import cpu_flags
+
+    for label, served in ((k, v) for k, v in r["serve"].items() if isinstance(v, dict)):
+        row = next(row for row in r["rows"] if row["runtime"] == label and row["batch"] == 16)
+        fastest = min(row["forms"], key=lambda k: row["forms"][k]["median_ms"])
+        assert served["key"] == fastest == row["pruned_file"] and served["chosen_by"] == "the fastest at batch 16"
+        assert f"| {label} | 16 | {fastest}: " in said or len(row["forms"]) == 1, (label, fastest)
+        assert filecmp.cmp(out / "model" / served["file"], out / "model" / served["files"][fastest], shallow=False)
+    assert {"ONNX Runtime fp32", "ONNX Runtime int8"} <= set(r["serve"])
+    assert set(r["rows"][0]["forms"]) >= {"onnx_int8", "onnx_eager_int8"} or r["rows"][0]["runtime"] != "ONNX Runtime int8"
+    flags = " ".join(cpu_flags())
+    assert r["serve"]["cpu_flags"] == cpu_flags() and json.loads((out / "report.json").read_text())["cpu_flags"] == cpu_flags()
+    assert json.loads((out / "model/onnx/export.json").read_text())["serve"]["cpu_flags"] == cpu_flags()
+    text = (out / "report.md").read_text()
+    assert f"Files to serve, chosen on this CPU (flags: {flags}" in text and "`onnx/serve_int8.onnx` = `" in text
+
+
+def test_serve_batch_and_runtimes_are_refused_in_one_line_before_any_work(bert_dir, tmp_path, capsys, monkeypatch):
+    """--serve-batch that is not a positive whole number, an unknown runtime, a runtime asked for whose extra is
+    missing: one line each naming the fix (the install line), exit 2, nothing written."""
+    import importlib.util
+
+    out = tmp_path / "o"
+    for value in ("0", "-3", "1.5", "x"):
+        assert main(["prune", "--hf", str(bert_dir), "--serve-batch", value, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"multihead prune: --serve-batch must be a positive whole number (the batch size served, "
+                       f"e.g. 16); got {value!r}\n")
+    assert main(["prune", "--hf", str(bert_dir), "--runtimes", "onnx,tensorrt", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "multihead prune: --runtimes: unknown runtime(s) ['tensorrt']; choose from onnx,openvino\n"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    assert main(["prune", "--hf", str(bert_dir), "--runtimes", "onnx,openvino", "--serve-batch", "16",
+                 "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("multihead prune: the openvino runtime needs openvino, which is not installed: "
+                                       "pip install 'multihead[openvino]'\n")
+    assert not out.exists()
 
 
 def test_quantize_refuses_what_it_cannot_do(bert_dir, tmp_path, capsys):

@@ -191,8 +191,28 @@ def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
         embed = mhf.fastembed(d, int8=int8)
         got = torch.from_numpy(__import__("numpy").stack(list(embed.embed(texts))))  # (3, E)
         assert (got - want).abs().max() < tol, int8
+    _served_is_the_fastest(d)
     with pytest.raises(ValueError, match=r"fastembed: .* has no onnx/model.onnx beside a config.json"):
         mhf.fastembed(tmp_path)
+
+
+def _served_is_the_fastest(d):
+    """Each file to serve export wrote (no serve_batch: the best geometric mean over the batch sizes it timed) is the
+    same bytes as the form its own timing, in export.json, found fastest; the CPU's flags are recorded."""
+    import filecmp
+    import json
+    import math
+
+    from multihead.timing import cpu_flags
+
+    record = json.loads((d / "onnx" / "export.json").read_text())["serve"]
+    assert record["cpu_flags"] == cpu_flags() and record["serve_batch"] is None
+    runtimes = {label: r for label, r in record.items() if isinstance(r, dict)}
+    assert {"ONNX Runtime fp32", "ONNX Runtime int8"} <= set(runtimes)
+    for r in runtimes.values():
+        best = min(r["ms"], key=lambda k: sum(math.log(v) for v in r["ms"][k].values()))
+        assert r["key"] == best and filecmp.cmp(d / r["file"], d / r["files"][best], shallow=False)
+        assert set(r["ms"][best]) == {"1", "16", "64"}
 
 
 def test_a_missing_extra_is_named(tmp_path, monkeypatch):
@@ -208,7 +228,8 @@ def test_a_missing_extra_is_named(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"OpenVINO IR export needs openvino, which is not installed: pip install "
                                           r"'multihead\[openvino\]'"):
         mhf.export(model, tmp_path / "m", openvino=True)
-    assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8"}  # ONNX only
+    assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8", "onnx_eager", "onnx_eager_int8", "onnx_optimized",
+                                                      "onnx_optimized_int8", "serve", "serve_int8"}  # ONNX only
 
 
 def test_a_layer_with_every_head_cut_is_exported_at_its_size(tmp_path):
@@ -261,8 +282,8 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     peer.load_state_dict(model.state_dict())
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     std = peers.standard_files(peer, ex, openvino=False)
-    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager_optimized",
-            "onnx_eager_optimized_int8"} <= set(std)
+    assert {"onnx", "onnx_int8", "onnx_optimized", "onnx_optimized_int8", "onnx_eager", "onnx_eager_int8",
+            "onnx_eager_optimized", "onnx_eager_optimized_int8"} <= set(std)
     ours = mhf.export(model, tmp_path / "u", openvino=False)
     assert _ops(ours["onnx"]) == _ops(std["onnx"])
     assert _ops(ours["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
@@ -280,6 +301,12 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     shapes = {tuple(t.dims) for t in onnx.load(str(cut["onnx"])).graph.initializer}
     assert (32, 16) in shapes and (32, 24) in shapes  # layer 0 keeps 2 heads of 8, layer 1 keeps 3
     assert _ops(cut["onnx_optimized"]) == _ops(std["onnx_eager_optimized"])
+    # the eager form: the peer's plain export of the eager-attention model at the pruned size, the same products and
+    # softmaxes (no fused op; the mask's own nodes may differ)
+    def compute(f):
+        return [o for o in _ops(f) if o in ("MatMul", "Softmax", "Attention", "MultiHeadAttention")]
+
+    assert compute(cut["onnx_eager"]) == compute(std["onnx_eager"]) and "Softmax" in compute(std["onnx_eager"])
     for key, op in (("onnx_optimized", "Attention"), ("onnx_optimized_int8", "QAttention")):
         fused = [n for n in onnx.load(str(cut[key])).graph.node if n.op_type == op]
         assert [onnx.helper.get_attribute_value(a) for n in fused for a in n.attribute if a.name == "num_heads"] == [2, 3]
@@ -289,7 +316,7 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     feed = {"input_ids": ids.numpy(), "attention_mask": am.numpy(), "token_type_ids": torch.zeros_like(ids).numpy()}
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).last_hidden_state[am.bool()]  # (N, E) the real tokens
-    for key in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8"):
+    for key in ("onnx", "onnx_optimized", "onnx_eager", "onnx_int8", "onnx_optimized_int8", "onnx_eager_int8"):
         got = torch.from_numpy(ort.InferenceSession(str(cut[key])).run(None, feed)[0])[am.bool()]
         err = float((got - want).abs().max())
         # fp32: float rounding; int8: weights rounded to 1/254 of each channel's range, activations per call

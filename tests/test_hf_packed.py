@@ -289,6 +289,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
             "multihead, 23/24 heads, int8, padding-free", "multihead served, 23/24 heads, int8"}
     std = " (unpruned, standard export)"  # the peers are the checkpoint exported as users export it
     runtimes = {"ONNX Runtime int8" + std: ("onnxruntime",), "ONNX Runtime int8, ORT optimizer" + std: ("onnxruntime",),
+                "ONNX Runtime int8, eager attention" + std: ("onnxruntime",),  # the plain export of the eager model
                 "ONNX Runtime int8, eager + ORT optimizer" + std: ("onnxruntime",),  # optimum's way
                 "OpenVINO fp32" + std: ("openvino",), "OpenVINO int8, NNCF static" + std: ("openvino", "nncf"),
                 "OpenVINO fp32, PyTorch frontend" + std: ("openvino",),  # optimum-intel's route
@@ -308,6 +309,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
         assert 0.9 < rows["ONNX Runtime int8" + std]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8, ORT optimizer" + std]["cosine"] < 1
         assert 0.9 < rows["ONNX Runtime int8, eager + ORT optimizer" + std]["cosine"] < 1
+        assert 0.9 < rows["ONNX Runtime int8, eager attention" + std]["cosine"] < 1
     if "OpenVINO fp32" + std in rows:  # the same fp32 model in another runtime
         assert rows["OpenVINO fp32" + std]["cosine"] > 1 - 1e-5
     if "OpenVINO int8, NNCF static" + std in rows:  # calibrated on text the timing never uses
@@ -324,10 +326,13 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
         assert {(row["runtime"], row["batch"]) for row in table["rows"]} >= {("ONNX Runtime fp32", 3),
                                                                             ("ONNX Runtime int8", 3)}
         assert all(1.0 < row["bound"] < 1.03 for row in table["rows"])  # 1 of 24 heads: a small share of the work
-        fp32 = table["fidelity"]["ONNX Runtime fp32"]
+        fp32 = table["fidelity"]["ONNX Runtime fp32, SDPA graph (model.onnx)"]  # each form's, by its file
         assert len(fp32) == 3 and all(0.9 < c <= 1 + 1e-6 for c in fp32.values())  # three kinds of text
         assert "Where prediction happens" in hf_bench.markdown(r)
     assert "Recommended at batch 3: fastest at mean cosine >= 0.95: " in hf_bench.markdown(r)
+    from multihead.timing import cpu_flags  # the results name the CPU they were measured on
+
+    assert r["cpu_flags"] == cpu_flags() and f"on a CPU with {' '.join(cpu_flags()) or 'unknown flags'}" in hf_bench.markdown(r)
     int8 = rows["multihead, 23/24 heads, int8, padding-free"]["cosine"]  # served: the same int8 arithmetic
     assert abs(rows["multihead served, 23/24 heads, int8"]["cosine"] - int8) < 1e-4
     st = r["sentence_transformers"]

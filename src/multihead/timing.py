@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Timing", "interleaved", "median_interval", "paired"]
+__all__ = ["Timing", "cpu_flags", "interleaved", "median_interval", "paired"]
 
 #: a spread (max - min) above this share of the median marks the machine as busy
 BUSY_SPREAD = 0.20
@@ -130,3 +130,20 @@ def busy_note(timings: dict[str, Timing]) -> str | None:
     if unstable:
         notes.append("medians not settled to ±5% within the time allowed: " + ", ".join(unstable))
     return "; ".join(notes) or None
+
+
+#: the CPU flags that decide which kernels run fast (int8 dot products, matrix tiles, wide vectors)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "amx_tile", "fma",
+             "neon", "asimd")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector and matrix flags that decide kernel speed (avx2, avx512f, avx512_vnni, amx_int8, ...), read
+    from ``/proc/cpuinfo`` (sorted; empty where it cannot be read): every results file names them."""
+    from pathlib import Path
+
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return sorted(words & set(CPU_FLAGS))

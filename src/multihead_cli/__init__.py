@@ -331,6 +331,14 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "~15 s) out of the speed table, and the runtime table (the kept model's OUT/model/onnx and "
                         "OUT/model/openvino files timed against the unpruned model's) out of the report; the files are "
                         "written either way (--no-runtime-files leaves them out)")
+    p.add_argument("--serve-batch", default=None, metavar="N",
+                   help="--hf encoders: each runtime's file to serve (OUT/model/onnx/serve_int8.onnx, serve.onnx, "
+                        "openvino/serve_int8.xml, ...) is the form that runs fastest here at batch size N, a positive "
+                        "whole number (default: the best geometric mean over batch 1, 16 and 64)")
+    p.add_argument("--runtimes", default=None, metavar="LIST",
+                   help="--hf encoders: the runtimes whose files are written, comma-separated: onnx (ONNX Runtime, "
+                        "always: the others start from its file), openvino (default: each whose extra is installed); "
+                        "one asked for whose extra is missing is refused before any work")
     p.add_argument("--no-runtime-files", action="store_true",
                    help="--hf encoders: write no ONNX Runtime or OpenVINO files of the kept model (OUT/model/onnx, "
                         "OUT/model/openvino: an export and its checks, ~15 s), only its transformers directory; no "

@@ -154,9 +154,42 @@ def _hf_only(args) -> str | None:
     LMs only, refused for anything else), or None."""
     if _decoder_only(args):
         return _decoder_only(args)
-    for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn"), (args.no_runtime_files, "--no-runtime-files")):
+    for given, option in ((args.quantize, "--quantize"), (args.ffn, "--ffn"), (args.no_runtime_files, "--no-runtime-files"),
+                          (args.serve_batch, "--serve-batch"), (args.runtimes, "--runtimes")):
         if given and not args.hf:
             return f"{option} applies to transformers checkpoints: give --hf DIR"
+    return _serving(args)
+
+
+#: ``prune --runtimes``: each runtime's name, the modules its files need and the extra that installs them
+RUNTIME_EXTRAS = {"onnx": (("onnxruntime", "onnxscript"), "onnx"), "openvino": (("openvino",), "openvino")}
+
+
+def _serving(args) -> str | None:
+    """The one line that refuses ``--serve-batch`` or ``--runtimes`` (a batch that is not a positive whole number, an
+    unknown runtime, a runtime asked for -- ONNX Runtime's with --serve-batch too -- whose extra is missing), or None
+    with ``args.serve_batch`` made a number and ``args.openvino`` set (OpenVINO's files: None where installed, True
+    asked for, False left out)."""
+    import importlib.util
+
+    batch = None
+    if args.serve_batch is not None:
+        text = str(args.serve_batch).strip()
+        if not text.isdigit() or int(text) < 1:
+            return f"--serve-batch must be a positive whole number (the batch size served, e.g. 16); got {args.serve_batch!r}"
+        batch = int(text)
+    names = [x.strip() for x in (args.runtimes or "").split(",") if x.strip()]
+    bad = [x for x in names if x not in RUNTIME_EXTRAS]
+    if bad or (args.runtimes is not None and not names):
+        return f"--runtimes: unknown runtime(s) {bad or [args.runtimes]}; choose from {','.join(RUNTIME_EXTRAS)}"
+    if (names or batch is not None) and args.no_runtime_files:
+        return "--runtimes and --serve-batch choose runtime files: they do not go with --no-runtime-files"
+    for name in dict.fromkeys((["onnx"] if names or batch is not None else []) + names):
+        modules, extra = RUNTIME_EXTRAS[name]
+        missing = next((m for m in modules if importlib.util.find_spec(m) is None), None)
+        if missing is not None:
+            return (f"the {name} runtime needs {missing}, which is not installed: pip install 'multihead[{extra}]'")
+    args.serve_batch, args.openvino = batch, ("openvino" in names) if names else None
     return None
 
 
@@ -210,8 +243,8 @@ def _prune(args) -> int:
     curve = bool(args.recover) and setup.name == "toy"  # the demo's model: every step recovered, both curves drawn
     options = pruning.Options(fraction, step=args.step, reestimate=not args.no_reestimate, recover=args.recover or 0,
                               quantize=args.quantize, target=goal, deadline=None,
-                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers,
-                              runtime_files=not args.no_runtime_files,
+                              max_seconds=args.max_seconds, runtime_peers=not args.no_runtime_peers, openvino=args.openvino,
+                              runtime_files=not args.no_runtime_files, serve_batch=args.serve_batch,
                               ffn=args.ffn or 0.0, recover_curve=curve)
     try:  # what this model cannot do, or a plan the time budget cannot hold, refused before any work
         pruning.check_options(setup, options)
@@ -241,7 +274,8 @@ ENCODER_ONLY = (("quantize", "--quantize", None), ("ffn", "--ffn", None), ("corp
                 ("no_runtime_files", "--no-runtime-files", False), ("no_runtime_peers", "--no-runtime-peers", False),
                 ("no_reestimate", "--no-reestimate", False), ("recover_text", "--recover-text", "wide"),
                 ("unseen_sentences", "--unseen-sentences", 300), ("passages", "--passages", 32),
-                ("step", "--step", 0.1), ("max_seconds", "--max-seconds", 60.0))
+                ("step", "--step", 0.1), ("max_seconds", "--max-seconds", 60.0), ("serve_batch", "--serve-batch", None),
+                ("runtimes", "--runtimes", None))
 #: options of causal LMs only: given to anything else, refused
 DECODER_ONLY = (("target_perplexity", "--target-perplexity"), ("unit", "--unit"), ("behaviour", "--behaviour"),
                 ("lr", "--lr"), ("formats", "--formats"))

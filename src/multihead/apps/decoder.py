@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from multihead.timing import cpu_flags
+
 #: what a cut removes in each layer: whole key/value groups, or query heads evenly inside every group
 UNITS = ("auto", "group", "query")
 #: the built-in behaviour's templates: importance reads the first four, the judgement the other four
@@ -480,16 +482,6 @@ def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector and matrix flags that decide kernel speed (avx2, avx512f, avx512_vnni, amx_int8, ...)."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    return sorted(words & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16",
-                           "amx_tile", "fma", "neon", "asimd"})
 
 
 def _row(name: str, j: Judgement | dict, met: str = "") -> str:

@@ -67,9 +67,9 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
         models[f"multihead served, {heads} heads, {is_quantized(m) or 'fp32'}"] = mhf.serve(m)
     models |= peers.peers(models["transformers (sdpa)"], example, log, calibration)  # what practitioners deploy
     if pruned is not None and any(n.startswith("ONNX Runtime") for n in models):  # the pruned model served by ORT
-        from multihead.deploy.onnx import ONNX_DIR, ONNX_INT8_FILE
+        from multihead.deploy.onnx import ONNX_DIR, ONNX_SERVE_INT8_FILE
 
-        written = Path(pruned) / ONNX_DIR / ONNX_INT8_FILE  # its own int8 file where the folder has it (prune --hf's)
+        written = Path(pruned) / ONNX_DIR / ONNX_SERVE_INT8_FILE  # its int8 file to serve where the folder has it
         models[f"multihead, {heads} heads, exported, ONNX Runtime int8"] = (
             peers.ort_session(written) if written.is_file() else
             peers.ort_int8(peers.export(mhf.load(pruned, quantized=False), example)))
@@ -134,8 +134,10 @@ def run(pruned: str | Path | None = None, *, sizes: tuple[int, ...] = (1, 16, 64
     deployed = None if pruned is None else _runtime_table(
         path, pruned, tok, held_out, calibration=calib, max_seconds=max_seconds, log=log,
         sizes={B: n_batches or hf_models.RUNTIME_BATCHES.get(B, 1) for B in sizes})
-    return {"workload": "W7", "threads": torch.get_num_threads(), "sizes": per_size, "sentence_transformers": st,
-            "runtimes": deployed}
+    from multihead.timing import cpu_flags
+
+    return {"workload": "W7", "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(), "sizes": per_size,
+            "sentence_transformers": st, "runtimes": deployed}
 
 
 def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[dict], max_seconds: float,
@@ -162,19 +164,28 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
         log(f"  no runtime table: {e}")
         return None
     from multihead.deploy import peers
-    from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE, ONNX_OPT_FILE, ONNX_OPT_INT8_FILE
+    from multihead.deploy.onnx import (
+        ONNX_DIR,
+        ONNX_EAGER_FILE,
+        ONNX_EAGER_INT8_FILE,
+        ONNX_FILE,
+        ONNX_INT8_FILE,
+        ONNX_OPT_FILE,
+        ONNX_OPT_INT8_FILE,
+    )
     from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE
 
     full = mhf.attach(transformers.AutoModel.from_pretrained(path).eval())
     kept = mhf.load(pruned, quantized=False)
     written = (("onnx", ONNX_DIR, ONNX_FILE), ("onnx_int8", ONNX_DIR, ONNX_INT8_FILE),
+               ("onnx_eager", ONNX_DIR, ONNX_EAGER_FILE), ("onnx_eager_int8", ONNX_DIR, ONNX_EAGER_INT8_FILE),
                ("onnx_optimized", ONNX_DIR, ONNX_OPT_FILE), ("onnx_optimized_int8", ONNX_DIR, ONNX_OPT_INT8_FILE),
                ("openvino", OPENVINO_DIR, OPENVINO_FILE), ("openvino_int8", OPENVINO_DIR, OPENVINO_INT8_FILE))
     files = {key: Path(pruned) / d / name for key, d, name in written if (Path(pruned) / d / name).is_file()}
     with tempfile.TemporaryDirectory(prefix="multihead-") as made:  # this table's own files: removed after it
         if "onnx" not in files:
-            files = mhf.export(kept, Path(made) / "pruned", calibration=calibration)
-        base = mhf.export(full, Path(made) / "unpruned", openvino=False)  # a column: ONNX Runtime's files
+            files = mhf.export(kept, Path(made) / "pruned", calibration=calibration, serve=False)
+        base = mhf.export(full, Path(made) / "unpruned", openvino=False, serve=False)  # a column: ONNX Runtime's
         # (OpenVINO's would be converted from the same graph as the standard ones)
         peer = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
         standard = peers.standard_files(peer, calibration[0], calibration)  # as the speed table's peers: one export
@@ -243,7 +254,8 @@ def _table(first: str, what: str, rows: list[dict], key: str) -> list[str]:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads, "
+    lines = [f"W7: all-MiniLM-L6-v2 through transformers, held-out mixed-length sentences, {r['threads']} threads "
+             f"on a CPU with {' '.join(r.get('cpu_flags') or []) or 'unknown flags'}, "
              "inference_mode; speed-up = transformers sdpa's time / the peer's (median, range over interleaved "
              "rounds)", ""]
     from multihead.deploy import compare

@@ -356,7 +356,7 @@ def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict], peer: nn.Mo
     from multihead.deploy import peers
 
     calibration = _calibration(imp)
-    setup.export_fn = lambda m, folder: _export(m, folder, calibration)
+    setup.export_fn = lambda m, folder, openvino=None: _export(m, folder, calibration, openvino)
     setup.standard_fn = lambda: peers.standard_files(peer, {"input_ids": example[0], "attention_mask": example[1]},
                                                      calibration)
     setup.runtime_texts = texts
@@ -373,10 +373,12 @@ def _cut_ffn(model: nn.Module, fraction: float, batches: list) -> dict[str, list
     return heads.prune_neurons(model, fraction, batches, run, lambda m: run(m, batches[0]))
 
 
-def _export(model: nn.Module, folder: Path, calibration: list[dict]) -> dict[str, Path]:
+def _export(model: nn.Module, folder: Path, calibration: list[dict], openvino: bool | None) -> dict[str, Path]:
+    """The kept model's runtime files (``openvino``: as :func:`multihead.hf.export` takes it); no file to serve yet:
+    ``prune --hf`` chooses it from its runtime table (:mod:`multihead.deploy.serve`)."""
     import multihead.hf as mhf
 
-    return mhf.export(model, folder, calibration=calibration)
+    return mhf.export(model, folder, calibration=calibration, openvino=openvino, serve=False)
 
 
 #: each batch size's batches per kind of text in the runtime table (batch 1: several short calls)

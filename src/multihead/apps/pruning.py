@@ -53,7 +53,8 @@ class Setup:
     more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
     scores_fn: Callable | None = None  # scores_fn(model) -> (n,) per held-out item, metric = their mean (a cosine)
     held_out_kinds: tuple[tuple, ...] | None = None  # the held-out items' consecutive kinds (name, count[, unit])
-    #: export_fn(model, folder) -> {key: path}: the kept model's runtime files (multihead.hf.export) in its folder
+    #: export_fn(model, folder, openvino) -> {key: path}: the kept model's runtime files (multihead.hf.export) in its
+    #: folder, no file to serve yet (``openvino``: None where installed, True required, False left out)
     export_fn: Callable | None = None
     #: ({batch size: batches}, {kind of text: batches}): what the runtime files are timed and scored on
     runtime_texts: tuple[dict, dict] | None = None
@@ -85,7 +86,7 @@ class Options:
     the model's own directory only, and so no runtime table; the report says so);
     ``ffn``: the share of every feed-forward block's neurons cut from each finished step before its recovery
     (:func:`multihead.heads.prune_neurons`); ``recover_curve``: every step of the curve recovered (``recover``
-    steps each), the curve drawn with and without recovery."""
+    steps each), the curve drawn with and without recovery; ``serve_batch``, ``openvino``: below."""
 
     fraction: float
     step: float = 0.1
@@ -100,6 +101,11 @@ class Options:
     runtime_files: bool = True
     ffn: float = 0.0
     recover_curve: bool = False
+    #: the batch size the file to serve is chosen at (:mod:`multihead.deploy.serve`; None: the best geometric mean
+    #: over batch 1, 16 and 64)
+    serve_batch: int | None = None
+    #: OpenVINO's files: None where the extra is installed, True required, False left out (``--runtimes``)
+    openvino: bool | None = None
     #: the plan's estimate of one candidate of a target search, in seconds (:func:`plan`), until one is timed
     candidate_s: float = 0.0
 
@@ -341,7 +347,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
                   "ffn_widths": {b.down: b.width for b in heads.ffn_blocks(kept.model)} if o.ffn else None},
         "recovery": kept.recovery, "target": search, "model_note": model_note,
         "peer_metrics": extra_metric, "runtimes": deployed, "bound": _bound(setup, snapshots[0], kept.model),
-        "recovery_kind": setup.recovery_kind,
+        "recovery_kind": setup.recovery_kind, "cpu_flags": timing.cpu_flags(), "threads": torch.get_num_threads(),
         "notes": notes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -510,15 +516,18 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
         return None
     if not o.runtime_files:
         return {"note": _NO_RUNTIME_FILES}
-    from multihead.deploy import compare
+    from multihead.deploy import compare, serve
 
     try:
-        files = setup.export_fn(kept, folder)
+        files = setup.export_fn(kept, folder, o.openvino)
     except ImportError as e:  # the onnx extra
         return {"note": f"no runtime files written: {e}"}
-    out = {"files": {k: str(Path(v).relative_to(folder)) for k, v in files.items()}}
-    if not o.runtime_peers or setup.runtime_texts is None:
-        return out
+    out = {"files": {k: str(Path(v).relative_to(folder)) for k, v in files.items()}, "cpu_flags": timing.cpu_flags()}
+    if not o.runtime_peers or setup.runtime_texts is None:  # no table: the forms timed alone, briefly
+        inputs = setup.runtime_texts[0] if setup.runtime_texts is not None else serve.synthetic_batches(kept)
+        out["serve"] = serve.write(folder, files, serve.measure(files, inputs), o.serve_batch,
+                                   measured_on="the held-out text, the forms alone (no runtime table)")
+        return _with_served(out, folder)
     from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
 
     exported = folder / ONNX_DIR / EXPORT_JSON
@@ -534,11 +543,22 @@ def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, 
     # multihead's own export of the unpruned model, a column beside the peer: ONNX Runtime's files (OpenVINO's are
     # converted from the same graph, so their column would only repeat the standard one's)
     with tempfile.TemporaryDirectory(prefix="multihead-") as d:  # only for the table: removed after it
-        base = mhf.export(unpruned, Path(d), openvino=False)
+        base = mhf.export(unpruned, Path(d), openvino=False, serve=False)
         seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
         out["rows"] = compare.compare(unpruned, kept, standard, base, files, inputs,
-                                     max_seconds=seconds / len(inputs) * 3, log=print if o.progress else None)
+                                     max_seconds=seconds / len(inputs) * 3, log=print if o.progress else None,
+                                     serve_batch=o.serve_batch)
+    out["serve"] = serve.write(folder, files, serve.from_rows(out["rows"]), o.serve_batch,
+                               measured_on="the runtime table's held-out text")
     out["fidelity"] = compare.fidelity(unpruned, files, kinds)
+    return _with_served(out, folder)
+
+
+def _with_served(out: dict, folder: Path) -> dict:
+    """``out`` (:func:`_deployed`'s) with the files to serve listed among its files."""
+    from multihead.deploy import serve
+
+    out["files"] |= {k: str(p.relative_to(folder)) for k, p in serve.served(folder, out["serve"]).items()}
     return out
 
 
@@ -767,6 +787,8 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         f"Importance: {r['method']}" + (" (a removed head is replaced by its mean output)" if r["mean_replacement"]
                                         else "") + f"; re-estimated after every step: {r['reestimate']}.",
+        f"Measured on a CPU with {' '.join(r.get('cpu_flags') or []) or 'unknown flags'}, "
+        f"{r.get('threads', '?')} thread(s).",
         *[f"- {n}" for n in r["notes"]],
         "",
         "![importance](importance.png)",
@@ -836,12 +858,17 @@ def runtime_section(d: dict | None) -> list[str]:
              " and the token types where the model has them; output `last_hidden_state`).", ""]
     if (d.get("optimizer") or {}).get("note"):
         lines += [f"Note: {d['optimizer']['note']} (the table is measured all the same).", ""]
+    from multihead.deploy import serve
+
+    lines += serve.lines(d.get("serve"))
     if d.get("rows"):
-        lines += ["Each runtime's pruned file against the peer: the unpruned transformers model made into that "
-                  "runtime's file as its documentation does it (`torch.onnx.export`, ONNX Runtime's `quantize_dynamic` "
-                  "per channel, its transformer optimizer; OpenVINO's `convert_model`, NNCF), the faster way being the "
-                  "peer; multihead's own export of the unpruned model is a column, never the baseline. Timed in the "
-                  "same interleaved rounds on the held-out text of every kind (ms per batch, median and min-max); the "
-                  "bound is the ratio of the floating-point work of the padded call (what these runtimes compute), "
-                  "the most a cut of that work could give.", "", compare.markdown(d["rows"], d.get("fidelity"))]
+        lines += ["Each runtime's pruned file to serve against the peer: the unpruned transformers model made into that "
+                  "runtime's file as its documentation does it (`torch.onnx.export` of the SDPA and of the eager model, "
+                  "ONNX Runtime's `quantize_dynamic` per channel, its transformer optimizer; OpenVINO's `convert_model`, "
+                  "NNCF), the fastest way being the peer; multihead's own export of the unpruned model is a column, "
+                  "never the baseline. Timed in the same interleaved rounds on the held-out text of every kind (ms per "
+                  "batch, median and min-max) on a CPU with "
+                  f"{' '.join(d.get('cpu_flags') or []) or 'unknown flags'}; the bound is the ratio of the "
+                  "floating-point work of the padded call (what these runtimes compute), the most a cut of that work "
+                  "could give.", "", compare.markdown(d["rows"], d.get("fidelity"))]
     return lines

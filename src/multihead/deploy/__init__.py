@@ -13,9 +13,10 @@ What the rooms share: :mod:`multihead.deploy.check` (every comparison of a writt
 :mod:`multihead.deploy.trace` (the graph the encoder rooms trace), :mod:`multihead.deploy.llama` (a decoder's head
 counts read from its weights, its refusals, its standard transformers folder), :mod:`multihead.deploy.folder`
 (an encoder's folder of ONNX and OpenVINO files: ``multihead.hf.export``). Above them, :mod:`multihead.deploy.peers`
-(the unpruned model made into each runtime's files the way its documentation does it) and
+(the unpruned model made into each runtime's files the way its documentation does it),
 :mod:`multihead.deploy.compare` (the runtime table: the pruned files against the peers, beside the bound of the work
-removed). The documented writers stay reachable as ``multihead.hf.export``, ``multihead.hf.export_onnx`` and
+removed) and :mod:`multihead.deploy.serve` (each runtime's file to serve: the fastest of its forms on this machine).
+The documented writers stay reachable as ``multihead.hf.export``, ``multihead.hf.export_onnx`` and
 ``multihead.hf.fastembed``.
 """
 

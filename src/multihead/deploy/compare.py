@@ -23,8 +23,8 @@ from multihead.deploy import peers
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_optimized", "onnx_eager_optimized"), peers.ort_session),
-            ("ONNX Runtime int8", ("onnx_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_eager", "onnx_optimized", "onnx_eager_optimized"), peers.ort_session),
+            ("ONNX Runtime int8", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
              peers.ort_session),
             ("OpenVINO fp32", ("openvino", "openvino_pt"), peers.openvino_model),
             ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), peers.openvino_model))
@@ -112,7 +112,7 @@ def _fastest(per: dict, label: str, side: str, sides: dict) -> tuple:
 
 def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files_full: dict[str, Path] | None,
             files_pruned: dict[str, Path], inputs: dict[int, list[dict]], *, max_seconds: float = 20.0,
-            min_rounds: int = 7, log: Callable | None = None) -> list[dict]:
+            min_rounds: int = 7, log: Callable | None = None, serve_batch: int | None = None) -> list[dict]:
     """Each runtime the pruned folder and the standard files both have: the standard files of the unpruned model
     (``standard``: :func:`multihead.deploy.peers.standard_files`), multihead's own export of it (``files_full``; None
     leaves those rows out) and the pruned files, every way of making each file (plain, ONNX Runtime's optimizer) timed
@@ -121,9 +121,12 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
     batches}).
     Rows {runtime, batch, peer (the fastest standard file), peer_ms, standard {file: ms}, unpruned_ms,
     unpruned_file, unpruned_vs_peer (the peer's time over multihead's unpruned file's, round by round: below 1 is
-    slower), pruned_ms, pruned_file (the faster of the pruned files), speedup (over the peer: the median of the
-    rounds' ratios, :func:`multihead.timing.paired`), range (its 95% interval), bound, share} where
-    ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the pruned file
+    slower), pruned_ms and pruned_file (the file to serve: of the pruned files, the fastest at ``serve_batch``, or by
+    the geometric mean over the batch sizes timed: :func:`multihead.deploy.serve.choose`), served_by (which of the
+    two), fastest_file (the fastest pruned file at this batch size), forms {key: ms} (every pruned file), speedup
+    (the file to serve over the peer: the median of the rounds' ratios, :func:`multihead.timing.paired`), range (its
+    95% interval), bound, share} where
+    ``bound`` is :func:`work`'s ratio on the same batches and ``share`` how much of the bound's gain the file to serve
     delivers ((speed-up - 1) / (bound - 1))."""
     engines: dict[str, dict[str, dict]] = {}  # runtime -> {"standard"/"unpruned"/"pruned": {key: model}}
     for label, keys, make in RUNTIMES:
@@ -132,40 +135,60 @@ def compare(full: nn.Module, pruned: nn.Module, standard: dict[str, Path], files
                  "pruned": {k: make(files_pruned[k]) for k in keys if k in files_pruned}}
         if sides["standard"] and sides["pruned"]:
             engines[label] = sides
-    rows = []
-    for B, batches in inputs.items():
-        bound = sum(work(full, b) for b in batches) / sum(work(pruned, b) for b in batches)
-        calls = {}
-        for label, sides in engines.items():
-            for side, models in sides.items():
-                for k, m in models.items():
-                    calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
-        names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
-        t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
-                               min_rounds=min_rounds, max_rounds=max(60, min_rounds), late_rounds=3,
-                               progress=f"runtimes, batch {B}" if log is not None else None)
-        per = {c: t[names[c]].scaled(1 / len(batches)) for c in calls}
-        for label, sides in engines.items():
-            peer_key, peer = _fastest(per, label, "standard", sides)
-            un_key, un = _fastest(per, label, "unpruned", sides)
-            pr_key, pr = _fastest(per, label, "pruned", sides)
-            s, lo, hi = timing.paired(peer, pr)
-            rows.append({"runtime": label, "batch": B, "peer": peers.STANDARD[peer_key], "peer_ms": peer.to_json(),
-                         "standard": {peers.STANDARD[k]: per[(label, "standard", k)].to_json()
-                                      for k in sides["standard"]},
-                         "unpruned_ms": un.to_json() if un is not None else None, "unpruned_file": un_key,
-                         "unpruned_vs_peer": round(timing.paired(peer, un)[0], 3) if un is not None else None,
-                         "pruned_ms": pr.to_json(), "pruned_file": pr_key,
-                         "speedup": round(s, 3), "range": [round(lo, 3), round(hi, 3)], "bound": round(bound, 3),
-                         "share": round((s - 1) / (bound - 1), 2) if bound > 1.001 else None,
-                         "busy": timing.busy_note({names[c]: t[names[c]] for c in calls if c[0] == label})})
-    return rows
+    measured = {B: _timed(engines, full, pruned, batches, B, max_seconds=max_seconds, min_rounds=min_rounds, log=log)
+                for B, batches in inputs.items()}
+    from multihead.deploy import serve
+
+    served = {label: serve.choose({k: {B: m[1][(label, "pruned", k)].to_json()["median_ms"]
+                                       for B, m in measured.items()} for k in sides["pruned"]}, serve_batch)
+              for label, sides in engines.items()}  # from the medians the rows hold: serve.from_rows agrees
+    return [_row(label, B, sides, per, bound=bound, busy=busy, served=served[label])
+            for B, (bound, per, busy) in measured.items() for label, sides in engines.items()]
+
+
+def _timed(engines: dict, full: nn.Module, pruned: nn.Module, batches: list[dict], B: int, *, max_seconds: float,
+           min_rounds: int, log) -> tuple[float, dict, dict]:
+    """Every file of every runtime timed on ``batches`` in the same interleaved rounds: (the bound, {(runtime, side,
+    key): Timing per batch}, {runtime: the busy-machine note})."""
+    bound = sum(work(full, b) for b in batches) / sum(work(pruned, b) for b in batches)
+    calls = {}
+    for label, sides in engines.items():
+        for side, models in sides.items():
+            for k, m in models.items():
+                calls[(label, side, k)] = lambda m=m, xs=batches: [m(b["input_ids"], b["attention_mask"]) for b in xs]
+    names = {c: f"{c[0]}, {c[1]} {c[2]}" for c in calls}
+    t = timing.interleaved({names[c]: f for c, f in calls.items()}, warmup=1, max_seconds=max_seconds,
+                           min_rounds=min_rounds, max_rounds=max(60, min_rounds), late_rounds=3,
+                           progress=f"runtimes, batch {B}" if log is not None else None)
+    busy = {label: timing.busy_note({names[c]: t[names[c]] for c in calls if c[0] == label}) for label in engines}
+    return bound, {c: t[names[c]].scaled(1 / len(batches)) for c in calls}, busy
+
+
+def _row(label: str, B: int, sides: dict, per: dict, *, bound: float, busy: dict, served: dict) -> dict:
+    """One row of :func:`compare`: runtime ``label`` at batch ``B``, the file to serve (``served``:
+    :func:`multihead.deploy.serve.choose`'s) against the peer."""
+    peer_key, peer = _fastest(per, label, "standard", sides)
+    un_key, un = _fastest(per, label, "unpruned", sides)
+    fast_key, _ = _fastest(per, label, "pruned", sides)
+    pr_key = served["key"]
+    pr = per[(label, "pruned", pr_key)]
+    s, lo, hi = timing.paired(peer, pr)
+    return {"runtime": label, "batch": B, "peer": peers.STANDARD[peer_key], "peer_ms": peer.to_json(),
+            "standard": {peers.STANDARD[k]: per[(label, "standard", k)].to_json() for k in sides["standard"]},
+            "unpruned_ms": un.to_json() if un is not None else None, "unpruned_file": un_key,
+            "unpruned_vs_peer": round(timing.paired(peer, un)[0], 3) if un is not None else None,
+            "pruned_ms": pr.to_json(), "pruned_file": pr_key, "served_by": served["chosen_by"],
+            "fastest_file": fast_key, "forms": {k: per[(label, "pruned", k)].to_json() for k in sides["pruned"]},
+            "speedup": round(s, 3), "range": [round(lo, 3), round(hi, 3)], "bound": round(bound, 3),
+            "share": round((s - 1) / (bound - 1), 2) if bound > 1.001 else None, "busy": busy[label]}
 
 
 def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """{runtime: {kind: mean cosine}}: each file's mean-pooled, normalised output against the torch model ``full``'s
     on every batch of every kind of text (a pruned file against the unpruned model: what the cut and the runtime's
     rounding cost together)."""
+    from multihead.deploy.serve import FORMS
+
     out = {}
     for label, keys, make in RUNTIMES:
         for key in keys:
@@ -173,7 +196,7 @@ def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict
                 continue
             m = make(files[key])
             with torch.no_grad():
-                out[label if key == keys[0] else f"{label}, ORT optimizer"] = {
+                out[f"{label}, {FORMS.get(key, key)} ({Path(files[key]).name})"] = {
                     kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"])
                                             * pooled(full, b["input_ids"], b["attention_mask"])).sum(-1)
                                            for b in batches]).mean())
@@ -190,7 +213,7 @@ def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -
     def ms(t):
         return f"{t['median_ms']:.2f} ({t['min_ms']:.2f}-{t['max_ms']:.2f})"
 
-    lines = ["| runtime | batch | peer: the standard export, ms | multihead's unpruned file, ms | pruned file, ms | "
+    lines = ["| runtime | batch | peer: the standard export, ms | multihead's unpruned file, ms | the pruned file to serve, ms | "
              "speed-up over the peer, per round (95% interval) | bound (work removed) | of the bound's gain |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -199,6 +222,12 @@ def markdown(rows: list[dict], fid: dict[str, dict[str, float]] | None = None) -
         lines.append(f"| {r['runtime']} | {r['batch']} | {r['peer']}: {ms(r['peer_ms'])} | {un} | "
                      f"{ms(r['pruned_ms'])} ({r['pruned_file']}) | {r['speedup']:.2f}x ({r['range'][0]:.2f}-"
                      f"{r['range'][1]:.2f}) | {r['bound']:.2f}x | {share} |")
+    if any(len(r.get("forms") or {}) > 1 for r in rows):  # every pruned form: the file to serve is the fastest
+        lines += ["", "| runtime | batch | each pruned file, ms (the fastest first; the file to serve is "
+                  f"{rows[0].get('served_by', 'the fastest')}) |", "|---|---:|---|"]
+        lines += [f"| {r['runtime']} | {r['batch']} | " + "; ".join(
+            f"{k}: {ms(t)}" for k, t in sorted(r["forms"].items(), key=lambda kt: kt[1]["median_ms"])) + " |"
+            for r in rows if r.get("forms")]
     if any(len(r.get("standard") or {}) > 1 for r in rows):  # every way of making the standard file, not only the peer
         lines += ["", "| runtime | batch | each standard file of the unpruned model, ms (the fastest is the peer) |",
                   "|---|---:|---|"]

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import torch
 
-from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE
+from multihead.deploy.onnx import ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE, ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE
 
 
 def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True, name: str | None = None):
     """fastembed's ``TextEmbedding`` of a folder :func:`export` wrote (beside the tokenizer files and config.json,
     as ``prune --hf`` leaves ``OUT/model``): registered as a custom model with mean pooling (sentence-transformers'
-    MiniLM pools so) over ``onnx/model.onnx`` (``int8``: ``onnx/model_int8.onnx``), its dimension read from
+    MiniLM pools so) over the file to serve, ``onnx/serve.onnx`` (``int8``: ``onnx/serve_int8.onnx``; the fastest
+    form on the machine that wrote it: :mod:`multihead.deploy.serve`; a folder written without one:
+    ``onnx/model.onnx``, ``onnx/model_int8.onnx``), its dimension read from
     config.json, then opened from the folder itself (no download), with as many threads as torch. The ``fastembed``
     extra."""
     import json
@@ -24,7 +26,9 @@ def fastembed(folder: str | Path, *, int8: bool = False, normalize: bool = True,
     from fastembed.common.model_description import ModelSource, PoolingType
 
     folder = Path(folder)
-    f = folder / ONNX_DIR / (ONNX_INT8_FILE if int8 else ONNX_FILE)
+    f = folder / ONNX_DIR / (ONNX_SERVE_INT8_FILE if int8 else ONNX_SERVE_FILE)
+    if not f.is_file():  # written with serve=False: the SDPA graph's file
+        f = folder / ONNX_DIR / (ONNX_INT8_FILE if int8 else ONNX_FILE)
     if not f.is_file() or not (folder / "config.json").is_file():
         raise ValueError(f"fastembed: {folder} has no {f.relative_to(folder)} beside a config.json: give a folder "
                          "written by multihead.hf.export (prune --hf writes OUT/model).")

@@ -28,6 +28,9 @@ from multihead.hf.layouts import probe_inputs
 
 ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
 ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_optimized_int8.onnx", "export.json"
+ONNX_EAGER_FILE, ONNX_EAGER_INT8_FILE = "model_eager.onnx", "model_eager_int8.onnx"
+#: the files to serve: the fastest of the fp32 and of the int8 forms on the machine that wrote them (deploy/serve.py)
+ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE = "serve.onnx", "serve_int8.onnx"
 
 
 #: transformers' model types ONNX Runtime's transformer optimizer has a pass for (``optimizer.MODEL_TYPES``'s names)
@@ -119,16 +122,40 @@ def _written_and_checked(model: nn.Module, f: Path, example: dict | None, check)
     return attention, fallback
 
 
-def _optimized(model: nn.Module, f: Path, example: dict | None, check) -> tuple[dict[str, Path], dict]:
+def _eager(model: nn.Module, f: Path, example: dict | None, check) -> tuple[dict[str, Path], str | None]:
+    """The eager-attention graph beside the fp32 file ``f`` (:func:`eager_onnx`, each layer's head count written:
+    :func:`write_head_counts`), checked (``check(path)``) and quantized like the plain one: ({"onnx_eager",
+    "onnx_eager_int8": path}, None), or ({}, why) where it cannot be written or fails its check (it is optional: the
+    SDPA graph ``f`` stays). The graph users get from ``torch.onnx.export`` of a model loaded with
+    ``attn_implementation="eager"``, at the pruned size; the form ONNX Runtime's optimizer fuses (:func:`_optimized`)."""
+    eager = f.with_name(ONNX_EAGER_FILE)
+    try:
+        with _padded_eval(model):
+            names = input_names(model)
+            import onnx
+
+            eager_onnx(_TokensToHidden(model, "token_type_ids" in names), model,
+                       _export_example(example if example is not None else probe_inputs(model), names), names,
+                       eager, output=onnx.load(str(f), load_external_data=False).graph.output[0].name)
+        write_head_counts(eager)
+        check(eager)
+        return {"onnx_eager": eager, "onnx_eager_int8": quantize_standard(eager, f.with_name(ONNX_EAGER_INT8_FILE),
+                                                                          matmul_only=True)}, None
+    except Exception as e:  # noqa: BLE001 - the exporters' and the check's failures share no base class
+        for name in (eager, f.with_name(ONNX_EAGER_INT8_FILE)):
+            name.unlink(missing_ok=True)
+        return {}, f"the eager graph could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+
+
+def _optimized(model: nn.Module, f: Path, eager: Path | None, check) -> tuple[dict[str, Path], dict]:
     """The optimized files beside the fp32 file ``f``, checked (``check(path)``) and quantized like the plain one:
     ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what the optimizer fused). First the eager-attention
-    graph with each layer's head count written (:func:`eager_onnx`, :func:`write_head_counts`), the form ONNX Runtime's
-    optimizer fuses into one ``Attention`` op per layer; where it fuses no attention there (or that graph cannot be
-    written), ``f`` itself through the optimizer. The optimizer is optional: its failure leaves the plain files and
-    is said in the record."""
+    graph ``eager`` (:func:`_eager`: each layer's head count written), the form ONNX Runtime's optimizer fuses into one
+    ``Attention`` op per layer; where it fuses no attention there (or there is no such graph), ``f`` itself through
+    the optimizer. The optimizer is optional: its failure leaves the plain files and is said in the record."""
     out, out_int8 = f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE)
     try:
-        fused = _eager_fused(model, f, out, example)
+        fused = _eager_fused(model, f, eager, out)
         if not fused.get("written"):
             return {}, fused
         check(out)
@@ -141,28 +168,15 @@ def _optimized(model: nn.Module, f: Path, example: dict | None, check) -> tuple[
                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
 
 
-def _eager_fused(model: nn.Module, f: Path, out: Path, example: dict | None) -> dict:
-    """``out``: the eager graph with its head counts through :func:`optimize` where that fuses attention, else the file
-    ``f`` through it; :func:`optimize`'s record with "graph" (which of the two) added."""
-    eager, why = f.with_name("eager.onnx"), None
-    if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is not None:
-        try:
-            with _padded_eval(model):
-                names = input_names(model)
-                import onnx
-
-                eager_onnx(_TokensToHidden(model, "token_type_ids" in names), model,
-                           _export_example(example if example is not None else probe_inputs(model), names), names,
-                           eager, output=onnx.load(str(f), load_external_data=False).graph.output[0].name)
-            counts = write_head_counts(eager)
-            fused = optimize(model, eager, out)
-            if fused["written"] and sum(v for k, v in fused["fused"].items() if "Attention" in k):
-                return fused | {"graph": f"eager attention (TorchScript exporter), {counts} head counts written"}
-            why = fused["note"]
-        except Exception as e:  # noqa: BLE001 - the eager graph is optional: the exporters' failures share no base
-            why = f"the eager graph could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        finally:
-            eager.unlink(missing_ok=True)
+def _eager_fused(model: nn.Module, f: Path, eager: Path | None, out: Path) -> dict:
+    """``out``: the eager graph ``eager`` (its head counts written) through :func:`optimize` where that fuses attention,
+    else the file ``f`` through it; :func:`optimize`'s record with "graph" (which of the two) added."""
+    why = None if eager is not None else "no eager graph was written"
+    if eager is not None and ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is not None:
+        fused = optimize(model, eager, out)
+        if fused["written"] and sum(v for k, v in fused["fused"].items() if "Attention" in k):
+            return fused | {"graph": f"eager attention (TorchScript exporter, {eager.name}), head counts written"}
+        why = fused["note"]
     fused = optimize(model, f, out)
     return fused | {"graph": f"{f.name}'s" + (f" (the eager one: {why})" if why else "")}
 
@@ -221,6 +235,8 @@ def write_head_counts(path: Path) -> int:
         g.add_initializer(heads)
         concat.input[2] = heads.name
         written += 1
+    if written:  # the -1s no node reads now: ONNX Runtime would warn of each on every load
+        g.prune_graph()
     g.save_model_to_file(str(path))
     return written
 

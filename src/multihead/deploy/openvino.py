@@ -22,6 +22,8 @@ from multihead.deploy.trace import _export_example, _padded_eval, _TokensToHidde
 from multihead.hf.layouts import probe_inputs
 
 OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE = "openvino", "openvino_model.xml", "openvino_model_int8.xml"
+#: the files to serve (deploy/serve.py): one form each today, under the same names as ONNX Runtime's
+OPENVINO_SERVE_FILE, OPENVINO_SERVE_INT8_FILE = "serve.xml", "serve_int8.xml"
 
 
 def _openvino(model: nn.Module, f: Path, folder: Path, names: list[str],

@@ -7,52 +7,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-
-class RuntimeModel:
-    """A compiled ONNX model called like the transformers model: ``(input_ids, attention_mask[, token_type_ids])``
-    (B, L) -> an object with ``last_hidden_state`` (B, L, E). ``names``: the graph's inputs (token types are
-    zeros when the caller gives none, as transformers' BERT makes them)."""
-
-    def __init__(self, run, names: list[str]):
-        self.run, self.names = run, list(names)  # run: {name: ndarray (B, L)} -> ndarray (B, L, E)
-
-    def __call__(self, input_ids, attention_mask, token_type_ids=None):
-        x = {"input_ids": input_ids, "attention_mask": attention_mask,
-             "token_type_ids": torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids}
-        out = self.run({n: x[n].numpy() for n in self.names})
-        return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
-
-
-def ort_session(f: Path) -> RuntimeModel:
-    """The ONNX file ``f`` (fp32 or int8) in ONNX Runtime on the CPU, with as many threads as torch and its idle
-    workers not spinning (they would slow torch beside them)."""
-    from multihead.extras import require
-
-    ort = require("onnxruntime", "the ONNX Runtime peer")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
-    return RuntimeModel(lambda feed: session.run(None, feed)[0], [i.name for i in session.get_inputs()])
-
-
-def openvino_model(f: Path) -> RuntimeModel:
-    """The ONNX or OpenVINO IR file ``f`` compiled by OpenVINO for the CPU: fp32 inference precision (no bf16 even
-    where the CPU has it; an int8 IR keeps its int8 layers), as many threads as torch, the latency hint (one
-    request at a time, as timed here)."""
-    from multihead.extras import require
-
-    ov = require("openvino", "the OpenVINO peer")
-    compiled = ov.Core().compile_model(str(f), "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-        "PERFORMANCE_HINT": "LATENCY"})
-    out = compiled.output(0)
-    return RuntimeModel(lambda feed: compiled(feed)[out], [i.get_any_name() for i in compiled.inputs])
+from multihead.deploy.session import RuntimeModel, openvino_model, ort_session  # noqa: F401 - peers.ort_session, ...
 
 
 def scratch() -> Path:
@@ -147,6 +105,8 @@ class _Hidden(torch.nn.Module):
 STANDARD = {"onnx": "torch.onnx.export", "onnx_int8": "torch.onnx.export + quantize_dynamic",
             "onnx_optimized": "torch.onnx.export + ORT optimizer",
             "onnx_optimized_int8": "torch.onnx.export + ORT optimizer + quantize_dynamic",
+            "onnx_eager": "eager attention, torch.onnx.export (TorchScript)",
+            "onnx_eager_int8": "eager attention, torch.onnx.export (TorchScript) + quantize_dynamic",
             "onnx_eager_optimized": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer",
             "onnx_eager_optimized_int8": "eager attention, torch.onnx.export (TorchScript) + ORT optimizer + "
                                          "quantize_dynamic",
@@ -162,8 +122,9 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     files the way each runtime's documentation does it -- the peer every runtime table times the pruned files
     against: ``torch.onnx.export`` of the model (its defaults, both sizes dynamic), ONNX Runtime's
     ``quantize_dynamic`` (int8 weights, per channel), ONNX Runtime's transformer optimizer (where it has a pass for
-    the model type) and the optimized file quantized the same way; the same from the eager graph (:func:`_eager_optimized`:
-    optimum's way, where ONNX Runtime fuses attention); OpenVINO's ``convert_model`` of the ONNX file and NNCF's static
+    the model type) and the optimized file quantized the same way; the same from the eager graph (:func:`_eager_files`:
+    the plain export of the model loaded with ``attn_implementation="eager"``, quantized, and optimum's way, where ONNX
+    Runtime fuses attention); OpenVINO's ``convert_model`` of the ONNX file and NNCF's static
     int8 (with ``calibration``) where the openvino extra is installed, and the same from the PyTorch model through
     OpenVINO's PyTorch frontend (:func:`_openvino_pt`: optimum-intel's way). {key: path} (keys as :data:`STANDARD`), exported
     once per process for the same weights."""
@@ -204,7 +165,7 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     if fused["written"]:
         out["onnx_optimized"] = d / "model_optimized.onnx"
         out["onnx_optimized_int8"] = quantize_standard(d / "model_optimized.onnx", d / "model_optimized_int8.onnx")
-    out |= _eager_optimized(model, xs, names, d, log)
+    out |= _eager_files(model, xs, names, d, log)
     if openvino:
         out |= _openvino_standard(model, f, xs, names, d, calibration=calibration, log=log)
     if key is not None:
@@ -212,29 +173,33 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
     return out
 
 
-def _eager_optimized(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
-    """{"onnx_eager_optimized", "onnx_eager_optimized_int8": path} in ``d``: ``model`` with transformers' eager attention
-    through the TorchScript exporter (:func:`multihead.deploy.onnx.eager_onnx`, inputs ``xs`` named ``names``), ONNX
-    Runtime's optimizer given the config's head count and hidden size (as optimum gives them), ``quantize_dynamic``
-    per channel; {} where the optimizer has no pass for the model type or the export fails (told to ``log``)."""
+def _eager_files(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
+    """{"onnx_eager", "onnx_eager_int8"[, "onnx_eager_optimized", "onnx_eager_optimized_int8"]: path} in ``d``:
+    ``model`` with transformers' eager attention through the TorchScript exporter
+    (:func:`multihead.deploy.onnx.eager_onnx`, inputs ``xs`` named ``names``) -- the plain export of the model loaded
+    with ``attn_implementation="eager"`` -- and ``quantize_dynamic`` per channel; then, where ONNX Runtime's optimizer
+    has a pass for the model type, that graph through it given the config's head count and hidden size (as optimum
+    gives them), quantized the same way; {} where the export fails (told to ``log``)."""
     from multihead.deploy.onnx import ORT_MODEL_TYPES, eager_onnx, optimize, quantize_standard
     from multihead.deploy.trace import _padded_eval
 
-    if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
-        return {}
     try:
         with _padded_eval(model):
-            eager_onnx(_Hidden(model, names), model, xs, names, d / "eager.onnx")
-            fused = optimize(model, d / "eager.onnx", d / "model_eager_optimized.onnx", heads_from_config=True)
+            eager_onnx(_Hidden(model, names), model, xs, names, d / "model_eager.onnx")
+            out = {"onnx_eager": d / "model_eager.onnx",
+                   "onnx_eager_int8": quantize_standard(d / "model_eager.onnx", d / "model_eager_int8.onnx")}
+            if ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
+                return out
+            fused = optimize(model, d / "model_eager.onnx", d / "model_eager_optimized.onnx", heads_from_config=True)
     except Exception as e:  # noqa: BLE001 - the exporter's and the optimizer's failures share no base class
         if log is not None:
             log(f"  the eager standard export not made: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return {}
     if not fused["written"]:
-        return {}
-    return {"onnx_eager_optimized": d / "model_eager_optimized.onnx",
-            "onnx_eager_optimized_int8": quantize_standard(d / "model_eager_optimized.onnx",
-                                                           d / "model_eager_optimized_int8.onnx")}
+        return out
+    return out | {"onnx_eager_optimized": d / "model_eager_optimized.onnx",
+                  "onnx_eager_optimized_int8": quantize_standard(d / "model_eager_optimized.onnx",
+                                                                 d / "model_eager_optimized_int8.onnx")}
 
 
 def _openvino_standard(model, f: Path, xs: tuple, names: list[str], d: Path, *, calibration=None,
@@ -298,7 +263,8 @@ def peers(model, example: dict, log=None, calibration: list[dict] | None = None)
             log(f"  no other runtime timed: {e}")
         return {}
     files = standard_files(model, example, calibration, log=log)
-    labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
+    labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_eager_int8", "ONNX Runtime int8, eager attention"),
+              ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
               ("onnx_eager_optimized_int8", "ONNX Runtime int8, eager + ORT optimizer"),
               ("openvino", "OpenVINO fp32"), ("openvino_int8", "OpenVINO int8, NNCF static"),
               ("openvino_pt", "OpenVINO fp32, PyTorch frontend"),
