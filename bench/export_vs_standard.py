@@ -60,8 +60,8 @@ def main(argv=None) -> None:
 
     import multihead.hf as mhf
     from multihead import heads
-    from multihead.apps import hf_models
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common.data import package_sentences, sentences
+    from multihead.apps.prune import hf_models
     from multihead.deploy import compare, peers
     from multihead.models import minilm_path
 

@@ -1,5 +1,5 @@
 """The IOI circuit of SmolLM2-135M-Instruct by edge attribution (:mod:`multihead.heads.circuits`), on the generated IOI
-set (:mod:`multihead.apps.ioi`: the subject's second mention replaced by the IO's name in the corrupted twin).
+set (:mod:`multihead.apps.common.ioi`: the subject's second mention replaced by the IO's name in the corrupted twin).
 
 Every edge of the graph (embedding, 270 heads' outputs, 30 MLPs -> each head's query, each key/value group's key and
 value (3 groups of 3 query heads a layer: receivers per group), each MLP's input, the logits) is scored by EAP and by
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=16, help="IOI prompts")
     ap.add_argument("--steps", type=int, default=5, help="EAP-IG's integration points")
     ap.add_argument("--templates", type=int, default=1,
-                    help="IOI templates used (the first N of multihead.apps.ioi.TEMPLATES; 1: one batch of one length)")
+                    help="IOI templates used (the first N of multihead.apps.common.ioi.TEMPLATES; 1: one batch of one length)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/smollm2_circuit")
     a = ap.parse_args(argv)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     from multihead import heads
-    from multihead.apps import ioi
+    from multihead.apps.common import ioi
 
     t0 = time.monotonic()
     tok, model = load()

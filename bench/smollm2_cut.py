@@ -1,12 +1,12 @@
 """SmolLM2-135M-Instruct cut the way a decoder needs, measured on what neither the cut nor the recovery saw: the
 next-token KL divergence to the unpruned model and the perplexity on sentences from the installed packages' READMEs
-(:func:`multihead.apps.data.package_sentences`, none of the recovery's), and IOI accuracy and mean logit difference on
-a generated set (:mod:`multihead.apps.ioi`, its own seed).
+(:func:`multihead.apps.common.data.package_sentences`, none of the recovery's), and IOI accuracy and mean logit difference on
+a generated set (:mod:`multihead.apps.common.ioi`, its own seed).
 
 Rows: the unpruned model; one query head of each key/value group cut in every layer (3 of 9 heads, the KV cache
 unchanged); one key/value group of three cut in every layer (its 3 query heads with it: the KV cache exactly 2/3),
 zero-shot and recovered (distilled toward the unpruned model's next-token distributions on Python's documentation
-sentences, :func:`multihead.apps.causal.recover`). Each layer's head or group to cut is the one whose gradient
+sentences, :func:`multihead.apps.prune.causal.recover`). Each layer's head or group to cut is the one whose gradient
 importance on the recovery text is lowest (summed over the group's query heads).
 
     .venv/bin/python bench/smollm2_cut.py --steps 40    # writes bench/results/smollm2_cut/smollm2_cut.{md,json}
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     from multihead import heads
-    from multihead.apps import causal, ioi
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import package_sentences, sentences
+    from multihead.apps.prune import causal
 
     t0 = time.monotonic()
     tok, ref = load()

@@ -1,9 +1,9 @@
 """SmolLM2-135M-Instruct with one key/value group of three cut in every layer (the KV cache exactly 2/3), recovered
-by distillation toward the unpruned model (:func:`multihead.apps.causal.recover`), with the curve of fidelity
+by distillation toward the unpruned model (:func:`multihead.apps.prune.causal.recover`), with the curve of fidelity
 against steps, measured on what neither the choice of the cut nor the recovery saw: the next-token KL to the
 unpruned model and the perplexity on package-README sentences (the first ``--held-out`` of
-:func:`multihead.apps.data.package_sentences`; the first 32 are ``bench/smollm2_cut.py``'s set), and IOI accuracy and
-mean logit difference on generated prompts (:mod:`multihead.apps.ioi`, seed 1).
+:func:`multihead.apps.common.data.package_sentences`; the first 32 are ``bench/smollm2_cut.py``'s set), and IOI accuracy and
+mean logit difference on generated prompts (:mod:`multihead.apps.common.ioi`, seed 1).
 
 Which group to cut in each layer: the one whose summed gradient importance (``bench/smollm2_cut.py``'s rule) on
 recovery text is lowest; with ``--ablation``, the one whose ablation alone (its three query heads gated off in that
@@ -87,7 +87,7 @@ class _Cached(torch.nn.Module):
 def _ablation_choice(ref, names, sel, G: int) -> tuple[dict, dict]:
     """{layer: group whose ablation alone moves the next-token distributions least}, {layer: [KL per group]}."""
     from multihead import heads
-    from multihead.apps import causal
+    from multihead.apps.prune import causal
 
     H = ref.config.num_attention_heads
     cached = _Cached(ref, sel)
@@ -117,7 +117,7 @@ def _behaviour_choice(ref, sel, tok, Hkv: int, G: int) -> dict:
     model: the gradient on the recovery text's loss and on the IOI logit difference of prompts of seed 2 (the
     evaluation's are seed 1's)."""
     from multihead import heads
-    from multihead.apps import ioi
+    from multihead.apps.common import ioi
 
     text = heads.gradient_importance(ref, sel, lambda m, b: m(**b, labels=b["input_ids"]).loss, progress=False,
                                      normalize=False)
@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     import multihead.hf as mhf
-    from multihead.apps import causal, ioi
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import causal
 
     t0 = time.monotonic()
     tok, ref = load()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multihead.apps.cli import main
-from multihead.apps.demo import format_weights
+from multihead.apps.demo.demo import format_weights
 
 
 def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):

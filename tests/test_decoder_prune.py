@@ -1,4 +1,4 @@
-"""``multihead prune --hf DIR`` on a causal LM (multihead.apps.decoder): the cut planned in the units the runtime
+"""``multihead prune --hf DIR`` on a causal LM (multihead.apps.prune.decoder): the cut planned in the units the runtime
 stores (whole key/value groups, or query heads evenly inside every group, the same in every layer), the folder it
 writes loaded by ``AutoModelForCausalLM.from_pretrained`` as it is and equal to the unpruned model with those heads
 gated, the target search's invariant, and every bad input refused in one line before any work. Tiny configs of three
@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps import decoder  # noqa: E402
 from multihead.apps.cli import main  # noqa: E402
+from multihead.apps.prune import decoder  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,8 +47,8 @@ def _word_tokenizer():
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.apps import ioi
-    from multihead.apps.data import sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import sentences
 
     pre = pre_tokenizers.Whitespace()
     words = Counter(w for s in sentences() for w, _ in pre.pre_tokenize_str(s))

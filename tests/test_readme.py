@@ -151,7 +151,7 @@ def _tiny_bert(tmp_path) -> Path:
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
 
     words = sorted({w for s in sentences(80) for w in s.replace(".", " ").split()})[:200]
     vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
@@ -493,7 +493,7 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
     elif any("--hf" in line for line in lines):
         path = _tiny_bert(tmp_path)
         corpus = tmp_path / "corpus.txt"
-        from multihead.apps.data import sentences
+        from multihead.apps.common.data import sentences
 
         corpus.write_text("\n".join(sentences(200)))
         fill = {"DIR": str(path), "...": "the river bank was flooded", "FILE": str(corpus), "STEPS": "2"}

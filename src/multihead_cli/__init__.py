@@ -43,7 +43,7 @@ def _up_to_one(what: str, example: str, meaning: str):
 _cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
 
 
-#: ``prune --formats`` (multihead.apps.decoder.FORMATS; a test keeps the two equal)
+#: ``prune --formats`` (multihead.apps.prune.decoder.FORMATS; a test keeps the two equal)
 DECODER_FORMATS = ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "genai-fp32", "genai-int4")
 
 

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from multihead.apps.demo import format_weights  # noqa: F401  (kept importable from here)
+from multihead.apps.demo.demo import format_weights  # noqa: F401  (kept importable from here)
 
 DEMO_CHECKPOINTS = Path("out") / "checkpoints"  # where `make demo` (multihead demo --out out) keeps them
 
@@ -23,7 +23,7 @@ def _checkpoints(given: str | None, out: Path) -> Path:
 
 
 def _demo(args) -> int:
-    from multihead.apps import demo
+    from multihead.apps.demo import demo
 
     demo.run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds, recover=args.recover)
     return 0
@@ -42,7 +42,7 @@ def _viz(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead.apps import demo
+    from multihead.apps.demo import demo
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def _viz(args) -> int:
         return _viz_vision(args, out)
     ckpts = _checkpoints(args.checkpoints, out)
     if args.hf:
-        from multihead.apps import hf_models
+        from multihead.apps.prune import hf_models
 
         paths = hf_models.draw(args.hf, _text(args, SENTENCE), out, explain=args.explain)
     elif args.model is None:
@@ -86,7 +86,7 @@ def _viz_vision(args, out: Path) -> int:
     """``multihead viz --timm NAME`` / ``--torchvision NAME``: every head of the model on ``--image``."""
     import json
 
-    from multihead.apps import vision
+    from multihead.apps.viz import vision
 
     if args.timm and args.torchvision or not args.image or args.model or args.hf:
         print("multihead viz: --timm NAME or --torchvision NAME (one) takes --image FILE, with --checkpoint FILE "
@@ -110,7 +110,7 @@ def _viz_vision(args, out: Path) -> int:
 def _wide_text(args) -> list[str] | None:
     """``prune --hf``'s extra recovery text: the standard library's docstrings, 16 per recovery step (none when
     there is no recovery or ``--recover-text split``)."""
-    from multihead.apps.data import docstring_sentences
+    from multihead.apps.common.data import docstring_sentences
 
     return docstring_sentences(16 * args.recover) if args.recover and args.recover_text == "wide" else None
 
@@ -118,7 +118,7 @@ def _wide_text(args) -> list[str] | None:
 def _unseen_text(args, corpus: list[str] | None) -> tuple[str, list[str]] | None:
     """``prune --hf``'s second kind of held-out text: the installed packages' descriptions, none of them in the
     corpus or the recovery text."""
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common.data import package_sentences, sentences
 
     if not args.unseen_sentences:
         return None
@@ -165,7 +165,7 @@ def _prune(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     out = Path(args.out)
     if not args.force and _said(_foreign_files(out)):
@@ -186,7 +186,7 @@ def _prune(args) -> int:
         print(f"multihead prune: {pruning.target_refused('toy', 'accuracy', pruning.TOY_METRIC, goal)}", file=sys.stderr)
         return 2
     if args.hf:
-        from multihead.apps import hf_models
+        from multihead.apps.prune import hf_models
 
         corpus = None
         if args.corpus:
@@ -257,9 +257,9 @@ def _decoder_only(args) -> str | None:
 
 
 def _prune_decoder(args, out: Path, started: float) -> int:
-    """``prune --hf DIR`` on a causal LM (:mod:`multihead.apps.decoder`): options it does not take, a behaviour file
+    """``prune --hf DIR`` on a causal LM (:mod:`multihead.apps.prune.decoder`): options it does not take, a behaviour file
     and a plan the model cannot hold refused in one line each before any work; exit 1 when a target is missed."""
-    from multihead.apps import decoder
+    from multihead.apps.prune import decoder
 
     given = [option for key, option, default in ENCODER_ONLY if getattr(args, key, default) != default]
     if _said(f"{given[0]} applies to encoders; a causal LM is cut by --fraction/--unit, judged by "
@@ -293,7 +293,7 @@ def _prune_decoder(args, out: Path, started: float) -> int:
 
 def _report_and_exit(report: dict, out: Path) -> int:
     """Print the report's lines; the exit code: 1 when a target was asked and no model tried met it, else 0."""
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     _print_report(report, out)
     search = report.get("target")
@@ -308,8 +308,8 @@ DEFAULT_BUDGET_S = 270.0
 
 
 def _goal(args):
-    """The ``--target-*`` option given, as a :class:`multihead.apps.target.Goal` (None without one)."""
-    from multihead.apps.target import Goal
+    """The ``--target-*`` option given, as a :class:`multihead.apps.prune.target.Goal` (None without one)."""
+    from multihead.apps.prune.target import Goal
 
     for kind in ("cosine", "kl", "accuracy"):
         value = getattr(args, f"target_{kind}", None)
@@ -320,11 +320,11 @@ def _goal(args):
 
 def _within_budget(setup, options, budget: float | None, started: float):
     """``options`` with the command's deadline and the plan's estimate of one candidate: the run is costed first
-    (:func:`multihead.apps.pruning.plan`, printed as one line); a ``budget`` (seconds from ``started``) that cannot
+    (:func:`multihead.apps.prune.pruning.plan`, printed as one line); a ``budget`` (seconds from ``started``) that cannot
     hold the least run is refused (ValueError, one line); without one the default grows to the whole plan."""
     import dataclasses
 
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     p = pruning.plan(setup, options)
     spent = time.monotonic() - started
@@ -345,7 +345,7 @@ def _within_budget(setup, options, budget: float | None, started: float):
 
 def _print_report(report: dict, out: Path) -> None:
     """What ``multihead prune`` prints at the end: the kept model, the speed table, the runtime files and table."""
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     lines = [*pruning.summary(report), pruning.speed_table(report["speed"], report.get("bound")),
              *pruning.runtime_section(report.get("runtimes"))[2:],  # the files and the runtime table
@@ -559,7 +559,7 @@ def _written(args, rows: list[dict], similar=None) -> int:
 
 def _patch(args) -> int:
     """multihead patch --hf DIR --clean TEXT --corrupted TEXT --metric SPEC: activation patching of every head."""
-    from multihead.apps import patching
+    from multihead.apps.patch import patching
 
     patching.run(args.hf, args.clean, args.corrupted, args.metric, args.out, positions=args.positions,
                  direction=args.direction, chunk=args.chunk)
@@ -568,7 +568,7 @@ def _patch(args) -> int:
 
 def _circuit(args) -> int:
     """multihead circuit --hf DIR --clean TEXT --corrupted TEXT --metric SPEC: the circuit, scored, kept and checked."""
-    from multihead.apps import circuit
+    from multihead.apps.patch import circuit
 
     circuit.run(args.hf, args.clean, args.corrupted, args.metric, args.out, method=args.method, steps=args.steps,
                 budget=args.budget, mib=args.mib, pairs=args.pairs, batch_size=args.batch_size)
@@ -576,7 +576,7 @@ def _circuit(args) -> int:
 
 
 def _bench(args) -> int:
-    from multihead.apps import bench
+    from multihead.apps.bench import bench
 
     names = args.workloads  # checked by the parser (multihead_cli)
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
@@ -595,7 +595,7 @@ def _bench(args) -> int:
     if "W7" in names:  # a transformers sentence encoder: its own runner and table
         import json
 
-        from multihead.apps import hf_bench
+        from multihead.apps.bench import hf_bench
 
         r = hf_bench.run(args.pruned, max_seconds=args.max_seconds)
         out = Path(args.out)
@@ -607,7 +607,7 @@ def _bench(args) -> int:
         if not names:
             return 0
     if "W6" in names:  # context parallel: its own processes
-        from multihead.apps import cp_bench
+        from multihead.apps.bench import cp_bench
 
         cp_bench.run(ranks=args.ranks, length=args.cp_length, reps=args.cp_reps,
                      out=Path(args.out) / "context_parallel")

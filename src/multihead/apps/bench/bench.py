@@ -374,7 +374,7 @@ def peak_rss_mib() -> float:
 def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
     """Peak RSS (MiB) of one call in a fresh process."""
     code = (
-        "import sys, torch; from multihead.apps import bench; "
+        "import sys, torch; from multihead.apps.bench import bench; "
         f"w = bench.workloads(['W4'], ({w.Lq},))[0]; base = torch.nn.MultiheadAttention(w.E, w.H, batch_first=True); "
         f"p = bench.PEERS[{peer!r}](w, base); "
         "p is None and sys.exit(3); mod, call, _ = p; "
@@ -426,7 +426,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
     }
     log(f"machine: {info['threads']} threads, fp32 matmul {info['matmul_gflops']} GFLOP/s, torch {info['torch']}")
     if "W5" in names:  # decoding: its own runner and table
-        from multihead.apps import decode_bench
+        from multihead.apps.bench import decode_bench
 
         names = [n for n in names if n != "W5"]
         d = decode_bench.run(batches=decode_batches, steps=decode_steps, rounds=decode_rounds, log=log,

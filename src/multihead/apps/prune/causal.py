@@ -1,6 +1,6 @@
 """How far a cut decoder language model is from the unpruned one, on text: the next-token KL divergence to the
 unpruned model's distributions and the perplexity of the text, each over every real next token; and recovery by
-distillation toward those distributions (:func:`multihead.apps.hf_models.recover`, ``causal=True``).
+distillation toward those distributions (:func:`multihead.apps.prune.hf_models.recover`, ``causal=True``).
 
     batches = text_batches(tokenizer, package_sentences(200))     # text neither the cut nor the recovery saw
     f = fidelity(pruned, unpruned, batches)                        # f.kl, f.perplexity, f.reference_perplexity
@@ -87,7 +87,7 @@ class _Targets(Sequence):
         return len(self.batches)
 
     def __getitem__(self, i):
-        from multihead.apps import hf_models
+        from multihead.apps.prune import hf_models
 
         b = self.batches[i]
         ids, am = b["input_ids"], b["attention_mask"]
@@ -99,13 +99,13 @@ def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], ste
             lr: float = 3e-5, observe: Callable[[int], None] | None = None,
             until: float | None = None) -> list[float]:
     """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
-    is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.hf_models.recover`
+    is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.prune.hf_models.recover`
     with ``causal=True``, AdamW, the rate decaying along a half cosine). The unpruned model's distributions are
     computed at each step (one batch's in memory), so ``batches`` may be many. ``observe``: called with the number
     of steps done after each step (e.g. to measure :func:`fidelity` every so many steps). ``until``: a
     ``time.monotonic()`` time the run is shortened to end by, from the first steps' cost (the cosine then spans the
     shorter run). Returns the losses, one a step."""
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1; got {steps!r}.")

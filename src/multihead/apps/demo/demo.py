@@ -196,7 +196,7 @@ def prune_both(out: Path, max_seconds: float, recover: int = 150) -> list[Path]:
     head alone (rank correlations), the pruning curve with and without a short recovery after each cut, and the
     kept model's speed beside the bound of the work removed; ``recover``: fine-tuning steps after each cut (0: the
     cut alone). Returns the files written."""
-    from multihead.apps import methods, pruning
+    from multihead.apps.prune import methods, pruning
 
     paths = []
     for kind, setup_fn, what, fraction, step in (
