@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from multihead.apps.cli import main
+from multihead_cli import main
 
 
 def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):

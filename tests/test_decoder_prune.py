@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps.cli import main  # noqa: E402
 from multihead.apps.prune import decoder  # noqa: E402
+from multihead_cli import main  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -270,7 +270,7 @@ def test_bench_w6_writes_a_report_that_loads_back(tmp_path):
     import json
 
     from multihead.apps.bench import cp_bench
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     assert main(["bench", "--workloads", "W6", "--ranks", "2", "--cp-length", "1024", "--cp-reps", "1",
                  "--out", str(tmp_path)]) == 0

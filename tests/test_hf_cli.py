@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps.cli import main  # noqa: E402
 from multihead.apps.common.data import sentences  # noqa: E402
 from multihead.apps.prune import hf_models, pruning  # noqa: E402
+from multihead_cli import main  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 T = transformers

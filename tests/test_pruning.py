@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.apps.cli import main
 from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, checkpoint
+from multihead_cli import main
 
 
 def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, capsys):

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from multihead.apps.cli import _unseen_text, main
 from multihead.apps.prune import target
+from multihead.apps.prune.command import _unseen_text
+from multihead_cli import main
 
 
 def test_the_interval_is_the_normal_one_of_the_mean():

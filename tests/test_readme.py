@@ -411,7 +411,7 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
 
 
 def _cli(argv: list[str]) -> tuple[int, str]:
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), warnings.catch_warnings(record=True) as seen:
@@ -532,7 +532,7 @@ def test_readme_check_transcript():
     blocks = readme_blocks()
     i = next(i for i, (h, lang, _) in enumerate(blocks) if h == "Check your own attention" and lang == "")
     line = blocks[i - 1][2].strip()
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
