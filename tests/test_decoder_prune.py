@@ -108,7 +108,7 @@ def test_the_cut_is_even_and_the_folder_loads_as_it_is_equal_to_the_gated_model(
     layer the same counts."""
     tok = request.getfixturevalue("bpe" if family == "qwen2" else "tok")
     src = _tiny(tmp_path / "src", tok, family)
-    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.5 if family == "gemma3" else 0.34, recover=0,
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.5 if family == "gemma3" else 0.34, recover=0,
                                                            **SMALL))
     assert r["met"] and r["unit"] == unit and [c["k"] for c in r["tried"]] == [2 if family == "gemma3" else 1]
     cfg = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
@@ -174,7 +174,7 @@ def test_the_search_keeps_the_furthest_cut_tried_that_meets_the_target(tmp_path,
 
     monkeypatch.setattr(decoder, "judge", judged)
     for target, kept, tried in ((1.2, 1, [1, 2]), (1.05, 0, [1, 2]), (1.0, None, [1])):
-        o = decoder.Options(target=("perplexity", target), recover=0)
+        o = decoder.DecoderOptions(target=("perplexity", target), recover=0)
         cands, k, model = decoder.search(decoder.Context(ref, None, None, base, o), scores, counts, "group", 2)
         assert [c.k for c in cands] == tried and k == kept
         assert (model is None) == (kept is None)
@@ -192,7 +192,7 @@ def test_a_behaviour_file_is_read_and_each_bad_line_refused_naming_it(tmp_path, 
     two = tmp_path / "two.jsonl"  # two pairs of different lengths: one chooses, one is judged
     two.write_text(json.dumps(good[0]) + "\n" + json.dumps({**good[0], "clean": good[0]["clean"] + " the",
                                                                "corrupted": good[0]["corrupted"] + " the"}))
-    beh = decoder.behaviour(tok, decoder.Options(behaviour=two))
+    beh = decoder.behaviour(tok, decoder.DecoderOptions(behaviour=two))
     assert [len(b["io"]) for b in beh.importance] == [1] and [len(b["io"]) for b in beh.judged] == [1]
     bad = {"not json": ("{clean: 1}", r"line 1: not JSON"),
            "missing": (json.dumps({"clean": "a b"}), r"line 1: corrupted, answer, wrong missing"),
@@ -251,7 +251,7 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
 
     src = _tiny(tmp_path / "src", bpe, "llama")
     formats = ("gguf-q8_0", "gguf-q4_k_m", "genai-int4")  # f16 and genai-fp32: tests/test_decoder_export.py
-    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.34, recover=0, formats=formats, **SMALL))
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.34, recover=0, formats=formats, **SMALL))
     rows = {f["format"]: f for f in r["formats"]}
     assert list(rows) == list(formats)
     q8 = rows["gguf-q8_0"]

@@ -260,3 +260,15 @@ def test_functions_are_small_and_their_arguments_named():
         if positional > 6 and (mod, n.name) not in MIRRORS:
             wide.append(f"{mod}.{n.name} ({positional} positional)")
     assert not wide, wide
+
+
+def test_each_class_name_means_one_thing():
+    """No class name is defined in two files of the package (the parser included): a reader who finds ``Options`` or
+    ``Plan`` knows which one it is."""
+    where: dict[str, set[str]] = {}
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "multihead_cli").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, set()).add(str(path.relative_to(ROOT.parent)))
+    twice = {name: sorted(files) for name, files in where.items() if len(files) > 1}
+    assert not twice, f"class names defined in two files: {twice}"

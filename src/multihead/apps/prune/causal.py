@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Fidelity", "fidelity", "recover", "text_batches"]
+__all__ = ["NextTokenFidelity", "fidelity", "recover", "text_batches"]
 
 
 @dataclass(frozen=True)
-class Fidelity:
+class NextTokenFidelity:
     """``kl``: the mean over next tokens of KL(unpruned || model) in nats; ``perplexity`` / ``reference_perplexity``:
     exp of the mean negative log-likelihood of the text's next tokens under the model / the unpruned model;
     ``tokens``: how many next tokens were scored."""
@@ -53,7 +53,7 @@ def _next_logp(model: nn.Module, b: dict) -> Tensor:
                          -1)
 
 
-def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) -> Fidelity:
+def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) -> NextTokenFidelity:
     """``model`` (a cut causal LM) against ``reference`` (the unpruned one) on :func:`text_batches`' output, without
     gradients, in eval mode: each position whose next token is real is scored."""
     if not batches:
@@ -72,7 +72,7 @@ def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) ->
             n += int(live.sum())
     if n == 0:
         raise ValueError("the batches hold no next token to score: give texts of two tokens or more.")
-    return Fidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
+    return NextTokenFidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
 
 
 class _Targets(Sequence):

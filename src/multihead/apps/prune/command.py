@@ -178,7 +178,7 @@ def _prune_decoder(args, out: Path, started: float) -> int:
     target = (("perplexity", args.target_perplexity) if args.target_perplexity is not None else
               ("kl", args.target_kl) if args.target_kl is not None else None)
     budget = args.time_budget if args.time_budget is not None else DECODER_BUDGET_S
-    o = decoder.Options(fraction=args.fraction, unit=args.unit or "auto", target=target,
+    o = decoder.DecoderOptions(fraction=args.fraction, unit=args.unit or "auto", target=target,
                         behaviour=Path(args.behaviour) if args.behaviour else None,
                         recover=400 if args.recover is None else args.recover, lr=args.lr or 3e-4,
                         deadline=started + budget, formats=args.formats or ())

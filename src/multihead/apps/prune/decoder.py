@@ -52,7 +52,7 @@ FORMATS = {"gguf-f16": ("gguf", "f16"), "gguf-q8_0": ("gguf", "q8_0"), "gguf-q4_
 
 
 @dataclass(frozen=True)
-class Options:
+class DecoderOptions:
     """What ``multihead prune --hf DIR`` asks of :func:`run` on a causal LM. ``fraction``: the share of each layer's
     units cut (rounded to whole units: SmolLM2's 3 key/value groups: 1/3 cuts one); with a target, the furthest cut
     tried. ``unit``: "group", "query" or "auto" (groups where a layer has more than one key/value head).
@@ -241,7 +241,7 @@ def _batched(rows: list[tuple]) -> list[dict]:
              "io": torch.tensor([r[2] for r in g]), "s": torch.tensor([r[3] for r in g])} for g in groups.values()]
 
 
-def behaviour(tok, o: Options) -> Behaviour:
+def behaviour(tok, o: DecoderOptions) -> Behaviour:
     """The user's pairs (``o.behaviour``) or IOI: importance on prompts of four templates (seed 2), judged on
     prompts of the other four (seed 1)."""
     from multihead.apps.common import ioi
@@ -265,7 +265,7 @@ class Text:
     notes: list[str] = field(default_factory=list)
 
 
-def text(tok, o: Options) -> Text:
+def text(tok, o: DecoderOptions) -> Text:
     """Recovery on the standard library's docstrings and the language reference, packed into windows; fidelity on
     ``o.held_out`` sentences of the installed packages' descriptions (another kind of text, none in the recovery)."""
     from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
@@ -357,7 +357,7 @@ class Context:
     text: Text | None
     behaviour: Behaviour | None
     unpruned: Judgement
-    options: Options
+    options: DecoderOptions
     #: seconds one judgement takes (the unpruned model's, measured): a recovery's budget leaves room for its own
     judge_s: float = 0.0
 
@@ -580,7 +580,7 @@ def config_counts(path: Path) -> dict[str, tuple[int, int]]:
     return {f"layer {i}": (H, Hkv) for i in range(layers)}
 
 
-def check(counts: dict, o: Options) -> tuple[str, int, int]:
+def check(counts: dict, o: DecoderOptions) -> tuple[str, int, int]:
     """(unit kind, units per layer, the furthest cut in units) for ``o`` on a model of ``counts``, refused in one
     line (ValueError) before any work."""
     kind, per_layer = unit_of(counts, o.unit)
@@ -588,7 +588,7 @@ def check(counts: dict, o: Options) -> tuple[str, int, int]:
     return kind, per_layer, units_cut(fraction, per_layer, kind)
 
 
-def _check_budget(o: Options, started: float) -> None:
+def _check_budget(o: DecoderOptions, started: float) -> None:
     """A time budget that leaves no time beyond the recovery refused (ValueError, one line) before any work."""
     least = RESERVE_S + FORMAT_S * len(o.formats) + 60.0  # and a minute for loading, importance and judging
     if o.deadline is not None and o.deadline - started < least:
@@ -596,7 +596,7 @@ def _check_budget(o: Options, started: float) -> None:
                          "beyond its recovery (saving, reading back, the formats asked): give a longer --time-budget.")
 
 
-def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
+def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> dict:
     """The whole command on the causal LM in ``path``: the plan, importance, the cut(s) recovered and judged, the
     kept model saved into ``out/model`` and read back, ``out/report.{json,md}``. Returns the report (``"met"``:
     False when a target was asked and no cut tried met it: nothing is saved then)."""

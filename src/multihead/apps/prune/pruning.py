@@ -367,7 +367,7 @@ EXPORT_S = 25.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     """What ``multihead prune`` will cost, costed before any work from a few measured calls (:func:`plan`): seconds
     per part (``parts``), the candidates a full target search evaluates and one candidate's seconds. ``least`` is
     the shortest run that finishes one candidate with its recovery (heads ranked once); ``total`` the whole plan."""
@@ -392,7 +392,7 @@ def seconds_text(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def plan(setup: Setup, o: Options) -> Plan:
+def plan(setup: Setup, o: Options) -> RunPlan:
     """The run costed before any work: one fidelity evaluation, one pass of the importance loss and two recovery
     steps (on a copy) are timed, and every part of the run is counted from them -- importance (ablation: one pass
     per head; gradient: a forward and a backward), the curve (one evaluation per step, and the heads ranked again
@@ -439,7 +439,7 @@ def plan(setup: Setup, o: Options) -> Plan:
     parts["speed table"] = TABLE_MIN_S + RESERVE_S
     # the least run: no re-ranking, one candidate, the speed table's 3 rounds in whatever is left
     least = sum(v for k, v in parts.items() if k not in ("re-ranking",) and "candidate" not in k)
-    return Plan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
+    return RunPlan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:
