@@ -13,7 +13,7 @@ Workloads:
   W4  causal self-attention: B=1, E=512, H=8, L=4096 and 8192
 
 Peers: torch.nn.MultiheadAttention, SDPA + 4 nn.Linear, the course's code
-(bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
+(apps/bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
 installed), FlexAttention + 4 nn.Linear (compiled, forward only on CPU), and
 multihead (valid_lens, as the course; and Padding where queries are padded too).
 With ``--compile`` each of them is timed compiled too, beside torch.compile's own
@@ -130,23 +130,9 @@ def peer_sdpa(w: Workload, base):
     return m, lambda x, y: m(x, y, attn_mask=keep, is_causal=w.causal), "bool mask" if keep is not None else ""
 
 
-def _course_module():
-    """bench/course.py (the course's code, for comparison), loaded from the checkout by path."""
-    import importlib.util
-
-    for cand in (Path(__file__).resolve().parents[3] / "bench", Path.cwd() / "bench"):
-        if (cand / "course.py").exists():
-            spec = importlib.util.spec_from_file_location("multihead_bench_course", cand / "course.py")
-            course = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(course)
-            return course
-    return None
-
-
 def peer_course(w: Workload, base):
-    course = _course_module()
-    if course is None:
-        return None
+    from multihead.apps.bench import course
+
     m = course.MultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
     mha = from_torch(base)
     for mine, theirs in zip((m.W_q, m.W_k, m.W_v, m.W_o), mha.projections()):
