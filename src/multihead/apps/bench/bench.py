@@ -133,7 +133,7 @@ def peer_sdpa(w: Workload, base):
 def peer_course(w: Workload, base):
     from multihead.apps.bench import course
 
-    m = course.MultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
+    m = course.ChapterMultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
     mha = from_torch(base)
     for mine, theirs in zip((m.W_q, m.W_k, m.W_v, m.W_o), mha.projections()):
         mine.load_state_dict(theirs.state_dict())
