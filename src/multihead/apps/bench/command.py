@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def bench(args) -> int:
-    from multihead.apps.bench import bench
+    from multihead.apps.bench import bench as workloads
 
     names = args.workloads  # checked by the parser (multihead_cli)
     peers = [p.strip() for p in args.peers.split(",")] if args.peers else None
@@ -18,7 +18,7 @@ def bench(args) -> int:
         print(f"multihead bench: --lengths takes comma-separated integers; got {args.lengths!r}", file=sys.stderr)
         return 2
     if args.memory_only:
-        bench.remeasure_memory(Path(args.out), peers)
+        workloads.remeasure_memory(Path(args.out), peers)
         return 0
     if args.pruned and not Path(args.pruned, "config.json").is_file():
         print(f"multihead bench: --pruned {args.pruned} has no config.json (give a directory written by "
@@ -46,9 +46,9 @@ def bench(args) -> int:
         names.remove("W6")
         if not names:
             return 0
-    bench.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
-              compile=args.compile, decode_steps=args.decode_steps,
-              decode_batches=tuple(int(b) for b in args.decode_batches.split(",")), cpp_wrapper=args.cpp_wrapper,
-              decode_rounds=args.decode_rounds, decode_recompute=not args.decode_no_recompute)
+    workloads.run(names, reps=args.reps, out=Path(args.out), memory=not args.no_memory, peers=peers, lengths=lengths,
+                  compile=args.compile, decode_steps=args.decode_steps,
+                  decode_batches=tuple(int(b) for b in args.decode_batches.split(",")), cpp_wrapper=args.cpp_wrapper,
+                  decode_rounds=args.decode_rounds, decode_recompute=not args.decode_no_recompute)
     return 0
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def demo(args) -> int:
-    from multihead.apps.demo import demo
+    from multihead.apps.demo.demo import run
 
-    demo.run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds, recover=args.recover)
+    run(Path(args.out), retrain=args.retrain, seed=args.seed, max_seconds=args.max_seconds, recover=args.recover)
     return 0
 

@@ -15,9 +15,9 @@ def patch(args) -> int:
 
 def circuit(args) -> int:
     """multihead circuit --hf DIR --clean TEXT --corrupted TEXT --metric SPEC: the circuit, scored, kept and checked."""
-    from multihead.apps.patch import circuit
+    from multihead.apps.patch import circuit as circuits
 
-    circuit.run(args.hf, args.clean, args.corrupted, args.metric, args.out, method=args.method, steps=args.steps,
-                budget=args.budget, mib=args.mib, pairs=args.pairs, batch_size=args.batch_size)
+    circuits.run(args.hf, args.clean, args.corrupted, args.metric, args.out, method=args.method, steps=args.steps,
+                 budget=args.budget, mib=args.mib, pairs=args.pairs, batch_size=args.batch_size)
     return 0
 
