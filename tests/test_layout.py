@@ -148,8 +148,8 @@ def test_every_documented_import_path_works():
 APPS = [
     ("multihead.apps.common",),  # what two commands share: the text they run on, the course's checkpoints
     ("multihead.apps.prune",),  # prune; its transformers set-up (hf_models: load, tokenizer, pooling) serves those above
-    ("multihead.apps.bench", "multihead.apps.patch", "multihead.apps.check", "multihead.apps.demo"),  # the commands
-    ("multihead.apps.viz",),  # draws what the others make: the demo's models, prune --hf's folders, vision models
+    ("multihead.apps.bench", "multihead.apps.patch", "multihead.apps.check", "multihead.apps.viz"),  # the commands
+    ("multihead.apps.demo",),  # the course's two models trained (viz draws them), drawn and pruned (prune's methods)
     ("multihead.apps.cli", "multihead.apps"),  # the dispatch (the parsed arguments to the command's folder)
 ]
 
@@ -237,7 +237,8 @@ def test_no_sys_path_edits_in_the_package():
 #: attention-function interface and torch.nn.MultiheadAttention / TransformerEncoderLayer's
 MIRRORS = {("multihead.hf.attention", "attention_forward"), ("multihead.layer.dropin", "forward"),
            ("multihead.layer.dropin", "__init__"), ("multihead.hf.forms", "bloom_attention_forward"),
-           ("multihead.deploy.compare", "_math_sdpa")}  # F.scaled_dot_product_attention's signature, written out
+           ("multihead.deploy.compare", "_math_sdpa"),  # F.scaled_dot_product_attention's signature, written out
+           ("multihead.apps.bench.course", "__init__")}  # the course's MultiHeadAttention, as the chapter writes it
 
 
 def _functions():

@@ -21,7 +21,7 @@ def viz(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead.apps.demo import demo
+    from multihead.apps.viz import course
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -41,18 +41,18 @@ def viz(args) -> int:
         return 2
     elif args.model == "toy":
         text = _text(args, "31415926")
-        demo.toy_digits(text)  # checked before any training
-        paths = demo.draw_reverser(demo.reverser(ckpts / "transformer", args.retrain), text, out)
+        course.toy_digits(text)  # checked before any training
+        paths = course.draw_reverser(course.reverser(ckpts / "transformer", args.retrain), text, out)
     elif args.model == "vit":
-        n_test = len(demo.digits()[2])
+        n_test = len(course.digits()[2])
         if (args.index or 0) >= n_test:  # checked before any training
             print(f"multihead viz: --index must be in [0, {n_test - 1}] (the digits test images); got {args.index}",
                   file=sys.stderr)
             return 2
-        paths = demo.draw_vit(demo.vit(ckpts / "vit", args.retrain), args.index or 0, out)
+        paths = course.draw_vit(course.vit(ckpts / "vit", args.retrain), args.index or 0, out)
     else:
         try:
-            paths = demo.draw_minilm(_text(args, SENTENCE), out)
+            paths = course.draw_minilm(_text(args, SENTENCE), out)
         except FileNotFoundError as e:
             print(f"multihead viz: {e}", file=sys.stderr)
             return 2
