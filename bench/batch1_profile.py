@@ -36,7 +36,7 @@ def main(model_dir: str) -> None:
 
     import multihead.hf as mhf
     from multihead import timing
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from multihead.deploy import peers
 
     torch.set_num_threads(2)

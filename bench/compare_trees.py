@@ -18,7 +18,7 @@ import sys
 SNIPPET = """
 import json, sys
 try:
-    from multihead.apps import bench
+    from multihead.apps.bench import bench
 except ImportError:
     from multihead import bench
 peers = ["torch.nn.MHA", "SDPA+4 Linear", "multihead", "multihead (valid_lens)", "multihead (Padding)"]

@@ -21,9 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _flags() -> str:
@@ -50,6 +54,8 @@ def main(argv=None) -> None:
                         "mean over the batch sizes timed)")
     p.add_argument("--profile-openvino", action="store_true",
                    help="after the table, OpenVINO's int8 files node by node at batch 1 (needs --openvino)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prune_minilm_hf_standard" / "export_vs_standard.md"),
+                   help="the table, with the command that made it (printed too)")
     a = p.parse_args(argv)
     if a.profile_openvino and not (a.openvino and 1 in a.batches):
         raise SystemExit("--profile-openvino: profiles OpenVINO's int8 files at batch 1; give --openvino and keep "
@@ -60,8 +66,8 @@ def main(argv=None) -> None:
 
     import multihead.hf as mhf
     from multihead import heads
-    from multihead.apps import hf_models
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common.data import package_sentences, sentences
+    from multihead.apps.prune import hf_models
     from multihead.deploy import compare, peers
     from multihead.models import minilm_path
 
@@ -114,13 +120,17 @@ def main(argv=None) -> None:
     files = mhf.export(kept, d / "pruned", serve=False, **ov)
     rows = compare.compare(full, kept, standard, base, files, inputs, max_seconds=a.max_seconds,
                            min_rounds=a.min_rounds, log=print, serve_batch=a.serve_batch)
-    print(f"\nall-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, "
-          f"2 threads\n")
-    print(compare.markdown(rows, compare.fidelity(full, files, kinds)))
+    table = (f"all-MiniLM-L6-v2, {how}; CPU: {platform.machine()} {_flags()}, torch {torch.__version__}, 2 threads\n\n"
+             + compare.markdown(rows, compare.fidelity(full, files, kinds)))
     from multihead.deploy import serve  # each runtime's file to serve, chosen from this table
 
-    print("\n".join(serve.lines(serve.write(d / "pruned", files, serve.from_rows(rows), a.serve_batch,
-                                             measured_on="this table's unseen text"))))
+    chosen = "\n".join(serve.lines(serve.write(d / "pruned", files, serve.from_rows(rows), a.serve_batch,
+                                               measured_on="this table's unseen text")))
+    print("\n" + table + "\n" + chosen)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(f"`python bench/export_vs_standard.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+                           + table + "\n\n" + chosen + "\n")
+    print(f"wrote {a.out}")
     if a.profile_openvino:
         peer_ir = standard.get("openvino_pt_int8") or standard["openvino_int8"]
         _profile({"peer": peer_ir, "unpruned": base["openvino_int8"], "pruned": files["openvino_int8"]}, inputs[1])

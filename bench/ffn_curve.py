@@ -1,6 +1,6 @@
 """The fidelity-speed curve of heads alone against heads + feed-forward neurons, where prediction happens.
 
-all-MiniLM-L6-v2 through ``prune --hf``'s own set-up (``multihead.apps.hf_models.hf_setup``: importance on the
+all-MiniLM-L6-v2 through ``prune --hf``'s own set-up (``multihead.apps.prune.hf_models.hf_setup``: importance on the
 first 128 sentences, recovery on the next and on the standard library's docstrings, fidelity on the held-out
 sentences, the installed packages' descriptions and passages: the worst kind's 95% interval counts). Heads are cut
 by the pruning curve (ablation, mean replacement, one step to the largest HEADS fraction); then each FFN
@@ -28,8 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) -> None:
     import multihead.hf as mhf
     from multihead import heads, timing
-    from multihead.apps import hf_models, target
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import hf_models, target
     from multihead.deploy import compare, peers
     from multihead.models import minilm_path
 

@@ -30,8 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main(model_dir: str, fractions: list[float], steps: int) -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, target
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import hf_models, target
     from multihead.heads.surgery import select
     from multihead.models import minilm_path
     from multihead.quantize import quantize

@@ -3,7 +3,7 @@
 31% step; each removed head replaced by its mean output), recovered for 400 steps with int8 rounding, twice from
 the same snapshot: on sentences only (16 a step, the recovery split and the standard library's docstrings), and
 on those sentences with two passages of the same text joined to 129-256 tokens after every third batch
-(``multihead.apps.hf_models._recovery_batches``). Both measured on the three kinds of held-out text `prune --hf`
+(``multihead.apps.prune.hf_models._recovery_batches``). Both measured on the three kinds of held-out text `prune --hf`
 uses: the held-out split's sentences, 300 sentences of the installed packages' descriptions, and 32 passages of
 the held-out sentences joined to 163-256 tokens; mean cosine with its 95% interval, float and int8.
 
@@ -26,8 +26,8 @@ STEPS = 400
 
 def main() -> None:
     from multihead import heads
-    from multihead.apps import hf_models, target
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import hf_models, target
     from multihead.models import minilm_path
     from multihead.quantize import quantize
 

@@ -1,7 +1,7 @@
 """Does the pruned model's fidelity hold on text nobody chose it on? all-MiniLM-L6-v2 pruned the same way
 twice (`prune --hf` settings: 40% of heads, ranked once, 400 recovery steps, int8), distilled on the corpus'
 recovery split alone or on that split and the standard library's docstrings
-(``multihead.apps.data.docstring_sentences``, ~6,500 sentences), then measured on the held-out split (the
+(``multihead.apps.common.data.docstring_sentences``, ~6,500 sentences), then measured on the held-out split (the
 figure `prune` reports) and on sentences from the descriptions of the installed packages' metadata (their
 READMEs: text neither pruning nor recovery saw, by construction), mean cosine with its 95% interval.
 
@@ -22,9 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, pruning
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
-    from multihead.apps.target import Fidelity
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import hf_models, pruning
+    from multihead.apps.prune.target import Fidelity
     from multihead.deploy import peers
     from multihead.models import minilm_path
 

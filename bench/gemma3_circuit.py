@@ -4,7 +4,7 @@ its own patched sum of the layer's heads, and EAP-IG's gradient is taken through
 
 The graph: the embedding, 18 layers x 4 heads' outputs and 18 MLPs (each with its norm after it) -> each head's query,
 the key/value group's key and value (1 group of 4 query heads a layer: one receiver), each MLP's input, the logits.
-The metric logit(IO) - logit(S) at the last position on one batch of generated IOI prompts (:mod:`multihead.apps.ioi`,
+The metric logit(IO) - logit(S) at the last position on one batch of generated IOI prompts (:mod:`multihead.apps.common.ioi`,
 one template); scores denoise; f = (m(C) - m(empty)) / (m(N) - m(empty)) at MIB's budgets for MIB's pruned and
 EAP-IG's greedy circuits (``faithfulness_curve``), with both ends checked (no edge: the corrupted run; every edge:
 the clean run) and the top edges' EAP-IG scores beside exact edge patching.
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> str:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from multihead import heads
-    from multihead.apps import ioi
+    from multihead.apps.common import ioi
 
     t0 = time.monotonic()
     tok, model = _load()

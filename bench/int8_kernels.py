@@ -121,7 +121,7 @@ def main(model_dir: str, rounds: int = ROUNDS) -> None:
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps.data import held_out_batch
+    from multihead.apps.common.data import held_out_batch
     from multihead.models import minilm_path
 
     torch.manual_seed(0)

@@ -127,8 +127,8 @@ def timings(served, tok, texts: list[str]) -> dict[tuple[str, int], list[float]]
 
 def main(model_dir: str) -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, target
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common.data import package_sentences, sentences
+    from multihead.apps.prune import hf_models, target
     from multihead.models import minilm_path
     from multihead.quantize import quantize
 

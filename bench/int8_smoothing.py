@@ -41,8 +41,8 @@ class Smoothed(nn.Module):
 
 def main(model_dir: str, alphas: list[float]) -> None:
     import multihead.hf as mhf
-    from multihead.apps import hf_models, target
-    from multihead.apps.data import package_sentences, sentences
+    from multihead.apps.common.data import package_sentences, sentences
+    from multihead.apps.prune import hf_models, target
     from multihead.models import minilm_path
     from multihead.quantize import quantize
 

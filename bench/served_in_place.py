@@ -46,7 +46,7 @@ def out_of_place(self, x, rows, B, L, call):
 
 def main(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] = BATCHES, out: Path | None = None) -> Path:
     import multihead.hf as mhf
-    from multihead.apps.data import held_out_batch
+    from multihead.apps.common.data import held_out_batch
     from multihead.hf import encoder
 
     with warnings.catch_warnings():

@@ -85,7 +85,7 @@ def served_rows(model_dir: str, rounds: int = ROUNDS, batches: tuple[int, ...] =
 
     import multihead.hf as mhf
     from multihead import backends
-    from multihead.apps.data import held_out_batch
+    from multihead.apps.common.data import held_out_batch
     from multihead.models import minilm_path
 
     with warnings.catch_warnings():

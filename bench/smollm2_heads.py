@@ -1,6 +1,6 @@
 """Which heads of SmolLM2-135M-Instruct carry indirect object identification, by three methods on the same IOI set
-(:mod:`multihead.apps.ioi`, generated: templates x names x places x objects), and which carry next-token prediction on
-real text (sentences of Python's own documentation, :func:`multihead.apps.data.sentences`):
+(:mod:`multihead.apps.common.ioi`, generated: templates x names x places x objects), and which carry next-token prediction on
+real text (sentences of Python's own documentation, :func:`multihead.apps.common.data.sentences`):
 
 - gradient: |d loss / d gate| at gate 1 (Michel et al. 2019), all 270 heads (IOI loss: minus the mean logit
   difference; text: the language-model loss);
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     from multihead import heads
-    from multihead.apps import ioi
-    from multihead.apps.data import sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import sentences
 
     t0 = time.monotonic()
     tok, model = load()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from multihead.apps.cli import main
+from multihead_cli import main
 
 
 def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):
@@ -28,7 +28,7 @@ def test_bench_w1_writes_markdown_json_and_chart(tmp_path, capsys):
 
 def test_bench_compile_times_the_compile_floor_beside_the_peers(tmp_path):
     """--compile adds each peer compiled and torch.compile's own per-call floor, timed in the same rounds."""
-    from multihead.apps import bench
+    from multihead.apps.bench import bench
 
     assert main(["bench", "--workloads", "W1", "--reps", "2", "--compile", "--peers", "torch.nn.MHA", "--no-memory",
                  "--out", str(tmp_path)]) == 0
@@ -42,7 +42,7 @@ def test_bench_compile_times_the_compile_floor_beside_the_peers(tmp_path):
 
 def test_decode_workload_same_tokens_three_ways(tmp_path):
     """W5's three decoders (cache, recompute, hand-written) run the same weights to the same tokens."""
-    from multihead.apps import decode_bench
+    from multihead.apps.bench import decode_bench
 
     data = decode_bench.run(batches=(2,), steps=12, rounds=1, log=lambda *a: None)
     row = data["batches"]["2"]
@@ -62,7 +62,7 @@ def test_bench_w5_writes_a_report_that_loads_back(tmp_path):
 
 
 def test_a_peer_that_fails_is_a_row_of_the_table_and_multihead_failing_fails_the_run(tmp_path, monkeypatch):
-    from multihead.apps import bench
+    from multihead.apps.bench import bench
 
     def broken(w, base):
         raise RuntimeError("no such kernel here")

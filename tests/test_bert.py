@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from multihead import MultiHeadAttention
-from multihead.apps.data import sentences
+from multihead.apps.common.data import sentences
 from multihead.models import Bert, BertConfig, SentenceEncoder, minilm_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

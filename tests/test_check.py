@@ -246,7 +246,7 @@ def test_a_learners_keras_file_is_graded_from_the_command_line(tmp_path, capsys,
     exit 2), builds the layer by a first call (its Dense layers were not read: a warning), and every name of its
     weights gets its gradient (Keras lists each twice: 'gradients reach every parameter' failed, NOT OK)."""
     pytest.importorskip("keras")
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     monkeypatch.delenv("KERAS_BACKEND", raising=False)  # the grader's user need not know about it
     f = tmp_path / "keras_mha.py"
@@ -260,7 +260,7 @@ def test_a_learners_keras_file_is_graded_from_the_command_line(tmp_path, capsys,
 
 
 def test_command_line_grades_a_file_with_exit_codes(tmp_path, capsys):
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     example = Path(__file__).resolve().parent.parent / "examples" / "vit_notebook_attention.py"
     code = main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8", "--call", "x"])
@@ -285,7 +285,7 @@ def test_grading_a_folder_gives_every_submission_its_line(tmp_path, capsys):
     import csv
     import json
 
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     zoo = (Path(__file__).resolve().parent / "check_zoo.py").read_text()
     subs = tmp_path / "class"
@@ -324,7 +324,7 @@ def test_grading_a_folder_gives_every_submission_its_line(tmp_path, capsys):
 
 
 def test_a_call_that_does_not_fit_the_forward_suggests_the_one_that_does(capsys):
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     example = Path(__file__).resolve().parent.parent / "examples" / "vit_notebook_attention.py"
     assert main(["check", f"{example}:NotebookMHSA", "--init", "d_model=32, num_head=4, d_k=8"]) == 2
@@ -363,7 +363,7 @@ class SelfMasked(nn.Module):
 def test_self_attention_with_a_mask_is_graded_through_x_mask(tmp_path, capsys):
     """``forward(x, mask)``: call='x_mask' (m(x, mask)) grades it as self-attention with its mask, in this
     process and in the sandbox; a module that drops the mask is caught by the masked keys."""
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     ns: dict = {}
     exec(compile(SELF_MASKED, "self_masked.py", "exec"), ns)
@@ -389,7 +389,7 @@ def test_self_attention_with_a_mask_is_graded_through_x_mask(tmp_path, capsys):
 def test_a_module_built_in_float64_is_probed_in_float64(tmp_path, capsys):
     """A module whose parameters are all float64 (built with .double()) raised on the float32 probes ('mat1 and mat2
     must have the same dtype'): it could not be graded. It is probed in its dtype now, and its mistakes still named."""
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     torch.manual_seed(0)
     rep = multihead.check(FourLinear(d_model=32, num_heads=4).double(), call="qkv_mask", mask="block")

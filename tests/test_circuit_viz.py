@@ -204,8 +204,8 @@ def test_the_circuit_command_writes_what_the_library_computes(tmp_path, capsys):
     faithfulness at the budget and faithfulness_curve on the same model in memory; circuit.md's table, the pictures,
     the page and the explorer are written."""
     import multihead.hf as mhf
-    from multihead.apps.circuit import FILES
-    from multihead.apps.cli import main
+    from multihead.apps.patch.circuit import FILES
+    from multihead_cli import main
 
     d, model, vocab = tiny_gpt2(tmp_path)
     out = tmp_path / "circuit"
@@ -259,7 +259,7 @@ def test_the_circuit_command_writes_what_the_library_computes(tmp_path, capsys):
 def test_the_circuit_command_refuses_bad_input_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch,
                                                                                   change, said):
     import multihead.hf as mhf
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     d, _, _ = tiny_gpt2(tmp_path)
     loaded = []

@@ -257,7 +257,7 @@ def test_the_circuit_command_scores_a_dataset_on_mibs_graph_and_writes_mibs_file
     in memory and the pruned circuit at the budget; circuit.json's f is dataset_faithfulness's. A --pairs line that is
     not a pair, and --pairs with --clean, are refused in one line (exit 2) before the model loads."""
     import multihead.hf as mhf
-    from multihead.apps.cli import main
+    from multihead_cli import main
     from test_patching import tiny_gpt2
 
     d, model, vocab = tiny_gpt2(tmp_path)

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from multihead.apps.cli import main
-from multihead.apps.demo import format_weights
+from multihead.apps.demo.demo import format_weights
+from multihead_cli import main
 
 
 def test_demo_prints_and_writes_everything(trained, tmp_path, capsys):
@@ -165,13 +165,13 @@ def test_help_answers_without_importing_torch_and_shows_examples():
 
 
 def test_viz_and_prune_find_the_demos_checkpoints(trained, tmp_path, monkeypatch, capsys):
-    from multihead.apps import cli
+    from multihead.apps.common import checkpoints
 
     demo_ckpts = tmp_path / "demo_out" / "checkpoints"
     shutil.copytree(trained["dir"], demo_ckpts)
-    monkeypatch.setattr(cli, "DEMO_CHECKPOINTS", demo_ckpts)
-    assert cli._checkpoints(None, tmp_path / "elsewhere") == demo_ckpts  # found, not retrained
-    assert cli._checkpoints(str(tmp_path / "mine"), tmp_path / "elsewhere") == tmp_path / "mine"
+    monkeypatch.setattr(checkpoints, "DEMO_CHECKPOINTS", demo_ckpts)
+    assert checkpoints.checkpoints(None, tmp_path / "elsewhere") == demo_ckpts  # found, not retrained
+    assert checkpoints.checkpoints(str(tmp_path / "mine"), tmp_path / "elsewhere") == tmp_path / "mine"
     assert main(["viz", "--model", "toy", "--text", "123", "--out", str(tmp_path / "v")]) == 0
     assert f"transformer: loaded {demo_ckpts / 'transformer'}" in capsys.readouterr().out
     assert not (tmp_path / "v" / "checkpoints").exists()

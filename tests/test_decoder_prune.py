@@ -1,4 +1,4 @@
-"""``multihead prune --hf DIR`` on a causal LM (multihead.apps.decoder): the cut planned in the units the runtime
+"""``multihead prune --hf DIR`` on a causal LM (multihead.apps.prune.decoder): the cut planned in the units the runtime
 stores (whole key/value groups, or query heads evenly inside every group, the same in every layer), the folder it
 writes loaded by ``AutoModelForCausalLM.from_pretrained`` as it is and equal to the unpruned model with those heads
 gated, the target search's invariant, and every bad input refused in one line before any work. Tiny configs of three
@@ -17,8 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps import decoder  # noqa: E402
-from multihead.apps.cli import main  # noqa: E402
+from multihead.apps.prune import decoder  # noqa: E402
+from multihead_cli import main  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,8 +40,8 @@ def _byte_bpe(size: int = 2000):
     SmolLM2's own 49,152 made every step of these tests slow (its real vocabulary: test_decoder_export)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from multihead.apps import ioi
-    from multihead.apps.data import sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import sentences
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,8 +62,8 @@ def _word_tokenizer():
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.apps import ioi
-    from multihead.apps.data import sentences
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import sentences
 
     pre = pre_tokenizers.Whitespace()
     words = Counter(w for s in sentences() for w, _ in pre.pre_tokenize_str(s))
@@ -123,7 +123,7 @@ def test_the_cut_is_even_and_the_folder_loads_as_it_is_equal_to_the_gated_model(
     layer the same counts."""
     tok = request.getfixturevalue("bpe" if family == "qwen2" else "tok")
     src = _tiny(tmp_path / "src", tok, family)
-    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.5 if family == "gemma3" else 0.34, recover=0,
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.5 if family == "gemma3" else 0.34, recover=0,
                                                            **SMALL))
     assert r["met"] and r["unit"] == unit and [c["k"] for c in r["tried"]] == [2 if family == "gemma3" else 1]
     cfg = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_the_search_keeps_the_furthest_cut_tried_that_meets_the_target(tmp_path,
 
     monkeypatch.setattr(decoder, "judge", judged)
     for target, kept, tried in ((1.2, 1, [1, 2]), (1.05, 0, [1, 2]), (1.0, None, [1])):
-        o = decoder.Options(target=("perplexity", target), recover=0)
+        o = decoder.DecoderOptions(target=("perplexity", target), recover=0)
         cands, k, model = decoder.search(decoder.Context(ref, None, None, base, o), scores, counts, "group", 2)
         assert [c.k for c in cands] == tried and k == kept
         assert (model is None) == (kept is None)
@@ -207,7 +207,7 @@ def test_a_behaviour_file_is_read_and_each_bad_line_refused_naming_it(tmp_path, 
     two = tmp_path / "two.jsonl"  # two pairs of different lengths: one chooses, one is judged
     two.write_text(json.dumps(good[0]) + "\n" + json.dumps({**good[0], "clean": good[0]["clean"] + " the",
                                                                "corrupted": good[0]["corrupted"] + " the"}))
-    beh = decoder.behaviour(tok, decoder.Options(behaviour=two))
+    beh = decoder.behaviour(tok, decoder.DecoderOptions(behaviour=two))
     assert [len(b["io"]) for b in beh.importance] == [1] and [len(b["io"]) for b in beh.judged] == [1]
     bad = {"not json": ("{clean: 1}", r"line 1: not JSON"),
            "missing": (json.dumps({"clean": "a b"}), r"line 1: corrupted, answer, wrong missing"),
@@ -266,7 +266,7 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
 
     src = _tiny(tmp_path / "src", bpe, "llama")
     formats = ("gguf-q8_0", "gguf-q4_k_m", "genai-int4")  # f16 and genai-fp32: tests/test_decoder_export.py
-    r = decoder.run(src, tmp_path / "out", decoder.Options(fraction=0.34, recover=0, formats=formats, **SMALL))
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.34, recover=0, formats=formats, **SMALL))
     rows = {f["format"]: f for f in r["formats"]}
     assert list(rows) == list(formats)
     q8 = rows["gguf-q8_0"]

@@ -33,7 +33,7 @@ def _run_the_cut(ckpt, folder) -> tuple[dict, dict]:
     """The demo's second exercise on its ViT (``demo.prune_both``'s ``pruning.run``, at the smallest settings): the
     curve cut and recovered, the kept model, the speed table. (The methods' ranking, ``methods.compare``, is left
     out: it cuts every head alone and is too slow to run twice here.)"""
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     setup = pruning.vit_setup(ckpt)
     report = pruning.run(setup, folder, pruning.Options(0.5, step=0.5, max_seconds=0.05, recover=2, recover_curve=True,

@@ -269,8 +269,8 @@ def test_bench_w6_writes_a_report_that_loads_back(tmp_path):
     markdown table it wrote, and shows zigzag's balanced causal work."""
     import json
 
-    from multihead.apps import cp_bench
-    from multihead.apps.cli import main
+    from multihead.apps.bench import cp_bench
+    from multihead_cli import main
 
     assert main(["bench", "--workloads", "W6", "--ranks", "2", "--cp-length", "1024", "--cp-reps", "1",
                  "--out", str(tmp_path)]) == 0

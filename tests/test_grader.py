@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import multihead
-from multihead.apps.cli import main
 from multihead.grader import classroom
 from multihead.grader.report import CHECKS, POINTS
+from multihead_cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grader_styles as gs  # noqa: E402

@@ -286,7 +286,7 @@ def test_a_module_in_another_mask_convention_is_told_which_fits_and_how_to_decla
     """Issue 82.5.6: torch.nn's conventions under a declared --mask keep reported "runs on probe inputs FAIL" with a
     reshape error; the report now says the block convention fits (sequence-first, (B, Lk) bool) and --mask block, under
     which the same file is graded OK."""
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     path = tmp_path / "torch_style.py"
     path.write_text(TORCH_STYLE)

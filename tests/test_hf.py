@@ -371,7 +371,7 @@ def test_bad_input(tmp_path):
 
 def test_minilm_through_transformers_and_multihead():
     pytest.importorskip("tokenizers")
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from multihead.models import SentenceEncoder, minilm_path
 
     try:

@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps import hf_models, pruning  # noqa: E402
-from multihead.apps.cli import main  # noqa: E402
-from multihead.apps.data import sentences  # noqa: E402
+from multihead.apps.common.data import sentences  # noqa: E402
+from multihead.apps.prune import hf_models, pruning  # noqa: E402
+from multihead_cli import main  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 T = transformers
@@ -203,7 +203,7 @@ def test_prune_recover_quantize_is_one_command_and_loads_back_int8(bert_dir, tmp
     from multihead.hf import packed as hf_packed
 
     assert hf_packed.is_packed(loaded)
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     setup = hf_models.hf_setup(bert_dir, corpus[:64], 16, 32)  # the same held-out sentences as the command's
     assert abs(setup.metric_fn(loaded) - report["final"]["metric"]) < 1e-5
@@ -408,7 +408,7 @@ def test_prune_ffn_cuts_neurons_too_and_the_folder_loads_everywhere_at_its_cut_s
     report = json.loads((out / "report.json").read_text())
     assert report["recovery"]["steps"] == 2
     assert set(report["final"]["ffn_widths"].values()) == {31}  # 64 -> 32, one fewer: never as wide as the stream
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     setup = hf_models.hf_setup(st_ffn_pruned["src"], st_ffn_pruned["sentences"], 16, 32)  # the command's sentences
     for loaded in (mhf.load(out / "model"), mhf.attach(T.BertModel.from_pretrained(out / "model").eval())):

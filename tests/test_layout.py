@@ -143,6 +143,72 @@ def test_every_documented_import_path_works():
             assert hasattr(m, nm) or importlib.util.find_spec(f"{mod}.{nm}") is not None, f"from {mod} import {nm}"
 
 
+#: the floors of ``multihead.apps``, bottom up: a command's folder imports its own room, the shared room and the
+#: floors below; rooms on one floor never import each other (see ARCHITECTURE.md)
+APPS = [
+    ("multihead.apps.common",),  # what two commands share: the text they run on, the course's checkpoints
+    ("multihead.apps.prune",),  # prune; its transformers set-up (hf_models: load, tokenizer, pooling) serves those above
+    ("multihead.apps.bench", "multihead.apps.patch", "multihead.apps.check", "multihead.apps.viz"),  # the commands
+    ("multihead.apps.demo",),  # the course's two models trained (viz draws them), drawn and pruned (prune's methods)
+    ("multihead.apps.cli", "multihead.apps"),  # the dispatch (the parsed arguments to the command's folder)
+]
+
+
+def _room(name: str) -> tuple[int, str]:
+    """(floor, room) of a module of ``multihead.apps``: the longest prefix of :data:`APPS` it falls under."""
+    best = None
+    for i, prefixes in enumerate(APPS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (i, p)
+    assert best is not None, f"{name} belongs to no room of multihead.apps: add it to APPS (and ARCHITECTURE.md)"
+    return best
+
+
+def test_each_command_imports_only_its_room_and_the_floors_below():
+    graph = _graph()
+    wrong = {}
+    for n, deps in graph.items():
+        if not n.startswith("multihead.apps"):
+            continue
+        floor, room = _room(n)
+        bad = sorted(d for d in deps if d.startswith("multihead.apps") and (
+            _room(d)[0] > floor or _room(d)[0] == floor and _room(d)[1] != room and floor < len(APPS) - 1))
+        if bad:
+            wrong[n] = bad
+    assert not wrong, f"imports that run up or across the commands' floors: {wrong}"
+
+
+def _imports(tree) -> list[tuple[str, int, bool]]:
+    """Every import of ``tree`` as (name, line, at import time: outside any function); ``from m import x`` is
+    ``m.x``."""
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno, id(node) not in inside) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(f"{node.module}.{a.name}", node.lineno, id(node) not in inside) for a in node.names]
+    return found
+
+
+def test_the_parser_is_the_top_floor():
+    """``multihead_cli`` (the command's arguments, parsed without torch) imports nothing of ``multihead`` when it is
+    imported, and after parsing only the dispatch (``multihead.apps.cli``); nothing in ``multihead`` imports the
+    parser: the two make no circle."""
+    parser = ROOT.parent / "multihead_cli"
+    for path in sorted(parser.rglob("*.py")):
+        for mod, line, eager in _imports(ast.parse(path.read_text())):
+            if mod.split(".")[0] == "multihead":
+                assert not eager, f"{path.name}:{line} imports {mod} when the parser is imported (it must stay torch-free)"
+                assert mod.startswith("multihead.apps.cli"), \
+                    f"{path.name}:{line} imports {mod}: the parser reaches the package through multihead.apps.cli.run only"
+    users = sorted(f"{p.relative_to(ROOT.parent)}:{line}" for p in ROOT.rglob("*.py")
+                   for mod, line, _ in _imports(ast.parse(p.read_text())) if mod.split(".")[0] == "multihead_cli")
+    assert not users, f"the package imports the parser (a circle with multihead_cli): {users}"
+
+
 def test_the_library_never_imports_the_applications():
     graph = _graph()
     offenders = {n: sorted(d for d in deps if d.startswith("multihead.apps"))
@@ -171,7 +237,8 @@ def test_no_sys_path_edits_in_the_package():
 #: attention-function interface and torch.nn.MultiheadAttention / TransformerEncoderLayer's
 MIRRORS = {("multihead.hf.attention", "attention_forward"), ("multihead.layer.dropin", "forward"),
            ("multihead.layer.dropin", "__init__"), ("multihead.hf.forms", "bloom_attention_forward"),
-           ("multihead.deploy.compare", "_math_sdpa")}  # F.scaled_dot_product_attention's signature, written out
+           ("multihead.deploy.compare", "_math_sdpa"),  # F.scaled_dot_product_attention's signature, written out
+           ("multihead.apps.bench.course", "__init__")}  # the course's MultiHeadAttention, as the chapter writes it
 
 
 def _functions():
@@ -194,3 +261,15 @@ def test_functions_are_small_and_their_arguments_named():
         if positional > 6 and (mod, n.name) not in MIRRORS:
             wide.append(f"{mod}.{n.name} ({positional} positional)")
     assert not wide, wide
+
+
+def test_each_class_name_means_one_thing():
+    """No class name is defined in two files of the package (the parser included): a reader who finds ``Options`` or
+    ``Plan`` knows which one it is."""
+    where: dict[str, set[str]] = {}
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "multihead_cli").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, set()).add(str(path.relative_to(ROOT.parent)))
+    twice = {name: sorted(files) for name, files in where.items() if len(files) > 1}
+    assert not twice, f"class names defined in two files: {twice}"

@@ -348,7 +348,7 @@ def test_the_patch_command_writes_what_heads_patch_computes(tmp_path, capsys, mo
     import json
 
     import multihead.hf as mhf
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     d, model, vocab = tiny_gpt2(tmp_path)
     clean, corrupted = "when mary and john went out john gave a drink to", "when mary and john went out mary gave a " \

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from multihead.apps.cli import main
 from multihead.grader import confine
+from multihead_cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_grader import HONEST, HOSTILE, THIEF  # noqa: E402

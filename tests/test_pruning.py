@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.apps.cli import main
 from multihead.models import Seq2SeqConfig, Seq2SeqTransformer, checkpoint
+from multihead_cli import main
 
 
 def test_prune_toy_writes_report_curve_and_a_loadable_model(trained, tmp_path, capsys):
@@ -60,7 +60,7 @@ def test_a_recovery_past_the_time_budget_is_refused_before_any_work(trained, tmp
 
 
 def test_prune_toy_saved_model_equals_the_one_in_memory(trained, tmp_path):
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
     from multihead.models.seq2seq import reverse_batch
 
     setup = pruning.toy_setup(trained["dir"] / "transformer")
@@ -96,7 +96,7 @@ def _minilm():
 
 
 def test_minilm_pruned_equals_gated_and_reloads(tmp_path):
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from multihead.models import Bert
 
     enc = _minilm()
@@ -124,7 +124,7 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
     """`multihead prune --model minilm` (small settings): the pruned model in DIR/model loads with
     Bert.from_pretrained and is the model the command measured and held in memory."""
     _minilm()
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
     from multihead.models import Bert, SentenceEncoder
 
     setup = pruning.minilm_setup(8, 16)
@@ -154,7 +154,7 @@ def test_prune_minilm_writes_a_model_that_loads(tmp_path, capsys):
 def test_the_speed_table_takes_what_the_time_budget_leaves_and_marks_unsettled_medians():
     import time
 
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     assert pruning._allowed(60.0, None, 3) == (60.0, 7)  # no budget: --max-seconds per batch size, 7 rounds
     seconds, rounds = pruning._allowed(60.0, time.monotonic() + 65.0, 3)  # 60 s left for 3 batch sizes
@@ -175,7 +175,7 @@ def test_prune_keeps_to_its_time_budget(trained, tmp_path, capsys):
     cannot hold the work is refused before any (tests/test_pruning_target.py)."""
     import time
 
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     out = tmp_path / "p"
     setup = pruning.toy_setup(trained["dir"] / "transformer")

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from multihead.apps import target
-from multihead.apps.cli import _unseen_text, main
+from multihead.apps.prune import target
+from multihead.apps.prune.command import _unseen_text
+from multihead_cli import main
 
 
 def test_the_interval_is_the_normal_one_of_the_mean():
@@ -197,7 +198,7 @@ pytest.importorskip("tokenizers")
 
 @pytest.fixture
 def bert(tmp_path):
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from test_hf_cli import _save, _words
 
     corpus = sentences(96)
@@ -212,7 +213,7 @@ def bert(tmp_path):
 
 def test_prune_hf_to_a_target_keeps_a_model_that_meets_it_and_loads_back(bert, tmp_path, capsys):
     import multihead.hf as mhf
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     d, corpus = bert
     out = tmp_path / "t"
@@ -263,7 +264,7 @@ def test_a_time_budget_that_cannot_hold_one_candidate_is_refused_before_any_work
 
 def test_recovery_runs_the_steps_the_deadline_leaves_and_says_so(bert, tmp_path):
     """Past the plan (an estimate), a recovery that meets the deadline stops there and the report says so."""
-    from multihead.apps import hf_models, pruning
+    from multihead.apps.prune import hf_models, pruning
 
     d, corpus = bert
     setup = hf_models.hf_setup(d, corpus.read_text().splitlines(), 16, 48)
@@ -301,7 +302,7 @@ def test_held_out_sentences_are_never_ones_the_pruning_saw():
     """A repeated line counts once, where it first comes, and a held-out sentence that the recovery text also holds
     is left out: a corpus of 300 copies of one line was accepted and measured fidelity on the very sentence it
     pruned and distilled on."""
-    from multihead.apps.hf_models import _split
+    from multihead.apps.prune.hf_models import _split
 
     corpus = [f"s{i}" for i in range(10)] + ["s1", "s12"] + [f"s{i}" for i in range(10, 14)]
     head, rec, held = _split(corpus, 4, 2, None, seen=["s11", "s99"])
@@ -313,7 +314,7 @@ def test_held_out_sentences_are_never_ones_the_pruning_saw():
 
 
 def test_docstring_sentences_are_wider_text_that_the_pruning_corpus_does_not_hold():
-    from multihead.apps.data import docstring_sentences, sentences
+    from multihead.apps.common.data import docstring_sentences, sentences
 
     wide = docstring_sentences(1500)  # the files are read only as far as the sentences asked for need
     assert len(wide) == 1500 and len(set(wide)) == len(wide) and not set(wide) & set(sentences())
@@ -324,7 +325,7 @@ def test_recovery_distils_on_the_extra_text_it_is_given(bert):
     import copy
 
     from multihead import heads
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     d, corpus = bert
     text = corpus.read_text().splitlines()
@@ -361,7 +362,7 @@ def test_the_worst_kind_of_text_is_the_figure_and_every_kind_loads_back():
 
 
 def test_package_sentences_are_another_kind_of_text_and_exclude_what_they_are_told():
-    from multihead.apps.data import package_sentences
+    from multihead.apps.common.data import package_sentences
 
     got = package_sentences(50)
     assert len(got) == 50 and len(set(got)) == 50 and all(40 <= len(s) <= 200 and "http" not in s for s in got)
@@ -372,8 +373,8 @@ def test_passages_of_the_held_out_sentences_are_a_kind_of_text_up_to_the_models_
     """Fidelity on sentences alone missed how a pruned model does on the paragraphs users embed: the held-out
     sentences joined into passages (consecutive, in order) up to the model's limit are a third kind, in
     passages; too little text for a fair interval is said in the notes instead."""
-    from multihead.apps import hf_models
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
+    from multihead.apps.prune import hf_models
     from test_hf_cli import _save, _words
 
     corpus = sentences(400)
@@ -435,7 +436,7 @@ def test_passages_of_the_held_out_sentences_are_a_kind_of_text_up_to_the_models_
 def test_each_target_is_asked_of_the_fidelity_it_judges():
     """--target-kl of a causal LM's setup (its fidelity a KL), --target-cosine of an encoder's, --target-accuracy of
     the demo's models; any other pairing refused in one line naming the option to use."""
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     kl = SimpleNamespace(name="lm", metric_kind="kl", metric_name="mean KL", scores_fn=None)
     cos = SimpleNamespace(name="enc", metric_kind="cosine", metric_name="mean cosine", scores_fn=lambda m: None)
@@ -450,7 +451,7 @@ def test_each_target_is_asked_of_the_fidelity_it_judges():
 def test_a_missed_unpruned_model_does_not_end_the_search_and_the_line_says_why():
     """An accuracy above the unpruned model's can still be met by a recovered cut: the search goes on; the last
     line blames int8 only when it was asked."""
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     calls = []
     setup = _setup(lambda f: 0.9 if f == 0 or f > 0.25 else 0.99, calls)  # the unpruned model short, cuts past it

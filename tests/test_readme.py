@@ -147,7 +147,7 @@ def _tiny_bert(tmp_path) -> Path:
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
 
     words = sorted({w for s in sentences(80) for w in s.replace(".", " ").split()})[:200]
     vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
@@ -407,7 +407,7 @@ def test_readme_python_block_runs(page, heading, code, tmp_path, monkeypatch, re
 
 
 def _cli(argv: list[str]) -> tuple[int, str]:
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), warnings.catch_warnings(record=True) as seen:
@@ -489,7 +489,7 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
     elif any("--hf" in line for line in lines):
         path = _tiny_bert(tmp_path)
         corpus = tmp_path / "corpus.txt"
-        from multihead.apps.data import sentences
+        from multihead.apps.common.data import sentences
 
         corpus.write_text("\n".join(sentences(200)))
         fill = {"DIR": str(path), "...": "the river bank was flooded", "FILE": str(corpus), "STEPS": "2"}
@@ -528,7 +528,7 @@ def test_readme_check_transcript():
     blocks = readme_blocks()
     i = next(i for i, (h, lang, _) in enumerate(blocks) if h == "Check your own attention" and lang == "")
     line = blocks[i - 1][2].strip()
-    from multihead.apps.cli import main
+    from multihead_cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from multihead.apps.cli import main
 from multihead.grader import classroom, similarity
+from multihead_cli import main
 
 pytest.importorskip("copydetect")
 

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 import multihead  # noqa: E402
 import multihead.hf as mhf  # noqa: E402
 from multihead import heads  # noqa: E402
-from multihead.apps import causal, ioi  # noqa: E402
+from multihead.apps.common import ioi  # noqa: E402
+from multihead.apps.prune import causal  # noqa: E402
 from multihead.models import decoders  # noqa: E402
 from multihead.viz import explorer, heatmaps  # noqa: E402
 

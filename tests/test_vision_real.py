@@ -311,7 +311,7 @@ def test_viz_draws_a_timm_checkpoint_on_a_picture_with_patches_labelled(tmp_path
     from safetensors.torch import save_file
 
     from multihead import viz
-    from multihead.apps import vision
+    from multihead.apps.viz import vision
     from multihead_cli import main
 
     args = {"img_size": 32, "patch_size": 8, "embed_dim": 36, "depth": 2, "num_heads": 3, "num_classes": 7}

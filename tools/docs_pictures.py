@@ -89,10 +89,10 @@ def _reverser_checkpoint(tmp: Path, quick: bool, checkpoints: Path | None) -> Pa
 
 
 def _heads(out: Path, ckpt: Path) -> dict[str, str]:
-    from multihead.apps import demo
+    from multihead.apps.viz import course
     from multihead.models.seq2seq import load_or_train
 
-    demo.draw_reverser(load_or_train(ckpt), "31415926", out)
+    course.draw_reverser(load_or_train(ckpt), "31415926", out)
     cmd = "`make demo` (`multihead viz --model toy --text 31415926 --out DIR`)"
     return {"transformer_cross_attention.png": "Every cross-attention head of the digit reverser reversing 31415926: "
                                                f"the anti-diagonal of reversal. {cmd}",
@@ -128,7 +128,7 @@ def _explorer_screenshot(out: Path) -> dict[str, str]:
 
 def _cut(out: Path, ckpt: Path, quick: bool, tmp: Path) -> dict[str, str]:
     from multihead import heads
-    from multihead.apps import pruning
+    from multihead.apps.prune import pruning
 
     setup = pruning.toy_setup(ckpt)
     clean, corrupted, metric = setup.patch_pair

@@ -1,5 +1,7 @@
 """The ``multihead`` command's arguments, parsed without importing torch (``multihead --help``
-answers at once); the work is done by :mod:`multihead.apps.cli`, imported after parsing."""
+answers at once); the work is done by the command's folder in :mod:`multihead.apps`, reached through
+:func:`multihead.apps.cli.run`, imported after parsing. The parser imports nothing of ``multihead`` at import time, and
+``multihead.apps`` never imports the parser: this package is the top floor."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _up_to_one(what: str, example: str, meaning: str):
 _cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
 
 
-#: ``prune --formats`` (multihead.apps.decoder.FORMATS; a test keeps the two equal)
+#: ``prune --formats`` (multihead.apps.prune.decoder.FORMATS; a test keeps the two equal)
 DECODER_FORMATS = ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "genai-fp32", "genai-int4")
 
 
@@ -194,7 +196,7 @@ class _Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line; each subcommand's ``func`` names its handler in multihead.apps.cli."""
+    """The whole command line; each subcommand's ``func`` names its command, dispatched by multihead.apps.cli.run."""
     parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see and cut the heads.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_, options in (
@@ -527,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     from multihead.apps import cli
 
     try:
-        return getattr(cli, f"_{args.func}")(args)
+        return cli.run(args)
     except (ValueError, FileNotFoundError, ImportError) as e:  # our own checks, a missing extra: one line
         print(f"multihead {args.command}: {e}", file=sys.stderr)
         return 2

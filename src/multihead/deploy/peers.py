@@ -80,7 +80,7 @@ def openvino_fp32(f: Path) -> RuntimeModel:
     return openvino_model(f)
 
 
-def openvino_int8(f: Path, calibration: list[dict]) -> RuntimeModel:
+def openvino_int8_model(f: Path, calibration: list[dict]) -> RuntimeModel:
     """The ONNX file ``f`` quantized by NNCF's static int8 (:func:`multihead.deploy.openvino.openvino_int8`, calibrated on
     ``calibration``: text the timing never uses), compiled by :func:`openvino_model`."""
     from multihead.deploy.openvino import openvino_int8 as quantized_ir

@@ -36,7 +36,7 @@ from torch import nn
 from multihead.grader.report import CHECKS, POINTS, Check, Finding, Report
 from multihead.grader.session import CONVENTIONS
 from multihead.grader.subject import CALLS, HOW, SELF_CALLS, LocalSubject, forbidden
-from multihead.grader.verdict import Options, grade_subject
+from multihead.grader.verdict import GradingOptions, grade_subject
 
 __all__ = ["CHECKS", "POINTS", "Check", "Finding", "Report", "check", "grade"]
 
@@ -103,7 +103,7 @@ def check(module: nn.Module, *, call: str | Callable = "qkv", mask: str | None =
                          "projections (W_q, W_k, W_v, W_o).")
     subject = LocalSubject(module, call)
     try:
-        opts = Options(mask, causal, call in SELF_CALLS if self_attention is None else bool(self_attention), embed_dim,
+        opts = GradingOptions(mask, causal, call in SELF_CALLS if self_attention is None else bool(self_attention), embed_dim,
                        mapping, seed, strict, HOW.get(call, "call(module, q, k, v, mask)") if not callable(call)
                        else "call(module, q, k, v, mask)", call if isinstance(call, str) else None,
                        kv_same=callable(call) and _reads_argument(call, 3) is False, forbid=banned)

@@ -24,7 +24,7 @@ from multihead.grader.report import Report, points_scheme, safe
 from multihead.grader.report import possible as report_points_possible
 from multihead.grader.runner import Limits, SandboxError, SandboxSubject
 from multihead.grader.subject import HOW, SELF_CALLS, forbidden
-from multihead.grader.verdict import Options, grade_subject
+from multihead.grader.verdict import GradingOptions, grade_subject
 
 __all__ = ["FIELDS", "GRADEBOOKS", "feedback_names", "grade_file", "grade_many", "gradebook", "kwargs_of",
            "load_points", "load_roster", "merge", "names_in_class", "out_of", "parse_shard", "read_report", "refused",
@@ -148,7 +148,7 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     (:func:`~multihead.grader.subject.forbidden`), refused when the module's forward uses one."""
     t0 = time.perf_counter()
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
-    opts = Options(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
+    opts = GradingOptions(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
                    seed, strict, HOW[call], call, forbid=forbidden(forbid))
     kw = dict(scheme=scheme, seed=seed, checks=opts.checks)  # every row out of the assignment's points
     why = refused(Path(path), folder)

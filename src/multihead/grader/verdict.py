@@ -39,11 +39,11 @@ from multihead.grader.report import Check, Finding, Report, assignment
 from multihead.grader.session import CONVENTIONS, LK, LQ, MASK_SHAPES, B, Session, mask_form, mask_value
 from multihead.grader.subject import RETURNED, Description, Probe
 
-__all__ = ["Options", "grade_subject"]
+__all__ = ["GradingOptions", "grade_subject"]
 
 
 @dataclass(frozen=True)
-class Options:
+class GradingOptions:
     """How a module is graded: ``conv`` its mask convention (None: no mask), ``causal``, ``self_attn``,
     ``embed_dim`` (its input size, when nothing tells it), ``mapping`` (the names of its q/k/v/o or qkv,
     ``heads``, ``scale``), ``seed`` of the probes, ``strict`` (warnings fail), ``how`` (the call, for messages), ``call`` its name
@@ -566,7 +566,7 @@ def _unestablished_missing_projection(found: list[Finding], parts: parts_mod.Par
     return found if others else [f for f in found if f not in missing]
 
 
-def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep: Report, named: list) -> None:
+def _white_box(s: Session, b: props.Base, desc: Description, opts: GradingOptions, rep: Report, named: list) -> None:
     readings = parts_mod.find_parts(desc, opts.mapping, s.E, s.order, s.kv_sizes)
     fitted, err, own_count = _fit(s, b, readings) if readings else (None, float("inf"), True)
     ref_fn = None if fitted is None else (lambda q, k, v, keep: parts_mod.reference(fitted, q, k, v, keep))
@@ -622,7 +622,7 @@ def _white_box(s: Session, b: props.Base, desc: Description, opts: Options, rep:
                                 "verify it", severity="warning"))
 
 
-def grade_subject(subject, opts: Options) -> Report:
+def grade_subject(subject, opts: GradingOptions) -> Report:
     """The :class:`~multihead.grader.report.Report` of the module behind ``subject``."""
     rep = Report(strict=opts.strict, assignment=opts.checks)
     desc = subject.describe()

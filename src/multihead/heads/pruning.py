@@ -232,7 +232,7 @@ def _refuse_grouped(model: nn.Module) -> None:
         raise ValueError(f"{grouped[0]} groups its query heads over shared key/value heads: a curve cutting heads by "
                          "a ranking over the whole model would leave its groups uneven (heads.prune refuses that). "
                          "Cut whole key/value groups or the same number of query heads in every group: `multihead "
-                         "prune --hf DIR` does for a causal LM (multihead.apps.decoder.plan).")
+                         "prune --hf DIR` does for a causal LM (multihead.apps.prune.decoder.plan).")
 
 
 def _num_kv_heads(m: nn.Module) -> int | None:

@@ -68,7 +68,7 @@ class EncoderLayer(nn.Module):
         """H, from the fused projection's rows (3*H*D; no projection: every head pruned)."""
         return 0 if self.qkv is None else self.qkv.out_features // (3 * self.head_dim)
 
-    def forward(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: Call) -> Tensor:
+    def forward(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: EncoderCall) -> Tensor:
         """x: (N, E), the real tokens of the batch sequence after sequence (``rows``), or all B*L
         positions of a batch without padding (``rows`` None) -> (N, E). ``call``: what the layers of one
         encoder call share (the attention backend chosen by the first)."""
@@ -84,7 +84,7 @@ class EncoderLayer(nn.Module):
         h = linear(self.down, u, kind=k_down)  # (N, E)
         return F.layer_norm(h.add_(x), n2.normalized_shape, n2.weight, n2.bias, n2.eps)  # (N, E)
 
-    def attend(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: Call) -> Tensor:
+    def attend(self, x: Tensor, rows: Unpadding | None, B: int, L: int, call: EncoderCall) -> Tensor:
         """The attention block, up to its output projection (before the residual): x (N, E) -> (N, E), a fresh
         tensor (see :meth:`forward` for the arguments)."""
         H, D = self.num_heads, self.head_dim
@@ -117,7 +117,7 @@ def exact_gelu(act) -> bool:
         type(act).forward.__qualname__ == "GELUActivation.forward"
 
 
-class Call:
+class EncoderCall:
     """What the layers of one :class:`Encoder` call share: the first layer's attention goes through
     :func:`multihead.attention` (validated, the backend chosen as for any call), the next ones run that
     backend again through :func:`multihead.backends.registry.run_kept` (the registry's own checks: the same
@@ -146,7 +146,7 @@ class ModelEmbeddings(nn.Module):
         return self.module(input_ids=input_ids, token_type_ids=token_type_ids)  # (B, L, E)
 
 
-class BertEmbeddings(nn.Module):
+class ServedBertEmbeddings(nn.Module):
     """BERT's embeddings as functions of its weights: word + position (0..L-1) + token type (0 when not
     given), then LayerNorm (dropout is off in prediction). Used only where it equals the model's own
     module on the probe inputs (:func:`serve`). Raises ValueError for more tokens than the model has positions
@@ -160,14 +160,14 @@ class BertEmbeddings(nn.Module):
         self.norm = module.LayerNorm
 
     @staticmethod
-    def of(module: nn.Module) -> BertEmbeddings | None:
+    def of(module: nn.Module) -> ServedBertEmbeddings | None:
         """For a module with BERT's parts (word, position and token-type nn.Embedding, an nn.LayerNorm), else None."""
         parts = [getattr(module, n, None) for n in
                  ("word_embeddings", "position_embeddings", "token_type_embeddings")]
         if not all(type(p) is nn.Embedding for p in parts) or type(getattr(module, "LayerNorm", None)) is not \
                 nn.LayerNorm:
             return None
-        return BertEmbeddings(module)
+        return ServedBertEmbeddings(module)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
         L = input_ids.shape[1]
@@ -240,7 +240,7 @@ class Encoder(nn.Module):
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
         E = x.shape[-1]
         h = x.reshape(B * L, E) if rows is None else rows.pack(x)  # (B, L, E) -> (N, E)
-        call = Call()
+        call = EncoderCall()
         for layer in self.layers:
             h = layer(h, rows, B, L, call)
         out = h.view(B, L, E) if rows is None else rows.unpack(h)  # (N, E) -> (B, L, E), zeros at padding
@@ -308,10 +308,10 @@ def _dequantized(module: nn.Module) -> nn.Module:
 
 
 def _embeddings(module: nn.Module, example: dict) -> nn.Module:
-    """:class:`BertEmbeddings` where it gives the module's output on the probe's token ids (with and without
+    """:class:`ServedBertEmbeddings` where it gives the module's output on the probe's token ids (with and without
     token types), else the module itself (:class:`ModelEmbeddings`: RoBERTa's positions, for one)."""
     own = ModelEmbeddings(module).eval()
-    fast = BertEmbeddings.of(module)
+    fast = ServedBertEmbeddings.of(module)
     if fast is None or module.training:
         return own
     ids = probe.padded_example(example)["input_ids"]  # (B, L)
@@ -433,7 +433,7 @@ def _where(enc: Encoder, x: dict, outs: dict[int, Tensor], first: dict[str, Tens
                 "(ELECTRA's embeddings_project, for one)")
     rows = None if bool(keep.all()) else Unpadding.of(keep)
     h = h.reshape(B * L, -1) if rows is None else rows.pack(h)  # (B, L, E) -> (N, E)
-    call = Call()
+    call = EncoderCall()
     for i, layer in enumerate(enc.layers):
         h = layer(h, rows, B, L, call)
         ref = outs.get(i)

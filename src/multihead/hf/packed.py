@@ -118,7 +118,7 @@ class _End:
         self.packing.call = None
 
 
-class _Layer:
+class _LayerHook:
     """Forward pre-hook on every layer of the stack: the first packs the hidden states; each gets
     no padding mask (the sequences are apart), its per-position tensors packed, and the
     packed-sequence arguments."""
@@ -202,7 +202,7 @@ def disable(model: nn.Module) -> None:
         return
     for m in model.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for k in [k for k, h in hooks.items() if isinstance(h, _Start | _End | _Layer | _Last)]:
+            for k in [k for k, h in hooks.items() if isinstance(h, _Start | _End | _LayerHook | _Last)]:
                 del hooks[k]
                 m._forward_pre_hooks_with_kwargs.pop(k, None)
 
@@ -229,7 +229,7 @@ def enable(model: nn.Module, attention: dict[str, nn.Module], example: dict) -> 
                base.register_forward_hook(_End(p), always_call=True)]  # a call that raises leaves no plan behind
     for i, layer in enumerate(stack):
         params = [q.name for q in _kwargs_of(layer.forward).values() if q.kind is not inspect.Parameter.VAR_KEYWORD]
-        handles.append(layer.register_forward_pre_hook(_Layer(p, i == 0, params), with_kwargs=True))
+        handles.append(layer.register_forward_pre_hook(_LayerHook(p, i == 0, params), with_kwargs=True))
     handles.append(stack[-1].register_forward_hook(_Last(p)))
     model.__dict__[KEY] = p
     try:

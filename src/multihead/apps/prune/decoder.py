@@ -13,7 +13,7 @@ gradient of the text's loss and of the behaviour's logit difference, each normal
 
 Fidelity, on text and prompts the cut and the recovery never saw: the perplexity ratio and the next-token KL to the
 unpruned model on the installed packages' descriptions (another kind of text than the recovery's docstrings and
-language reference), and the behaviour -- IOI (:mod:`multihead.apps.ioi`: importance on four templates, judgement
+language reference), and the behaviour -- IOI (:mod:`multihead.apps.common.ioi`: importance on four templates, judgement
 on the other four) or the user's own prompt pairs (:func:`read_behaviour`). The unpruned model's distributions are
 computed batch by batch beside the cut one's, never kept for a corpus (a 49,152-word vocabulary holds 200 MB a
 batch of 8 x 128 tokens).
@@ -54,7 +54,7 @@ FORMATS = {"gguf-f16": ("gguf", "f16"), "gguf-q8_0": ("gguf", "q8_0"), "gguf-q4_
 
 
 @dataclass(frozen=True)
-class Options:
+class DecoderOptions:
     """What ``multihead prune --hf DIR`` asks of :func:`run` on a causal LM. ``fraction``: the share of each layer's
     units cut (rounded to whole units: SmolLM2's 3 key/value groups: 1/3 cuts one); with a target, the furthest cut
     tried. ``unit``: "group", "query" or "auto" (groups where a layer has more than one key/value head).
@@ -84,7 +84,7 @@ class Options:
 class Behaviour:
     """Prompt pairs scored by the logit difference at the last position: ``right`` above ``wrong`` on the clean
     prompt (IOI: the indirect object's name above the subject's). ``importance`` and ``judged`` are
-    :func:`multihead.apps.ioi.batches`-shaped lists; ``name`` says which behaviour."""
+    :func:`multihead.apps.common.ioi.batches`-shaped lists; ``name`` says which behaviour."""
 
     name: str
     importance: list[dict]
@@ -235,7 +235,7 @@ def read_behaviour(path: str | Path, tok) -> list[dict]:
 
 
 def _batched(rows: list[tuple]) -> list[dict]:
-    """Pairs as :func:`multihead.apps.ioi.batches`-shaped batches, one per token length (no padding)."""
+    """Pairs as :func:`multihead.apps.common.ioi.batches`-shaped batches, one per token length (no padding)."""
     groups: dict[int, list] = {}
     for r in rows:
         groups.setdefault(len(r[0]), []).append(r)
@@ -243,10 +243,10 @@ def _batched(rows: list[tuple]) -> list[dict]:
              "io": torch.tensor([r[2] for r in g]), "s": torch.tensor([r[3] for r in g])} for g in groups.values()]
 
 
-def behaviour(tok, o: Options) -> Behaviour:
+def behaviour(tok, o: DecoderOptions) -> Behaviour:
     """The user's pairs (``o.behaviour``) or IOI: importance on prompts of four templates (seed 2), judged on
     prompts of the other four (seed 1)."""
-    from multihead.apps import ioi
+    from multihead.apps.common import ioi
 
     if o.behaviour is not None:
         rows = read_behaviour(o.behaviour, tok)  # every other pair (in the file's order) chooses, the rest judge
@@ -267,12 +267,12 @@ class Text:
     notes: list[str] = field(default_factory=list)
 
 
-def text(tok, o: Options) -> Text:
+def text(tok, o: DecoderOptions) -> Text:
     """Recovery on the standard library's docstrings (as many as the steps use) and the language reference, packed
     into windows; fidelity on ``o.held_out`` sentences of the installed packages' descriptions (another kind of
     text, none in the recovery)."""
-    from multihead.apps import causal
-    from multihead.apps.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
+    from multihead.apps.prune import causal
 
     need = (2 + max(o.recover, 1) * o.batch) * o.seq  # tokens: the importance's 2 windows, each step's own batch
     known = sentences() + docstring_sentences(need // 8)  # a docstring sentence has 8 tokens or more: as many as the
@@ -298,7 +298,7 @@ def importance(model: nn.Module, t: Text, beh: Behaviour) -> dict[str, Tensor]:
     """{module: (H,)} each query head's gradient importance on the text's loss plus on the behaviour's logit
     difference, each normalised to a total of 1 over the model (neither measure drowns the other)."""
     from multihead import heads
-    from multihead.apps import ioi
+    from multihead.apps.common import ioi
 
     def task(m, b):
         return -ioi.logit_diff(m(input_ids=b["input_ids"], logits_to_keep=1).logits.float(), b).mean()
@@ -314,7 +314,8 @@ def judge(model: nn.Module, reference: nn.Module, t: Text, beh: Behaviour,
           unpruned: Judgement | None = None) -> Judgement:
     """``model`` against ``reference`` on the held-out text (batch by batch: the reference's distributions are
     never kept) and the judged behaviour prompts; ratios to ``unpruned`` (None: this is the unpruned model)."""
-    from multihead.apps import causal, ioi
+    from multihead.apps.common import ioi
+    from multihead.apps.prune import causal
 
     f = causal.fidelity(model, reference, t.held_out)
     s = ioi.score(model, beh.judged)
@@ -361,7 +362,7 @@ class Context:
     text: Text | None
     behaviour: Behaviour | None
     unpruned: Judgement
-    options: Options
+    options: DecoderOptions
     #: seconds one judgement takes (the unpruned model's, measured): a recovery's budget leaves room for its own
     judge_s: float = 0.0
 
@@ -372,7 +373,7 @@ class Context:
 def _recovered(cut: nn.Module, ctx: Context, until: float | None, c: Candidate) -> None:
     """Distil ``cut`` toward the unpruned model (``recover`` steps at most, cut short to ``until``), judging it every
     so many steps into ``c.curve``."""
-    from multihead.apps import causal
+    from multihead.apps.prune import causal
 
     o = ctx.options
     every = max(1, o.recover // 8)
@@ -445,13 +446,13 @@ def sizes(model: nn.Module) -> dict:
 def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
     """``cut`` written as a transformers folder (:func:`multihead.hf.save`: a standard config at the pruned size)
     with the checkpoint's other files as it shipped them (tokenizer, generation config:
-    :func:`multihead.apps.hf_models.save_with_files`), then read back with ``AutoModelForCausalLM.from_pretrained``
+    :func:`multihead.apps.prune.hf_models.save_with_files`), then read back with ``AutoModelForCausalLM.from_pretrained``
     as it is: its parameters by name and shape the family's own (nothing added) and its logits on a held-out batch
     equal to ``cut``'s within float32 rounding; RuntimeError otherwise. Returns the lines the report says."""
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps.hf_models import save_with_files
+    from multihead.apps.prune.hf_models import save_with_files
 
     save_with_files(cut, folder, source)
     cfg = json.loads((folder / "config.json").read_text())
@@ -541,7 +542,7 @@ def markdown(r: dict) -> str:
 
 def tokenizer(path: Path):
     """The checkpoint's tokenizer with a pad token; ValueError when ``path`` is not a causal LM."""
-    from multihead.apps.hf_models import _tokenizer
+    from multihead.apps.prune.hf_models import _tokenizer
 
     tok, causal = _tokenizer(Path(path))
     if not causal:
@@ -574,7 +575,7 @@ def config_counts(path: Path) -> dict[str, tuple[int, int]]:
     return {f"layer {i}": (H, Hkv) for i in range(layers)}
 
 
-def check(counts: dict, o: Options) -> tuple[str, int, int]:
+def check(counts: dict, o: DecoderOptions) -> tuple[str, int, int]:
     """(unit kind, units per layer, the furthest cut in units) for ``o`` on a model of ``counts``, refused in one
     line (ValueError) before any work."""
     kind, per_layer = unit_of(counts, o.unit)
@@ -582,7 +583,7 @@ def check(counts: dict, o: Options) -> tuple[str, int, int]:
     return kind, per_layer, units_cut(fraction, per_layer, kind)
 
 
-def _check_budget(o: Options, started: float) -> None:
+def _check_budget(o: DecoderOptions, started: float) -> None:
     """A time budget that leaves no time beyond the recovery refused (ValueError, one line) before any work."""
     least = RESERVE_S + FORMAT_S * len(o.formats) + 60.0  # and a minute for loading, importance and judging
     if o.deadline is not None and o.deadline - started < least:
@@ -590,7 +591,7 @@ def _check_budget(o: Options, started: float) -> None:
                          "beyond its recovery (saving, reading back, the formats asked): give a longer --time-budget.")
 
 
-def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
+def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> dict:
     """The whole command on the causal LM in ``path``: the plan, importance, the cut(s) recovered and judged, the
     kept model saved into ``out/model`` and read back, ``out/report.{json,md}``. Returns the report (``"met"``:
     False when a target was asked and no cut tried met it: nothing is saved then)."""
@@ -705,7 +706,7 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
-    from multihead.apps import causal
+    from multihead.apps.prune import causal
     from multihead.deploy.gguf import gguf_model
 
     f = causal.fidelity(gguf_model(file), model, t.held_out)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multihead import heads, timing
-from multihead.apps.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
+from multihead.apps.prune.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
 
 
 @dataclass
@@ -66,11 +66,11 @@ class Setup:
     #: (:func:`multihead.deploy.peers.standard_files`): the runtime table's peer
     standard_fn: Callable | None = None
     #: (clean inputs, corrupted inputs, metric(output) -> (B,)): the activation-patching experiment of the importance
-    #: methods' comparison (:mod:`multihead.apps.methods`)
+    #: methods' comparison (:mod:`multihead.apps.prune.methods`)
     patch_pair: tuple | None = None
     #: how the recovery recovers, for the report ("distillation steps towards the unpruned model", ...)
     recovery_kind: str = "distillation steps towards the unpruned model"
-    #: what the fidelity is, for a target (:class:`multihead.apps.target.Goal`): "cosine", "kl" or "accuracy"
+    #: what the fidelity is, for a target (:class:`multihead.apps.prune.target.Goal`): "cosine", "kl" or "accuracy"
     metric_kind: str = "cosine"
 
 
@@ -123,7 +123,7 @@ def no_cosine(name: str, metric_name: str) -> str:
 
 
 def goal(o: Options) -> Goal | None:
-    """``o.target`` as a :class:`~multihead.apps.target.Goal` (a float is a cosine)."""
+    """``o.target`` as a :class:`~multihead.apps.prune.target.Goal` (a float is a cosine)."""
     return o.target if o.target is None or isinstance(o.target, Goal) else Goal("cosine", float(o.target))
 
 
@@ -245,7 +245,7 @@ def finetune(model: nn.Module, batch: Callable[[], object], loss_fn: Callable, s
 def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setup:
     """The pretrained MiniLM: importance on the first ``n_importance`` sentences, fidelity on
     the next ``n_held_out`` (default: all the others, at least 500)."""
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from multihead.models import SentenceEncoder, minilm_path
 
     path = minilm_path()
@@ -295,7 +295,7 @@ def minilm_setup(n_importance: int = 256, n_held_out: int | None = None) -> Setu
 
 def run(setup: Setup, out: Path, options: Options) -> dict:
     """Importance table and heatmap, the pruning curve (JSON + PNG) up to ``options.fraction``, the kept
-    step finished (recovered, quantized: :mod:`multihead.apps.target`; with a target, the furthest step that
+    step finished (recovered, quantized: :mod:`multihead.apps.prune.target`; with a target, the furthest step that
     meets it), saved (safetensors; with ``quantize``, so that ``multihead.hf.load`` returns it quantized),
     a speed table and ``report.md`` in ``out``. Under a deadline the heads are ranked once when re-ranking
     would leave the speed table too little, recovery runs the steps that fit, and the speed table gets
@@ -356,7 +356,7 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
 
 
 def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options, budget: Budget):
-    """The step kept and the target search (:func:`multihead.apps.target.choose`); with ``o.recover_curve`` every
+    """The step kept and the target search (:func:`multihead.apps.prune.target.choose`); with ``o.recover_curve`` every
     step is recovered first (the curve with and without it) and the kept one's recovery is its own."""
     if not o.recover_curve:
         return choose(setup, rows, snapshots, target=goal(o), recover=o.recover, quantize=o.quantize,
@@ -373,7 +373,7 @@ EXPORT_S = 25.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     """What ``multihead prune`` will cost, costed before any work from a few measured calls (:func:`plan`): seconds
     per part (``parts``), the candidates a full target search evaluates and one candidate's seconds. ``least`` is
     the shortest run that finishes one candidate with its recovery (heads ranked once); ``total`` the whole plan."""
@@ -398,14 +398,14 @@ def seconds_text(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def plan(setup: Setup, o: Options) -> Plan:
+def plan(setup: Setup, o: Options) -> RunPlan:
     """The run costed before any work: one fidelity evaluation, one pass of the importance loss and two recovery
     steps (on a copy) are timed, and every part of the run is counted from them -- importance (ablation: one pass
     per head; gradient: a forward and a backward), the curve (one evaluation per step, and the heads ranked again
-    after each when ``o.reestimate``), the target search's candidates (:func:`multihead.apps.target.search_length`;
+    after each when ``o.reestimate``), the target search's candidates (:func:`multihead.apps.prune.target.search_length`;
     each ``o.recover`` recovery steps and its evaluations) or the one step kept, the runtime files and the speed
     table's least share."""
-    from multihead.apps.target import fidelity
+    from multihead.apps.prune.target import fidelity
     from multihead.heads.gates import attention_modules
     from multihead.layer.hooks import num_heads
 
@@ -445,7 +445,7 @@ def plan(setup: Setup, o: Options) -> Plan:
     parts["speed table"] = TABLE_MIN_S + RESERVE_S
     # the least run: no re-ranking, one candidate, the speed table's 3 rounds in whatever is left
     least = sum(v for k, v in parts.items() if k not in ("re-ranking",) and "candidate" not in k)
-    return Plan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
+    return RunPlan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:

@@ -78,7 +78,7 @@ def make(n: int, tokenizer, *, seed: int = 0, templates: Sequence[str] = TEMPLAT
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a whole number of prompts >= 1; got {n!r}.")
     if not templates:
-        raise ValueError("templates is empty: give at least one, e.g. multihead.apps.ioi.TEMPLATES.")
+        raise ValueError("templates is empty: give at least one, e.g. multihead.apps.common.ioi.TEMPLATES.")
     names, places, objects = (_one_token(tokenizer, w) for w in (NAMES, PLACES, OBJECTS))
     if len(names) < 2 or not places or not objects:
         raise ValueError(f"the tokenizer splits the set's words: one-token names {len(names)} (need 2), places "
@@ -105,7 +105,7 @@ def batches(tokenizer, prompts: Iterable[IOIPrompt]) -> list[dict]:
         io, s = (tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in (p.io, p.s))
         if len(ids) != len(bad) or len(io) != 1 or len(s) != 1:
             raise ValueError(f"{p.text!r}: a name is not one token for this tokenizer; make the set with it "
-                             "(multihead.apps.ioi.make(n, tokenizer)).")
+                             "(multihead.apps.common.ioi.make(n, tokenizer)).")
         groups.setdefault(len(ids), []).append((ids, bad, io[0], s[0]))
     return [{"input_ids": torch.tensor([r[0] for r in rows]),  # (B, L)
              "corrupted_ids": torch.tensor([r[1] for r in rows]),  # (B, L)
@@ -131,6 +131,6 @@ def score(model: nn.Module, sets: Iterable[dict], *, run: Callable[[nn.Module, T
         for b in sets:
             diffs.append(logit_diff(run(model, b["input_ids"]).float(), b))
     if not diffs:
-        raise ValueError("no IOI batches: give multihead.apps.ioi.batches(tokenizer, make(n, tokenizer)).")
+        raise ValueError("no IOI batches: give multihead.apps.common.ioi.batches(tokenizer, make(n, tokenizer)).")
     d = torch.cat(diffs)  # (N,)
     return IOIScore(float((d > 0).float().mean()), float(d.mean()), d.numel())

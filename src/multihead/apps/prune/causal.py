@@ -1,6 +1,6 @@
 """How far a cut decoder language model is from the unpruned one, on text: the next-token KL divergence to the
 unpruned model's distributions and the perplexity of the text, each over every real next token; and recovery by
-distillation toward those distributions (:func:`multihead.apps.hf_models.recover`, ``causal=True``).
+distillation toward those distributions (:func:`multihead.apps.prune.hf_models.recover`, ``causal=True``).
 
     batches = text_batches(tokenizer, package_sentences(200))     # text neither the cut nor the recovery saw
     f = fidelity(pruned, unpruned, batches)                        # f.kl, f.perplexity, f.reference_perplexity
@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Fidelity", "fidelity", "recover", "text_batches"]
+__all__ = ["NextTokenFidelity", "fidelity", "recover", "text_batches"]
 
 
 @dataclass(frozen=True)
-class Fidelity:
+class NextTokenFidelity:
     """``kl``: the mean over next tokens of KL(unpruned || model) in nats; ``perplexity`` / ``reference_perplexity``:
     exp of the mean negative log-likelihood of the text's next tokens under the model / the unpruned model;
     ``tokens``: how many next tokens were scored."""
@@ -53,7 +53,7 @@ def _next_logp(model: nn.Module, b: dict) -> Tensor:
                          -1)
 
 
-def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) -> Fidelity:
+def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) -> NextTokenFidelity:
     """``model`` (a cut causal LM) against ``reference`` (the unpruned one) on :func:`text_batches`' output, without
     gradients, in eval mode: each position whose next token is real is scored."""
     if not batches:
@@ -72,7 +72,7 @@ def fidelity(model: nn.Module, reference: nn.Module, batches: Sequence[dict]) ->
             n += int(live.sum())
     if n == 0:
         raise ValueError("the batches hold no next token to score: give texts of two tokens or more.")
-    return Fidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
+    return NextTokenFidelity(kl / n, float(torch.tensor(nll / n).exp()), float(torch.tensor(ref_nll / n).exp()), n)
 
 
 class _Targets(Sequence):
@@ -87,7 +87,7 @@ class _Targets(Sequence):
         return len(self.batches)
 
     def __getitem__(self, i):
-        from multihead.apps import hf_models
+        from multihead.apps.prune import hf_models
 
         b = self.batches[i]
         ids, am = b["input_ids"], b["attention_mask"]
@@ -99,13 +99,13 @@ def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], ste
             lr: float = 3e-5, observe: Callable[[int], None] | None = None,
             until: float | None = None) -> list[float]:
     """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
-    is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.hf_models.recover`
+    is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.prune.hf_models.recover`
     with ``causal=True``, AdamW, the rate decaying along a half cosine). The unpruned model's distributions are
     computed at each step (one batch's in memory), so ``batches`` may be many. ``observe``: called with the number
     of steps done after each step (e.g. to measure :func:`fidelity` every so many steps). ``until``: a
     ``time.monotonic()`` time the run is shortened to end by, from the first steps' cost (the cosine then spans the
     shorter run). Returns the losses, one a step."""
-    from multihead.apps import hf_models
+    from multihead.apps.prune import hf_models
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1; got {steps!r}.")

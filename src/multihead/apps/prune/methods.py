@@ -1,7 +1,7 @@
 """Which experiment predicts a head's importance best: the importance methods side by side, each ranked against
 what cutting that head alone actually costs.
 
-For every head of a demo model (:class:`multihead.apps.pruning.Setup`):
+For every head of a demo model (:class:`multihead.apps.prune.pruning.Setup`):
 
 - **the cost of cutting it alone**: the model's own metric (digits reversed right, test accuracy) with that head
   gated off, subtracted from the unpruned model's (what a pruning step would lose);

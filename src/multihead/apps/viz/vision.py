@@ -1,7 +1,7 @@
 """Every head of a vision model on one picture: ``multihead viz --timm NAME --checkpoint FILE --image FILE``
 (or ``--torchvision NAME``), and the Python call behind it:
 
-    from multihead.apps import vision
+    from multihead.apps.viz import vision
     model = vision.load_model("timm", "vit_small_patch16_224", "vit_s.safetensors")
     vision.draw(model, "cat.png", "out/viz")   # heads.png, cls_attention.png, rollout.png, attention.html
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.apps import hf_models
+from multihead.apps.prune import hf_models
 
 #: the fidelity a recommended runtime must keep (mean cosine to transformers' sdpa on the timed sentences)
 RECOMMEND_COSINE = 0.95
@@ -100,7 +100,7 @@ def run(pruned: str | Path | None = None, *, sizes: tuple[int, ...] = (1, 16, 64
     require("transformers", "hf")
     import transformers
 
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
     from multihead.models import minilm_path
 
     path = minilm_path()
@@ -154,7 +154,7 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
     import transformers
 
     import multihead.hf as mhf
-    from multihead.apps.data import package_sentences
+    from multihead.apps.common.data import package_sentences
     from multihead.deploy import compare
     from multihead.extras import require
 

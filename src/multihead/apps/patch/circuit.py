@@ -120,7 +120,7 @@ def _dataset(path, pairs_file, *, method, steps, frac, mib, batch_size):
 
     import multihead.hf as mhf
     from multihead import heads
-    from multihead.apps.hf_models import _tokenizer
+    from multihead.apps.prune.hf_models import _tokenizer
 
     rows = read_pairs(pairs_file)
     tok, _ = _tokenizer(Path(path))
@@ -147,7 +147,7 @@ def run(path: str | Path, clean: str | None, corrupted: str | None, metric: str 
     ``metric``. Returns the record written to circuit.json."""
     import multihead
     from multihead import heads
-    from multihead.apps.patching import _last_logits_only, load
+    from multihead.apps.patch.patching import _last_logits_only, load
     from multihead.viz import circuit_figure, circuit_html, circuit_layout, explorer, faithfulness_figure
 
     frac = checked(method, steps, budget)

@@ -55,7 +55,7 @@ def load(path: str | Path, clean: str, corrupted: str, metric: str, *, command: 
     two texts tokenized ({input_ids, attention_mask} each), the metric (:func:`metric_of`) and its description, the
     tokenizer. Refused before any forward: a model other than a causal LM, texts of different token counts (``why``
     they must match), a malformed metric."""
-    from multihead.apps.hf_models import _tokenizer
+    from multihead.apps.prune.hf_models import _tokenizer
 
     tok, _ = _tokenizer(Path(path))
     import transformers

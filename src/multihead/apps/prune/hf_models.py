@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead.apps.pruning import Setup
+from multihead.apps.prune.pruning import Setup
 from multihead.deploy.compare import pooled  # noqa: F401 - the fidelity's pooling, used here and by its callers
 from multihead.quantize import quantize
 
@@ -287,10 +287,10 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
              n_held_out: int | None = None, n_recover: int | None = None, *,
              recover_extra: list[str] | None = None, held_out_extra: tuple[str, list[str]] | None = None,
              n_passages: int = 32) -> Setup:
-    """A pruning :class:`~multihead.apps.pruning.Setup` for the checkpoint in ``path``: importance
+    """A pruning :class:`~multihead.apps.prune.pruning.Setup` for the checkpoint in ``path``: importance
     on the first ``n_importance`` sentences, recovery (distillation) on the next ``n_recover``
     (default: a quarter of the corpus, at most 256) and on ``recover_extra`` (more text, e.g.
-    :func:`multihead.apps.data.docstring_sentences`), fidelity on the ``n_held_out`` after them
+    :func:`multihead.apps.common.data.docstring_sentences`), fidelity on the ``n_held_out`` after them
     (default: all the rest), so the fidelity sentences are never trained on, and on ``held_out_extra`` =
     (its name, sentences of another kind), and on ``n_passages`` passages of the held-out sentences joined to
     :data:`SENTENCE_TOKENS` to :data:`PASSAGE_TOKENS` tokens (the model's limit if smaller; encoders whose limit
@@ -299,7 +299,7 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     paragraphs users embed (all-MiniLM-L6-v2 pruned to 50 of its 72 heads: 0.96 on sentences, 0.91 at 256
     tokens). With passages measured, recovery distils on passages of its own text too
     (:func:`_recovery_batches`)."""
-    from multihead.apps.data import sentences
+    from multihead.apps.common.data import sentences
 
     model, peer, tok, causal = _load(Path(path))
     corpus = corpus if corpus is not None else sentences()

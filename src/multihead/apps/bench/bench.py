@@ -13,7 +13,7 @@ Workloads:
   W4  causal self-attention: B=1, E=512, H=8, L=4096 and 8192
 
 Peers: torch.nn.MultiheadAttention, SDPA + 4 nn.Linear, the course's code
-(bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
+(apps/bench/course.py), Keras 3 MultiHeadAttention (KERAS_BACKEND=torch; when
 installed), FlexAttention + 4 nn.Linear (compiled, forward only on CPU), and
 multihead (valid_lens, as the course; and Padding where queries are padded too).
 With ``--compile`` each of them is timed compiled too, beside torch.compile's own
@@ -130,24 +130,10 @@ def peer_sdpa(w: Workload, base):
     return m, lambda x, y: m(x, y, attn_mask=keep, is_causal=w.causal), "bool mask" if keep is not None else ""
 
 
-def _course_module():
-    """bench/course.py (the course's code, for comparison), loaded from the checkout by path."""
-    import importlib.util
-
-    for cand in (Path(__file__).resolve().parents[3] / "bench", Path.cwd() / "bench"):
-        if (cand / "course.py").exists():
-            spec = importlib.util.spec_from_file_location("multihead_bench_course", cand / "course.py")
-            course = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(course)
-            return course
-    return None
-
-
 def peer_course(w: Workload, base):
-    course = _course_module()
-    if course is None:
-        return None
-    m = course.MultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
+    from multihead.apps.bench import course
+
+    m = course.ChapterMultiHeadAttention(w.E, w.E, w.E, w.E, w.H, 0.0, bias=True)
     mha = from_torch(base)
     for mine, theirs in zip((m.W_q, m.W_k, m.W_v, m.W_o), mha.projections()):
         mine.load_state_dict(theirs.state_dict())
@@ -374,7 +360,7 @@ def peak_rss_mib() -> float:
 def peak_memory(w: Workload, peer: str, backward: bool) -> float | None:
     """Peak RSS (MiB) of one call in a fresh process."""
     code = (
-        "import sys, torch; from multihead.apps import bench; "
+        "import sys, torch; from multihead.apps.bench import bench; "
         f"w = bench.workloads(['W4'], ({w.Lq},))[0]; base = torch.nn.MultiheadAttention(w.E, w.H, batch_first=True); "
         f"p = bench.PEERS[{peer!r}](w, base); "
         "p is None and sys.exit(3); mod, call, _ = p; "
@@ -426,7 +412,7 @@ def run(names: list[str], *, reps: int = 20, out: Path = Path("bench/results"), 
     }
     log(f"machine: {info['threads']} threads, fp32 matmul {info['matmul_gflops']} GFLOP/s, torch {info['torch']}")
     if "W5" in names:  # decoding: its own runner and table
-        from multihead.apps import decode_bench
+        from multihead.apps.bench import decode_bench
 
         names = [n for n in names if n != "W5"]
         d = decode_bench.run(batches=decode_batches, steps=decode_steps, rounds=decode_rounds, log=log,

@@ -1,6 +1,7 @@
 """The course's multi-head attention (Dive into Deep Learning, PyTorch), as the
 chapter defines it: masked softmax with valid lengths (masked scores set to
--1e6), heads folded into the batch, bmm. Written here as a benchmark peer."""
+-1e6), heads folded into the batch, bmm. Written here as a benchmark peer (`multihead bench`'s "course code"); its
+classes are prefixed Chapter: the package's own MultiHeadAttention is another."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def masked_softmax(X, valid_lens):
     return torch.softmax(X.reshape(shape), dim=-1)
 
 
-class DotProductAttention(nn.Module):
+class ChapterDotProductAttention(nn.Module):
     def __init__(self, dropout):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
@@ -47,11 +48,11 @@ def transpose_output(X, num_heads):
     return X.reshape(X.shape[0], X.shape[1], -1)
 
 
-class MultiHeadAttention(nn.Module):
+class ChapterMultiHeadAttention(nn.Module):
     def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads, dropout, bias=False):
         super().__init__()
         self.num_heads = num_heads
-        self.attention = DotProductAttention(dropout)
+        self.attention = ChapterDotProductAttention(dropout)
         self.W_q = nn.Linear(query_size, num_hiddens, bias=bias)
         self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
         self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)

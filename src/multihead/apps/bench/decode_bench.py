@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from multihead import KVCache, MultiHeadAttention, masks
 
 
-class Block(nn.Module):
+class DecodeBenchBlock(nn.Module):
     def __init__(self, E: int, H: int):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(E), nn.LayerNorm(E)
@@ -48,7 +48,7 @@ class TinyLM(nn.Module):
     def __init__(self, vocab: int = 1000, E: int = 512, H: int = 8, layers: int = 2, max_len: int = 512):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, E), nn.Embedding(max_len, E)
-        self.blocks = nn.ModuleList(Block(E, H) for _ in range(layers))
+        self.blocks = nn.ModuleList(DecodeBenchBlock(E, H) for _ in range(layers))
         self.norm, self.out = nn.LayerNorm(E), nn.Linear(E, vocab)
 
     def forward(self, ids: Tensor, cache: KVCache | None = None, start: int = 0) -> Tensor:

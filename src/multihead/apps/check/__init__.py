@@ -1,0 +1,2 @@
+"""``multihead check``: the arguments handed to the grader (:mod:`multihead.grader`: one module, a class, a course
+platform)."""

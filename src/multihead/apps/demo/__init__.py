@@ -1,0 +1,1 @@
+"""``multihead demo``: the course's two small models trained, drawn and pruned."""
