@@ -436,13 +436,17 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
     ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
     shortened to the steps that end before it (the cosine then decays over the shorter run). ``observe``: called
-    with the number of steps done after each step (a curve of fidelity against steps reads the model there)."""
+    with the number of steps done after each step (a curve of fidelity against steps reads the model there). In a
+    torch.distributed process group of two ranks or more, the model is wrapped in ``DistributedDataParallel`` (the
+    gradients averaged over the ranks, each rank's ``batches`` its share) and the ranks agree on a shortened run's
+    length (the fewest steps any rank can afford)."""
     import time
 
     from multihead.extras import progress
     from multihead.quantize import fake_quantized
 
     pruned.eval()
+    net, world = _data_parallel(pruned)
     total = [steps]  # the run's length; shortened once under ``until``
     opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0, fused=True)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
@@ -454,9 +458,9 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
         while s < total[0]:
             (ids, am), ref = batches[s % len(batches)]
             if causal:
-                loss = _kl(_logp(pruned, ids, am), ref, am)
+                loss = _kl(_logp(net, ids, am), ref, am)
             else:
-                loss = _distil_loss(_hidden(pruned, ids, am), ref, am)
+                loss = _distil_loss(_hidden(net, ids, am), ref, am)
             loss.backward()
             opt.step()
             opt.zero_grad()  # the gradients freed now, not at the next step: they never sit beside its activations
@@ -469,12 +473,28 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
                 per_step = (time.monotonic() - started) / s
                 affordable = s + int(max(0.0, until - time.monotonic()) / per_step)
+                if world > 1:  # every rank runs as many steps: the fewest any can afford
+                    agreed = torch.tensor([affordable])
+                    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+                    affordable = int(agreed)
                 if affordable < steps:
                     total[0] = affordable
                     bar.total = affordable
                     bar.set_postfix_str(f"{affordable} of {steps} steps fit the time budget")
     bar.close()
     return losses
+
+
+def _data_parallel(model: nn.Module) -> tuple[nn.Module, int]:
+    """(``model`` wrapped in ``DistributedDataParallel``, the world size) when this process is a rank of a
+    torch.distributed group of two or more; (``model``, 1) otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return model, 1
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model), dist.get_world_size()
 
 
 def _encode_within(tok, model, text: str):

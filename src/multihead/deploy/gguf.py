@@ -92,14 +92,14 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     written = _write_gguf(gguf, model, tmp, counts, dtype, vocab_fields)
     os.replace(tmp, path)
 
-    checks = _read_back(gguf, path, written, counts)
+    checks, reader = _read_back(gguf, path, written, counts)
     if uneven:
         where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
                  f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama) and multihead's gguf_model, not in "
                  "transformers' GGUF reader (one head count per model).")
         warnings.warn(where, UserWarning, stacklevel=2)
         checks.append(where)
-    return _run_back(model, path, dtype, ids, new_tokens, checks)
+    return _run_back(model, path, dtype, ids, new_tokens, checks, reader)
 
 
 def gguf_model(path: str | Path) -> nn.Module:
@@ -108,10 +108,15 @@ def gguf_model(path: str | Path) -> nn.Module:
     refuses) is built here instead: a ``LlamaForCausalLM`` on multihead's attention whose layers have the file's
     counts, every tensor dequantized by ``gguf`` and its q/k rows put back by transformers' own
     ``LlamaTensorProcessor`` (the inverse of llama.cpp's rotary permutation), at each layer's counts."""
+    return _gguf_model(Path(path))
+
+
+def _gguf_model(path: Path, reader=None) -> nn.Module:
+    """:func:`gguf_model`, with the file's ``gguf.GGUFReader`` when it was read already (a 49,152-token vocabulary
+    takes seconds to parse)."""
     transformers = require("transformers", "multihead.deploy.gguf.gguf_model")
-    path = Path(path)
     gguf = require("gguf", "multihead.deploy.gguf.gguf_model")
-    reader = gguf.GGUFReader(str(path))
+    reader = reader if reader is not None else gguf.GGUFReader(str(path))
     if reader.fields["general.architecture"].contents() == "deci":
         return _deci_model(gguf, transformers, reader)
     with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
@@ -164,12 +169,13 @@ def _deci_model(gguf, transformers, reader) -> nn.Module:
     return model.eval()
 
 
-def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str]) -> Served:
+def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str],
+              reader=None) -> Served:
     """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
     greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
     with torch.no_grad():
         ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
-        got_logits, got_tokens = _greedy(gguf_model(path), ids, new_tokens)
+        got_logits, got_tokens = _greedy(_gguf_model(path, reader), ids, new_tokens)
     counts = layer_counts(model)
     uneven = len(set(counts)) > 1
     counts = counts if uneven else counts[0]  # an uneven file: each layer's
@@ -328,7 +334,8 @@ def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     return out
 
 
-def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> list[str]:
+def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> tuple[list[str], object]:
+    """The file read back by ``gguf``'s reader and compared with what was written: (the check's line, the reader)."""
     uneven = len(set(counts)) > 1
     arch = "deci" if uneven else "llama"
     H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if uneven else counts[0][:2]
@@ -355,4 +362,4 @@ def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int
             raise ValueError(f"export_gguf: tensor {name} read back differs from the weights written "
                              f"({got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}); it was deleted.")
     return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count {H}, "
-            f"head_count_kv {Hkv}, head size {D}"]
+            f"head_count_kv {Hkv}, head size {D}"], reader
