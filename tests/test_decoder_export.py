@@ -268,7 +268,7 @@ def test_a_layer_with_every_head_cut_is_deci_attention_free_layer(tmp_path):
         pos = (torch.zeros(1, 5, 16), torch.ones(1, 5, 16))
         assert m.model.layers[1].self_attn(x, pos, None)[0].abs().max() == 0
     with pytest.warns(UserWarning, match="layers \\[1\\] H=0, Hkv=0"):
-        served = export_gguf(m, tmp_path / "u.gguf")
+        served = export_gguf(m, tmp_path / "u.gguf", prompt_ids=IDS, new_tokens=8)
     r = gguf.GGUFReader(str(served.path))
     assert r.fields["deci.attention.head_count"].contents() == [2, 0, 4]
     assert r.fields["deci.attention.head_count_kv"].contents() == [1, 0, 2]

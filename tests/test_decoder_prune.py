@@ -41,9 +41,13 @@ def bpe():
 
 @pytest.fixture(scope="module")
 def small_bpe(bpe):
-    """SmolLM2's byte-level BPE cut to 2,233 tokens (its first 2,000, every token of the IOI set's words, and the
-    parts their merges are made of; only merges among those kept): the GGUF vocabulary writer takes byte-level BPE,
-    and a file holding SmolLM2's 49,152 tokens and merges takes gguf's reader 15 s to parse on this machine."""
+    return _small_bpe(bpe)
+
+
+def _small_bpe(bpe):
+    """SmolLM2's byte-level BPE ``bpe`` cut to 2,233 tokens (its first 2,000, every token of the IOI set's words, and
+    the parts their merges are made of; only merges among those kept): the GGUF vocabulary writer takes byte-level
+    BPE, and a file holding SmolLM2's 49,152 tokens and merges takes gguf's reader 15 s to parse on this machine."""
     from tokenizers import Tokenizer
 
     from multihead.apps import ioi
