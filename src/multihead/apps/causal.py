@@ -127,7 +127,7 @@ def _share(batch: dict, rank: int, world: int) -> dict:
 
 def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], steps: int, *,
             lr: float = 3e-5, observe: Callable[[int], None] | None = None,
-            until: float | None = None) -> list[float]:
+            until: float | None = None, shard: bool = False) -> list[float]:
     """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
     is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.hf_models.recover`
     with ``causal=True``, AdamW, the rate decaying along a half cosine). The unpruned model's distributions are
@@ -135,8 +135,9 @@ def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], ste
     of steps done after each step (e.g. to measure :func:`fidelity` every so many steps). ``until``: a
     ``time.monotonic()`` time the run is shortened to end by, from the first steps' cost (the cosine then spans the
     shorter run). In a process group of two ranks or more (:func:`process_group`) each rank distils its share of
-    every batch's rows, the gradients averaged by ``DistributedDataParallel``. Returns the losses, one a step (this
-    rank's)."""
+    every batch's rows, the gradients averaged by ``DistributedDataParallel`` (``shard``: by FSDP2's ``fully_shard``,
+    each rank holding its share of the weights, gradients and AdamW's moments; refused outside a group). Returns the
+    losses, one a step (this rank's)."""
     import torch.distributed as dist
 
     from multihead.apps import hf_models
@@ -153,4 +154,4 @@ def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], ste
         rank, world = dist.get_rank(), dist.get_world_size()
         batches = [_share(b, rank, world) for b in batches]
     return hf_models.recover(model, _Targets(reference, batches), steps, causal=True, lr=lr, observe=observe,
-                              until=until)
+                              until=until, shard=shard)

@@ -244,7 +244,8 @@ ENCODER_ONLY = (("quantize", "--quantize", None), ("ffn", "--ffn", None), ("corp
                 ("step", "--step", 0.1), ("max_seconds", "--max-seconds", 60.0))
 #: options of causal LMs only: given to anything else, refused
 DECODER_ONLY = (("target_perplexity", "--target-perplexity"), ("unit", "--unit"), ("behaviour", "--behaviour"),
-                ("lr", "--lr"), ("formats", "--formats"), ("per_layer", "--per-layer"))
+                ("lr", "--lr"), ("formats", "--formats"), ("per_layer", "--per-layer"),
+                ("fsdp", "--fsdp"))
 #: a causal LM's time budget when none is given (its recovery is cut short to it)
 DECODER_BUDGET_S = 900.0
 
@@ -274,7 +275,8 @@ def _prune_decoder(args, out: Path, started: float) -> int:
     o = decoder.Options(fraction=args.fraction, unit=args.unit or "auto", target=target,
                         behaviour=Path(args.behaviour) if args.behaviour else None,
                         recover=400 if args.recover is None else args.recover, lr=args.lr or 3e-4,
-                        deadline=started + budget, formats=args.formats or (), per_layer=bool(args.per_layer))
+                        deadline=started + budget, formats=args.formats or (), per_layer=bool(args.per_layer),
+                        fsdp=bool(args.fsdp))
     command = "multihead " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["prune"] else ""
     try:
         report = decoder.run(args.hf, out, o, command=command)

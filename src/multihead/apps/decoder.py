@@ -27,8 +27,9 @@ on windows of packed text (no padding), AdamW at 3e-4 decaying along a half cosi
 embedding is a fifth of SmolLM2's weights: its gradient and AdamW's moments would take 0.35 GB for nothing the cut
 changed), cut short to the time budget. Launched by ``torchrun`` (``torchrun --nproc-per-node N -m multihead prune
 --hf DIR ...``), every rank runs the command and the recovery is data parallel (:func:`multihead.apps.causal.recover`:
-each rank its share of every batch, DistributedDataParallel over gloo), so the ranks hold one model, the one a
-single process makes within rounding; rank 0 alone writes the folder, the formats and the report.
+each rank its share of every batch, DistributedDataParallel over gloo; ``--fsdp``: FSDP2, every rank holding its
+share of the weights and AdamW's moments), so the ranks hold one model, the one a single process makes within
+rounding; rank 0 alone writes the folder, the formats and the report.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Options:
     ``lr``, ``seq`` tokens a window and ``batch`` windows a step; ``deadline``: a ``time.monotonic()`` time the run
     keeps to (recovery is cut short to fit it). ``formats``: the runtimes' files written beside the folder
     (:data:`FORMATS`, :func:`write_formats`). ``per_layer``: as many units over the model as the even cut, placed
-    per layer (:func:`plan_per_layer`)."""
+    per layer (:func:`plan_per_layer`). ``fsdp``: under torchrun, the recovery fully sharded (FSDP2) rather than
+    data parallel (DDP)."""
 
     fraction: float | None = None
     unit: str = "auto"
@@ -85,6 +87,7 @@ class Options:
     progress: bool = True
     formats: tuple[str, ...] = ()
     per_layer: bool = False
+    fsdp: bool = False
 
 
 @dataclass
@@ -409,7 +412,8 @@ def _recovered(cut: nn.Module, ctx: Context, until: float | None, c: Candidate) 
             c.curve.append({"step": step, "seconds": round(time.monotonic() - started, 1), **asdict(ctx.judge(cut))})
 
     _freeze_embeddings(cut)
-    losses = causal.recover(cut, ctx.reference, ctx.text.recovery, o.recover, lr=o.lr, observe=observe, until=until)
+    losses = causal.recover(cut, ctx.reference, ctx.text.recovery, o.recover, lr=o.lr, observe=observe, until=until,
+                            shard=o.fsdp)
     c.steps, c.seconds = len(losses), time.monotonic() - started
     c.recovered = ctx.judge(cut)
     if not c.curve or c.curve[-1]["step"] != c.steps:
@@ -668,6 +672,9 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     from multihead.apps.causal import process_group
 
     rank, world = process_group()
+    if o.fsdp and world < 2:
+        raise ValueError("--fsdp shards the recovery over the ranks torchrun starts: launch with torchrun "
+                         "--nproc-per-node N -m multihead prune ...")
     if o.recover and o.batch % world:
         raise ValueError(f"{world} ranks share each recovery batch of {o.batch} windows: give a batch that is a "
                          f"multiple of {world}.")

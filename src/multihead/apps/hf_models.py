@@ -423,7 +423,7 @@ def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | No
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
             quantize: str | None = None, until: float | None = None,
-            observe: Callable[[int], None] | None = None) -> list[float]:
+            observe: Callable[[int], None] | None = None, shard: bool = False) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
     ``batches`` ((ids, am), the unpruned model's output: next-token log-probabilities of a
     decoder, hidden states (B, L, E) of an encoder, matched by :func:`_distil_loss`); returns the
@@ -439,16 +439,20 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     with the number of steps done after each step (a curve of fidelity against steps reads the model there). In a
     torch.distributed process group of two ranks or more, the model is wrapped in ``DistributedDataParallel`` (the
     gradients averaged over the ranks, each rank's ``batches`` its share) and the ranks agree on a shortened run's
-    length (the fewest steps any rank can afford)."""
+    length (the fewest steps any rank can afford); ``shard``: fully sharded instead (FSDP2's ``fully_shard`` on a
+    copy, each block and the whole: every rank holds its share of the weights, the gradients and AdamW's moments),
+    ``pruned`` given the gathered weights before each ``observe`` and at the end."""
     import time
 
     from multihead.extras import progress
     from multihead.quantize import fake_quantized
 
     pruned.eval()
-    net, world = _data_parallel(pruned)
+    net, world = _data_parallel(pruned, shard)
+    gather = (lambda: _gathered_into(net, pruned)) if shard else (lambda: None)  # noqa: E731
     total = [steps]  # the run's length; shortened once under ``until``
-    opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            fused=not shard)  # DTensor shards: the per-tensor step
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     losses = []
     started = time.monotonic()
@@ -469,6 +473,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             s += 1
             bar.update(1)
             if observe is not None:
+                gather()
                 observe(s)
             if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
                 per_step = (time.monotonic() - started) / s
@@ -482,19 +487,46 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
                     bar.total = affordable
                     bar.set_postfix_str(f"{affordable} of {steps} steps fit the time budget")
     bar.close()
+    gather()
     return losses
 
 
-def _data_parallel(model: nn.Module) -> tuple[nn.Module, int]:
+def _data_parallel(model: nn.Module, shard: bool = False) -> tuple[nn.Module, int]:
     """(``model`` wrapped in ``DistributedDataParallel``, the world size) when this process is a rank of a
-    torch.distributed group of two or more; (``model``, 1) otherwise."""
+    torch.distributed group of two or more; ``shard``: a copy of ``model`` fully sharded (FSDP2: each block of its
+    longest ModuleList, then the whole) over the ranks, on the CPU; (``model``, 1) outside a group (``shard``
+    refused there: ValueError)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if shard:
+            raise ValueError("a sharded recovery (FSDP) needs a process group of two ranks or more: launch with "
+                             "torchrun --nproc-per-node N.")
         return model, 1
-    from torch.nn.parallel import DistributedDataParallel
+    world = dist.get_world_size()
+    if not shard:
+        from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model), dist.get_world_size()
+        return DistributedDataParallel(model), world
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    blocks = max((m for m in net.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, world
+
+
+def _gathered_into(net: nn.Module, model: nn.Module) -> None:
+    """The sharded ``net``'s weights gathered whole (a collective: every rank calls it) into ``model``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model.load_state_dict(get_model_state_dict(net, options=StateDictOptions(full_state_dict=True)))
 
 
 def _encode_within(tok, model, text: str):
