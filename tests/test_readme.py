@@ -640,7 +640,7 @@ def _shape_of(text: str) -> list[str]:
 
 def test_the_decoder_tutorial_runs_on_a_tiny_llama(tmp_path, monkeypatch, capsys):
     """docs/tutorials/decoder.md step by step, a tiny Llama (6 query / 3 key/value heads, 2 layers, a byte-level BPE
-    of 2,233 tokens) in SmolLM2's place and 2 recovery steps for 200: every step runs and prints what the page shows
+    of 2,233 tokens) in SmolLM2's place and 2 recovery steps for 60: every step runs and prints what the page shows
     but for the figures and the generated texts (the page's are SmolLM2's). The files' agreement with the torch
     model: tests/test_decoder_prune.py and tests/test_decoder_export.py."""
     transformers = pytest.importorskip("transformers")
@@ -662,7 +662,7 @@ def test_the_decoder_tutorial_runs_on_a_tiny_llama(tmp_path, monkeypatch, capsys
     ns: dict = {}
     for heading, _, code, shown in steps:
         capsys.readouterr()
-        _run_block(rel, heading, code.replace('"--recover", "200"', '"--recover", "2"'), ns)
+        _run_block(rel, heading, code.replace('"--recover", "60"', '"--recover", "2"'), ns)
         printed = capsys.readouterr().out
         assert _shape_of(printed) == _shape_of(shown), f"{rel}, {heading}: printed\n{printed}\nthe page shows\n{shown}"
     assert ns["code"] == 0

@@ -11,8 +11,9 @@ loads as it is (read back and compared before the command returns), and no layer
 units over the whole model is placed where they matter least, so layers may keep different counts
 (:func:`plan_per_layer`: still whole groups, or query heads evenly inside every group of a layer): the folder then
 keeps each layer's counts (:func:`multihead.hf.save`; ``multihead.hf.load`` reads it, transformers'
-``from_pretrained`` cannot, said in one line) and GGUF holds them as llama.cpp's per-layer counts. Which units go in each layer: the least important by the
-gradient of the text's loss and of the behaviour's logit difference, each normalised over the model, summed
+``from_pretrained`` cannot, said in one line) and GGUF holds them as llama.cpp's per-layer counts. Which units go
+in each layer: the least important by the gradient of the text's loss and of the behaviour's logit difference, each
+normalised over the model, summed
 (``bench/results/smollm2_recover``: the text alone cut SmolLM2's IOI heads; both kept IOI at 1.000).
 
 Fidelity, on text and prompts the cut and the recovery never saw: the perplexity ratio and the next-token KL to the
@@ -669,15 +670,7 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
 
     path, out = Path(path), Path(out)
     _check_budget(o, started)
-    from multihead.apps.causal import process_group
-
-    rank, world = process_group()
-    if o.fsdp and world < 2:
-        raise ValueError("--fsdp shards the recovery over the ranks torchrun starts: launch with torchrun "
-                         "--nproc-per-node N -m multihead prune ...")
-    if o.recover and o.batch % world:
-        raise ValueError(f"{world} ranks share each recovery batch of {o.batch} windows: give a batch that is a "
-                         f"multiple of {world}.")
+    rank, world = _ranks(o)
     tok = tokenizer(path)
     check(config_counts(path), o)  # the plan, refused before any weight is read
     check_formats(path, o.formats, tok, per_layer=o.per_layer)
@@ -687,8 +680,6 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     kind, per_layer, kmax = check(counts, o)
     phase("loading")
     t = text(tok, o)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
     phase("text")
     scores = importance(ref, t, beh)
     phase("importance")
@@ -704,14 +695,10 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
     formats = write_formats(model, ref, tok, out / "model", t, o.formats) if writes else []
     if formats:
         phase("the formats, written and read back")
-    H, Hkv = next(iter(counts.values()))
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
          "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
          "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
-         "k_words": f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer "
-                    f"({H} query / {Hkv} key/value heads a layer)" + (", as many over the model placed per layer"
-                                                                     if o.per_layer else ""),
-         "per_layer": o.per_layer, "rank": rank, "ranks": world,
+         "k_words": _k_words(counts, kind, per_layer, kmax, o.per_layer), "per_layer": o.per_layer, "rank": rank, "ranks": world,
          "kept_counts": None if model is None else {n: list(c) for n, c in layer_counts(model).items()},
          "target": list(o.target) if o.target else None, "behaviour": beh.name,
          "unpruned": asdict(base), "kept": kept, "met": kept is not None,
@@ -723,9 +710,32 @@ def run(path: str | Path, out: Path, o: Options, command: str = "") -> dict:
          "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases, "peak_rss_mib": peak_rss_mib(),
          "peak_rss_mib_by_phase": peaks}
     if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(r, indent=1))
         (out / "report.md").write_text(markdown(r))
     return r
+
+
+def _ranks(o: Options) -> tuple[int, int]:
+    """(rank, world size): this process's place under torchrun (:func:`multihead.apps.causal.process_group`); what
+    the ranks cannot do refused in one line (ValueError) before any work."""
+    from multihead.apps.causal import process_group
+
+    rank, world = process_group()
+    if o.fsdp and world < 2:
+        raise ValueError("--fsdp shards the recovery over the ranks torchrun starts: launch with torchrun "
+                         "--nproc-per-node N -m multihead prune ...")
+    if o.recover and o.batch % world:
+        raise ValueError(f"{world} ranks share each recovery batch of {o.batch} windows: give a batch that is a "
+                         f"multiple of {world}.")
+    return rank, world
+
+
+def _k_words(counts: dict, kind: str, per_layer: int, kmax: int, placed: bool) -> str:
+    """What the report's title says was cut: "up to 1 of 3 groups a layer (9 query / 3 key/value heads a layer)"."""
+    H, Hkv = next(iter(counts.values()))
+    return (f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer ({H} query / "
+            f"{Hkv} key/value heads a layer)" + (", as many over the model placed per layer" if placed else ""))
 
 
 def summary(r: dict) -> list[str]:

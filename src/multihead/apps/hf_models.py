@@ -436,20 +436,17 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
     ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
     shortened to the steps that end before it (the cosine then decays over the shorter run). ``observe``: called
-    with the number of steps done after each step (a curve of fidelity against steps reads the model there). In a
-    torch.distributed process group of two ranks or more, the model is wrapped in ``DistributedDataParallel`` (the
-    gradients averaged over the ranks, each rank's ``batches`` its share) and the ranks agree on a shortened run's
-    length (the fewest steps any rank can afford); ``shard``: fully sharded instead (FSDP2's ``fully_shard`` on a
-    copy, each block and the whole: every rank holds its share of the weights, the gradients and AdamW's moments),
-    ``pruned`` given the gathered weights before each ``observe`` and at the end."""
+    with the number of steps done after each step (a curve of fidelity against steps reads the model there). Over
+    torch.distributed ranks (two or more): ``DistributedDataParallel`` (each rank's ``batches`` its share), or with
+    ``shard`` FSDP2 (:func:`_data_parallel`; ``pruned`` gets the gathered weights before each ``observe`` and at
+    the end); a shortened run's length is the fewest steps any rank can afford."""
     import time
 
     from multihead.extras import progress
     from multihead.quantize import fake_quantized
 
     pruned.eval()
-    net, world = _data_parallel(pruned, shard)
-    gather = (lambda: _gathered_into(net, pruned)) if shard else (lambda: None)  # noqa: E731
+    net, world, gather = _data_parallel(pruned, shard)
     total = [steps]  # the run's length; shortened once under ``until``
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
                             fused=not shard)  # DTensor shards: the per-tensor step
@@ -476,12 +473,7 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
                 gather()
                 observe(s)
             if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
-                per_step = (time.monotonic() - started) / s
-                affordable = s + int(max(0.0, until - time.monotonic()) / per_step)
-                if world > 1:  # every rank runs as many steps: the fewest any can afford
-                    agreed = torch.tensor([affordable])
-                    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-                    affordable = int(agreed)
+                affordable = _affordable(s, started, until, world)
                 if affordable < steps:
                     total[0] = affordable
                     bar.total = affordable
@@ -491,23 +483,36 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     return losses
 
 
-def _data_parallel(model: nn.Module, shard: bool = False) -> tuple[nn.Module, int]:
-    """(``model`` wrapped in ``DistributedDataParallel``, the world size) when this process is a rank of a
-    torch.distributed group of two or more; ``shard``: a copy of ``model`` fully sharded (FSDP2: each block of its
-    longest ModuleList, then the whole) over the ranks, on the CPU; (``model``, 1) outside a group (``shard``
-    refused there: ValueError)."""
+def _affordable(done: int, started: float, until: float, world: int) -> int:
+    """The steps that end before ``until`` at the cost ``done`` steps took since ``started``; over ``world`` > 1 ranks
+    the fewest any rank can afford (every rank runs as many)."""
+    import time
+
+    affordable = done + int(max(0.0, until - time.monotonic()) / ((time.monotonic() - started) / done))
+    if world > 1:
+        agreed = torch.tensor([affordable])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        affordable = int(agreed)
+    return affordable
+
+
+def _data_parallel(model: nn.Module, shard: bool = False) -> tuple[nn.Module, int, Callable[[], None]]:
+    """(``model`` wrapped in ``DistributedDataParallel``, the world size, a no-op) when this process is a rank of a
+    torch.distributed group of two or more; ``shard``: (a copy of ``model`` fully sharded over the ranks on the CPU
+    (FSDP2: each block of its longest ModuleList, then the whole), the world size, what gathers its weights into
+    ``model``); (``model``, 1, a no-op) outside a group (``shard`` refused there: ValueError)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         if shard:
             raise ValueError("a sharded recovery (FSDP) needs a process group of two ranks or more: launch with "
                              "torchrun --nproc-per-node N.")
-        return model, 1
+        return model, 1, lambda: None
     world = dist.get_world_size()
     if not shard:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model), world
+        return DistributedDataParallel(model), world, lambda: None
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -519,7 +524,7 @@ def _data_parallel(model: nn.Module, shard: bool = False) -> tuple[nn.Module, in
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    return net, world
+    return net, world, lambda: _gathered_into(net, model)
 
 
 def _gathered_into(net: nn.Module, model: nn.Module) -> None:

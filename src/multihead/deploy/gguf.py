@@ -126,8 +126,9 @@ def _gguf_model(path: Path, reader=None) -> nn.Module:
 
 def _deci_model(gguf, transformers, reader) -> nn.Module:
     """The deci file ``reader`` reads as a LlamaForCausalLM at its per-layer counts (see :func:`gguf_model`)."""
-    import multihead.hf as mhf
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    import multihead.hf as mhf
 
     def field(key):
         f = reader.fields.get(key)
