@@ -635,7 +635,7 @@ def _shape_of(text: str) -> list[str]:
     """``text``'s words with every number as # and every quoted string as <text>: what a run on another model
     prints alike."""
     text = re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "<text>", text)
-    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text).split()
+    return re.sub(r"(\d[\d,]*\d|\d)(\.\d+)?(e[-+]?\d+)?", "#", text).split()  # 15,360 and 2.77e-05 alike
 
 
 def test_the_decoder_tutorial_runs_on_a_tiny_llama(tmp_path, monkeypatch, capsys):
