@@ -99,7 +99,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
                  "transformers' GGUF reader (one head count per model).")
         warnings.warn(where, UserWarning, stacklevel=2)
         checks.append(where)
-    return _run_back(model, path, dtype, ids, new_tokens, checks, reader)
+    return _run_back(model, path, dtype, ids, new_tokens, checks, reader=reader)
 
 
 def gguf_model(path: str | Path) -> nn.Module:
@@ -170,7 +170,7 @@ def _deci_model(gguf, transformers, reader) -> nn.Module:
     return model.eval()
 
 
-def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str],
+def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str], *,
               reader=None) -> Served:
     """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
     greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
