@@ -1,8 +1,8 @@
 """A decoder served where decoders run (multihead.deploy.gguf, multihead.deploy.genai): a tiny random Llama with grouped key/value
 heads (4 query / 2 key-value heads), pruned by a whole key/value group in every layer, written as GGUF (read back by
 gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by its generator); a cut that differs
-between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf here, run in llama.cpp by
-bench/gguf_uneven.py)."""
+between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf and run at its per-layer
+counts by gguf_model here, run in llama.cpp by bench/gguf_uneven.py)."""
 
 import json
 import sys
@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 import multihead.hf as mh  # noqa: E402
 from multihead import heads  # noqa: E402
 from multihead.deploy.genai import export_genai  # noqa: E402
-from multihead.deploy.gguf import _permute, export_gguf  # noqa: E402
+from multihead.deploy.gguf import _permute, export_gguf, gguf_model  # noqa: E402
 from multihead.deploy.llama import layer_counts, standard_folder  # noqa: E402
 
 V = 128
@@ -230,7 +230,13 @@ def test_uneven_cut_written_as_deci_with_each_layers_counts_and_weights(tmp_path
     with pytest.warns(UserWarning, match="loads in llama.cpp.*not in transformers' GGUF reader") as rec:
         served = export_gguf(m, tmp_path / "u.gguf", dtype=dtype, prompt_ids=IDS)
     assert "\n" not in str(rec[0].message) and str(rec[0].message) in served.checks
-    assert served.counts == [(2, 1, 16), (4, 2, 16)] and served.tokens == [] and np.isnan(served.max_logit_diff)
+    assert served.counts == [(2, 1, 16), (4, 2, 16)] and served.max_logit_diff <= served.tolerance
+    # run from the file at its per-layer counts (gguf_model): the pruned model's greedy tokens
+    back = gguf_model(served.path)
+    assert [layer_counts(back)[i][:2] for i in (0, 1)] == [(2, 1), (4, 2)]
+    with torch.no_grad():
+        assert (back(input_ids=IDS).logits - m(input_ids=IDS).logits).abs().max() <= (1e-5 if dtype == "f32" else 1e-2)
+    assert _greedy(back, 8) == _greedy(m, 8) == served.tokens
     r = gguf.GGUFReader(str(served.path))
     f = {k: v.contents() for k, v in r.fields.items()}
     assert f["general.architecture"] == "deci"
@@ -266,13 +272,14 @@ def test_a_layer_with_every_head_cut_is_deci_attention_free_layer(tmp_path):
         pos = (torch.zeros(1, 5, 16), torch.ones(1, 5, 16))
         assert m.model.layers[1].self_attn(x, pos, None)[0].abs().max() == 0
     with pytest.warns(UserWarning, match="layers \\[1\\] H=0, Hkv=0"):
-        served = export_gguf(m, tmp_path / "u.gguf")
+        served = export_gguf(m, tmp_path / "u.gguf", prompt_ids=IDS, new_tokens=8)
     r = gguf.GGUFReader(str(served.path))
     assert r.fields["deci.attention.head_count"].contents() == [2, 0, 4]
     assert r.fields["deci.attention.head_count_kv"].contents() == [1, 0, 2]
     names = {t.name for t in r.tensors}
     assert not {n for n in names if n.startswith("blk.1.attn")}
     assert {"blk.1.ffn_norm.weight", "blk.1.ffn_up.weight", "blk.0.attn_norm.weight", "blk.2.attn_q.weight"} <= names
+    assert served.tokens == _greedy(m, 8) == _greedy(gguf_model(served.path), 8)  # run at its counts, layer 1 none
 
 
 def test_uneven_cut_refused_where_one_count_holds_every_layer(tmp_path):

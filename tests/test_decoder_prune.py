@@ -54,6 +54,11 @@ def _byte_bpe(size: int = 2000):
                                                 eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
+@pytest.fixture(scope="module")
+def small_bpe(bpe):
+    return bpe
+
+
 def _word_tokenizer():
     """A word-level tokenizer over the language reference's most common words and every word of the IOI set (names,
     places, objects and templates: one token each, as the behaviour needs), 3,000 words: the tiny models' vocabulary
@@ -301,3 +306,83 @@ def test_the_command_line_names_every_format():
     import multihead_cli
 
     assert multihead_cli.DECODER_FORMATS == tuple(decoder.FORMATS)
+
+
+def test_plan_per_layer_places_the_models_units_where_they_matter_least_each_layer_even_inside():
+    counts = {"a": (6, 3), "b": (6, 3)}
+    scores = {"a": torch.tensor([5., 4, 1, 2, 3, 7]), "b": torch.tensor([0., 8, 9, 7, 1, 9])}
+    # group sums: a 9/3/10, b 8/16/10 -> the two cheapest of the model: a's group 1 (3), b's group 0 (8)
+    assert decoder.plan_per_layer(scores, counts, "group", 2) == {"a": [2, 3], "b": [0, 1]}
+    # three: then a's group 0 (9); a keeps one group (its last never offered), b one cut
+    assert decoder.plan_per_layer(scores, counts, "group", 3) == {"a": [0, 1, 2, 3], "b": [0, 1]}
+    low = {"a": scores["a"] / 100, "b": scores["b"]}  # layer a far less important: both its cuttable groups go first
+    assert decoder.plan_per_layer(low, counts, "group", 2) == {"a": [0, 1, 2, 3]}
+    # query heads: a unit is one head of every group of a layer (the j-th least important of each, summed)
+    assert decoder.plan_per_layer(low, counts, "query", 1) == {"a": [1, 2, 4]}
+    with pytest.raises(ValueError, match="the model has 4 to cut"):
+        decoder.plan_per_layer(scores, counts, "group", 5)
+
+
+def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_the_cut_model(tmp_path, small_bpe,
+                                                                                              monkeypatch, capsys):
+    """--per-layer on a tiny Llama (a byte-level BPE: GGUF's vocabulary), layer 0 scored far below layer 1 (the
+    importance set, everything else real): both cut groups come out of layer 0, so the layers keep 2/1 and 6/3
+    heads. The folder loads with multihead.hf.load (from_pretrained refuses it, as the one line says) and equals
+    the unpruned model with those heads gated; the GGUF file holds each layer's counts (llama.cpp's deci layout) and
+    run from the file its greedy tokens are the cut model's."""
+    import gguf
+
+    from multihead.deploy.gguf import gguf_model
+
+    src = _tiny(tmp_path / "src", small_bpe, "llama")
+
+    def scored(model, t, beh):  # layer 0's heads far less important than layer 1's
+        names = list(mhf.attention_modules(model))
+        return {n: torch.arange(1.0, 7.0) * (1e-3 if i == 0 else 1.0) for i, n in enumerate(names)}
+
+    monkeypatch.setattr(decoder, "importance", scored)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["prune", "--hf", str(src), "--fraction", "0.34", "--per-layer", "--recover", "0",
+                 "--formats", "gguf-f16", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert code == 0, said
+    r = json.loads((out / "report.json").read_text())
+    names = list(r["kept_counts"])
+    assert r["per_layer"] and [r["kept_counts"][n] for n in names] == [[2, 1], [6, 3]]
+    assert r["tried"][0]["removed"] == {names[0]: [0, 1, 2, 3]}
+    line = "transformers' from_pretrained cannot load it (one count per model), multihead.hf.load does"
+    assert sum(line in x for x in said.splitlines()) == 1 and "per-layer counts: H=2, Hkv=1 in layer 0" in said
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # what the line says
+        transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    back = mhf.load(out / "model")
+    unpruned = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
+    ids = small_bpe(["When Mary and John went to the store, John gave a drink to"], return_tensors="pt")["input_ids"]
+    with torch.no_grad(), heads.gated(unpruned, {names[0]: torch.tensor([0.0, 0, 0, 0, 1, 1])}):
+        want = unpruned(input_ids=ids).logits
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
+    f = {k: v.contents() for k, v in gguf.GGUFReader(str(out / "model" / "gguf" / "model-f16.gguf")).fields.items()}
+    assert f["general.architecture"] == "deci"
+    assert f["deci.attention.head_count"] == [2, 6] and f["deci.attention.head_count_kv"] == [1, 3]
+
+    def greedy(m, n=6):
+        seq = ids
+        with torch.no_grad():
+            for _ in range(n):
+                seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], dim=1)  # (1, L + step)
+        return seq[0, ids.shape[1]:].tolist()
+
+    assert greedy(gguf_model(out / "model" / "gguf" / "model-f16.gguf")) == greedy(back)
+    s0, s1 = r["sizes"]["unpruned"], r["sizes"]["kept"]  # as many groups cut as the even cut: the KV cache 2/3
+    assert s1["kv_bytes_per_token_f16"] * 3 == s0["kv_bytes_per_token_f16"] * 2
+
+
+def test_per_layer_refuses_genai_before_any_work(tmp_path, small_bpe, capsys):
+    src = _tiny(tmp_path / "src", small_bpe, "llama")
+    capsys.readouterr()
+    assert main(["prune", "--hf", str(src), "--per-layer", "--formats", "genai-fp32", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GenAI's builder holds one head count for every layer" in err[0]
+    assert main(["prune", "--model", "toy", "--per-layer", "--out", str(tmp_path / "t")]) == 2
+    assert "--per-layer applies to causal language models" in capsys.readouterr().err

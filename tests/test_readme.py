@@ -23,7 +23,9 @@ from torch import nn
 README = Path(__file__).resolve().parent.parent / "README.md"
 PAGES = [README, *sorted((README.parent / "docs").rglob("*.md"))]
 #: the tutorials: each page runs as one session, step by step, and what each step prints is what the page shows
-TUTORIALS = sorted((README.parent / "docs" / "tutorials").glob("*.md"))
+#: (the decoder's page on a tiny Llama in SmolLM2's place: test_the_decoder_tutorial_runs_on_a_tiny_llama)
+DECODER_TUTORIAL = README.parent / "docs" / "tutorials" / "decoder.md"
+TUTORIALS = sorted(p for p in (README.parent / "docs" / "tutorials").glob("*.md") if p != DECODER_TUTORIAL)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 HEADING = re.compile(r"^(#{2,3}) (.+)$", re.M)
 
@@ -323,7 +325,7 @@ def test_the_readme_is_a_landing_page():
     text = README.read_text()
     assert len(text.splitlines()) <= 150
     docs = README.parent / "docs"
-    for page in [*sorted(docs.glob("*.md")), *TUTORIALS]:
+    for page in [*sorted(docs.glob("*.md")), *TUTORIALS, DECODER_TUTORIAL]:
         rel = page.relative_to(docs).as_posix()
         assert f"](docs/{rel})" in text, f"the README does not link to docs/{rel}"
 
@@ -623,3 +625,40 @@ def test_a_tutorial_runs_step_by_step_and_prints_what_it_shows(page, tmp_path, m
                 if not (issubclass(w.category, hidden) and "site-packages" in w.filename)] == [], (rel, heading)
         printed = capsys.readouterr().out
         assert _tokens_match(printed, shown), f"{rel}, {heading}: printed\n{printed}\nthe page shows\n{shown}"
+
+
+def _shape_of(text: str) -> list[str]:
+    """``text``'s words with every number as # and every quoted string as <text>: what a run on another model
+    prints alike."""
+    text = re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "<text>", text)
+    return re.sub(r"(\d[\d,]*\d|\d)(\.\d+)?(e[-+]?\d+)?", "#", text).split()  # 15,360 and 2.77e-05 alike
+
+
+def test_the_decoder_tutorial_runs_on_a_tiny_llama(tmp_path, monkeypatch, capsys):
+    """docs/tutorials/decoder.md step by step, a tiny Llama (6 query / 3 key/value heads, 2 layers, a byte-level BPE
+    of 2,233 tokens) in SmolLM2's place and 2 recovery steps for 60: every step runs and prints what the page shows
+    but for the figures and the generated texts (the page's are SmolLM2's). The files' agreement with the torch
+    model: tests/test_decoder_prune.py and tests/test_decoder_export.py."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime_genai")
+    import multihead.models
+    from multihead.models import smollm2_path
+    from test_decoder_prune import _small_bpe, _tiny
+
+    try:
+        bpe = transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(str(e))
+    lm = _tiny(tmp_path / "lm", _small_bpe(bpe), "llama")
+    monkeypatch.setattr(multihead.models, "smollm2_path", lambda: lm)
+    monkeypatch.chdir(tmp_path)
+    rel = str(DECODER_TUTORIAL.relative_to(README.parent))
+    steps = tutorial_steps(DECODER_TUTORIAL)
+    assert len(steps) == 5 and all(lang == "python" for _, lang, _, _ in steps)
+    ns: dict = {}
+    for heading, _, code, shown in steps:
+        capsys.readouterr()
+        _run_block(rel, heading, code.replace('"--recover", "60"', '"--recover", "2"'), ns)
+        printed = capsys.readouterr().out
+        assert _shape_of(printed) == _shape_of(shown), f"{rel}, {heading}: printed\n{printed}\nthe page shows\n{shown}"
+    assert ns["code"] == 0

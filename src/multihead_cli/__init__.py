@@ -309,6 +309,14 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="causal LMs: what each layer loses, the same count in every layer -- whole key/value groups "
                         "(the KV cache shrinks) or query heads evenly inside every group (default auto: groups where "
                         "a layer has two key/value heads or more)")
+    p.add_argument("--per-layer", action="store_true", default=None,
+                   help="causal LMs: as many units over the model as the even cut, placed where they matter least, so "
+                        "layers may keep different counts (still whole groups, or even inside each group); the folder "
+                        "then loads with multihead.hf.load only (transformers reads one count per model), GGUF holds "
+                        "the counts (llama.cpp's per-layer layout), GenAI is refused")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="causal LMs under torchrun: the recovery fully sharded over the ranks (FSDP2: each rank its "
+                        "share of the weights and AdamW's moments) instead of data parallel (DDP)")
     p.add_argument("--behaviour", default=None, metavar="FILE",
                    help="causal LMs: the behaviour the cut must keep, instead of IOI: JSON lines "
                         '{"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} (answers one token each; '

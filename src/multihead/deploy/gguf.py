@@ -13,8 +13,10 @@ size with zeros.
 
 The file is read back and compared with the torch model before it is returned (:mod:`multihead.deploy.check`): through
 ``gguf``'s reader (each tensor, the head counts) and through transformers (``AutoModelForCausalLM.from_pretrained(folder,
-gguf_file=...)``: logits within the file's rounding, greedy tokens equal). A file that differs is deleted and a
-ValueError says by how much.
+gguf_file=...)``: logits within the file's rounding, greedy tokens equal). A deci file, which transformers' reader
+refuses, is run by :func:`gguf_model` instead: a Llama built at the file's per-layer counts, each tensor dequantized
+by ``gguf`` and its q/k rows put back in transformers' order by transformers' own GGUF tensor processor. A file that
+differs is deleted and a ValueError says by how much.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     at its own size; a layer with every head cut is written as deci's attention-free layer (counts 0, no attention
     tensors: the layer adds nothing before its MLP, as the pruned model computes). llama.cpp loads that file
     (llama-cpp-python 0.3.36, checked by ``bench/gguf_uneven.py``); transformers' GGUF reader does not (it reads one
-    head count per model), so the file is checked by ``gguf``'s reader only and a UserWarning says so in one line.
+    head count per model), so a UserWarning says so in one line and the file is run by :func:`gguf_model` (a Llama
+    built at the file's per-layer counts) instead.
     Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count).
 
     ``vocab``: a GGUF file (the one the model came from) whose ``tokenizer.*`` fields are copied unchanged, so
@@ -70,11 +73,10 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     (:data:`QUANTIZED`).
 
     Checked before it is returned (else deleted, ValueError): read back with ``gguf.GGUFReader`` (every tensor equal
-    to the weights as written, the counts), then (one count for every layer) loaded by
-    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` and run on ``prompt_ids`` (default: 16 fixed
-    random ids): logits within the dtype's rounding (:data:`TOLERANCE`) and ``new_tokens`` greedy tokens equal to the
-    torch model's. An uneven file's :class:`Served` has ``counts`` per layer, ``max_logit_diff`` and ``tolerance``
-    NaN and no ``tokens``: no runtime was run."""
+    to the weights as written, the counts), then loaded by ``AutoModelForCausalLM.from_pretrained(folder,
+    gguf_file=...)`` (an uneven file: by :func:`gguf_model`) and run on ``prompt_ids`` (default: 16 fixed random ids):
+    logits within the dtype's rounding (:data:`TOLERANCE`) and ``new_tokens`` greedy tokens equal to the torch
+    model's. An uneven file's :class:`Served` has ``counts`` per layer."""
     counts, path = _gguf_args(model, path, dtype, vocab, new_tokens)
     uneven = len(set(counts)) > 1
     ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
@@ -90,44 +92,107 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     written = _write_gguf(gguf, model, tmp, counts, dtype, vocab_fields)
     os.replace(tmp, path)
 
-    checks = _read_back(gguf, path, written, counts)
+    checks, reader = _read_back(gguf, path, written, counts)
     if uneven:
         where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
-                 f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama), not in transformers' GGUF reader "
-                 "(one head count per model), so no runtime checked it here.")
+                 f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama) and multihead's gguf_model, not in "
+                 "transformers' GGUF reader (one head count per model).")
         warnings.warn(where, UserWarning, stacklevel=2)
-        return Served(path, "gguf", float("nan"), float("nan"), [], counts, [*checks, where])
-    return _run_back(model, path, dtype, ids, new_tokens, checks)
+        checks.append(where)
+    return _run_back(model, path, dtype, ids, new_tokens, checks, reader=reader)
 
 
 def gguf_model(path: str | Path) -> nn.Module:
     """A GGUF file as transformers reads it (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``, the
-    weights dequantized to float32), in eval mode."""
+    weights dequantized to float32), in eval mode. A ``deci`` file (per-layer head counts, which transformers' reader
+    refuses) is built here instead: a ``LlamaForCausalLM`` on multihead's attention whose layers have the file's
+    counts, every tensor dequantized by ``gguf`` and its q/k rows put back by transformers' own
+    ``LlamaTensorProcessor`` (the inverse of llama.cpp's rotary permutation), at each layer's counts."""
+    return _gguf_model(Path(path))
+
+
+def _gguf_model(path: Path, reader=None) -> nn.Module:
+    """:func:`gguf_model`, with the file's ``gguf.GGUFReader`` when it was read already (a 49,152-token vocabulary
+    takes seconds to parse)."""
     transformers = require("transformers", "multihead.deploy.gguf.gguf_model")
-    path = Path(path)
+    gguf = require("gguf", "multihead.deploy.gguf.gguf_model")
+    reader = reader if reader is not None else gguf.GGUFReader(str(path))
+    if reader.fields["general.architecture"].contents() == "deci":
+        return _deci_model(gguf, transformers, reader)
     with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
         os.symlink(path.resolve(), Path(d) / path.name)
         return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str]) -> Served:
+def _deci_model(gguf, transformers, reader) -> nn.Module:
+    """The deci file ``reader`` reads as a LlamaForCausalLM at its per-layer counts (see :func:`gguf_model`)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    import multihead.hf as mhf
+
+    def field(key):
+        f = reader.fields.get(key)
+        if f is None:
+            raise ValueError(f"gguf_model: the deci file has no {key} field.")
+        return f.contents()
+
+    H, Hkv = field("deci.attention.head_count"), field("deci.attention.head_count_kv")  # one count a layer each
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = transformers.LlamaConfig(
+        vocab_size=field("deci.vocab_size"), hidden_size=field("deci.embedding_length"),
+        intermediate_size=field("deci.feed_forward_length"), num_hidden_layers=field("deci.block_count"),
+        num_attention_heads=max(H), num_key_value_heads=max(H), head_dim=field("deci.attention.key_length"),
+        max_position_embeddings=field("deci.context_length"),
+        rms_norm_eps=field("deci.attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": field("deci.rope.freq_base")},
+        tie_word_embeddings="output.weight" not in tensors)
+    with mhf.loading():
+        model = mhf.attach(transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="multihead"))
+    for i, m in enumerate(mhf.attention_modules(model).values()):  # each layer at the file's counts (sizes only)
+        m.attention_hooks.layout.prune(m, list(range(H[i])), list(range(Hkv[i])))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DECI, len(H))
+    state = model.state_dict()
+    with torch.no_grad():
+        for hf_name, p in state.items():
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name not in tensors:
+                i = int(hf_name.split(".")[2]) if ".layers." in hf_name else -1
+                if i >= 0 and H[i] == 0 or hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # deci's attention-free layer holds no attention tensors; a tied output reads token_embd
+                raise ValueError(f"gguf_model: the deci file has no tensor {name} ({hf_name}).")
+            t = tensors[name]
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(p.shape))  # (out, in)
+            if ".attn_q." in name or ".attn_k." in name:
+                i = int(name.split(".")[1])  # blk.<i>.attn_q.weight
+                counts = {"num_attention_heads": H[i], "num_key_value_heads": Hkv[i]}
+                w = LlamaTensorProcessor(config=counts).process(w, name).weights
+            p.copy_(torch.tensor(np.asarray(w, dtype=np.float32)))
+    return model.eval()
+
+
+def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens: int, checks: list[str], *,
+              reader=None) -> Served:
     """The GGUF file read by transformers (dequantized) and run on ``ids``: logits within the dtype's rounding and
     greedy tokens equal to ``model``'s (a quantized type: the difference and the tokens that agree, reported)."""
     with torch.no_grad():
         ref_logits, ref_tokens = _greedy(model, ids, new_tokens)
-        got_logits, got_tokens = _greedy(gguf_model(path), ids, new_tokens)
+        got_logits, got_tokens = _greedy(_gguf_model(path, reader), ids, new_tokens)
     counts = layer_counts(model)
+    uneven = len(set(counts)) > 1
+    counts = counts if uneven else counts[0]  # an uneven file: each layer's
+    by = "multihead gguf_model (deci" + (", dequantized)" if dtype in QUANTIZED else ")") if uneven else \
+        "transformers gguf_file=" + (" (dequantized)" if dtype in QUANTIZED else "")
     diff = float((got_logits - ref_logits).abs().max())
     if dtype in QUANTIZED:
         same = sum(a == b for a, b in zip(got_tokens, ref_tokens))
-        checks.append(f"transformers gguf_file= (dequantized): logits max |diff| {diff:.3g} ({dtype}: judged by "
+        checks.append(f"{by}: logits max |diff| {diff:.3g} ({dtype}: judged by "
                       f"perplexity, not a tolerance), {same} of {new_tokens} greedy tokens equal")
-        return Served(path, "gguf", diff, float("inf"), got_tokens, counts[0], checks)
+        return Served(path, "gguf", diff, float("inf"), got_tokens, counts, checks)
     tol = TOLERANCE[dtype] * max(1.0, float(ref_logits.abs().max()))
     _compare("export_gguf", path, diff, tol, got_tokens, ref_tokens)
-    checks.append(f"transformers gguf_file=: logits max |diff| {diff:.3g} (tolerance {tol:.3g}), {new_tokens} greedy "
+    checks.append(f"{by}: logits max |diff| {diff:.3g} (tolerance {tol:.3g}), {new_tokens} greedy "
                   "tokens equal")
-    return Served(path, "gguf", diff, tol, got_tokens, counts[0], checks)
+    return Served(path, "gguf", diff, tol, got_tokens, counts, checks)
 
 
 def _gguf_args(model: nn.Module, path: str | Path, dtype: str, vocab, new_tokens) -> tuple[list, Path]:
@@ -270,7 +335,8 @@ def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     return out
 
 
-def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> list[str]:
+def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> tuple[list[str], object]:
+    """The file read back by ``gguf``'s reader and compared with what was written: (the check's line, the reader)."""
     uneven = len(set(counts)) > 1
     arch = "deci" if uneven else "llama"
     H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if uneven else counts[0][:2]
@@ -297,4 +363,4 @@ def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int
             raise ValueError(f"export_gguf: tensor {name} read back differs from the weights written "
                              f"({got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}); it was deleted.")
     return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count {H}, "
-            f"head_count_kv {Hkv}, head size {D}"]
+            f"head_count_kv {Hkv}, head size {D}"], reader

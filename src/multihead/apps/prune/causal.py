@@ -5,6 +5,11 @@ distillation toward those distributions (:func:`multihead.apps.prune.hf_models.r
     batches = text_batches(tokenizer, package_sentences(200))     # text neither the cut nor the recovery saw
     f = fidelity(pruned, unpruned, batches)                        # f.kl, f.perplexity, f.reference_perplexity
     recover(pruned, unpruned, text_batches(tokenizer, sentences()), steps=100)
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1: :func:`process_group` joins the group), the recovery is data parallel
+on PyTorch's own engine: every rank distils its share of each batch's rows through ``DistributedDataParallel``,
+which averages the gradients, so the ranks keep one model, the one a single process makes on the whole batches
+(within the rounding of the sum) when every share holds as many real tokens (packed windows do).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["NextTokenFidelity", "fidelity", "recover", "text_batches"]
+__all__ = ["NextTokenFidelity", "fidelity", "process_group", "recover", "text_batches"]
 
 
 @dataclass(frozen=True)
@@ -95,16 +100,46 @@ class _Targets(Sequence):
             return (ids, am), hf_models._logp(self.reference, ids, am)  # (B, L, V) the unpruned log-probs
 
 
+def process_group() -> tuple[int, int]:
+    """(rank, world size) of this process: under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the process
+    group is joined here (gloo: the tensors stay on the CPU) unless it already is; (0, 1) for a single process."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return 0, 1
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _share(batch: dict, rank: int, world: int) -> dict:
+    """This rank's rows of ``batch`` (B / world of them, in order); ValueError when B does not split evenly."""
+    B = batch["input_ids"].shape[0]
+    if B % world:
+        raise ValueError(f"a batch of {B} rows does not split over {world} ranks: give a batch of a multiple of "
+                         f"{world} windows.")
+    n = B // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}  # (B / world, L) each
+
+
 def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], steps: int, *,
             lr: float = 3e-5, observe: Callable[[int], None] | None = None,
-            until: float | None = None) -> list[float]:
+            until: float | None = None, shard: bool = False) -> list[float]:
     """Distil a cut causal LM ``model`` toward ``reference`` for ``steps`` steps over ``batches`` (in turn): the loss
     is the KL divergence of next-token distributions over the real tokens (:func:`multihead.apps.prune.hf_models.recover`
     with ``causal=True``, AdamW, the rate decaying along a half cosine). The unpruned model's distributions are
     computed at each step (one batch's in memory), so ``batches`` may be many. ``observe``: called with the number
     of steps done after each step (e.g. to measure :func:`fidelity` every so many steps). ``until``: a
     ``time.monotonic()`` time the run is shortened to end by, from the first steps' cost (the cosine then spans the
-    shorter run). Returns the losses, one a step."""
+    shorter run). In a process group of two ranks or more (:func:`process_group`) each rank distils its share of
+    every batch's rows, the gradients averaged by ``DistributedDataParallel`` (``shard``: by FSDP2's ``fully_shard``,
+    each rank holding its share of the weights, gradients and AdamW's moments; refused outside a group). Returns the
+    losses, one a step (this rank's)."""
+    import torch.distributed as dist
+
     from multihead.apps.prune import hf_models
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -115,5 +150,8 @@ def recover(model: nn.Module, reference: nn.Module, batches: Sequence[dict], ste
         raise ValueError(f"lr must be a number > 0; got {lr!r}.")
     if observe is not None and not callable(observe):
         raise TypeError(f"observe must be a function of the steps done, or None; got {type(observe).__name__}.")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        batches = [_share(b, rank, world) for b in batches]
     return hf_models.recover(model, _Targets(reference, batches), steps, causal=True, lr=lr, observe=observe,
-                              until=until)
+                              until=until, shard=shard)

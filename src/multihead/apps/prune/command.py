@@ -183,7 +183,8 @@ ENCODER_ONLY = (("quantize", "--quantize", None), ("ffn", "--ffn", None), ("corp
 
 #: options of causal LMs only: given to anything else, refused
 DECODER_ONLY = (("target_perplexity", "--target-perplexity"), ("unit", "--unit"), ("behaviour", "--behaviour"),
-                ("lr", "--lr"), ("formats", "--formats"))
+                ("lr", "--lr"), ("formats", "--formats"), ("per_layer", "--per-layer"),
+                ("fsdp", "--fsdp"))
 
 
 #: a causal LM's time budget when none is given (its recovery is cut short to it)
@@ -215,13 +216,16 @@ def _prune_decoder(args, out: Path, started: float) -> int:
     o = decoder.DecoderOptions(fraction=args.fraction, unit=args.unit or "auto", target=target,
                         behaviour=Path(args.behaviour) if args.behaviour else None,
                         recover=400 if args.recover is None else args.recover, lr=args.lr or 3e-4,
-                        deadline=started + budget, formats=args.formats or ())
+                        deadline=started + budget, formats=args.formats or (), per_layer=bool(args.per_layer),
+                        fsdp=bool(args.fsdp))
     command = "multihead " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["prune"] else ""
     try:
         report = decoder.run(args.hf, out, o, command=command)
     except ValueError as e:
         _said(str(e).splitlines()[0])
         return 2
+    if report["rank"]:  # under torchrun: rank 0 says it and wrote the files
+        return 0 if report["met"] else 1
     print("\n".join(decoder.summary(report)))
     print(f"report: {out / 'report.md'}")
     if not report["met"]:

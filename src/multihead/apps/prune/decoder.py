@@ -7,8 +7,13 @@ key/value groups, the same number in every layer (the KV cache shrinks by that s
 (Gemma 3 270M) or ``unit="query"``, the same number of query heads inside every group of every layer. Either way
 every layer keeps one (H, Hkv, D), so the folder written is a standard config ``AutoModelForCausalLM.from_pretrained``
 loads as it is (read back and compared before the command returns), and no layer's weights or KV cache grow
-(:func:`multihead.heads.prune` refuses an uneven cut). Which units go in each layer: the least important by the
-gradient of the text's loss and of the behaviour's logit difference, each normalised over the model, summed
+(:func:`multihead.heads.prune` refuses an uneven cut). Asked (``per_layer``, ``--per-layer``), the same number of
+units over the whole model is placed where they matter least, so layers may keep different counts
+(:func:`plan_per_layer`: still whole groups, or query heads evenly inside every group of a layer): the folder then
+keeps each layer's counts (:func:`multihead.hf.save`; ``multihead.hf.load`` reads it, transformers'
+``from_pretrained`` cannot, said in one line) and GGUF holds them as llama.cpp's per-layer counts. Which units go
+in each layer: the least important by the gradient of the text's loss and of the behaviour's logit difference, each
+normalised over the model, summed
 (``bench/results/smollm2_recover``: the text alone cut SmolLM2's IOI heads; both kept IOI at 1.000).
 
 Fidelity, on text and prompts the cut and the recovery never saw: the perplexity ratio and the next-token KL to the
@@ -21,7 +26,11 @@ batch of 8 x 128 tokens).
 Recovery (the default, as the bench found it): distillation toward the unpruned model's next-token distributions
 on windows of packed text (no padding), AdamW at 3e-4 decaying along a half cosine, the embeddings frozen (a tied
 embedding is a fifth of SmolLM2's weights: its gradient and AdamW's moments would take 0.35 GB for nothing the cut
-changed), cut short to the time budget.
+changed), cut short to the time budget. Launched by ``torchrun`` (``torchrun --nproc-per-node N -m multihead prune
+--hf DIR ...``), every rank runs the command and the recovery is data parallel (:func:`multihead.apps.prune.causal.recover`:
+each rank its share of every batch, DistributedDataParallel over gloo; ``--fsdp``: FSDP2, every rank holding its
+share of the weights and AdamW's moments), so the ranks hold one model, the one a single process makes within
+rounding; rank 0 alone writes the folder, the formats and the report.
 """
 
 from __future__ import annotations
@@ -63,7 +72,9 @@ class DecoderOptions:
     prompt pairs (:func:`read_behaviour`) instead of IOI. ``recover``: distillation steps at most (0: none),
     ``lr``, ``seq`` tokens a window and ``batch`` windows a step; ``deadline``: a ``time.monotonic()`` time the run
     keeps to (recovery is cut short to fit it). ``formats``: the runtimes' files written beside the folder
-    (:data:`FORMATS`, :func:`write_formats`)."""
+    (:data:`FORMATS`, :func:`write_formats`). ``per_layer``: as many units over the model as the even cut, placed
+    per layer (:func:`plan_per_layer`). ``fsdp``: under torchrun, the recovery fully sharded (FSDP2) rather than
+    data parallel (DDP)."""
 
     fraction: float | None = None
     unit: str = "auto"
@@ -78,6 +89,8 @@ class DecoderOptions:
     deadline: float | None = None
     progress: bool = True
     formats: tuple[str, ...] = ()
+    per_layer: bool = False
+    fsdp: bool = False
 
 
 @dataclass
@@ -179,6 +192,28 @@ def plan(scores: dict[str, Tensor], counts: dict[str, tuple[int, int]], kind: st
         else:
             out[name] = sorted(g * G + int(i) for g in range(Hkv) for i in by_group[g].argsort()[:k])
     return out
+
+
+def plan_per_layer(scores: dict[str, Tensor], counts: dict[str, tuple[int, int]], kind: str,
+                   total: int) -> dict[str, list[int]]:
+    """{module: query heads removed}: the ``total`` least important units of the whole model, each layer keeping one
+    at least -- a unit is a key/value group (its query heads' scores summed), or (``kind`` "query") one query head
+    of every group of a layer (the j-th least important of each, summed): inside a layer the cut stays whole groups
+    or even inside every group, only the count differs between layers. ``scores`` {module: (H,)}, comparable
+    across layers (:func:`importance` normalises over the model)."""
+    costs = []  # (cost, layer's order, j): cutting a j+1-th unit in that layer
+    for i, (name, s) in enumerate(scores.items()):
+        H, Hkv = counts[name]
+        by_group = s.reshape(Hkv, H // Hkv)  # (H,) -> (Hkv, G): head h is group h // G's
+        units = by_group.sum(-1).sort().values if kind == "group" else by_group.sort(-1).values.sum(0)  # (units,)
+        costs += [(float(c), i, j) for j, c in enumerate(units[:-1].tolist())]  # the last unit stays
+    if not 1 <= total <= len(costs):
+        raise ValueError(f"a per-layer cut of {total} units: the model has {len(costs)} to cut (each layer keeps one).")
+    per = dict.fromkeys(range(len(scores)), 0)
+    for _, i, _ in sorted(costs)[:total]:
+        per[i] += 1
+    names = list(scores)
+    return {names[i]: plan({names[i]: scores[names[i]]}, counts, kind, n)[names[i]] for i, n in per.items() if n}
 
 
 # --- text and behaviour ---
@@ -384,7 +419,8 @@ def _recovered(cut: nn.Module, ctx: Context, until: float | None, c: Candidate) 
             c.curve.append({"step": step, "seconds": round(time.monotonic() - started, 1), **asdict(ctx.judge(cut))})
 
     _freeze_embeddings(cut)
-    losses = causal.recover(cut, ctx.reference, ctx.text.recovery, o.recover, lr=o.lr, observe=observe, until=until)
+    losses = causal.recover(cut, ctx.reference, ctx.text.recovery, o.recover, lr=o.lr, observe=observe, until=until,
+                            shard=o.fsdp)
     c.steps, c.seconds = len(losses), time.monotonic() - started
     c.recovered = ctx.judge(cut)
     if not c.curve or c.curve[-1]["step"] != c.steps:
@@ -400,8 +436,9 @@ JUDGEMENTS = 9
 def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kmax: int
            ) -> tuple[list[Candidate], int | None, nn.Module | None]:
     """The cuts tried and the one kept: without a target, ``kmax`` units a layer; with one, 1, 2, ... units until a
-    cut misses it (the kept model is the furthest cut tried that meets it; None when none does). Each candidate is
-    recovered within its share of the time left."""
+    cut misses it (the kept model is the furthest cut tried that meets it; None when none does); ``per_layer``: as
+    many units over the model, placed by :func:`plan_per_layer`. Each candidate is recovered within its share of the
+    time left."""
     from multihead import heads
 
     o = ctx.options
@@ -409,7 +446,7 @@ def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kma
     tried: list[Candidate] = []
     kept, kept_model = None, None
     for i, k in enumerate(ks):
-        removed = plan(scores, counts, kind, k)
+        removed = plan_per_layer(scores, counts, kind, k * len(counts)) if o.per_layer else plan(scores, counts, kind, k)
         cut = copy.deepcopy(ctx.reference)
         heads.prune(cut, removed)
         c = Candidate(k, removed, ctx.judge(cut))
@@ -443,12 +480,14 @@ def sizes(model: nn.Module) -> dict:
             f"kv_bytes_per_token_{str(p.dtype).removeprefix('torch.')}": 2 * kv * p.element_size()}
 
 
-def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
+def save(cut: nn.Module, source: Path, folder: Path, t: Text, per_layer: bool = False) -> list[str]:
     """``cut`` written as a transformers folder (:func:`multihead.hf.save`: a standard config at the pruned size)
     with the checkpoint's other files as it shipped them (tokenizer, generation config:
     :func:`multihead.apps.prune.hf_models.save_with_files`), then read back with ``AutoModelForCausalLM.from_pretrained``
     as it is: its parameters by name and shape the family's own (nothing added) and its logits on a held-out batch
-    equal to ``cut``'s within float32 rounding; RuntimeError otherwise. Returns the lines the report says."""
+    equal to ``cut``'s within float32 rounding; RuntimeError otherwise. ``per_layer``: a cut whose layers keep
+    different counts is kept so (each layer's counts in config.json) and read back by ``multihead.hf.load``
+    instead, one line saying that transformers cannot load it. Returns the lines the report says."""
     import transformers
 
     import multihead.hf as mhf
@@ -456,10 +495,12 @@ def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
 
     save_with_files(cut, folder, source)
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg.get(mhf.HEADS_KEY) and not cfg.get(mhf.FULL_SIZE_KEY):
+    own = bool(cfg.get(mhf.HEADS_KEY)) and not cfg.get(mhf.FULL_SIZE_KEY)  # each layer's own counts
+    if own and not per_layer:
         raise RuntimeError(f"{folder}: the cut was written with per-layer counts only multihead.hf.load reads "
-                           f"({cfg.get(mhf.LOADS_KEY)}); the command writes standard folders only.")
-    back = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                           f"({cfg.get(mhf.LOADS_KEY)}); the command writes standard folders unless --per-layer.")
+    back = mhf.load(folder) if own else transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                                                            dtype=torch.float32).eval()
     mine = {k: tuple(v.shape) for k, v in cut.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in back.state_dict().items()}
     if mine != theirs:
@@ -472,12 +513,26 @@ def save(cut: nn.Module, source: Path, folder: Path, t: Text) -> list[str]:
     diff = float((a - z)[real].abs().max())
     tol = 1e-4 * max(1.0, float(a[real].abs().max()))
     if not diff <= tol:
-        raise RuntimeError(f"{folder} read back by AutoModelForCausalLM.from_pretrained gives logits {diff:.3g} from "
-                           f"the cut model's (tolerance {tol:.3g}).")
+        raise RuntimeError(f"{folder} read back by {'multihead.hf.load' if own else 'from_pretrained'} gives logits "
+                           f"{diff:.3g} from the cut model's (tolerance {tol:.3g}).")
+    if own:
+        return [f"{folder}: each layer keeps its own head counts ({per_layer_words(layer_counts(cut))}): "
+                "transformers' from_pretrained cannot load it (one count per model), multihead.hf.load does; its "
+                f"logits on held-out text within {diff:.2g} of the cut model's (tolerance {tol:.2g}); GGUF "
+                "(--formats gguf-*) holds the counts as llama.cpp's per-layer layout"]
     H, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim")
     return [f"{folder}: AutoModelForCausalLM.from_pretrained loads it as it is (num_attention_heads={H}, "
             f"num_key_value_heads={Hkv}, head_dim={D}; its parameters the family's own, shape for shape); its logits "
             f"on held-out text within {diff:.2g} of the cut model's (tolerance {tol:.2g})"]
+
+
+def per_layer_words(counts: dict[str, tuple[int, int]]) -> str:
+    """Each layer's (H, Hkv) as the report says them: "H=4, Hkv=2 in layers 0, 2; H=6, Hkv=3 in layer 1"."""
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, c in enumerate(counts.values()):
+        by.setdefault(tuple(c), []).append(i)
+    return "; ".join(f"H={H}, Hkv={Hkv} in layer{'s' if len(ls) > 1 else ''} {', '.join(map(str, ls))}"
+                     for (H, Hkv), ls in by.items())
 
 
 def peak_rss_mib() -> float:
@@ -497,7 +552,9 @@ def markdown(r: dict) -> str:
     lines = [f"# {r['model']}: {r['unit_words']} cut, {r['k_words']}\n",
              f"`{r['command']}`\n",
              f"CPU flags: {' '.join(r['cpu_flags']) or 'unknown'}; torch {r['torch']}, {r['threads']} thread(s); "
-             f"{r['seconds']:.0f} s; peak resident memory {r['peak_rss_mib']:.0f} MiB.\n",
+             f"{r['seconds']:.0f} s; peak resident memory {r['peak_rss_mib']:.0f} MiB"
+             + (f" (rank 0 of {r['ranks']}: the recovery data parallel over the ranks)" if r.get("ranks", 1) > 1
+                else "") + ".\n",
              "| phase | seconds | peak resident memory by its end (MiB) |", "|---|---:|---:|",
              *(f"| {k} | {v:.0f} | {r['peak_rss_mib_by_phase'][k]:,.0f} |" for k, v in r["phases"].items()), ""]
     lines += [f"- {n}" for n in r["notes"]]
@@ -508,7 +565,7 @@ def markdown(r: dict) -> str:
               "", "| model | perplexity (x unpruned) | KL (nats) | behaviour accuracy (x unpruned) | logit diff | "
                   "meets the target |", "|---|---:|---:|---:|---:|---|", _row("unpruned", r["unpruned"])]
     for i, c in enumerate(r["tried"]):
-        what = f"{c['k']} unit(s) a layer"
+        what = f"{c['k']} unit(s) a layer" + (" on average" if r.get("per_layer") else "")
         lines.append(_row(f"{what}, zero-shot", c["zero_shot"]))
         if c["recovered"] is not None:
             ok = "yes" if c["meets"] else "no"
@@ -525,6 +582,8 @@ def markdown(r: dict) -> str:
     if s1 is not None:
         lines += ["", "| | unpruned | kept | kept / unpruned |", "|---|---:|---:|---:|"]
         lines += [f"| {key.replace('_', ' ')} | {s0[key]:,} | {s1[key]:,} | {s1[key] / s0[key]:.4f} |" for key in s0]
+    if r.get("per_layer") and r["kept_counts"]:
+        lines += ["", f"Per-layer counts kept: {per_layer_words(r['kept_counts'])}."]
     lines += ["", *(f"- {x}" for x in r["saved"])] if r["saved"] else ["", "- nothing saved: no cut tried met the "
                                                                          "target."]
     if r["formats"]:
@@ -607,16 +666,16 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
 
     path, out = Path(path), Path(out)
     _check_budget(o, started)
+    rank, world = _ranks(o)
     tok = tokenizer(path)
     check(config_counts(path), o)  # the plan, refused before any weight is read
-    check_formats(path, o.formats, tok)
+    check_formats(path, o.formats, tok, per_layer=o.per_layer)
     beh = behaviour(tok, o)  # a behaviour file that does not parse: refused here
     ref = load(path)
     counts = layer_counts(ref)  # the counts the derived layouts hold (verified on a probe)
     kind, per_layer, kmax = check(counts, o)
     phase("loading")
     t = text(tok, o)
-    out.mkdir(parents=True, exist_ok=True)
     phase("text")
     scores = importance(ref, t, beh)
     phase("importance")
@@ -626,17 +685,17 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     tried, kept, model = search(ctx, scores, counts, kind, kmax)
     phase("the cuts, recovered and judged")
     sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
-    saved = save(model, path, out / "model", t) if model is not None else []
+    writes = model is not None and rank == 0  # one rank writes: the ranks hold the same model
+    saved = save(model, path, out / "model", t, o.per_layer) if writes else []
     phase("saving and reading back")
-    formats = write_formats(model, ref, tok, out / "model", t, o.formats) if model is not None else []
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats) if writes else []
     if formats:
         phase("the formats, written and read back")
-    H, Hkv = next(iter(counts.values()))
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
          "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
          "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
-         "k_words": f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer "
-                    f"({H} query / {Hkv} key/value heads a layer)",
+         "k_words": _k_words(counts, kind, per_layer, kmax, o.per_layer), "per_layer": o.per_layer, "rank": rank, "ranks": world,
+         "kept_counts": None if model is None else {n: list(c) for n, c in layer_counts(model).items()},
          "target": list(o.target) if o.target else None, "behaviour": beh.name,
          "unpruned": asdict(base), "kept": kept, "met": kept is not None,
          "tried": [{"k": c.k, "removed": c.removed, "zero_shot": asdict(c.zero_shot),
@@ -646,9 +705,33 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
          "saved": saved, "formats": formats, "formats_failed": [f["failed"] for f in formats if "failed" in f],
          "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases, "peak_rss_mib": peak_rss_mib(),
          "peak_rss_mib_by_phase": peaks}
-    (out / "report.json").write_text(json.dumps(r, indent=1))
-    (out / "report.md").write_text(markdown(r))
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(r, indent=1))
+        (out / "report.md").write_text(markdown(r))
     return r
+
+
+def _ranks(o: DecoderOptions) -> tuple[int, int]:
+    """(rank, world size): this process's place under torchrun (:func:`multihead.apps.prune.causal.process_group`); what
+    the ranks cannot do refused in one line (ValueError) before any work."""
+    from multihead.apps.prune.causal import process_group
+
+    rank, world = process_group()
+    if o.fsdp and world < 2:
+        raise ValueError("--fsdp shards the recovery over the ranks torchrun starts: launch with torchrun "
+                         "--nproc-per-node N -m multihead prune ...")
+    if o.recover and o.batch % world:
+        raise ValueError(f"{world} ranks share each recovery batch of {o.batch} windows: give a batch that is a "
+                         f"multiple of {world}.")
+    return rank, world
+
+
+def _k_words(counts: dict, kind: str, per_layer: int, kmax: int, placed: bool) -> str:
+    """What the report's title says was cut: "up to 1 of 3 groups a layer (9 query / 3 key/value heads a layer)"."""
+    H, Hkv = next(iter(counts.values()))
+    return (f"up to {kmax} of {per_layer} {'groups' if kind == 'group' else 'in each group'} a layer ({H} query / "
+            f"{Hkv} key/value heads a layer)" + (", as many over the model placed per layer" if placed else ""))
 
 
 def summary(r: dict) -> list[str]:
@@ -657,11 +740,14 @@ def summary(r: dict) -> list[str]:
     lines = [f"unpruned: perplexity {base['perplexity']:.2f}, behaviour accuracy {base['accuracy']:.3f}"]
     for c in r["tried"]:
         j = c["recovered"] or c["zero_shot"]
-        lines.append(f"{c['k']} unit(s) a layer cut{' and recovered' if c['recovered'] else ''}: perplexity "
+        lines.append(f"{c['k']} unit(s) a layer{' on average' if r.get('per_layer') else ''} cut"
+                     f"{' and recovered' if c['recovered'] else ''}: perplexity "
                      f"{j['perplexity_ratio']:.3f}x, KL {j['kl']:.4f}, behaviour accuracy {j['accuracy_ratio']:.3f}x"
                      + (f", meets the target: {'yes' if c['meets'] else 'no'}" if r["target"] else ""))
     if r["met"]:
         s0, s1 = r["sizes"]["unpruned"], r["sizes"]["kept"]
+        if r.get("per_layer"):
+            lines.append(f"per-layer counts: {per_layer_words(r['kept_counts'])}")
         lines.append(f"KV cache per token {s1['kv_bytes_per_token_f16']:,} bytes at f16, "
                      f"{s1['kv_bytes_per_token_f16'] / s0['kv_bytes_per_token_f16']:.4f} of the unpruned model's; "
                      f"parameters {s1['parameters'] / s0['parameters']:.4f}")
@@ -674,9 +760,10 @@ def summary(r: dict) -> list[str]:
 # --- the formats users run ---
 
 
-def check_formats(path: Path, formats: Sequence[str], tok) -> None:
+def check_formats(path: Path, formats: Sequence[str], tok, *, per_layer: bool = False) -> None:
     """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
-    hold, a missing extra (naming its install line), or (GGUF) a tokenizer its vocabulary writer cannot write."""
+    hold, a missing extra (naming its install line), (GGUF) a tokenizer its vocabulary writer cannot write, or
+    (``per_layer``) GenAI, whose builder holds one head count for every layer."""
     from multihead.deploy.gguf import tokenizer_fields
     from multihead.deploy.llama import ARCHITECTURES
     from multihead.extras import require
@@ -686,6 +773,10 @@ def check_formats(path: Path, formats: Sequence[str], tok) -> None:
         raise ValueError(f"--formats {','.join(unknown)}: unknown; the formats are {', '.join(FORMATS)}.")
     if not formats:
         return
+    genai = [f for f in formats if FORMATS[f][0] == "genai"]
+    if per_layer and genai:
+        raise ValueError(f"--formats {','.join(genai)}: ONNX Runtime GenAI's builder holds one head count for every "
+                         "layer; --per-layer cuts are written as GGUF (llama.cpp's per-layer counts) only.")
     archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or ["?"]
     if archs[0] not in ARCHITECTURES:
         raise ValueError(f"--formats {','.join(formats)}: the GGUF and GenAI writers hold "

@@ -425,7 +425,7 @@ def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | No
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,
             quantize: str | None = None, until: float | None = None,
-            observe: Callable[[int], None] | None = None) -> list[float]:
+            observe: Callable[[int], None] | None = None, shard: bool = False) -> list[float]:
     """Distil ``pruned`` towards the unpruned model for ``steps`` steps on the unlabelled
     ``batches`` ((ids, am), the unpruned model's output: next-token log-probabilities of a
     decoder, hidden states (B, L, E) of an encoder, matched by :func:`_distil_loss`); returns the
@@ -438,15 +438,20 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
     rounded as they will be (:func:`multihead.quantize.fake_quantized`). ``until`` (a
     ``time.monotonic()`` time): after the first steps have shown what a step costs, the run is
     shortened to the steps that end before it (the cosine then decays over the shorter run). ``observe``: called
-    with the number of steps done after each step (a curve of fidelity against steps reads the model there)."""
+    with the number of steps done after each step (a curve of fidelity against steps reads the model there). Over
+    torch.distributed ranks (two or more): ``DistributedDataParallel`` (each rank's ``batches`` its share), or with
+    ``shard`` FSDP2 (:func:`_data_parallel`; ``pruned`` gets the gathered weights before each ``observe`` and at
+    the end); a shortened run's length is the fewest steps any rank can afford."""
     import time
 
     from multihead.extras import progress
     from multihead.quantize import fake_quantized
 
     pruned.eval()
+    net, world, gather = _data_parallel(pruned, shard)
     total = [steps]  # the run's length; shortened once under ``until``
-    opt = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=lr, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            fused=not shard)  # DTensor shards: the per-tensor step
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     losses = []
     started = time.monotonic()
@@ -456,9 +461,9 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
         while s < total[0]:
             (ids, am), ref = batches[s % len(batches)]
             if causal:
-                loss = _kl(_logp(pruned, ids, am), ref, am)
+                loss = _kl(_logp(net, ids, am), ref, am)
             else:
-                loss = _distil_loss(_hidden(pruned, ids, am), ref, am)
+                loss = _distil_loss(_hidden(net, ids, am), ref, am)
             loss.backward()
             opt.step()
             opt.zero_grad()  # the gradients freed now, not at the next step: they never sit beside its activations
@@ -467,16 +472,68 @@ def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: f
             s += 1
             bar.update(1)
             if observe is not None:
+                gather()
                 observe(s)
             if until is not None and s == min(3, steps) and s < steps:  # the first steps give a step's cost
-                per_step = (time.monotonic() - started) / s
-                affordable = s + int(max(0.0, until - time.monotonic()) / per_step)
+                affordable = _affordable(s, started, until, world)
                 if affordable < steps:
                     total[0] = affordable
                     bar.total = affordable
                     bar.set_postfix_str(f"{affordable} of {steps} steps fit the time budget")
     bar.close()
+    gather()
     return losses
+
+
+def _affordable(done: int, started: float, until: float, world: int) -> int:
+    """The steps that end before ``until`` at the cost ``done`` steps took since ``started``; over ``world`` > 1 ranks
+    the fewest any rank can afford (every rank runs as many)."""
+    import time
+
+    affordable = done + int(max(0.0, until - time.monotonic()) / ((time.monotonic() - started) / done))
+    if world > 1:
+        agreed = torch.tensor([affordable])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        affordable = int(agreed)
+    return affordable
+
+
+def _data_parallel(model: nn.Module, shard: bool = False) -> tuple[nn.Module, int, Callable[[], None]]:
+    """(``model`` wrapped in ``DistributedDataParallel``, the world size, a no-op) when this process is a rank of a
+    torch.distributed group of two or more; ``shard``: (a copy of ``model`` fully sharded over the ranks on the CPU
+    (FSDP2: each block of its longest ModuleList, then the whole), the world size, what gathers its weights into
+    ``model``); (``model``, 1, a no-op) outside a group (``shard`` refused there: ValueError)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if shard:
+            raise ValueError("a sharded recovery (FSDP) needs a process group of two ranks or more: launch with "
+                             "torchrun --nproc-per-node N.")
+        return model, 1, lambda: None
+    world = dist.get_world_size()
+    if not shard:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model), world, lambda: None
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    blocks = max((m for m in net.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, world, lambda: _gathered_into(net, model)
+
+
+def _gathered_into(net: nn.Module, model: nn.Module) -> None:
+    """The sharded ``net``'s weights gathered whole (a collective: every rank calls it) into ``model``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model.load_state_dict(get_model_state_dict(net, options=StateDictOptions(full_state_dict=True)))
 
 
 def _encode_within(tok, model, text: str):
