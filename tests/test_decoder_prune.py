@@ -54,11 +54,6 @@ def _byte_bpe(size: int = 2000):
                                                 eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
-@pytest.fixture(scope="module")
-def small_bpe(bpe):
-    return bpe
-
-
 def _word_tokenizer():
     """A word-level tokenizer over the language reference's most common words and every word of the IOI set (names,
     places, objects and templates: one token each, as the behaviour needs), 3,000 words: the tiny models' vocabulary
@@ -323,7 +318,7 @@ def test_plan_per_layer_places_the_models_units_where_they_matter_least_each_lay
         decoder.plan_per_layer(scores, counts, "group", 5)
 
 
-def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_the_cut_model(tmp_path, small_bpe,
+def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_the_cut_model(tmp_path, bpe,
                                                                                               monkeypatch, capsys):
     """--per-layer on a tiny Llama (a byte-level BPE: GGUF's vocabulary), layer 0 scored far below layer 1 (the
     importance set, everything else real): both cut groups come out of layer 0, so the layers keep 2/1 and 6/3
@@ -334,7 +329,7 @@ def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_
 
     from multihead.deploy.gguf import gguf_model
 
-    src = _tiny(tmp_path / "src", small_bpe, "llama")
+    src = _tiny(tmp_path / "src", bpe, "llama")
 
     def scored(model, t, beh):  # layer 0's heads far less important than layer 1's
         names = list(mhf.attention_modules(model))
@@ -357,7 +352,7 @@ def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_
         transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     back = mhf.load(out / "model")
     unpruned = mhf.attach(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
-    ids = small_bpe(["When Mary and John went to the store, John gave a drink to"], return_tensors="pt")["input_ids"]
+    ids = bpe(["When Mary and John went to the store, John gave a drink to"], return_tensors="pt")["input_ids"]
     with torch.no_grad(), heads.gated(unpruned, {names[0]: torch.tensor([0.0, 0, 0, 0, 1, 1])}):
         want = unpruned(input_ids=ids).logits
     with torch.no_grad():
@@ -378,8 +373,8 @@ def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_
     assert s1["kv_bytes_per_token_f16"] * 3 == s0["kv_bytes_per_token_f16"] * 2
 
 
-def test_per_layer_refuses_genai_before_any_work(tmp_path, small_bpe, capsys):
-    src = _tiny(tmp_path / "src", small_bpe, "llama")
+def test_per_layer_refuses_genai_before_any_work(tmp_path, bpe, capsys):
+    src = _tiny(tmp_path / "src", bpe, "llama")
     capsys.readouterr()
     assert main(["prune", "--hf", str(src), "--per-layer", "--formats", "genai-fp32", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

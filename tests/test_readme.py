@@ -639,17 +639,12 @@ def test_the_decoder_tutorial_runs_on_a_tiny_llama(tmp_path, monkeypatch, capsys
     of 2,233 tokens) in SmolLM2's place and 2 recovery steps for 60: every step runs and prints what the page shows
     but for the figures and the generated texts (the page's are SmolLM2's). The files' agreement with the torch
     model: tests/test_decoder_prune.py and tests/test_decoder_export.py."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("onnxruntime_genai")
     import multihead.models
-    from multihead.models import smollm2_path
-    from test_decoder_prune import _small_bpe, _tiny
+    from test_decoder_prune import _byte_bpe, _tiny
 
-    try:
-        bpe = transformers.AutoTokenizer.from_pretrained(smollm2_path())
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(str(e))
-    lm = _tiny(tmp_path / "lm", _small_bpe(bpe), "llama")
+    lm = _tiny(tmp_path / "lm", _byte_bpe(), "llama")
     monkeypatch.setattr(multihead.models, "smollm2_path", lambda: lm)
     monkeypatch.chdir(tmp_path)
     rel = str(DECODER_TUTORIAL.relative_to(README.parent))
