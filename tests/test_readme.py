@@ -502,6 +502,9 @@ def test_readme_command_lines_run(heading, lines, tmp_path, monkeypatch):
             argv += ["--recover", "1"]
         elif argv[0] == "prune" and "--max-seconds" not in argv:  # the speed table's time and its other
             argv += ["--max-seconds", "0.2"]  # runtimes (an ONNX export each, tested in test_hf_cli), not what is run
+        if argv[0] == "prune" and "--serve-batch" in argv and not decoder:  # it chooses among the runtime files,
+            i = argv.index("--serve-batch")  # which are left out below (the choice: tests/test_hf_cli.py)
+            del argv[i:i + 2]
         if argv[0] == "prune" and "--hf" in argv and not decoder:  # small settings; the defaults' paths (the runtime peers, the
             argv += ["--no-runtime-peers", "--no-runtime-files"]  # runtime files) are tested in test_hf_cli
             for flag, small in (("--unseen-sentences", "16"), ("--step", "0.25")):
