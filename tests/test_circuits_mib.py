@@ -39,16 +39,8 @@ def _gpt2():
                                                      n_head=4)).eval())
 
 
-def _pair():
-    g = torch.Generator().manual_seed(2)
-    clean = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
-    corrupted = {"input_ids": clean["input_ids"].clone()}
-    corrupted["input_ids"][:, 2] = (corrupted["input_ids"][:, 2] + 7) % 50
-    return clean, corrupted
-
-
-def _metric(out):
-    return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+from test_circuit_families import _inputs as _pair  # noqa: E402  (one pair of token batches, one metric)
+from test_circuit_families import _metric  # noqa: E402
 
 
 def test_the_ungrouped_graph_has_mibs_edge_count():
