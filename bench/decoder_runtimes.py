@@ -125,7 +125,7 @@ def _files(work: Path, runtimes: list[str]) -> dict:
 
     import multihead.hf as mh
     from multihead import heads
-    from multihead.deploy.genai import export_genai
+    from multihead.deploy.genai import export_genai, standard_genai
     from multihead.deploy.gguf import export_gguf
     from multihead.deploy.llama import layer_counts
     from multihead.models import smollm2_path
@@ -143,7 +143,7 @@ def _files(work: Path, runtimes: list[str]) -> dict:
     vocab = next(vocab.glob("*.gguf"))
     out = {}
     if "genai" in runtimes:
-        out["genai", "unpruned"] = _builder(src, work / "genai-unpruned")
+        out["genai", "unpruned"] = standard_genai(src, work / "genai-unpruned")
         out["genai", "pruned"] = work / "genai-pruned"
         if not (out["genai", "pruned"] / "genai_config.json").is_file():
             s = export_genai(pruned, out["genai", "pruned"], tokenizer=tok, prompt_ids=prompt)
@@ -161,15 +161,6 @@ def _files(work: Path, runtimes: list[str]) -> dict:
               "D": cfg.head_dim, "unpruned": layer_counts(base)[0][:2], "pruned": layer_counts(pruned)[0][:2],
               "tied": bool(cfg.tie_word_embeddings), "positions": cfg.max_position_embeddings}
     return out, shapes
-
-
-def _builder(src: Path, out: Path) -> Path:
-    """GenAI's builder on the unpruned folder, as its users run it (fp32, CPU)."""
-    if not (out / "genai_config.json").is_file():
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
-                        "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "cache")], check=True,
-                       capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return out
 
 
 def _llama_tokens(files: dict, models: dict, prompt) -> None:
