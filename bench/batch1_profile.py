@@ -37,7 +37,7 @@ def main(model_dir: str) -> None:
     import multihead.hf as mhf
     from multihead import timing
     from multihead.apps.common.data import sentences
-    from multihead.deploy import peers
+    from multihead.deploy import session
 
     torch.set_num_threads(2)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -46,7 +46,7 @@ def main(model_dir: str) -> None:
                for s in held]
     loaded = mhf.load(model_dir)
     models = {"multihead.hf.load (padding-free, int8)": loaded, "multihead.hf.serve (int8)": mhf.serve(loaded),
-              "ONNX Runtime int8 file": peers.ort_session(Path(model_dir) / "onnx" / "model_int8.onnx")}
+              "ONNX Runtime int8 file": session.ort_session(Path(model_dir) / "onnx" / "model_int8.onnx")}
     calls = {n: (lambda m=m: [m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]) for b in batches])
              for n, m in models.items()}
     with torch.no_grad():

@@ -51,7 +51,7 @@ def _setup(a, kinds):
         from transformer_lens.model_bridge import TransformerBridge
         from transformer_lens.tools.analysis import attribution_patching as ap
 
-        from multihead.deploy.peers import scratch  # removed when the run ends
+        from multihead.deploy.session import scratch  # removed when the run ends
 
         folder = scratch()
         model.save_pretrained(folder)

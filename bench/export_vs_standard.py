@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     from multihead import heads
     from multihead.apps.common.data import package_sentences, sentences
     from multihead.apps.prune import hf_models
-    from multihead.deploy import compare, peers
+    from multihead.deploy import compare, peers, session
     from multihead.models import minilm_path
 
     path = minilm_path()
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     kinds = {"unseen package descriptions": [{k: v for k, v in tok(unseen[i:i + 16], padding=True, truncation=True,
                                                                  max_length=128, return_tensors="pt").items()
                                               if k in ("input_ids", "attention_mask")} for i in range(0, 192, 16)]}
-    d = peers.scratch()  # removed when the run ends
+    d = session.scratch()  # removed when the run ends
     ov = {"calibration": calib, "openvino": True} if a.openvino else {"openvino": False}
     standard = peers.standard_files(peer, next(iter(kinds.values()))[0], ov.get("calibration"), openvino=ov["openvino"])
     base = mhf.export(full, d / "unpruned", serve=False, **ov)

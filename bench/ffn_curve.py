@@ -30,7 +30,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
     from multihead import heads, timing
     from multihead.apps.common.data import docstring_sentences, package_sentences, sentences
     from multihead.apps.prune import hf_models, target
-    from multihead.deploy import compare, peers
+    from multihead.deploy import compare, session
     from multihead.models import minilm_path
 
     torch.set_num_threads(2)
@@ -43,7 +43,7 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                         on_step=lambda row, m: snaps.__setitem__(round(row["fraction"], 2), copy.deepcopy(m).eval()))
     inputs, _ = setup.runtime_texts
     inputs = {b: inputs[b] for b in (1, 16)}
-    base = mhf.export(snaps[0.0], peers.scratch())  # removed when the run ends
+    base = mhf.export(snaps[0.0], session.scratch())  # removed when the run ends
     rows, files, models = [], {}, {}
     for hf in head_fractions:
         for ff in ffn_fractions:
@@ -55,13 +55,13 @@ def main(head_fractions: list[float], ffn_fractions: list[float], steps: int) ->
                 setup.recover_fn(m, steps, quantize="int8")
             fid = target.fidelity(setup, m)
             key = f"{hf:.0%} heads + {ff:.0%} neurons"
-            files[key] = mhf.export(m, peers.scratch())
+            files[key] = mhf.export(m, session.scratch())
             models[key] = m
             rows.append({"model": key, "fidelity": fid, "seconds": time.monotonic() - started})
             print(f"{key}: worst kind {fid.lo:.4f} (mean {fid.mean:.4f}), {time.monotonic() - started:.0f} s",
                   flush=True)
-    engines = {"unpruned": peers.ort_session(base["onnx_int8"])}
-    engines |= {k: peers.ort_session(f["onnx_int8"]) for k, f in files.items()}
+    engines = {"unpruned": session.ort_session(base["onnx_int8"])}
+    engines |= {k: session.ort_session(f["onnx_int8"]) for k, f in files.items()}
     table = {}
     for B, batches in inputs.items():
         calls = {k: (lambda e=e, xs=batches: [e(b["input_ids"], b["attention_mask"]) for b in xs])

@@ -6,7 +6,7 @@ the same head gated. Families that do not build here (missing timm/detectron2, c
 more than shrinking, hybrid state-space caches) are listed with transformers' reason; composite
 families (a config with sub-configs, whose parts would keep their full sizes) are not swept.
 
-    .venv/bin/python bench/hf_sweep.py [model_type ...] > bench/results/hf_sweep.md
+    .venv/bin/python bench/hf_sweep.py [model_type ...]     # writes bench/results/hf_sweep.md (--out)
 
 Columns: "refused" is a clear ValueError/TypeError from multihead (by design); "ERROR" anything else
 raised by multihead's code; "build" a failure before multihead is involved.
@@ -14,11 +14,13 @@ raised by multihead's code; "build" a failure before multihead is involved.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import signal
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -152,7 +154,7 @@ def _one(T, mt: str, cls) -> list[str]:
     return row
 
 
-def main(only: list[str]) -> None:
+def main(only: list[str], out: Path) -> None:
     import transformers as T
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
@@ -160,10 +162,17 @@ def main(only: list[str]) -> None:
     T.logging.set_verbosity_error()
     torch.set_num_threads(2)
     signal.signal(signal.SIGALRM, _alarm)
-    print(f"transformers {T.__version__}, torch {torch.__version__}: `.venv/bin/python bench/hf_sweep.py`\n")
-    print("| family | reference | attached: max error on real tokens | attention modules / with a layout "
-          "| packed=True: max error | one head cut vs gated |")
-    print("|---|---|---|---|---|---|")
+    lines: list[str] = []
+
+    def say(line: str) -> None:  # each row printed as it comes, the whole table written to ``out`` at the end
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"transformers {T.__version__}, torch {torch.__version__}: `.venv/bin/python bench/hf_sweep.py"
+        f"{''.join(' ' + a for a in sys.argv[1:])}`\n")
+    say("| family | reference | attached: max error on real tokens | attention modules / with a layout "
+        "| packed=True: max error | one head cut vs gated |")
+    say("|---|---|---|---|---|---|")
     counts: dict[str, int] = {}
     for mt, name in sorted(MODEL_MAPPING_NAMES.items()):
         if only and mt not in only:
@@ -184,10 +193,16 @@ def main(only: list[str]) -> None:
         for key in ("WRONG", "ERROR"):
             counts[key] = counts.get(key, 0) + text.count(key)
         counts["attached"] = counts.get("attached", 0) + (row[2][:1].isdigit())
-        print(f"| {text} |", flush=True)
-    print(f"\n{counts.get('attached', 0)} families attached; cells WRONG: {counts.get('WRONG', 0)}, "
-          f"ERROR (raised inside multihead, not a clear refusal): {counts.get('ERROR', 0)}")
+        say(f"| {text} |")
+    say(f"\n{counts.get('attached', 0)} families attached; cells WRONG: {counts.get('WRONG', 0)}, "
+        f"ERROR (raised inside multihead, not a clear refusal): {counts.get('ERROR', 0)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("families", nargs="*", help="model types to sweep (default: every one)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "hf_sweep.md")
+    a = ap.parse_args()
+    main(a.families, a.out)

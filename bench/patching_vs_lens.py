@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import multihead.hf as mhf
     from multihead import heads, timing
-    from multihead.deploy.peers import scratch  # removed when the run ends
+    from multihead.deploy.session import scratch  # removed when the run ends
 
     layers, H, E, L, B = (2, 4, 32, 8, 2) if a.tiny else (12, 12, 768, 32, 4)
     torch.manual_seed(0)

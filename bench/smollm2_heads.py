@@ -41,6 +41,21 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(ra @ rb / (ra.norm() * rb.norm()))
 
 
+def _load():
+    """(tokenizer, model): SmolLM2-135M-Instruct's tokenizer and the model (float32, ``attn_implementation=
+    "multihead"``, attached with :func:`multihead.hf.attach`, eval mode)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import multihead.hf as mhf
+    from multihead.models import smollm2_path
+
+    path = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = mhf.attach(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="multihead").eval())
+    return tok, model
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=16, help="IOI prompts")
@@ -51,14 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/smollm2_heads")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from _smollm2 import load  # bench/_smollm2.py: the loading block the smollm2 scripts share
 
     from multihead import heads
     from multihead.apps.common import ioi
     from multihead.apps.common.data import sentences
 
     t0 = time.monotonic()
-    tok, model = load()
+    tok, model = _load()
     sets = ioi.batches(tok, ioi.make(a.prompts, tok, seed=0))
     base = ioi.score(model, sets)
     H, Hkv = model.config.num_attention_heads, model.config.num_key_value_heads

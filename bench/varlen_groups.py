@@ -3,12 +3,14 @@ over groups of sequences of like length (``varlen.padded_groups``), as ``attenti
 them inside a padding-free model. Mixed lengths like W7's sentences (9-53 tokens), fresh lengths
 every call (the groups are computed, not found in the cache), 2 threads, interleaved rounds.
 
-    .venv/bin/python bench/varlen_groups.py
+    .venv/bin/python bench/varlen_groups.py     # writes bench/results/varlen_groups.md (--out)
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+from pathlib import Path
 
 import torch
 
@@ -16,11 +18,16 @@ from multihead import timing
 from multihead.core import varlen
 
 
-def main() -> None:
+def main(out: Path) -> None:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
-    print("| B | H | D | one padded call, ms | grouped, ms | grouped / one (min-max) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    lines = ["# Short self-attention on packed tokens: one padded call vs groups of like length", "",
+             "`.venv/bin/python bench/varlen_groups.py` (2 threads, inference mode, fresh lengths 9-53 every call so "
+             "the grouping is computed each time; interleaved medians; the min-max spread mixes different batches, "
+             "not noise alone).", "",
+             "| B | H | D | one padded call, ms | grouped, ms | grouped / one (min-max) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines))
     for B, H, D in [(16, 6, 32), (16, 12, 32), (64, 6, 32), (64, 12, 64)]:
         batches = []
         for _ in range(64):  # lengths of sentences, 9-53 tokens
@@ -43,9 +50,14 @@ def main() -> None:
                                    max_seconds=30)
         varlen.MAX_GROUPS = 8
         one, grp = t["one"], t["grouped"]
-        print(f"| {B} | {H} | {D} | {one.median:.3f} | {grp.median:.3f} | {grp.median / one.median:.2f} "
-              f"({grp.min / one.max:.2f}-{grp.max / one.min:.2f}) |")
+        lines.append(f"| {B} | {H} | {D} | {one.median:.3f} | {grp.median:.3f} | {grp.median / one.median:.2f} "
+                     f"({grp.min / one.max:.2f}-{grp.max / one.min:.2f}) |")
+        print(lines[-1], flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "varlen_groups.md")
+    main(ap.parse_args().out)

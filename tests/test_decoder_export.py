@@ -197,6 +197,24 @@ def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4  # int4: test_decoder_prune's formats test
 
 
+def test_genais_peer_is_its_builder_on_the_unpruned_checkpoint_made_once(tmp_path):
+    """standard_genai: GenAI's builder on the unpruned folder as its users run it (fp32, CPU) -- the unpruned head
+    counts, the torch model's greedy tokens -- and kept where the folder already holds it (the builder runs once: ~15 s)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from multihead.deploy.genai import _genai_greedy, standard_genai
+
+    m = _tiny()
+    m.save_pretrained(tmp_path / "hf")
+    _tokenizer().save_pretrained(tmp_path / "hf")
+    peer = standard_genai(tmp_path / "hf", tmp_path / "peer")
+    cfg = json.loads((peer / "genai_config.json").read_text())["model"]["decoder"]
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (4, 2, 16)
+    assert _genai_greedy(og, peer, IDS, 6)[1] == _greedy(m)
+    made = (peer / "genai_config.json").stat().st_mtime_ns
+    assert standard_genai(tmp_path / "hf", tmp_path / "peer") == peer
+    assert (peer / "genai_config.json").stat().st_mtime_ns == made
+
+
 def _unpermute(w, n_head):
     """The inverse of llama.cpp's q/k permutation: rows (n_head, D/2, 2) back to HF's (n_head, 2, D/2)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

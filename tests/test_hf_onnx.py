@@ -84,8 +84,8 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
 
 def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quantize_it(tmp_path):
     """save(quantize="int8") keeps the float weights: load(quantized=False) gives the pruned float model exactly
-    (load() the int8 one), and its export quantized by ONNX Runtime (peers.ort_int8) stays close to it."""
-    from multihead.deploy import peers
+    (load() the int8 one), and its export quantized by ONNX Runtime (onnx.ort_int8) stays close to it."""
+    from multihead.deploy import onnx
     from multihead.quantize import is_quantized
 
     model = _bert(True)
@@ -99,7 +99,7 @@ def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quant
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).last_hidden_state
         assert torch.equal(as_float(input_ids=ids, attention_mask=am).last_hidden_state, want)
-    served = peers.ort_int8(peers.export(as_float, {"input_ids": ids, "attention_mask": am}))
+    served = onnx.ort_int8(onnx.export(as_float, {"input_ids": ids, "attention_mask": am}))
     got = served(input_ids=ids, attention_mask=am).last_hidden_state
     keep = am.bool()
     cos = torch.nn.functional.cosine_similarity(got[keep], want[keep], dim=-1)
@@ -107,30 +107,30 @@ def test_a_model_saved_int8_loads_back_float_for_export_and_other_runtimes_quant
 
 
 def test_the_same_model_is_exported_once_per_process_and_a_changed_one_again():
-    """peers.export caches by content (class, config, every tensor): the same checkpoint gives the same file,
+    """onnx.export caches by content (class, config, every tensor): the same checkpoint gives the same file,
     a pruned or gated one its own export."""
-    from multihead.deploy import peers
+    from multihead.deploy import onnx
 
     model = _bert(False)
     ex = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
-    first = peers.export(model, ex)
-    assert peers.export(_bert(False), ex) == first  # built again from the same seed: the same weights
-    assert peers.export(_bert(True), ex) == first  # padding-free: exported padded, the same graph
+    first = onnx.export(model, ex)
+    assert onnx.export(_bert(False), ex) == first  # built again from the same seed: the same weights
+    assert onnx.export(_bert(True), ex) == first  # padding-free: exported padded, the same graph
     pruned = _bert(False)
     heads.prune(pruned, {"encoder.layer.0.attention.self": [1]})
-    assert peers._fingerprint(pruned) != peers._fingerprint(model)
+    assert onnx._fingerprint(pruned) != onnx._fingerprint(model)
     with heads.gated(model, {"encoder.layer.0.attention.self": torch.tensor([1.0, 0.0, 1.0, 1.0])}):
-        assert peers._fingerprint(model) is None  # a gate is not in the weights: never cached
+        assert onnx._fingerprint(model) is None  # a gate is not in the weights: never cached
 
 
 def test_the_runtime_files_a_process_makes_are_removed_when_it_ends(tmp_path):
-    """peers.scratch: each call a new empty folder inside one folder of the process's, under the temporary folder;
+    """session.scratch: each call a new empty folder inside one folder of the process's, under the temporary folder;
     gone when the process ends, normally or by an exception (the standard files are ~0.8 GB of an encoder's run)."""
     import os
     import subprocess
     import sys
 
-    code = ("import sys\nfrom multihead.deploy import peers\na, b = peers.scratch(), peers.scratch()\n"
+    code = ("import sys\nfrom multihead.deploy import session\na, b = session.scratch(), session.scratch()\n"
             "assert a != b and a.parent == b.parent and not any(a.iterdir())\n(a / 'f.onnx').write_bytes(b'x' * 10)\n"
             "print(a)\nif sys.argv[1] == 'raise':\n    raise RuntimeError('ended by an exception')\n")
     for end in ("return", "raise"):
@@ -329,7 +329,7 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     """The peer of each row is the fastest standard file of the unpruned model; multihead's own export of the unpruned
     model is a column (its ratio to the peer), never the baseline; the speed-up is the peer's time over the pruned
     file's, read round by round (the median of the rounds' ratios, in its 95% interval), beside the bound."""
-    from multihead.deploy import compare, peers
+    from multihead.deploy import compare, peers, session
 
     model = _bert(False)
     peer = T.BertModel(model.config.__class__(**{**model.config.to_dict(), "_attn_implementation": "sdpa"})).eval()
@@ -338,7 +338,7 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
     batches = [{"input_ids": torch.randint(3, 100, (4, 9), generator=g), "attention_mask": torch.ones(4, 9,
                                                                                                    dtype=torch.long)}]
     std = peers.standard_files(peer, batches[0], openvino=False)
-    assert all(f.is_relative_to(peers._SCRATCH.name) for f in std.values())  # removed when the process ends
+    assert all(f.is_relative_to(session._SCRATCH.name) for f in std.values())  # removed when the process ends
     base = mhf.export(model, tmp_path / "u", openvino=False)
     import copy
 

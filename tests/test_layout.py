@@ -179,6 +179,67 @@ def test_each_command_imports_only_its_room_and_the_floors_below():
     assert not wrong, f"imports that run up or across the commands' floors: {wrong}"
 
 
+def test_prune_calls_its_target_search_and_is_never_called_back():
+    """``apps/prune/target.py`` (what ``--target-*`` asks: the search, its refusals, its lines) sits below
+    ``pruning.py``: it imports no other module of the applications, so following prune's options runs one way."""
+    graph = _graph()
+    assert not {d for d in graph["multihead.apps.prune.target"] if d.startswith("multihead.apps")}
+    assert "multihead.apps.prune.target" in graph["multihead.apps.prune.pruning"]
+
+
+def test_each_runtime_room_holds_its_peers_below_their_index():
+    """Each runtime's room makes its own peers' standard files; ``deploy/peers.py`` lists them (``standard_files``)
+    and only the runtime table (``deploy/compare.py``) stands on it inside ``multihead.deploy``."""
+    graph = _graph()
+    rooms = {"onnx", "openvino"}  # the encoder rooms whose standard files the index lists
+    assert {f"multihead.deploy.{r}" for r in rooms} <= graph["multihead.deploy.peers"]
+    above = sorted(n for n, deps in graph.items() if "multihead.deploy.peers" in deps and n.startswith("multihead.deploy"))
+    assert above == ["multihead.deploy.compare"], above
+
+
+BENCH = ROOT.parent.parent / "bench"
+
+
+def _private(tree, modules: set[str]) -> list[int]:
+    """The lines of ``tree`` that read a private attribute (``_x``, not ``__x__``) through a name in ``modules``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            attrs, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                attrs.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules and \
+                    any(a.startswith("_") and not a.startswith("__") for a in attrs):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_bench_scripts_call_the_library_by_its_public_names_and_write_their_tables():
+    """``bench/`` is for measurements (ARCHITECTURE.md): each script is named for its table (no helper modules),
+    writes it under ``bench/results/``, imports nothing from ``tests/`` and reaches no private name of multihead
+    (``from multihead.x import _y``, or ``m._y`` through a name bound by an import of multihead)."""
+    for path in sorted(BENCH.glob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        assert not path.name.startswith("_"), f"bench/{path.name}: a helper, not a table (its code goes into src/)"
+        assert "results" in text, f"bench/{path.name} writes nothing into bench/results/"
+        bound = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [(a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [(f"{node.module}.{a.name}", a.asname or a.name) for a in node.names]
+            else:
+                continue
+            for full, local in names:
+                assert not full.split(".")[0].startswith(("test_", "tests")), f"bench/{path.name}:{node.lineno} imports {full}"
+                if full.split(".")[0] == "multihead":
+                    assert not full.split(".")[-1].startswith("_"), f"bench/{path.name}:{node.lineno} imports {full}"
+                    bound.add(local)
+        assert not _private(tree, bound), f"bench/{path.name} reads private names at lines {_private(tree, bound)}"
+
+
 def _imports(tree) -> list[tuple[str, int, bool]]:
     """Every import of ``tree`` as (name, line, at import time: outside any function); ``from m import x`` is
     ``m.x``."""

@@ -436,23 +436,19 @@ def test_passages_of_the_held_out_sentences_are_a_kind_of_text_up_to_the_models_
 def test_each_target_is_asked_of_the_fidelity_it_judges():
     """--target-kl of a causal LM's setup (its fidelity a KL), --target-cosine of an encoder's, --target-accuracy of
     the demo's models; any other pairing refused in one line naming the option to use."""
-    from multihead.apps.prune import pruning
-
     kl = SimpleNamespace(name="lm", metric_kind="kl", metric_name="mean KL", scores_fn=None)
     cos = SimpleNamespace(name="enc", metric_kind="cosine", metric_name="mean cosine", scores_fn=lambda m: None)
-    assert pruning.wrong_target(kl, target.Goal("kl", 0.1)) is None
-    assert pruning.wrong_target(cos, target.Goal("cosine", 0.9)) is None
-    assert pruning.wrong_target(kl, target.Goal("accuracy", 0.9)) == (
+    assert target.wrong_target(kl, target.Goal("kl", 0.1)) is None
+    assert target.wrong_target(cos, target.Goal("cosine", 0.9)) is None
+    assert target.wrong_target(kl, target.Goal("accuracy", 0.9)) == (
         "--target-accuracy needs an accuracy fidelity; lm is measured by mean KL: use --target-kl instead, or prune a "
         "fixed --fraction.")
-    assert "--target-cosine needs a cosine fidelity" in pruning.wrong_target(kl, target.Goal("cosine", 0.9))
+    assert "--target-cosine needs a cosine fidelity" in target.wrong_target(kl, target.Goal("cosine", 0.9))
 
 
 def test_a_missed_unpruned_model_does_not_end_the_search_and_the_line_says_why():
     """An accuracy above the unpruned model's can still be met by a recovered cut: the search goes on; the last
     line blames int8 only when it was asked."""
-    from multihead.apps.prune import pruning
-
     calls = []
     setup = _setup(lambda f: 0.9 if f == 0 or f > 0.25 else 0.99, calls)  # the unpruned model short, cuts past it
     rows, snaps = _curve(4)
@@ -460,5 +456,5 @@ def test_a_missed_unpruned_model_does_not_end_the_search_and_the_line_says_why()
     assert record["met"] and kept.index == 2 and calls[0] == 0.0
     setup = _setup(lambda f: 0.9, calls)
     _, record = target.choose(setup, rows, snaps, target=0.95, recover=0, quantize=None, budget=target.Budget(None))
-    line = pruning.not_met(record)
+    line = target.not_met(record)
     assert "even the unpruned model misses it (lower the target)" in line and "int8" not in line

@@ -39,6 +39,7 @@ SLOW: list[tuple[tuple[str, ...], float]] = [
     (("tests/test_pruning.py::test_prune_toy_writes_report_curve_and_a_loadable_model",), 32),
     (("tests/test_grader.py::test_a_submission_reads_and_reaches_nothing_but_itself",), 30),
     (("tests/test_decoder_export.py::test_genai_builds_the_pruned_model_and_generates_its_tokens",), 28),
+    (("tests/test_decoder_export.py::test_genais_peer_is_its_builder_on_the_unpruned_checkpoint_made_once",), 16),
     (("tests/test_neurons.py::test_a_cut_model_saves_and_loads_back_in_multihead_and_transformers",), 28),
     (("tests/test_progress.py::test_a_log_gets_whole_lines_and_no_carriage_return",), 27),
     (("tests/test_readme.py::test_readme_python_block_runs[docs/how-to/serve-fastembed.md: Serve a pruned encoder "

@@ -9,6 +9,9 @@ It takes a ``LlamaForCausalLM``; GenAI's builder holds one head count for every 
 cut that differs between layers, naming the layers. The model is read back through ``onnxruntime_genai`` and compared
 with the torch model before it is returned (:mod:`multihead.deploy.check`: the prompt's logits within fp32 rounding,
 greedy tokens equal); a model that differs is deleted and a ValueError says by how much.
+
+The peer's file is made here too: the builder run on the unpruned checkpoint as GenAI's users run it
+(:func:`standard_genai`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from multihead.deploy.check import QUANTIZED, TOLERANCE, Served, _compare, _gree
 from multihead.deploy.llama import _check, standard_folder
 from multihead.extras import require
 
-__all__ = ["GENAI_PRECISIONS", "export_genai"]
+__all__ = ["GENAI_PRECISIONS", "export_genai", "standard_genai"]
 
 
 GENAI_PRECISIONS = ("fp32", "int4")
@@ -98,3 +101,14 @@ def _genai_greedy(og, folder: Path, ids: Tensor, n: int) -> tuple[np.ndarray, li
         gen.generate_next_token()
         tokens.append(int(gen.get_next_tokens()[0]))
     return last, tokens
+
+
+def standard_genai(src: str | Path, out: str | Path) -> Path:
+    """The peer's GenAI folder: GenAI's builder on the unpruned checkpoint folder ``src``, as its users run it (fp32,
+    CPU), into ``out``; kept where ``out`` already holds it (built once)."""
+    src, out = Path(src), Path(out)
+    if not (out / "genai_config.json").is_file():
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
+                        "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "cache")], check=True,
+                       capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return out

@@ -17,6 +17,9 @@ gguf_file=...)``: logits within the file's rounding, greedy tokens equal). A dec
 refuses, is run by :func:`gguf_model` instead: a Llama built at the file's per-layer counts, each tensor dequantized
 by ``gguf`` and its q/k rows put back in transformers' order by transformers' own GGUF tensor processor. A file that
 differs is deleted and a ValueError says by how much.
+
+The peer's file is the unpruned model through the same writer (:func:`export_gguf`, f16 or f32): what llama.cpp's
+``convert_hf_to_gguf.py`` writes for a Llama.
 """
 
 from __future__ import annotations

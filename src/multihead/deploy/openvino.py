@@ -3,8 +3,11 @@ frontend, as optimum-intel converts, else the ONNX file through its ONNX fronten
 mask read straight from ``attention_mask``: :func:`padding_mask_only`; same-shape reshapes left out:
 :func:`identity_reshapes`; each attention op's query and key from one int8 product: :func:`merge_query_key`) and
 NNCF's static int8 (:func:`nncf_int8`); the files :func:`multihead.deploy.folder.export` writes under
-``DIR/openvino/``, each compared with the torch model before it is kept (:mod:`multihead.deploy.check`). The peers'
-OpenVINO files are made in :mod:`multihead.deploy.peers`.
+``DIR/openvino/``, each compared with the torch model before it is kept (:mod:`multihead.deploy.check`).
+
+The peers' OpenVINO files are made here too: the unpruned model converted as OpenVINO's documentation does it, from
+the ONNX file and from the PyTorch model, each with NNCF's int8 (:func:`_openvino_standard`, labelled in
+:data:`OPENVINO_STANDARD`; :func:`multihead.deploy.peers.standard_files` lists every runtime's).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch import nn
 
 from multihead.deploy.check import verify
 from multihead.deploy.onnx import EXPORT_JSON
-from multihead.deploy.trace import _export_example, _padded_eval, _TokensToHidden, standard_attention
+from multihead.deploy.session import RuntimeModel, openvino_model, scratch
+from multihead.deploy.trace import _export_example, _Hidden, _padded_eval, _TokensToHidden, standard_attention
 from multihead.hf.layouts import probe_inputs
 
 OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE = "openvino", "openvino_model.xml", "openvino_model_int8.xml"
@@ -337,3 +341,63 @@ def _as_input(batch: dict, name: str):
     if t is None:
         raise ValueError(f"export: a calibration batch has no {name!r}; each batch needs {name} (B, L).")
     return torch.as_tensor(t).long().numpy()
+
+
+# --- the peers' OpenVINO files: the unpruned model converted the way OpenVINO's documentation does it ---
+
+#: the peers' OpenVINO files' labels: (key, how OpenVINO's documentation makes it)
+OPENVINO_STANDARD = {"openvino": "openvino.convert_model of the ONNX file",
+                     "openvino_int8": "openvino.convert_model of the ONNX file + NNCF",
+                     "openvino_pt": "openvino.convert_model of the PyTorch model",
+                     "openvino_pt_int8": "openvino.convert_model of the PyTorch model + NNCF"}
+
+
+def openvino_fp32(f: Path) -> RuntimeModel:
+    """The ONNX file ``f`` in :func:`openvino_model`."""
+    return openvino_model(f)
+
+
+def openvino_int8_model(f: Path, calibration: list[dict]) -> RuntimeModel:
+    """The ONNX file ``f`` quantized by NNCF's static int8 (:func:`openvino_int8`, calibrated on
+    ``calibration``: text the timing never uses), compiled by :func:`openvino_model`."""
+    return openvino_model(openvino_int8(f, scratch() / "int8.xml", calibration))
+
+
+def _openvino_standard(model, f: Path, xs: tuple, names: list[str], d: Path, *, calibration=None,
+                       log=None) -> dict[str, Path]:
+    """OpenVINO's files of the unpruned ``model`` in ``d``: ``convert_model`` of the ONNX file ``f`` and of the PyTorch
+    model (:func:`_openvino_pt`), each with NNCF's static int8 where ``calibration`` is given; {} without the openvino
+    extra (told to ``log``)."""
+    from multihead.extras import require
+
+    try:
+        ov = require("openvino", "OpenVINO's standard conversion")
+        ov.save_model(ov.convert_model(str(f)), str(d / "openvino_model.xml"), compress_to_fp16=False)
+        out = {"openvino": d / "openvino_model.xml"} | _openvino_pt(model, xs, names, d, log)
+        for k in [k for k in ("openvino", "openvino_pt") if k in out and calibration]:
+            out[f"{k}_int8"] = openvino_int8(out[k], d / f"{k}_model_int8.xml", calibration)
+        return out
+    except ImportError as e:
+        if log is not None:
+            log(f"  OpenVINO's standard files not made: {e}")
+        return {}
+
+
+def _openvino_pt(model, xs: tuple, names: list[str], d: Path, log=None) -> dict[str, Path]:
+    """{"openvino_pt": path} in ``d``: ``model`` (its own attention) through OpenVINO's PyTorch frontend
+    (``openvino.convert_model`` of the module, traced on ``xs`` named ``names``: OpenVINO's documented first route,
+    and the one optimum-intel and sentence-transformers' OpenVINO backend take); {} where it fails (told to ``log``)."""
+    from multihead.extras import quiet_logs, require
+
+    ov = require("openvino", "OpenVINO's standard conversion")
+    try:
+        with _padded_eval(model), torch.no_grad(), warnings.catch_warnings(), quiet_logs("torch"):
+            warnings.simplefilter("ignore")  # the tracer's notices
+            ir = ov.convert_model(_Hidden(model, names).eval(), example_input=dict(zip(names, xs)))
+        ir.outputs[0].get_tensor().set_names({"last_hidden_state"})
+        ov.save_model(ir, str(d / "openvino_pt_model.xml"), compress_to_fp16=False)
+    except Exception as e:  # noqa: BLE001 - the frontend's failures share no base class
+        if log is not None:
+            log(f"  OpenVINO's conversion of the PyTorch model not made: {type(e).__name__}: {str(e)[:200]}")
+        return {}
+    return {"openvino_pt": d / "openvino_pt_model.xml"}

@@ -1,10 +1,11 @@
 """A runtime's file opened on the CPU and called like the transformers model (:class:`RuntimeModel`): ONNX Runtime's
 session (:func:`ort_session`) and OpenVINO's compiled model (:func:`openvino_model`), each with as many threads as
 torch and set up to be timed beside it. The peers, the runtime table and the choice of the file to serve open their
-files here."""
+files here; the runtime files a process makes for them go in its :func:`scratch` folders."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,3 +53,16 @@ def openvino_model(f: Path) -> RuntimeModel:
         "PERFORMANCE_HINT": "LATENCY"})
     out = compiled.output(0)
     return RuntimeModel(lambda feed: compiled(feed)[out], [i.get_any_name() for i in compiled.inputs])
+
+
+def scratch() -> Path:
+    """A new empty folder for runtime files this process makes, inside one temporary folder of the process's that is
+    removed when the process ends (normally or by an exception): the per-process caches here keep their files until
+    then, and nothing is left in the system's temporary folder (an encoder's standard files are ~0.8 GB a run)."""
+    global _SCRATCH
+    if _SCRATCH is None:
+        _SCRATCH = tempfile.TemporaryDirectory(prefix="multihead-runtimes-")  # its finalizer removes it at exit
+    return Path(tempfile.mkdtemp(dir=_SCRATCH.name))
+
+
+_SCRATCH: tempfile.TemporaryDirectory | None = None

@@ -1,5 +1,6 @@
 """The graph every encoder room traces: the transformers model called as ``(input_ids, attention_mask[,
-token_type_ids])`` (B, L) -> its first output (:class:`_TokensToHidden`), the inputs it takes (:func:`input_names`), an
+token_type_ids])`` (B, L) -> its first output (:class:`_TokensToHidden`; the peers' standard files trace the unpruned
+model's last hidden state, as users wrap it: :class:`_Hidden`), the inputs it takes (:func:`input_names`), an
 example of them checked (:func:`_export_example`), the attention it is traced with (:func:`standard_attention`:
 transformers' SDPA where its class has it) and the mode it is traced in (:func:`_padded_eval`: eval, padded)."""
 
@@ -24,6 +25,19 @@ class _TokensToHidden(nn.Module):
         kw = {"token_type_ids": token_type_ids} if self.token_types else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kw)
         return out[0]  # (B, L, E) or (B, L, vocab)
+
+
+class _Hidden(torch.nn.Module):
+    """A transformers encoder called with its token tensors, giving its last hidden state: what a user wraps to export
+    the model for sentence embeddings (the pooler left out, as sentence-transformers and fastembed read it)."""
+
+    def __init__(self, model, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        types = {"token_type_ids": token_type_ids} if "token_type_ids" in self.names else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **types).last_hidden_state  # (B, L, E)
 
 
 def input_names(model: nn.Module) -> list[str]:

@@ -48,7 +48,8 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
     import transformers
 
     import multihead.hf as mhf
-    from multihead.deploy import peers
+    from multihead.deploy import onnx, peers
+    from multihead.deploy.session import ort_session
 
     models = {
         "transformers (sdpa)": transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(),
@@ -71,8 +72,8 @@ def _models(path, pruned, example: dict, log, calibration: list[dict] | None = N
 
         written = Path(pruned) / ONNX_DIR / ONNX_SERVE_INT8_FILE  # its int8 file to serve where the folder has it
         models[f"multihead, {heads} heads, exported, ONNX Runtime int8"] = (
-            peers.ort_session(written) if written.is_file() else
-            peers.ort_int8(peers.export(mhf.load(pruned, quantized=False), example)))
+            ort_session(written) if written.is_file() else
+            onnx.ort_int8(onnx.export(mhf.load(pruned, quantized=False), example)))
     return models
 
 

@@ -101,7 +101,7 @@ def prune(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from multihead.apps.prune import pruning
+    from multihead.apps.prune import pruning, target
 
     out = Path(args.out)
     if not args.force and _said(_foreign_files(out)):
@@ -119,7 +119,7 @@ def prune(args) -> int:
     if _said(_hf_only(args)):
         return 2
     if goal is not None and not args.hf and args.model == "toy" and goal.kind != "accuracy":  # before any training
-        print(f"multihead prune: {pruning.target_refused('toy', 'accuracy', pruning.TOY_METRIC, goal)}", file=sys.stderr)
+        print(f"multihead prune: {target.target_refused('toy', 'accuracy', pruning.TOY_METRIC, goal)}", file=sys.stderr)
         return 2
     if args.hf:
         from multihead.apps.prune import hf_models
@@ -238,12 +238,12 @@ def _prune_decoder(args, out: Path, started: float) -> int:
 
 def _report_and_exit(report: dict, out: Path) -> int:
     """Print the report's lines; the exit code: 1 when a target was asked and no model tried met it, else 0."""
-    from multihead.apps.prune import pruning
+    from multihead.apps.prune.target import not_met
 
     _print_report(report, out)
     search = report.get("target")
     if search is not None and not search["met"]:
-        print(f"multihead prune: {pruning.not_met(search)}", file=sys.stderr)
+        print(f"multihead prune: {not_met(search)}", file=sys.stderr)
         return 1
     return 0
 
@@ -270,21 +270,22 @@ def _within_budget(setup, options, budget: float | None, started: float):
     import dataclasses
 
     from multihead.apps.prune import pruning
+    from multihead.apps.prune.target import seconds_text
 
     p = pruning.plan(setup, options)
     spent = time.monotonic() - started
     if budget is None:
         budget = max(DEFAULT_BUDGET_S, spent + p.total)
-        print(f"plan: {p}; time budget {pruning.seconds_text(budget)} (the default, grown to the plan where it needs more; "
+        print(f"plan: {p}; time budget {seconds_text(budget)} (the default, grown to the plan where it needs more; "
               "--time-budget sets another)")
     else:
         if spent + p.least > budget:
-            raise ValueError(f"--time-budget {pruning.seconds_text(budget)} cannot hold one candidate: {p} (loading took "
-                             f"{pruning.seconds_text(spent)}); give --time-budget {pruning.seconds_text(spent + p.least)} or "
-                             f"more ({pruning.seconds_text(spent + p.total)} for the whole plan), or fewer --recover steps")
-        print(f"plan: {p}; time budget {pruning.seconds_text(budget)}" + (
+            raise ValueError(f"--time-budget {seconds_text(budget)} cannot hold one candidate: {p} (loading took "
+                             f"{seconds_text(spent)}); give --time-budget {seconds_text(spent + p.least)} or "
+                             f"more ({seconds_text(spent + p.total)} for the whole plan), or fewer --recover steps")
+        print(f"plan: {p}; time budget {seconds_text(budget)}" + (
             "" if spent + p.total <= budget else
-            f" (the whole plan needs {pruning.seconds_text(spent + p.total)}: the search may end before it is settled)"))
+            f" (the whole plan needs {seconds_text(spent + p.total)}: the search may end before it is settled)"))
     return dataclasses.replace(options, deadline=started + budget, candidate_s=p.candidate_s)
 
 

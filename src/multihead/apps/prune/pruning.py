@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
@@ -29,7 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from multihead import heads, timing
-from multihead.apps.prune.target import RESERVE_S, TABLE_MIN_S, Budget, Goal, choose, search_length
+from multihead.apps.prune.target import (
+    RESERVE_S,
+    TABLE_MIN_S,
+    Budget,
+    Goal,
+    choose,
+    search_length,
+    search_line,
+    seconds_text,
+    wrong_target,
+)
 
 
 @dataclass
@@ -117,30 +126,9 @@ RECOVERY_KIND = "distillation steps towards the unpruned model"
 TOY_METRIC = "digits reversed right"
 
 
-def no_cosine(name: str, metric_name: str) -> str:
-    """Why ``--target-cosine`` is refused for a model measured by ``metric_name``."""
-    return f"--target-cosine needs a cosine fidelity; {name} is measured by {metric_name}: prune a fixed --fraction instead."
-
-
 def goal(o: Options) -> Goal | None:
     """``o.target`` as a :class:`~multihead.apps.prune.target.Goal` (a float is a cosine)."""
     return o.target if o.target is None or isinstance(o.target, Goal) else Goal("cosine", float(o.target))
-
-
-def wrong_target(setup: Setup, g: Goal) -> str | None:
-    """Why ``g`` cannot be asked of ``setup`` (its fidelity is another kind), or None."""
-    if g.kind == setup.metric_kind and (g.kind != "cosine" or setup.scores_fn is not None):
-        return None
-    return target_refused(setup.name, setup.metric_kind, setup.metric_name, g)
-
-
-def target_refused(name: str, kind: str, metric_name: str, g: Goal) -> str:
-    """The one line refusing ``g`` for a model ``name`` whose fidelity is of ``kind``, measured by ``metric_name``."""
-    if g.kind == "cosine":
-        return no_cosine(name, metric_name)
-    article = "an" if g.kind[0] in "aeiou" else "a"
-    return (f"{g.option} needs {article} {g.kind} fidelity; {name} is measured by {metric_name}: use "
-            f"{Goal(kind, 1.0).option} instead, or prune a fixed --fraction.")
 
 
 def toy_setup(ckpt: Path) -> Setup:
@@ -392,12 +380,6 @@ class RunPlan:
                 f"); the least that finishes one candidate: {seconds_text(self.least)}")
 
 
-def seconds_text(seconds: float) -> str:
-    """Seconds as 4m30s or 45s."""
-    m, s = divmod(int(math.ceil(seconds)), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 def plan(setup: Setup, o: Options) -> RunPlan:
     """The run costed before any work: one fidelity evaluation, one pass of the importance loss and two recovery
     steps (on a copy) are timed, and every part of the run is counted from them -- importance (ablation: one pass
@@ -583,43 +565,6 @@ def summary(report: dict) -> list[str]:
     if report.get("model_note"):
         lines.append(f"note: {report['model_note']}")
     return lines
-
-
-def _end(x: dict, higher: bool) -> float:
-    """The conservative end of a tried model's fidelity (its interval's end towards worse, else its mean)."""
-    ci = x["fidelity"].get("ci95")
-    return x["fidelity"]["mean"] if ci is None else ci[0] if higher else ci[1]
-
-
-def search_line(t: dict) -> str:
-    """The target search in one line: met where, or not; each model tried with the end of its interval judged."""
-    higher = t.get("higher_is_better", True)
-    kind = t.get("kind", "cosine")
-    end = "lower" if higher else "upper"
-    tried = "; ".join(f"{x['fraction']:.0%}: {x['fidelity']['mean']:.4f}, {end} end {_end(x, higher):.4f} "
-                      f"({'meets' if x['passed'] else 'short'})" for x in t["tried"])
-    verdict = (f"met at {t['chosen_fraction']:.0%} of heads pruned" if t["met"] else
-               f"NOT met by any model tried (the closest: {t['chosen_fraction']:.0%} pruned)")
-    stopped = ""
-    if t["stopped_by_time_budget"]:
-        stopped = (f"; the time budget ended the search with {t.get('candidates_left', '?')} candidate(s) left "
-                   f"(about {seconds_text(t.get('seconds_more_needed', 0))} more would settle it)")
-    return f"target {kind} {t['target']}: {verdict} ({tried}){stopped}"
-
-
-def not_met(t: dict) -> str:
-    """The one line ``multihead prune`` ends with (exit 1) when no model tried met the target."""
-    higher = t.get("higher_is_better", True)
-    closest = next(x for x in t["tried"] if x["fraction"] == t["chosen_fraction"])
-    more = (f"; the search needed about {seconds_text(t['seconds_more_needed'])} more (a longer --time-budget)"
-            if t["stopped_by_time_budget"] else "")
-    why = ""
-    if t["tried"][0]["fraction"] == 0 and not t["tried"][0]["passed"]:
-        why = (" -- even the unpruned model misses it" + (" (int8 alone costs that much: leave out --quantize or lower "
-               "the target)" if t.get("quantize") else " (lower the target)"))
-    return (f"target {t.get('kind', 'cosine')} {t['target']} not met by any model tried{why}; the closest: "
-            f"{closest['fraction']:.0%} of heads pruned at {_end(closest, higher):.4f} "
-            f"({'lower' if higher else 'upper'} end of its interval){more}. Its report and model are in --out.")
 
 
 def check_options(setup: Setup, o: Options) -> None:

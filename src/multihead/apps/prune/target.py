@@ -7,6 +7,10 @@ them joined to long inputs -- the worst kind's). Without a target the last step 
 (:class:`Goal`: ``--target-cosine``, ``--target-kl``, ``--target-accuracy``) :func:`choose` keeps the furthest step
 tried that meets it -- the unpruned model first, the curve's guess next, then bisection (fidelity falls as heads
 go) -- within the command's time (:class:`Budget`).
+
+Everything ``--target-*`` asks is here, below :mod:`multihead.apps.prune.pruning`, which calls it and is never called
+back: a target a model cannot be judged by refused in one line (:func:`wrong_target`, :func:`target_refused`), the
+search told in one line (:func:`search_line`) and the line a missed target ends the command with (:func:`not_met`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Budget", "Fidelity", "Finished", "Goal", "choose", "fidelity", "finish", "search_length"]
+__all__ = ["Budget", "Fidelity", "Finished", "Goal", "choose", "fidelity", "finish", "no_cosine", "not_met",
+           "search_length", "search_line", "seconds_text", "target_refused", "wrong_target"]
 
 #: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
 RESERVE_S = 5.0
@@ -227,6 +232,27 @@ class Goal:
         return f"target {self.kind} {self.value:g}"
 
 
+def no_cosine(name: str, metric_name: str) -> str:
+    """Why ``--target-cosine`` is refused for a model measured by ``metric_name``."""
+    return f"--target-cosine needs a cosine fidelity; {name} is measured by {metric_name}: prune a fixed --fraction instead."
+
+
+def wrong_target(setup, g: Goal) -> str | None:
+    """Why ``g`` cannot be asked of ``setup`` (its fidelity is another kind), or None."""
+    if g.kind == setup.metric_kind and (g.kind != "cosine" or setup.scores_fn is not None):
+        return None
+    return target_refused(setup.name, setup.metric_kind, setup.metric_name, g)
+
+
+def target_refused(name: str, kind: str, metric_name: str, g: Goal) -> str:
+    """The one line refusing ``g`` for a model ``name`` whose fidelity is of ``kind``, measured by ``metric_name``."""
+    if g.kind == "cosine":
+        return no_cosine(name, metric_name)
+    article = "an" if g.kind[0] in "aeiou" else "a"
+    return (f"{g.option} needs {article} {g.kind} fidelity; {name} is measured by {metric_name}: use "
+            f"{Goal(kind, 1.0).option} instead, or prune a fixed --fraction.")
+
+
 def search_length(n_steps: int) -> int:
     """The candidates a full search over the curve's ``n_steps`` pruned steps evaluates at most: the unpruned model,
     the curve's guess, and a bisection of the rest."""
@@ -301,3 +327,46 @@ def _record(goal: Goal, rows: list[dict], tried: dict[int, Finished], chosen: Fi
                        "fidelity": f.fidelity.to_json(), "passed": goal.meets(f.fidelity),
                        "recovery_steps": (f.recovery or {}).get("steps"), "seconds": round(f.seconds, 1)}
                       for i, f in sorted(tried.items())]}
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds as 4m30s or 45s."""
+    m, s = divmod(int(math.ceil(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _end(x: dict, higher: bool) -> float:
+    """The conservative end of a tried model's fidelity (its interval's end towards worse, else its mean)."""
+    ci = x["fidelity"].get("ci95")
+    return x["fidelity"]["mean"] if ci is None else ci[0] if higher else ci[1]
+
+
+def search_line(t: dict) -> str:
+    """The target search in one line: met where, or not; each model tried with the end of its interval judged."""
+    higher = t.get("higher_is_better", True)
+    kind = t.get("kind", "cosine")
+    end = "lower" if higher else "upper"
+    tried = "; ".join(f"{x['fraction']:.0%}: {x['fidelity']['mean']:.4f}, {end} end {_end(x, higher):.4f} "
+                      f"({'meets' if x['passed'] else 'short'})" for x in t["tried"])
+    verdict = (f"met at {t['chosen_fraction']:.0%} of heads pruned" if t["met"] else
+               f"NOT met by any model tried (the closest: {t['chosen_fraction']:.0%} pruned)")
+    stopped = ""
+    if t["stopped_by_time_budget"]:
+        stopped = (f"; the time budget ended the search with {t.get('candidates_left', '?')} candidate(s) left "
+                   f"(about {seconds_text(t.get('seconds_more_needed', 0))} more would settle it)")
+    return f"target {kind} {t['target']}: {verdict} ({tried}){stopped}"
+
+
+def not_met(t: dict) -> str:
+    """The one line ``multihead prune`` ends with (exit 1) when no model tried met the target."""
+    higher = t.get("higher_is_better", True)
+    closest = next(x for x in t["tried"] if x["fraction"] == t["chosen_fraction"])
+    more = (f"; the search needed about {seconds_text(t['seconds_more_needed'])} more (a longer --time-budget)"
+            if t["stopped_by_time_budget"] else "")
+    why = ""
+    if t["tried"][0]["fraction"] == 0 and not t["tried"][0]["passed"]:
+        why = (" -- even the unpruned model misses it" + (" (int8 alone costs that much: leave out --quantize or lower "
+               "the target)" if t.get("quantize") else " (lower the target)"))
+    return (f"target {t.get('kind', 'cosine')} {t['target']} not met by any model tried{why}; the closest: "
+            f"{closest['fraction']:.0%} of heads pruned at {_end(closest, higher):.4f} "
+            f"({'lower' if higher else 'upper'} end of its interval){more}. Its report and model are in --out.")
