@@ -211,6 +211,55 @@ def test_each_package_installs_the_multihead_that_wrote_it(tmp_path):
     assert len(record) == len(a.namelist()) and all(r.count(",") == 2 for r in record)
 
 
+def test_the_fork_server_started_before_torch_keeps_nothing_of_the_graders_environment(tmp_path, monkeypatch):
+    """`multihead check` grading in a fresh process (each platform submission) starts its fork server before it
+    imports torch, so the two load side by side: started by path with the grader's environment, the server replaces
+    itself at once, and its environment is the sandbox's, built (no token of the grader's). The grader adopts it as
+    its fork server; one of another multihead's, or a second, is refused and closed."""
+    import socket
+    import tempfile
+
+    from multihead.grader import runner, zygote
+
+    code = textwrap.dedent("""
+        import json, sys, time, multihead_cli
+        args = multihead_cli.build_parser().parse_args(["check", "--platform", "gradescope", "--grade", "--name", "M"])
+        sock, proc, home, script = multihead_cli._fork_server(args)
+        end = time.monotonic() + 60
+        while b"multihead.grader.zygote" not in open(f"/proc/{proc.pid}/cmdline", "rb").read():  # replaced itself
+            assert time.monotonic() < end and proc.poll() is None
+            time.sleep(0.02)
+        env = dict(e.split("=", 1) for e in open(f"/proc/{proc.pid}/environ").read().split("\\0") if e)
+        proc.kill()
+        print(json.dumps([env, home, script, "torch" in sys.modules]))
+        """)
+    token = f"tok-{os.getpid()}"
+    grader_env = _env(MULTIHEAD_TEST_SECRET_TOKEN=token)
+    run = subprocess.run([sys.executable, "-c", code], env=grader_env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    env, home, script, torch_imported = json.loads(run.stdout)
+    assert env == zygote.environment(home, grader_env) and token not in json.dumps(env), env
+    assert os.path.realpath(script) == os.path.realpath(zygote.__file__) and not torch_imported
+    os.rmdir(home)
+
+    def server():
+        ours, theirs = socket.socketpair()
+        return ours, theirs, subprocess.Popen(["sleep", "30"]), tempfile.mkdtemp()
+
+    monkeypatch.setattr(runner, "_ZYGOTE", [])  # a grader that has none yet
+    for script, taken in ((str(tmp_path / "zygote.py"), False), (zygote.__file__, True), (zygote.__file__, False)):
+        ours, theirs, proc, home = server()
+        try:
+            assert runner.adopt(ours, proc, home, script) is taken
+            assert (runner._zygote().proc is proc) if taken else (ours.fileno() == -1 and not os.path.exists(home))
+        finally:
+            proc.kill()
+            proc.wait()
+            theirs.close()
+            ours.close()
+    monkeypatch.setattr(runner, "_ZYGOTE", [])
+
+
 def test_bad_platform_input_is_one_line_before_any_grading(tmp_path, capsys):
     starter = tmp_path / "mha.py"
     starter.write_text(HONEST)
