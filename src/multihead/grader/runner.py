@@ -315,8 +315,10 @@ class _Zygote:
             self.sock, self.proc, self.home = started
         atexit.register(shutil.rmtree, self.home, True)
         self.lock = threading.Lock()
+        self.used = False  # whether a sandbox was asked of it
 
     def spawn(self, request: dict, log: str):
+        self.used = True
         with self.lock:
             self.sock.sendall(json.dumps(request).encode() + b"\n")
             msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
@@ -331,10 +333,13 @@ _ZYGOTE_LOCK = threading.Lock()
 
 @atexit.register
 def _stop_zygote() -> None:
-    """At exit: close the fork server's socket (it then returns) and wait for it."""
+    """At exit: close the fork server's socket (it then returns) and wait for it; one never used (a command that
+    ended before grading) is ended at once, without waiting for its torch to load."""
     for z in _ZYGOTE:
         if z is not None:
             z.sock.close()
+            if not z.used:
+                z.proc.kill()
             try:
                 z.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
