@@ -350,7 +350,7 @@ def _report(args, members, timing, took, rows, leaks, note) -> None:
              f"{', '.join(sorted(members))}; `python3` {args.python3} (the system's); pip's "
              f"PIP_FIND_LINKS={os.environ.get('PIP_FIND_LINKS', '-')}; each run_autograder with `unshare` refused "
              "(Docker's default seccomp profile), as root: each submission a user of its own. The machine's load "
-             f"average (1 min) {args.load[0]} before, {args.load[1]} after: other work shared the 2 cores.", "",
+             f"average (1 min) {args.load[0]} before, {args.load[1]} after (other work on the machine counts in it).", "",
              "| phase (`/usr/bin/time -v`) | wall s | user s | system s | CPU | peak RSS MiB |",
              "|---|---:|---:|---:|---:|---:|"]
     for k, what in (("setup", "setup.sh: venv, torch, multihead's wheel"), ("grading", "30 × run_autograder"),
