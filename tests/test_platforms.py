@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from multihead.grader import confine
+from multihead.grader import confine, platforms
 from multihead_cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,11 +78,16 @@ def test_gradescope_autograder_grades_as_check_does(tmp_path, by_check):
     starter.write_text(CLASS["ada"])
     zipped = tmp_path / "autograder.zip"
     assert main(["check", "--platform", "gradescope", "--write", str(zipped), *OPTIONS, "--starter", str(starter)]) == 0
+    whl = platforms.wheel().name
     with zipfile.ZipFile(zipped) as z:
-        assert sorted(z.namelist()) == ["run_autograder", "setup.sh"]
+        assert sorted(z.namelist()) == sorted(["run_autograder", "setup.sh", whl])
         assert z.getinfo("run_autograder").external_attr >> 16 & 0o111
+        assert z.read(whl) == platforms.wheel().read_bytes()
         setup = z.read("setup.sh").decode()
-    assert "download.pytorch.org/whl/cpu torch" in setup and "multihead==" in setup and "python3 -m venv" in setup
+    # torch from PyTorch's CPU index, multihead from the zip's own wheel (no name looked up on PyPI), every user reads
+    assert '--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "${TORCH_SPEC:-torch}"' in setup
+    assert f'install --no-cache-dir "${{MULTIHEAD_SPEC:-$HERE/{whl}}}"' in setup and "multihead==" not in setup
+    assert "python3 -m venv" in setup and 'chmod -R a+rX "$VENV"' in setup
     assert subprocess.run(["bash", "-n", "-c", setup]).returncode == 0
     for who in CLASS:
         root = tmp_path / who
@@ -116,6 +121,10 @@ def test_prairielearn_question_grades_as_check_does(tmp_path, by_check):
     grading = info["externalGradingOptions"]
     assert info["gradingMethod"] == "External" and grading["entrypoint"] == "/grade/tests/run.sh"
     assert grading["timeout"] >= 100 and grading["image"] and (question / "Dockerfile").is_file()
+    whl = platforms.wheel()
+    docker = (question / "Dockerfile").read_text()
+    assert (question / whl.name).read_bytes() == whl.read_bytes() and f"COPY {whl.name} /tmp/" in docker
+    assert f"ARG MULTIHEAD_SPEC=/tmp/{whl.name}" in docker and 'pip install --no-cache-dir "$MULTIHEAD_SPEC"' in docker
     assert (question / "clientFilesQuestion" / "mha.py").read_text() == CLASS["ada"]
     for who in CLASS:
         root = tmp_path / who
@@ -156,6 +165,10 @@ def test_github_classroom_workflow_reports_the_points_check_gives(tmp_path, by_c
         assert reporter["with"]["runners"].split(",") == [s["id"] for s in graders]
         assert all(f"steps.{s['id']}.outputs.result" in reporter["env"][f"{s['id'].upper().replace('-', '_')}_RESULTS"]
                    for s in graders)
+        whl = platforms.wheel().name
+        install = next(s for s in steps if s.get("name") == "Install multihead")["run"]
+        assert f'pip install "${{MULTIHEAD_SPEC:-.multihead/{whl}}}"' in install and "multihead==" not in install
+        assert (repo / ".multihead" / whl).read_bytes() == platforms.wheel().read_bytes()
         env = _env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
         grade = next(s for s in steps if s.get("name") == "Grade")
         run = subprocess.run(grade["run"], shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
@@ -167,6 +180,84 @@ def test_github_classroom_workflow_reports_the_points_check_gives(tmp_path, by_c
             scores.append((s["with"]["max-score"] * ok, s["with"]["max-score"]))
         res = json.loads((repo / ".multihead" / "results.json").read_text())
         _same_as_check(by_check, who, sum(s for s, _ in scores), sum(m for _, m in scores), scores, res["output"])
+
+
+def test_each_package_installs_the_multihead_that_wrote_it(tmp_path):
+    """The packages carry a wheel of the running multihead (built from this checkout) instead of naming a version on
+    PyPI: installed (pip, no index, no dependencies) it is this source, file for file, with its command; a wheel
+    repacked from that installed copy (how a multihead installed from a wheel makes its own) holds the same files."""
+    from importlib.metadata import distributions
+
+    whl = platforms.wheel()
+    assert whl.name == "multihead-0.1.0-py3-none-any.whl" and platforms.wheel() == whl  # made once per process
+    target = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", "--target",
+                          str(target), str(whl)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    src = Path(SRC)
+    ours = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            and p.suffix in (".py", ".html")}
+    installed = {p.relative_to(target).as_posix() for p in target.glob("multihead*/**/*") if p.is_file() and
+                 "__pycache__" not in p.parts and ".dist-info" not in p.parent.as_posix()}
+    assert installed == ours
+    assert all((target / f).read_bytes() == (src / f).read_bytes() for f in ours)
+    [dist] = [d for d in distributions(path=[str(target)]) if d.metadata["Name"] == "multihead"]
+    assert any(e.name == "multihead" and e.value == "multihead_cli:main" for e in dist.entry_points)
+    again = platforms.repack(dist, tmp_path)
+    with zipfile.ZipFile(whl) as a, zipfile.ZipFile(again) as b:
+        assert a.namelist() and sorted(a.namelist()) == sorted(b.namelist())
+        assert all(a.read(n) == b.read(n) for n in a.namelist() if not n.endswith("/RECORD"))
+        record = b.read("multihead-0.1.0.dist-info/RECORD").decode().splitlines()
+    assert len(record) == len(a.namelist()) and all(r.count(",") == 2 for r in record)
+
+
+def test_the_fork_server_started_before_torch_keeps_nothing_of_the_graders_environment(tmp_path, monkeypatch):
+    """`multihead check` grading in a fresh process (each platform submission) starts its fork server before it
+    imports torch, so the two load side by side: started by path with the grader's environment, the server replaces
+    itself at once, and its environment is the sandbox's, built (no token of the grader's). The grader adopts it as
+    its fork server; one of another multihead's, or a second, is refused and closed."""
+    import socket
+    import tempfile
+
+    from multihead.grader import runner, zygote
+
+    code = textwrap.dedent("""
+        import json, sys, time, multihead_cli
+        args = multihead_cli.build_parser().parse_args(["check", "--platform", "gradescope", "--grade", "--name", "M"])
+        sock, proc, home, script = multihead_cli._fork_server(args)
+        end = time.monotonic() + 60
+        while b"multihead.grader.zygote" not in open(f"/proc/{proc.pid}/cmdline", "rb").read():  # replaced itself
+            assert time.monotonic() < end and proc.poll() is None
+            time.sleep(0.02)
+        env = dict(e.split("=", 1) for e in open(f"/proc/{proc.pid}/environ").read().split("\\0") if e)
+        proc.kill()
+        print(json.dumps([env, home, script, "torch" in sys.modules]))
+        """)
+    token = f"tok-{os.getpid()}"
+    grader_env = _env(MULTIHEAD_TEST_SECRET_TOKEN=token)
+    run = subprocess.run([sys.executable, "-c", code], env=grader_env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    env, home, script, torch_imported = json.loads(run.stdout)
+    assert env == zygote.environment(home, grader_env) and token not in json.dumps(env), env
+    assert os.path.realpath(script) == os.path.realpath(zygote.__file__) and not torch_imported
+    os.rmdir(home)
+
+    def server():
+        ours, theirs = socket.socketpair()
+        return ours, theirs, subprocess.Popen(["sleep", "30"]), tempfile.mkdtemp()
+
+    monkeypatch.setattr(runner, "_ZYGOTE", [])  # a grader that has none yet
+    for script, taken in ((str(tmp_path / "zygote.py"), False), (zygote.__file__, True), (zygote.__file__, False)):
+        ours, theirs, proc, home = server()
+        try:
+            assert runner.adopt(ours, proc, home, script) is taken
+            assert (runner._zygote().proc is proc) if taken else (ours.fileno() == -1 and not os.path.exists(home))
+        finally:
+            proc.kill()
+            proc.wait()
+            theirs.close()
+            ours.close()
+    monkeypatch.setattr(runner, "_ZYGOTE", [])
 
 
 def test_bad_platform_input_is_one_line_before_any_grading(tmp_path, capsys):
@@ -235,9 +326,38 @@ DENIED = textwrap.dedent('''
     ''')
 
 
-def _denied(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", DENIED, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+def _denied(python: str, argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-c", DENIED, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=400)
+
+
+@pytest.fixture(scope="module")
+def shared_python():
+    """A Python every user can read, as on the platforms' images (a submission's user of its own imports from it):
+    this one where it is so, else -- this project's environment may be made from a Python under /root, which the
+    grader then refuses -- a virtual environment of the system's Python of this version over this one's
+    site-packages."""
+    import shutil
+    import sysconfig
+    import tempfile
+
+    if not confine.unreadable():
+        yield sys.executable
+        return
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    system = Path(f"/usr/bin/python{version}")
+    if not system.is_file():
+        pytest.skip(f"this Python is not readable by every user ({confine.unreadable()[0]}) and there is no {system}")
+    top = Path(tempfile.mkdtemp(prefix="multihead-python-"))
+    try:
+        top.chmod(0o755)
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(top / "venv")], check=True, timeout=60)
+        site = top / "venv" / "lib" / f"python{version}" / "site-packages"
+        site.rmdir()
+        site.symlink_to(sysconfig.get_paths()["purelib"])
+        yield str(top / "venv" / "bin" / "python")
+    finally:
+        shutil.rmtree(top)
 
 
 def _listeners(tmp_path: Path):
@@ -281,7 +401,7 @@ needs_landlock = pytest.mark.skipif(platform.system() != "Linux" or confine.abi(
 
 
 @needs_landlock
-def test_without_user_namespaces_the_hostile_class_gets_nothing_more(tmp_path):
+def test_without_user_namespaces_the_hostile_class_gets_nothing_more(tmp_path, shared_python):
     """The hostile class of tests/test_grader.py (a thief of a classmate's file by every path, a sender over UDP and
     a Unix socket, the grader's environment and escape sequences put into its error) graded by `multihead check`
     with user namespaces refused: each submission runs as a user of its own under Landlock and the seccomp filter,
@@ -297,8 +417,9 @@ def test_without_user_namespaces_the_hostile_class_gets_nothing_more(tmp_path):
         (subs / who / "mha.py").write_text(HOSTILE[who])
     token = f"tok-{os.getpid()}"
     mode = alice.stat().st_mode
-    run = _denied(["check", "class", "--name", "MHA", "--call", "qkv", "--seed", "3", "--timeout", "90", "--report",
-                   str(tmp_path / "grades.csv")], tmp_path, _env(MULTIHEAD_TEST_SECRET_TOKEN=token))
+    run = _denied(shared_python, ["check", "class", "--name", "MHA", "--call", "qkv", "--seed", "3", "--timeout", "90",
+                                  "--report", str(tmp_path / "grades.csv")], tmp_path,
+                  _env(MULTIHEAD_TEST_SECRET_TOKEN=token))
     rows = {Path(r["file"]).parent.name: r for r in csv.DictReader((tmp_path / "grades.csv").open())}
     assert rows["alice"]["status"] == "ok", (rows, run.stderr)
     assert rows["mallory"]["status"] == "not ok" and rows["mallory"]["finding"].startswith("scores divided by d_k")
@@ -313,7 +434,7 @@ def test_without_user_namespaces_the_hostile_class_gets_nothing_more(tmp_path):
 
 
 @needs_landlock
-def test_without_user_namespaces_a_platform_submission_cannot_forge_its_results(tmp_path):
+def test_without_user_namespaces_a_platform_submission_cannot_forge_its_results(tmp_path, shared_python):
     """Through Gradescope's and PrairieLearn's layouts with user namespaces refused: a submission that writes a
     results file where the platform reads it, reads the teacher's source folder and sends what it read is graded on
     its own code; the results file is the grader's and says which layers were active."""
@@ -327,8 +448,8 @@ def test_without_user_namespaces_a_platform_submission_cannot_forge_its_results(
         forge = [str(root / "results" / "results.json"), str(root / folder / "results.json")]
         (root / folder / "mha.py").write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(secret)!r}, {port}, {unix!r}\n"
                                               f"FORGE = {forge!r}\n" + FORGER + THIEF)
-        run = _denied(["check", "--platform", plat, "--grade", "--root", str(root), "--name", "MHA", "--call", "qkv",
-                       "--seed", "3", "--starter", "mha.py"], tmp_path, _env())
+        run = _denied(shared_python, ["check", "--platform", plat, "--grade", "--root", str(root), "--name", "MHA",
+                                      "--call", "qkv", "--seed", "3", "--starter", "mha.py"], tmp_path, _env())
         assert run.returncode == 0, run.stdout + run.stderr
         res = json.loads((root / "results" / "results.json").read_text())
         said = res.get("extra_data") or res["sandbox"]
@@ -337,6 +458,62 @@ def test_without_user_namespaces_a_platform_submission_cannot_forge_its_results(
         score = res["score"] if plat == "gradescope" else res["score"] * 16
         assert score == 12 and not (root / folder / "results.json").exists()
         assert received() == [] and secret.read_text() == HONEST
+
+
+def test_what_another_user_cannot_read_is_named_by_its_mode():
+    """confine.unreadable on a tree of the test's: a folder above the Python that others cannot pass through (a
+    virtual environment under /root), the folder itself or an entry inside it that others cannot read, each named
+    with its mode; none once every user can read them (the modes a world-readable /opt/multihead has)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o755)
+        home, venv = Path(top) / "root", Path(top) / "root" / "venv"
+        (venv / "lib" / "torch").mkdir(parents=True)
+        (venv / "lib" / "torch" / "__init__.py").write_text("")
+        (venv / "lib" / "numpy.py").write_text("")
+        (venv / "lib" / "loose").symlink_to(Path(top) / "nowhere")  # a link: its target is checked where used
+        for d in (home, venv, venv / "lib", venv / "lib" / "torch"):
+            d.chmod(0o755)
+        (venv / "lib" / "numpy.py").chmod(0o644)
+        assert confine.unreadable([str(venv / "lib")]) == []
+        home.chmod(0o700)
+        assert confine.unreadable([str(venv / "lib"), str(venv)]) == [
+            f"{home} (mode 0700: others cannot pass through it)"]
+        home.chmod(0o711)  # passed through, not listed: enough
+        (venv / "lib" / "numpy.py").chmod(0o600)
+        (venv / "lib" / "torch").chmod(0o750)
+        assert sorted(confine.unreadable([str(venv / "lib")])) == [
+            f"{venv / 'lib' / 'numpy.py'} (mode 0600: others cannot read it)",
+            f"{venv / 'lib' / 'torch'} (mode 0750: others cannot list it or pass through it)"]
+        (venv / "lib").chmod(0o700)
+        assert confine.unreadable([str(venv / "lib")]) == [
+            f"{venv / 'lib'} (mode 0700: others cannot list it or pass through it)"]
+    assert all(p.startswith("/") for p in confine.installation()) and \
+        os.path.realpath(sys.prefix) in confine.installation()
+
+
+def test_a_python_no_other_user_can_read_is_refused_before_any_grading(tmp_path, monkeypatch, capsys):
+    """Where each submission would run as a user of its own (the grader root, user namespaces refused) and that user
+    cannot read the Python the grader runs, the grader says so in one line, naming the path and the fix, and grades
+    nothing."""
+    from multihead.grader import classroom
+
+    monkeypatch.setattr(confine, "unconfined", lambda: (confine._GAPS["network"],))
+    monkeypatch.setattr(confine, "unreadable", lambda paths=None: ["/root (mode 0700: others cannot pass through it)",
+                                                                    "/root/x (mode 0600: others cannot read it)"])
+    monkeypatch.setattr(classroom.os, "geteuid", lambda: 0)
+    (tmp_path / "class").mkdir()
+    (tmp_path / "class" / "mha.py").write_text(HONEST)
+    for target in ("class/mha.py", "class"):  # one file (its report), a class (its table)
+        assert main(["check", str(tmp_path / target), "--name", "MHA", "--call", "qkv"]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip() == (
+            "multihead check: each submission runs as a user of its own here (root without user namespaces), and "
+            "that user cannot read the Python this grader runs: /root (mode 0700: others cannot pass through it) "
+            "(and 1 more); install it where every user can read it, e.g. python3 -m venv /opt/multihead && chmod -R "
+            "a+rX /opt/multihead, from a Python outside /root (the system's python3)"), err
+        assert out == ""  # no report, no row: nothing was graded
 
 
 def test_per_check_points_add_up_to_the_reports_points():

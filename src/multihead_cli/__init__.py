@@ -526,6 +526,35 @@ def earned(root: str, check: str) -> bool:
     return tests[check]["score"] >= tests[check]["max_score"] > 0
 
 
+def _fork_server(args):
+    """The grader's fork server (:mod:`multihead.grader.zygote`) started now, before this process imports torch,
+    where ``check`` grades in a process that has not imported multihead (``--platform P --grade``, a file, a
+    class): its own torch loads beside this process's, instead of after it -- on a platform, where each submission
+    is a fresh process, that is one import of torch in two. (its control socket, its process, its HOME, the script),
+    for :func:`multihead.grader.runner.adopt`; None where it is not started."""
+    import os
+
+    grades = args.command == "check" and (args.grade or args.target) and not (args.write or args.merge or args.passed)
+    if not grades or "multihead" in sys.modules or not sys.platform.startswith("linux") or \
+            os.environ.get("MULTIHEAD_GRADER_FORK", "1") == "0":
+        return None
+    import socket
+    import subprocess
+    import tempfile
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "multihead", "grader",
+                          "zygote.py")
+    if not os.path.isfile(script) or not hasattr(socket, "send_fds"):
+        return None
+    ours, theirs = socket.socketpair()
+    home = tempfile.mkdtemp(prefix="multihead-zygote-")
+    proc = subprocess.Popen([sys.executable, "-I", script, "--clean", str(theirs.fileno()), home],
+                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    theirs.close()
+    return ours, proc, home, script
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check" and args.passed and args.platform == "classroom":
@@ -534,10 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"multihead check: {e}", file=sys.stderr)
             return 2
+    early = _fork_server(args)  # before torch is imported here: the two load side by side
     from multihead.apps import cli
 
     try:
-        return cli.run(args)
+        return cli.run(args, early)
     except (ValueError, FileNotFoundError, ImportError) as e:  # our own checks, a missing extra: one line
         print(f"multihead {args.command}: {e}", file=sys.stderr)
         return 2

@@ -5,8 +5,13 @@ command's own folder (``apps/<command>/command.py``). Nothing here parses, and n
 from __future__ import annotations
 
 
-def run(args) -> int:
-    """Run the command ``args.func`` names with its parsed ``args``; its exit code."""
+def run(args, fork_server: tuple | None = None) -> int:
+    """Run the command ``args.func`` names with its parsed ``args``; its exit code. ``fork_server``: the grader's
+    fork server the parser started before torch was imported (:func:`multihead.grader.runner.adopt` takes it)."""
+    if fork_server is not None:
+        from multihead.grader import runner
+
+        runner.adopt(*fork_server)
     if args.func == "demo":
         from multihead.apps.demo.command import demo as handler
     elif args.func == "viz":

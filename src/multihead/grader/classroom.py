@@ -27,8 +27,8 @@ from multihead.grader.subject import HOW, SELF_CALLS, forbidden
 from multihead.grader.verdict import GradingOptions, grade_subject
 
 __all__ = ["FIELDS", "GRADEBOOKS", "feedback_names", "grade_file", "grade_many", "gradebook", "kwargs_of",
-           "load_points", "load_roster", "merge", "names_in_class", "out_of", "parse_shard", "read_report", "refused",
-           "shard",
+           "load_points", "load_roster", "merge", "names_in_class", "out_of", "parse_shard", "read_report",
+           "readable_by_its_user", "refused", "shard",
            "summary", "table", "targets", "write_feedback", "write_gradebook", "write_report", "write_summary"]
 
 FIELDS = ("file", "ok", "status", "points", "possible", "failed", "mistakes", "finding", "seconds", "seed", "scheme",
@@ -145,8 +145,10 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     be graded -- status error or timeout, the reason in ``finding``). ``scale``: the score scale the course
     uses (default 1/sqrt(one head's size)); ``folder``: the class's folder, which the file must be inside
     (:func:`refused`); ``forbid``: torch functions and modules the course forbids
-    (:func:`~multihead.grader.subject.forbidden`), refused when the module's forward uses one."""
+    (:func:`~multihead.grader.subject.forbidden`), refused when the module's forward uses one. A ValueError where a
+    submission's user of its own could not read the Python this grader runs (:func:`readable_by_its_user`)."""
     t0 = time.perf_counter()
+    readable_by_its_user()  # a ValueError where a submission's user of its own could not read this Python
     seed = secrets.randbits(31) if seed is None else seed  # the probes are drawn per run, never known in advance
     opts = GradingOptions(mask, causal, call in SELF_CALLS, embed_dim, None if scale is None else {"scale": float(scale)},
                    seed, strict, HOW[call], call, forbid=forbidden(forbid))
@@ -172,6 +174,25 @@ def grade_file(path: Path, name: str | None, *, init: str | None = None, call: s
     return row | {"layers": layers}, report
 
 
+def readable_by_its_user() -> bool:
+    """Whether each submission runs as a user of its own here (the grader root, user namespaces refused:
+    :func:`~multihead.grader.confine.confine`); where it does and that user cannot read the Python this grader runs
+    (:func:`~multihead.grader.confine.unreadable`: a virtual environment under /root), a ValueError naming the path
+    and the fix, before any grading."""
+    from multihead.grader import confine
+
+    if os.geteuid() != 0 or not any(g.startswith("the network") for g in confine.unconfined()):
+        return False
+    unread = confine.unreadable()
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise ValueError(f"each submission runs as a user of its own here (root without user namespaces), and that "
+                         f"user cannot read the Python this grader runs: {unread[0]}{more}; install it where every "
+                         "user can read it, e.g. python3 -m venv /opt/multihead && chmod -R a+rX /opt/multihead, from "
+                         "a Python outside /root (the system's python3)")
+    return True
+
+
 def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, memory: int = 4 << 30,
                jobs: int | None = None, points: dict | None = None, feedback: str | Path | None = None,
                seed: int | None = None, names: dict[Path, Path] | None = None, reports: dict | None = None,
@@ -182,17 +203,19 @@ def grade_many(files: list[tuple[Path, str | None]], *, timeout: float = 60.0, m
     ``reports``: a dict that gets {file: its Report, or None} (a platform's per-check points,
     :mod:`multihead.grader.platforms`).
     Warns (RuntimeWarning), in one line, where this machine cannot confine a sandbox (:mod:`multihead.grader.confine`:
-    files, network, sockets, other processes) and says what is not confined."""
+    files, network, sockets, other processes) and says what is not confined. A ValueError, before any grading,
+    where each submission would run as a user of its own that cannot read the Python this grader runs
+    (:func:`readable_by_its_user`)."""
     import warnings
 
     from multihead.grader import confine
 
     opts["forbid"] = forbidden(opts.get("forbid") or ())  # a name torch does not have: refused before any grading
+    own_user = readable_by_its_user()
     gaps = confine.unconfined()
     if gaps:
         user = (" Where user namespaces are refused (a Docker container's default) and the grader is root, each "
-                "submission runs as a user of its own." if any(g.startswith("the network") for g in gaps) and
-                os.geteuid() == 0 else "")
+                "submission runs as a user of its own." if own_user else "")
         warnings.warn(f"this machine cannot confine a submission's process from: {'; '.join(gaps)}. Grade on Linux "
                       f"5.13 or later (Landlock; network namespaces; seccomp) to confine it.{user}", RuntimeWarning,
                       stacklevel=2)

@@ -19,7 +19,9 @@ everything it starts) after it has imported what it needs and before it imports 
   ``unshare``: Gradescope's, PrairieLearn's and GitHub's graders run there) and the grader is root: the process
   becomes an unprivileged user of its own (uid :data:`UID_BASE` + its pid, no groups), its scratch folder handed to
   that user, after Landlock and the seccomp filter are in place; root's files, the grader's processes and every
-  other sandbox are then another user's.
+  other sandbox are then another user's. That user imports from the Python the grader runs, so every user must be
+  able to read it (:func:`unreadable` says where one cannot: a virtual environment under ``/root``; the grader then
+  refuses to start, naming the path).
 
 Each layer is a kernel mechanism made for this, called through ``ctypes`` (``syscall`` numbers of x86-64 and
 arm64). :func:`unconfined` says, in words, what this machine cannot confine (the grader prints it once);
@@ -37,7 +39,7 @@ import site
 import struct
 import sys
 
-__all__ = ["UID_BASE", "abi", "confine", "readable", "unconfined"]
+__all__ = ["UID_BASE", "abi", "confine", "installation", "readable", "unconfined", "unreadable"]
 
 #: the first uid of the users a sandbox becomes where it has no user namespace and the grader is root (+ its pid:
 #: one user per live sandbox; no account needed)
@@ -119,6 +121,69 @@ def readable(exclude: tuple[str, ...] = ()) -> list[str]:
             continue  # the working directory or a folder above it, or a folder holding a submission
         out.append(real)
     return out
+
+
+def installation() -> list[str]:
+    """What a submission's process reads of the Python the grader runs, by path: the interpreter, its prefixes (the
+    virtual environment and the Python it was made from), the standard library, the import path's folders inside
+    them, the site-packages, torch's and multihead's package folders."""
+    import importlib.util
+
+    places = [sys.executable, sys.prefix, sys.base_prefix, os.path.dirname(os.__file__), *site.getsitepackages(),
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    prefixes = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)]
+    places += [p for p in sys.path if p and any(_under(os.path.realpath(p), pre) for pre in prefixes)]
+    torch = importlib.util.find_spec("torch")
+    if torch is not None and torch.origin:
+        places.append(os.path.dirname(torch.origin))
+    out = []
+    for p in places:
+        if os.path.exists(p) and os.path.realpath(p) not in out:
+            out.append(os.path.realpath(p))
+    return out
+
+
+def unreadable(paths: list[str] | None = None) -> list[str]:
+    """Where another user -- a submission's user of its own (:func:`confine`, where the grader is root and user
+    namespaces are refused) -- cannot read ``paths`` (default: :func:`installation`), by their modes: a folder
+    above one that others may not pass through, the path itself or an entry right inside it (a folder's) that
+    others may not read (and pass through: a folder; run: the interpreter). Each as "PATH (mode 0700: why)"; empty:
+    every user can read them. Mode bits only (an access-control list is not read)."""
+    import stat
+    from pathlib import Path
+
+    paths = installation() if paths is None else [os.path.realpath(p) for p in paths]
+    found: list[str] = []
+
+    def need(path: str, bits: int, why: str) -> bool:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return True
+        if stat.S_ISLNK(mode) or mode & bits == bits:
+            return True
+        said = f"{path} (mode {stat.S_IMODE(mode):04o}: {why})"
+        if said not in found:
+            found.append(said)
+        return False
+
+    for path in paths:
+        folders = [str(f) for f in reversed(Path(path).parents)]  # /, /a, /a/b for /a/b/c
+        if not all(need(f, stat.S_IXOTH, "others cannot pass through it") for f in folders):
+            continue
+        if not os.path.isdir(path):
+            run = stat.S_IXOTH if path == os.path.realpath(sys.executable) else 0
+            need(path, stat.S_IROTH | run, "others cannot read" + (" and run it" if run else " it"))
+            continue
+        if not need(path, stat.S_IROTH | stat.S_IXOTH, "others cannot list it or pass through it"):
+            continue
+        with os.scandir(path) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    need(e.path, stat.S_IROTH | stat.S_IXOTH, "others cannot list it or pass through it")
+                elif e.is_file(follow_symlinks=False):
+                    need(e.path, stat.S_IROTH, "others cannot read it")
+    return found
 
 
 def _under(path: str, folder: str) -> bool:

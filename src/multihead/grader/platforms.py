@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["PLATFORMS", "ROOTS", "grade", "results", "write"]
+__all__ = ["PLATFORMS", "ROOTS", "grade", "repack", "results", "wheel", "write"]
 
 PLATFORMS = ("gradescope", "prairielearn", "classroom")
 #: where each platform lays a submission out (the root of :data:`LAYOUTS`; ``--root`` moves it)
@@ -37,6 +37,101 @@ LAYOUTS = {"gradescope": ("submission", "results/results.json", "source"),
            "classroom": (".", ".multihead/results.json", ".multihead")}
 #: the environment variable a platform's script reads its root from (a test lays the platform out in a folder)
 ROOT_VARIABLE = "MULTIHEAD_PLATFORM_ROOT"
+
+
+#: where every package installs torch from: PyTorch's CPU index (a CPU-only torch, a fraction of the default build)
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+# --- the multihead a package installs -----------------------------------------------------------------------------
+
+_WHEEL: list[Path] = []
+
+
+def wheel() -> Path:
+    """A wheel of the multihead running here -- the code that writes the package, which the package then installs
+    (never a name looked up on an index): built from its source tree with ``pip wheel --no-deps`` where it runs from
+    a checkout (``src/multihead`` beside ``pyproject.toml``), else repacked from its installed files
+    (:func:`repack`). Made once per process, in a temporary folder removed at exit."""
+    import atexit
+
+    import multihead
+
+    if not _WHEEL:
+        here = Path(multihead.__file__).resolve().parent
+        tmp = Path(tempfile.mkdtemp(prefix="multihead-wheel-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        root = here.parents[1]
+        if (root / "pyproject.toml").is_file() and here == root / "src" / "multihead":
+            _WHEEL.append(_build(root, tmp))
+        else:
+            _WHEEL.append(repack(_installed(here), tmp))
+    return _WHEEL[0]
+
+
+def _build(root: Path, out: Path) -> Path:
+    """``pip wheel --no-deps`` of a copy of the checkout ``root`` (its project files and ``src``: the checkout gets
+    no build folder), with this environment's setuptools where it has one (no download)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    copy = out / "source"
+    shutil.copytree(root / "src", copy / "src", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    for f in root.iterdir():
+        if f.is_file() and (f.name in ("pyproject.toml", "setup.cfg", "setup.py", "MANIFEST.in")
+                            or f.name.startswith(("README", "LICENSE"))):
+            shutil.copyfile(f, copy / f.name)
+    own = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []  # else pip fetches setuptools
+    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", *own, "-w", str(out), str(copy)]
+    run = subprocess.run(argv, capture_output=True, text=True)
+    built = sorted(out.glob("multihead-*.whl"))
+    if run.returncode or len(built) != 1:
+        said = (run.stderr or run.stdout).strip().splitlines()
+        raise ValueError(f"could not build a wheel of the multihead in {root} for the package ({' '.join(argv[1:5])}: "
+                         f"{said[-1] if said else run.returncode}): install pip and setuptools in this environment, "
+                         "or install multihead from a wheel")
+    shutil.rmtree(copy)
+    return built[0]
+
+
+def _installed(here: Path):
+    """The installed distribution whose files hold the multihead package at ``here``; a ValueError where none does."""
+    from importlib.metadata import distributions
+
+    for dist in distributions():
+        if (dist.metadata["Name"] or "").lower() == "multihead" and \
+                Path(dist.locate_file("multihead/__init__.py")).resolve() == here / "__init__.py" and dist.files:
+            return dist
+    raise ValueError(f"the multihead running here ({here}) is neither a checkout (src/multihead beside "
+                     "pyproject.toml) nor an installed distribution: install it (pip install) to write a package")
+
+
+def repack(dist, out: Path) -> Path:
+    """The wheel an installed distribution ``dist`` (:mod:`importlib.metadata`'s) was installed from, remade from the
+    files its RECORD lists (scripts, caches and the installer's own records left out; the entry points make the
+    scripts again) with a RECORD of their hashes, written into the folder ``out``."""
+    import base64
+    import hashlib
+
+    info = next(f.parent for f in dist.files if f.name == "METADATA" and f.parent.name.endswith(".dist-info"))
+    tags = [line.split(":", 1)[1].strip() for line in dist.read_text("WHEEL").splitlines() if line.startswith("Tag:")]
+    path = out / f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-{tags[0]}.whl"
+    skip = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+    files = sorted((f for f in dist.files if f.parts[0] != ".." and "__pycache__" not in f.parts and f.suffix != ".pyc"
+                    and not (f.parent == info and f.name in skip)), key=lambda f: (f.parent == info, f.as_posix()))
+    record = []
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            source = Path(dist.locate_file(f))
+            data = source.read_bytes()
+            entry = zipfile.ZipInfo.from_file(source, f.as_posix())  # its mode kept (an executable stays one)
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(entry, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{f.as_posix()},sha256={digest},{len(data)}")
+        z.writestr(f"{info.as_posix()}/RECORD", "\n".join([*record, f"{info.as_posix()}/RECORD,,"]) + "\n")
+    return path
 
 
 # --- the package an assignment is graded by ----------------------------------------------------------------------
@@ -85,15 +180,26 @@ def _command(platform: str, argv: list[str], root: str = '"$ROOT"', python: str 
     return f"{python} -m multihead_cli check --platform {platform} --grade --root {root} {words}"
 
 
-#: what installs multihead and a CPU torch on Gradescope's Ubuntu image (MULTIHEAD_SPEC: another version or source)
+#: what installs a CPU torch and multihead on Gradescope's Ubuntu image: torch from PyTorch's CPU index
+#: (TORCH_INDEX_URL, TORCH_SPEC: another index or version), multihead from the wheel beside this script -- the
+#: multihead that wrote the zip (MULTIHEAD_SPEC: another wheel, version or source), into MULTIHEAD_VENV
 SETUP = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, on its Ubuntu image: multihead and a CPU-only torch in their own environment.
+# Gradescope runs this once, as root, on its Ubuntu image: a CPU-only torch from PyTorch's CPU index and multihead
+# from the wheel beside this script (the multihead that wrote the zip), in a virtual environment every user can
+# read: where user namespaces are refused, each submission runs as a user of its own and imports from it.
 set -euo pipefail
-apt-get update
-DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-pip
-python3 -m venv /opt/multihead
-/opt/multihead/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch
-/opt/multihead/bin/pip install --no-cache-dir "${{MULTIHEAD_SPEC:-multihead=={version}}}"
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+VENV="${{MULTIHEAD_VENV:-/opt/multihead}}"
+if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-pip
+fi
+umask 022
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install --no-cache-dir --index-url "${{TORCH_INDEX_URL:-{torch_index}}}" "${{TORCH_SPEC:-torch}}"
+"$VENV/bin/pip" install --no-cache-dir "${{MULTIHEAD_SPEC:-$HERE/{wheel}}}"
+chmod -R a+rX "$VENV"
+"$VENV/bin/python" -c "import torch, multihead_cli"
 """
 
 _SCRIPT = """#!/usr/bin/env bash
@@ -110,29 +216,25 @@ def _script(platform: str, argv: list[str], what: str, python: str) -> str:
                           command=_command(platform, argv))
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("multihead")
-    except PackageNotFoundError:
-        return "0.1.0"
 
 
 def _gradescope(out: Path, argv: list[str], *, points, starter, options) -> Path:
     """Gradescope's autograder zip: setup.sh, run_autograder (executable), points.json."""
     if out.suffix != ".zip":
         raise ValueError(f"--platform gradescope --write {out}: the autograder is a zip file: give OUT.zip")
+    whl = wheel()
     out.parent.mkdir(parents=True, exist_ok=True)
-    files = {"setup.sh": SETUP.format(version=_version()),
-             "run_autograder": _script("gradescope", argv, "Gradescope's autograder", "/opt/multihead/bin/python")}
+    files = {"setup.sh": SETUP.format(torch_index=TORCH_INDEX, wheel=whl.name),
+             "run_autograder": _script("gradescope", argv, "Gradescope's autograder",
+                                       "${MULTIHEAD_VENV:-/opt/multihead}/bin/python"),
+             whl.name: whl.read_bytes()}
     if points:
         files["points.json"] = Path(points).read_text()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, text in files.items():
+        for name, data in files.items():
             info = zipfile.ZipInfo(name)
-            info.external_attr = (0o100755 if not name.endswith(".json") else 0o100644) << 16
-            z.writestr(info, text)
+            info.external_attr = (0o100755 if name in ("setup.sh", "run_autograder") else 0o100644) << 16
+            z.writestr(info, data)
     return out
 
 
@@ -140,8 +242,12 @@ def _gradescope(out: Path, argv: list[str], *, points, starter, options) -> Path
 #: question's Dockerfile and pushed under this name, or another given with --image in info.json)
 IMAGE = "multihead-grader"
 DOCKERFILE = """FROM prairielearn/grader-python
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch \\
- && pip install --no-cache-dir "multihead=={version}"
+# a CPU-only torch from PyTorch's CPU index, then multihead from the wheel beside this file (the multihead that wrote
+# the question; --build-arg MULTIHEAD_SPEC=... installs another)
+COPY {wheel} /tmp/
+ARG MULTIHEAD_SPEC=/tmp/{wheel}
+RUN pip install --no-cache-dir --index-url {torch_index} torch \\
+ && pip install --no-cache-dir "$MULTIHEAD_SPEC"
 """
 
 
@@ -163,7 +269,9 @@ def _prairielearn(out: Path, argv: list[str], *, points, starter, options) -> Pa
     run = out / "tests" / "run.sh"
     run.write_text(_script("prairielearn", argv, "PrairieLearn's external grader", "python3"))
     run.chmod(0o755)
-    (out / "Dockerfile").write_text(DOCKERFILE.format(version=_version()))
+    whl = wheel()
+    shutil.copyfile(whl, out / whl.name)
+    (out / "Dockerfile").write_text(DOCKERFILE.format(wheel=whl.name, torch_index=TORCH_INDEX))
     if points:
         shutil.copyfile(points, out / "tests" / "points.json")
     if starter:
@@ -192,9 +300,12 @@ def _classroom(out: Path, argv: list[str], *, points, starter, options) -> Path:
     checks = [(c, p) for c, p in _checks(options, scheme) if p > 0]
     wall = float(options.get("--timeout") or 60)
     grade = _command("classroom", argv, root=".", python="python")
+    whl = wheel()
+    (out / ".multihead").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(whl, out / ".multihead" / whl.name)
     steps = [{"uses": "actions/checkout@v4"}, {"uses": "actions/setup-python@v5", "with": {"python-version": "3.11"}},
-             {"name": "Install multihead", "run": "python -m pip install --index-url "
-              "https://download.pytorch.org/whl/cpu torch && python -m pip install " + f"multihead=={_version()}"},
+             {"name": "Install multihead", "run": f"python -m pip install --index-url {TORCH_INDEX} torch && python -m "
+              f'pip install "${{MULTIHEAD_SPEC:-.multihead/{whl.name}}}"'},
              {"name": "Grade", "run": grade}]
     ids = []
     for i, (check, pts) in enumerate(checks, 1):
@@ -215,7 +326,6 @@ def _classroom(out: Path, argv: list[str], *, points, starter, options) -> Path:
     # JSON is YAML: the workflow is written by the one library every Python has, and reads back the same
     (out / ".github" / "workflows" / "classroom.yml").write_text(json.dumps(flow, indent=2) + "\n")
     if points:
-        (out / ".multihead").mkdir(exist_ok=True)
         shutil.copyfile(points, out / ".multihead" / "points.json")
     if not (out / Path(starter).name).exists():
         shutil.copyfile(starter, out / Path(starter).name)

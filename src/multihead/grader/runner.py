@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from multihead.grader import sandbox, wire
+from multihead.grader import sandbox, wire, zygote
 from multihead.grader.report import safe
 from multihead.grader.subject import Description, Probe, Reply
+from multihead.grader.zygote import ENV_KEPT, environment  # noqa: F401 - ENV_KEPT: documented here
 
-__all__ = ["Limits", "SandboxError", "SandboxSubject", "parse_size"]
+__all__ = ["Limits", "SandboxError", "SandboxSubject", "adopt", "parse_size"]
 
 
 class Limits(NamedTuple):
@@ -229,25 +230,9 @@ def _missing_module_hint(msg: str, path: Path) -> str:
             f"provides {top!r} into the grader's environment ({sys.executable} -m pip install ...), then grade again")
 
 
-#: the grader's environment variables a submission's process is given (all others, a teacher's tokens among them,
-#: never reach it): where programs and libraries are, the locale, the time zone, how Python and Keras start
-ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_MESSAGES", "TZ", "LD_LIBRARY_PATH",
-            "PYTHONPATH", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "KERAS_BACKEND", "CUDA_VISIBLE_DEVICES")
-
-
 def _env(home: str | None = None) -> dict:
-    """The environment of the sandbox's processes, built, not inherited: the variables of :data:`ENV_KEPT` that
-    the grader has, one thread for torch, unbuffered output, Keras on torch, the grader's own code on the import
-    path, and HOME and TMPDIR ``home`` (the sandbox's scratch folder; the fork server's own empty folder)."""
-    env = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
-    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.setdefault("KERAS_BACKEND", "torch")  # a learner's Keras 3 layer is graded as the torch module it then is
-    env.setdefault("PATH", os.defpath)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if home is not None:
-        env["HOME"] = env["TMPDIR"] = home
-    return env
+    """The environment of the sandbox's processes (:func:`multihead.grader.zygote.environment`)."""
+    return environment(home)
 
 
 class _Process:
@@ -315,19 +300,25 @@ def _exec_warden(request: dict):
 
 
 class _Zygote:
-    """The fork server (:mod:`multihead.grader.zygote`), started once per process; it ends with this process."""
+    """The fork server (:mod:`multihead.grader.zygote`), started once per process (or adopted: :func:`adopt`); it
+    ends with this process."""
 
-    def __init__(self):
-        self.sock, theirs = socket.socketpair()
-        self.home = tempfile.mkdtemp(prefix="multihead-zygote-")  # its HOME and TMPDIR; each sandbox gets its own
+    def __init__(self, started: tuple | None = None):
+        if started is None:
+            self.sock, theirs = socket.socketpair()
+            self.home = tempfile.mkdtemp(prefix="multihead-zygote-")  # its HOME and TMPDIR; each sandbox its own
+            self.proc = subprocess.Popen([sys.executable, "-m", "multihead.grader.zygote", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), env=_env(self.home), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            theirs.close()
+        else:
+            self.sock, self.proc, self.home = started
         atexit.register(shutil.rmtree, self.home, True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "multihead.grader.zygote", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env=_env(self.home), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        theirs.close()
         self.lock = threading.Lock()
+        self.used = False  # whether a sandbox was asked of it
 
     def spawn(self, request: dict, log: str):
+        self.used = True
         with self.lock:
             self.sock.sendall(json.dumps(request).encode() + b"\n")
             msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
@@ -342,14 +333,32 @@ _ZYGOTE_LOCK = threading.Lock()
 
 @atexit.register
 def _stop_zygote() -> None:
-    """At exit: close the fork server's socket (it then returns) and wait for it."""
+    """At exit: close the fork server's socket (it then returns) and wait for it; one never used (a command that
+    ended before grading) is ended at once, without waiting for its torch to load."""
     for z in _ZYGOTE:
         if z is not None:
             z.sock.close()
+            if not z.used:
+                z.proc.kill()
             try:
                 z.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 z.proc.kill()
+
+
+def adopt(sock: socket.socket, proc: subprocess.Popen, home: str, script: str) -> bool:
+    """Take as this process's fork server one started before this process imported torch (by :mod:`multihead_cli`,
+    ``python -I script --clean FD HOME``: its torch loads beside this process's own): its control socket, its
+    process and its HOME. Refused (closed; False) where this process has one already, where ``script`` is not this
+    multihead's fork server, or where it has ended."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE and os.path.realpath(script) == os.path.realpath(zygote.__file__) and proc.poll() is None:
+            _ZYGOTE.append(_Zygote((sock, proc, home)))
+            return True
+    sock.close()  # it returns when its socket closes
+    shutil.rmtree(home, ignore_errors=True)
+    return False
+
 
 
 def _zygote() -> _Zygote | None:
