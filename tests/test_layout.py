@@ -217,8 +217,9 @@ def _private(tree, modules: set[str]) -> list[int]:
 
 def test_bench_scripts_call_the_library_by_its_public_names_and_write_their_tables():
     """``bench/`` is for measurements (ARCHITECTURE.md): each script is named for its table (no helper modules),
-    writes it under ``bench/results/``, imports nothing from ``tests/`` and reaches no private name of multihead
-    (``from multihead.x import _y``, or ``m._y`` through a name bound by an import of multihead)."""
+    writes it under ``bench/results/``, takes nothing from ``tests/`` but its corpora (constants in capitals: the
+    grader's hostile submissions a platform bench grades; never a test's helper or fixture) and reaches no private
+    name of multihead (``from multihead.x import _y``, or ``m._y`` through a name bound by an import of multihead)."""
     for path in sorted(BENCH.glob("*.py")):
         text = path.read_text()
         tree = ast.parse(text)
@@ -233,7 +234,9 @@ def test_bench_scripts_call_the_library_by_its_public_names_and_write_their_tabl
             else:
                 continue
             for full, local in names:
-                assert not full.split(".")[0].startswith(("test_", "tests")), f"bench/{path.name}:{node.lineno} imports {full}"
+                corpus = isinstance(node, ast.ImportFrom) and local.isupper()  # a test file's data, by name
+                assert corpus or not full.split(".")[0].startswith(("test_", "tests")), \
+                    f"bench/{path.name}:{node.lineno} imports {full}"
                 if full.split(".")[0] == "multihead":
                     assert not full.split(".")[-1].startswith("_"), f"bench/{path.name}:{node.lineno} imports {full}"
                     bound.add(local)
