@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import copy
 import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from test_distributed import _spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,14 +67,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 def test_two_ranks_over_gloo_keep_the_model_one_process_makes(tmp_path: Path):
     from multihead.apps.prune import causal
 
-    ctx = mp.start_processes(_rank, args=(2, str(tmp_path / "store"), str(tmp_path / "kept")), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {DEADLINE_S} s: a rank hung")
+    _spawn(_rank, 2, tmp_path, str(tmp_path / "kept"), seconds=DEADLINE_S)  # test_distributed's: ranks that hang fail
     torch.set_num_threads(1)
     ref, cut = _models()
     start = {k: v.clone() for k, v in cut.state_dict().items()}

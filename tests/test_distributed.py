@@ -26,17 +26,17 @@ COLLECTIVE_TIMEOUT_S = int(os.environ.get("CP_TEST_TIMEOUT", 30))  # a rank wait
 DEADLINE_S = 240  # the whole spawn (on a busy 2-core machine)
 
 
-def _spawn(fn, N: int, tmp_path: Path, *args) -> None:
+def _spawn(fn, N: int, tmp_path: Path, *args, seconds: float = DEADLINE_S) -> None:
     """Run fn(rank, N, store, *args) in N fresh processes; raise what any rank raised; fail
-    (killing them) if they are not done by the deadline."""
+    (killing them) if they are not done within ``seconds``."""
     store = tmp_path / f"store{N}"
     ctx = mp.start_processes(fn, args=(N, str(store), *args), nprocs=N, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + seconds
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"ranks still running after {DEADLINE_S} s: a rank hung")
+            pytest.fail(f"ranks still running after {seconds} s: a rank hung")
 
 
 def _init(rank: int, N: int, store: str) -> None:
