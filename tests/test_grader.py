@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+import socket
 import sys
 import textwrap
 import time
@@ -915,12 +916,34 @@ THIEF = HONEST.replace("scale_by=None", "scale_by=8") + textwrap.dedent('''
     ''')
 
 
+def _listeners(tmp_path: Path):
+    """(a UDP port, a Unix socket's path, received): listeners a thief would send what it stole to; ``received()``
+    is what reached them since (each read waits 0.2 s)."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(str(tmp_path / "listener.sock"))
+    unix.listen(4)
+    unix.settimeout(0.2)
+
+    def received() -> list[bytes]:
+        got = []
+        for listener in (udp, unix):
+            try:
+                got.append(listener.recv(4096) if listener is udp else listener.accept()[0].recv(4096))
+            except (TimeoutError, OSError):
+                pass
+        return got
+
+    return udp.getsockname()[1], str(tmp_path / "listener.sock"), received
+
+
 def test_a_submission_reads_and_reaches_nothing_but_itself(tmp_path):
     """Reads were open and only TCP was refused: a submission that read a classmate's file (by path, by a glob of
     its working directory, through /proc) and ran that class was graded OK, and UDP carried the file out. The
     sandbox is now an allow-list (multihead.grader.confine): the thief is graded on its own code, nothing it sent
     arrives. The same file run outside the sandbox does steal (the attacks are real)."""
-    import socket
     import subprocess
     import sys
 
@@ -931,25 +954,9 @@ def test_a_submission_reads_and_reaches_nothing_but_itself(tmp_path):
     (subs / "mallory").mkdir()
     alice = subs / "alice" / "mha.py"
     alice.write_text(HONEST)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    udp.settimeout(0.2)
-    unix_path = str(tmp_path / "listener.sock")
-    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    unix.bind(unix_path)
-    unix.listen(4)
-    unix.settimeout(0.2)
+    port, unix_path, received = _listeners(tmp_path)
     thief = subs / "mallory" / "mha.py"
-    thief.write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(alice)!r}, {udp.getsockname()[1]}, {unix_path!r}\n" + THIEF)
-
-    def received() -> list[bytes]:
-        got = []
-        for listener in (udp, unix):
-            try:
-                got.append(listener.recv(4096) if listener is udp else listener.accept()[0].recv(4096))
-            except (TimeoutError, OSError):
-                pass
-        return got
+    thief.write_text(f"CLASSMATE, UDP_PORT, UNIX = {str(alice)!r}, {port}, {unix_path!r}\n" + THIEF)
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, PYTHONPATH=src)
@@ -973,8 +980,6 @@ def test_a_submission_reads_and_reaches_nothing_but_itself(tmp_path):
     assert rows["mallory/mha.py"]["status"] == "not ok", rows
     assert rows["mallory/mha.py"]["finding"].startswith("scores divided by d_k"), rows
     assert received() == []
-    udp.close()
-    unix.close()
 
 
 HOSTILE = {

@@ -11,7 +11,6 @@ import csv
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,7 @@ from multihead.grader import confine, platforms
 from multihead_cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_grader import HONEST, HOSTILE, THIEF  # noqa: E402
+from test_grader import HONEST, HOSTILE, THIEF, _listeners  # noqa: E402
 
 
 def _submission(**mistake) -> str:
@@ -358,27 +357,6 @@ def shared_python():
         yield str(top / "venv" / "bin" / "python")
     finally:
         shutil.rmtree(top)
-
-
-def _listeners(tmp_path: Path):
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    udp.settimeout(0.2)
-    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    unix.bind(str(tmp_path / "listener.sock"))
-    unix.listen(4)
-    unix.settimeout(0.2)
-
-    def received() -> list[bytes]:
-        got = []
-        for listener in (udp, unix):
-            try:
-                got.append(listener.recv(4096) if listener is udp else listener.accept()[0].recv(4096))
-            except (TimeoutError, OSError):
-                pass
-        return got
-
-    return udp.getsockname()[1], str(tmp_path / "listener.sock"), received
 
 
 #: a submission that, at import, writes a results file of its own where each platform reads one, and prints one
