@@ -206,21 +206,21 @@ def test_the_in_place_bench_compares_the_served_layer_with_its_fresh_buffer_twin
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
 
 
-def test_the_decoder_runtime_tables_worker_loads_neither_torch_nor_multihead():
-    """multihead.apps.bench.decoder_runtimes measures each runtime in a fresh process running that file by its path;
-    its peak memory is a column of the table, so the file imports neither torch nor multihead there (they load inside
-    the functions that build the files), and without --worker it names the script that runs the table."""
+def test_the_decode_measurements_worker_loads_neither_torch_nor_multihead():
+    """multihead.deploy.decoding measures each runtime in a fresh process running that file by its path; its peak
+    memory is a column of the table, so the file imports neither torch nor multihead there (nor numpy before the
+    measurement), and a runtime it does not know is refused naming the ones it does."""
     import subprocess
     import sys
 
-    from multihead.apps.bench import decoder_runtimes
+    from multihead.deploy import decoding
 
-    path = decoder_runtimes.__file__
+    path = decoding.__file__
     code = ("import sys\nsys.argv = [sys.argv[1]]\nsys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])\n"
             "exec(compile(open(sys.argv[0]).read(), sys.argv[0], 'exec'), {'__name__': 'worker'})\n"
             "print(sorted(m for m in ('torch', 'multihead', 'numpy') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["[]"]
-    run = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "python bench/decoder_runtimes.py" in run.stderr
+    with pytest.raises(ValueError, match="the decoder runtimes are llama.cpp, genai"):
+        decoding.measure("vllm", path, 8, decode=1, vocab=10, threads=1)

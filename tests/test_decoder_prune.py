@@ -231,7 +231,12 @@ def test_the_command_refuses_bad_input_in_one_line_before_any_work(tmp_path, tok
              (["--hf", str(src), "--ffn", "0.5"], "--ffn applies to encoders"),
              (["--hf", str(gemma), "--unit", "group"], "unit 'group' needs two key/value heads"),
              (["--hf", str(src), "--behaviour", str(tmp_path / "none.jsonl")], "does not exist"),
-             (["--hf", str(src), "--behaviour", str(tmp_path / "bad.jsonl")], "line 1: not JSON")]
+             (["--hf", str(src), "--behaviour", str(tmp_path / "bad.jsonl")], "line 1: not JSON"),
+             (["--hf", str(src), "--decode-contexts", "64"], "--decode-contexts times the files --formats writes"),
+             (["--hf", str(src), "--formats", "genai-fp32", "--decode-contexts", "64,512"],
+              "--decode-contexts 512: longer than the model's 256 positions"),
+             (["--hf", str(src), "--formats", "genai-fp32", "--decode-contexts", "16"],
+              "above the 16 decoded")]
     for argv, message in cases:
         out = tmp_path / "o"
         assert main(["prune", *argv, "--out", str(out)]) == 2, argv
@@ -266,7 +271,8 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
 
     src = _tiny(tmp_path / "src", bpe, "llama")
     formats = ("gguf-q8_0", "gguf-q4_k_m", "genai-int4")  # f16 and genai-fp32: tests/test_decoder_export.py
-    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.34, recover=0, formats=formats, **SMALL))
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.34, recover=0, formats=formats,
+                                                                  decode_contexts=(40,), decode_rounds=1, **SMALL))
     rows = {f["format"]: f for f in r["formats"]}
     assert list(rows) == list(formats)
     q8 = rows["gguf-q8_0"]
@@ -284,6 +290,37 @@ def test_the_formats_users_run_are_written_and_each_read_back(tmp_path, bpe):
     f = gguf.GGUFReader(rows["gguf-q8_0"]["path"]).fields
     assert f["llama.attention.head_count_kv"].contents() == 2 and len(f["tokenizer.ggml.tokens"].contents()) == len(bpe)
     assert "| gguf-q8_0 | model-q8_0.gguf |" in (tmp_path / "out" / "report.md").read_text()
+    _decode_table_times_each_file_against_its_peer(r, tmp_path / "out", src, llama_cpp=bool(
+        importlib.util.find_spec("llama_cpp")))
+
+
+def _decode_table_times_each_file_against_its_peer(r: dict, out: Path, src: Path, llama_cpp: bool) -> None:
+    """--decode-contexts: each written file timed against its peer, the unpruned model made into the same format by
+    the runtime's own tools (GenAI's builder on the checkpoint folder: the peer is exactly what it writes), beside the
+    bound of the multiply-adds removed (computed here from the config) and the KV bytes of each side."""
+    from multihead.deploy.decoding import decode_macs
+
+    d = r["decode"]
+    rows = {row["format"]: row for row in d["rows"]}
+    assert set(rows) == ({"gguf-q8_0", "gguf-q4_k_m", "genai-int4"} if llama_cpp else {"genai-int4"})
+    if not llama_cpp:
+        assert any("gguf-q8_0: not timed: llama.cpp is not built here" in n for n in d["notes"])
+    g = rows["genai-int4"]
+    assert g["context"] == 40 and g["rounds"] == 1
+    for side in ("peer", "pruned"):
+        assert g[side]["decode_tps"]["median"] > 0 and g[side]["prefill_ms"]["median"] > 0
+    assert g["speedup"] == g["pruned"]["decode_tps"]["median"] / g["peer"]["decode_tps"]["median"]
+    cfg = json.loads((src / "config.json").read_text())
+    shape = {"E": cfg["hidden_size"], "F": cfg["intermediate_size"], "V": cfg["vocab_size"],
+             "D": cfg["hidden_size"] // cfg["num_attention_heads"]}
+    L = cfg["num_hidden_layers"]
+    assert g["bound"] == pytest.approx(decode_macs(shape, [(6, 3)] * L, 40) / decode_macs(shape, [(4, 2)] * L, 40))
+    genai_config = json.loads((out / "peers" / "genai-int4" / "genai_config.json").read_text())
+    assert genai_config["model"]["decoder"]["num_key_value_heads"] == 3  # the peer: the unpruned model
+    kv0, kv1 = d["kv_bytes"]["genai-int4"]
+    assert kv1 * 3 == kv0 * 2  # one group of three cut in every layer
+    text = (out / "report.md").read_text()
+    assert "| genai-int4 | genai | 40 | pruned |" in text and f"| {kv1:,} |" in text
 
 
 def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe, capsys):

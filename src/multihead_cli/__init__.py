@@ -49,6 +49,17 @@ _cosine = _up_to_one("a cosine", "0.95", "a mean cosine to the unpruned model")
 DECODER_FORMATS = ("gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "genai-fp32", "genai-int4")
 
 
+def _contexts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers of tokens, each at least 1."""
+    try:
+        ns = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        ns = ()
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated whole numbers of tokens, e.g. 256,2048,8192")
+    return ns
+
+
 def _formats(text: str) -> tuple[str, ...]:
     """An argparse type: a comma-separated list of :data:`DECODER_FORMATS`."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -325,6 +336,13 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                    help="causal LMs (Llama): the runtimes' files written beside OUT/model, each read back: "
                         f"{','.join(DECODER_FORMATS)} (gguf: llama.cpp's; q4_k_m needs llama.cpp built: make "
                         "decoder-llama-cpp; genai: ONNX Runtime GenAI's builder)")
+    p.add_argument("--decode-contexts", type=_contexts, default=None, metavar="LIST",
+                   help="causal LMs with --formats: time each file written against its peer (the unpruned model "
+                        "made into the same format by the runtime's own tools, in OUT/peers) in llama.cpp or ONNX "
+                        "Runtime GenAI, decoding up to each context, comma-separated token counts (e.g. "
+                        "256,2048,8192); the table in report.md, costed in --time-budget (default: not timed)")
+    p.add_argument("--decode-rounds", type=_positive(int), default=None, metavar="N",
+                   help="causal LMs: interleaved rounds of the decode table (median and min-max; default 3)")
     p.add_argument("--lr", type=_positive_number("a learning rate"), default=None,
                    help="causal LMs: the recovery's learning rate (default 3e-4, decaying along a half cosine)")
     p.add_argument("--step", type=_in_open_unit, default=0.1, help="share of heads pruned per step of the curve, in "

@@ -103,12 +103,15 @@ def _genai_greedy(og, folder: Path, ids: Tensor, n: int) -> tuple[np.ndarray, li
     return last, tokens
 
 
-def standard_genai(src: str | Path, out: str | Path) -> Path:
-    """The peer's GenAI folder: GenAI's builder on the unpruned checkpoint folder ``src``, as its users run it (fp32,
-    CPU), into ``out``; kept where ``out`` already holds it (built once)."""
+def standard_genai(src: str | Path, out: str | Path, precision: str = "fp32") -> Path:
+    """The peer's GenAI folder: GenAI's builder on the unpruned checkpoint folder ``src``, as its users run it (CPU,
+    ``precision`` fp32 or int4: the builder's own quantizer), into ``out``; kept where ``out`` already holds it
+    (built once)."""
+    if precision not in GENAI_PRECISIONS:
+        raise ValueError(f"standard_genai: precision={precision!r}; use one of {GENAI_PRECISIONS}.")
     src, out = Path(src), Path(out)
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
-                        "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "cache")], check=True,
+                        "-p", precision, "-e", "cpu", "-c", str(out.parent / "cache")], check=True,
                        capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return out

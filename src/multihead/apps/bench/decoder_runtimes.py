@@ -16,8 +16,8 @@ Runtimes (both on the CPU, 2 threads, fp32 activations):
     package's GGUF; llama.cpp's default f16 cache.
 The pruned model is cut without recovery (speed does not depend on the weights; fidelity is bench/ elsewhere).
 
-Each measurement is one fresh process (this file run by its path, importing neither torch nor multihead; its peak
-resident memory is its VmHWM): load, prefill the prompt
+Each measurement is one fresh process (:func:`multihead.deploy.decoding.measure`: that file run by its path, importing
+neither torch nor multihead; its peak resident memory is its VmHWM): load, prefill the prompt
 (random ids, fixed seed; the longest prompt is 8192 minus the decoded tokens, SmolLM2's positions), then decode
 ``--decode`` tokens one at a time (greedy). The unpruned and pruned peers alternate within each round (their order
 swapped every round); the table gives the median over rounds and the spread (min-max).
@@ -31,87 +31,20 @@ at n is the unpruned count over the pruned one, "of bound" the measured gain's s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 THREADS = 2
 
 
-# --- the worker: one measurement in its own process ---
-
-
-def _worker(runtime: str, path: str, n: int, decode: int, threads: int) -> dict:
-    import numpy as np
-
-    vocab = int(json.loads(sys.stdin.readline())["vocab"])
-    ids = np.random.default_rng(n).integers(100, vocab, n).astype(np.int32)
-    if runtime == "genai":
-        import onnxruntime_genai as og
-
-        cfg = og.Config(path)
-        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-        model = og.Model(cfg)
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=n + decode, min_length=n + decode, do_sample=False)
-        warm = og.GeneratorParams(model)
-        warm.set_search_options(max_length=24, min_length=24, do_sample=False)
-        w = og.Generator(model, warm)  # the session's first run (allocations, kernel choice) is not timed
-        w.append_tokens(ids[None, :16])
-        for _ in range(4):
-            w.generate_next_token()
-        del w
-        gen = og.Generator(model, params)
-        t = time.perf_counter()
-        gen.append_tokens(ids[None])
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(decode):
-            gen.generate_next_token()
-        dec = time.perf_counter() - t
-    else:
-        import llama_cpp
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=path, n_ctx=n + decode, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                    verbose=False)
-        llm.eval(ids[:16].tolist())  # the first run (allocations) is not timed
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids.tolist())
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(decode):
-            # the last token's logits from the context (without logits_all, 0.3.36 keeps none in llm.scores)
-            tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
-            llm.eval([tok])
-        dec = time.perf_counter() - t
-    return {"prefill_ms": prefill * 1e3, "decode_tps": decode / dec, "peak_mb": _peak_mb()}
-
-
-def _peak_mb() -> float:
-    """This process's peak resident memory: VmHWM (its own address space's high-water mark; ru_maxrss would carry
-    the parent's peak across fork and exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _measure(runtime: str, path: Path, n: int, decode: int, vocab: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, __file__, "--worker", runtime, str(path), str(n), str(decode)],
-                         input=json.dumps({"vocab": vocab}) + "\n", capture_output=True, text=True, env=env)
-    if run.returncode != 0:
-        raise RuntimeError(f"{runtime} worker on {path.name} at {n} tokens failed: {run.stderr[-800:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    from multihead.deploy.decoding import measure
+
+    return measure(runtime, path, n, decode=decode, vocab=vocab, threads=THREADS)
 
 
 # --- the files ---
@@ -199,10 +132,9 @@ def _llama_tokens(files: dict, models: dict, prompt) -> None:
 
 def macs(shapes: dict, counts: tuple[int, int], n: int) -> float:
     """Multiply-adds of one decoded token at a cache of n tokens (the output head included)."""
-    E, F, L, V, D = shapes["E"], shapes["F"], shapes["L"], shapes["V"], shapes["D"]
-    H, Hkv = counts
-    layer = E * H * D + 2 * E * Hkv * D + H * D * E + 3 * E * F + 2 * n * H * D
-    return L * layer + E * V
+    from multihead.deploy.decoding import decode_macs
+
+    return decode_macs(shapes, [tuple(counts)] * shapes["L"], n)
 
 
 def kv_bytes(shapes: dict, counts: tuple[int, int], runtime: str) -> int:
@@ -294,10 +226,3 @@ def _table(res: dict, shapes: dict, runtimes: list[str], a, prompt: dict) -> str
                             f"{_stat([x['prefill_ms'] for x in ms], '.0f')} | {kv_bytes(shapes, counts, rt)} | "
                             f"{_stat([x['peak_mb'] for x in ms], '.0f')} | {extra} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":  # the worker: bench/decoder_runtimes.py runs the table
-    if sys.argv[1:2] != ["--worker"]:
-        raise SystemExit("the table: python bench/decoder_runtimes.py (this file runs one measurement: --worker)")
-    rt, path, n, decode = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    print(json.dumps(_worker(rt, path, n, decode, THREADS)))

@@ -184,7 +184,7 @@ ENCODER_ONLY = (("quantize", "--quantize", None), ("ffn", "--ffn", None), ("corp
 #: options of causal LMs only: given to anything else, refused
 DECODER_ONLY = (("target_perplexity", "--target-perplexity"), ("unit", "--unit"), ("behaviour", "--behaviour"),
                 ("lr", "--lr"), ("formats", "--formats"), ("per_layer", "--per-layer"),
-                ("fsdp", "--fsdp"))
+                ("fsdp", "--fsdp"), ("decode_contexts", "--decode-contexts"), ("decode_rounds", "--decode-rounds"))
 
 
 #: a causal LM's time budget when none is given (its recovery is cut short to it)
@@ -217,7 +217,8 @@ def _prune_decoder(args, out: Path, started: float) -> int:
                         behaviour=Path(args.behaviour) if args.behaviour else None,
                         recover=400 if args.recover is None else args.recover, lr=args.lr or 3e-4,
                         deadline=started + budget, formats=args.formats or (), per_layer=bool(args.per_layer),
-                        fsdp=bool(args.fsdp))
+                        fsdp=bool(args.fsdp), decode_contexts=args.decode_contexts or (),
+                        decode_rounds=args.decode_rounds or 3)
     command = "multihead " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["prune"] else ""
     try:
         report = decoder.run(args.hf, out, o, command=command)

@@ -39,8 +39,9 @@ import copy
 import json
 import random
 import resource
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,7 +75,9 @@ class DecoderOptions:
     keeps to (recovery is cut short to fit it). ``formats``: the runtimes' files written beside the folder
     (:data:`FORMATS`, :func:`write_formats`). ``per_layer``: as many units over the model as the even cut, placed
     per layer (:func:`plan_per_layer`). ``fsdp``: under torchrun, the recovery fully sharded (FSDP2) rather than
-    data parallel (DDP)."""
+    data parallel (DDP). ``decode_contexts``: each format's file timed against its peer (:func:`write_peers`) in its
+    runtime (:mod:`multihead.deploy.decoding`), decoding ``decode_tokens`` tokens up to each context, in
+    ``decode_rounds`` interleaved rounds (:func:`decode_speed`)."""
 
     fraction: float | None = None
     unit: str = "auto"
@@ -91,6 +94,9 @@ class DecoderOptions:
     formats: tuple[str, ...] = ()
     per_layer: bool = False
     fsdp: bool = False
+    decode_contexts: tuple[int, ...] = ()
+    decode_rounds: int = 3
+    decode_tokens: int = 16
 
 
 @dataclass
@@ -400,6 +406,9 @@ class Context:
     options: DecoderOptions
     #: seconds one judgement takes (the unpruned model's, measured): a recovery's budget leaves room for its own
     judge_s: float = 0.0
+    #: seconds kept after the cuts for the formats and the decode table (:func:`after_cuts_s`: from what the peers'
+    #: files and their first timing took, where they were made; else :data:`FORMAT_S` a format)
+    after_s: float | None = None
 
     def judge(self, model: nn.Module) -> Judgement:
         return judge(model, self.reference, self.text, self.behaviour, self.unpruned)
@@ -453,7 +462,8 @@ def search(ctx: Context, scores: dict[str, Tensor], counts: dict, kind: str, kma
         if o.recover:
             until = None
             if o.deadline is not None:  # this candidate's share of what is left, less its judgements
-                left = o.deadline - RESERVE_S - FORMAT_S * len(o.formats) - time.monotonic()
+                after = FORMAT_S * len(o.formats) if ctx.after_s is None else ctx.after_s
+                left = o.deadline - RESERVE_S - after - time.monotonic()
                 until = time.monotonic() + max(left / (len(ks) - i) - JUDGEMENTS * ctx.judge_s, 0.0)
             _recovered(cut, ctx, until, c)
         tried.append(c)
@@ -596,7 +606,24 @@ def markdown(r: dict) -> str:
             within = "" if "within" not in f else "yes" if f["within"] else "no"
             lines.append(f"| {f['format']} | {Path(f['path']).name if 'path' in f else ''} | {f.get('bytes', 0):,} | "
                          f"{cost} | {base} | {within} | {'; '.join(f['checks'])} |")
+    lines += decode_lines(r.get("decode"))
     return "\n".join(lines) + "\n"
+
+
+def decode_lines(d: dict | None) -> list[str]:
+    """The report's decode table (:func:`decode_speed`), or the line saying how to ask for it."""
+    from multihead.deploy.decoding import markdown as table
+
+    if d is None:
+        return ["", "- decoding not timed: --decode-contexts 256,2048,8192 times each file --formats writes against "
+                    "its peer in its runtime"]
+    out = ["", f"Decoding where the cut pays: each file against its peer, the unpruned model made into the same "
+               f"format by the runtime's own tools (OUT/peers), batch 1, {d['decode']} tokens decoded up to each "
+               f"context after a prompt of the rest, {d['threads']} threads, {d['rounds']} interleaved rounds (median "
+               "and min-max); the bound: the multiply-adds of a decoded token removed (multihead.deploy.decoding).",
+           ""]
+    out += [table(d["rows"], d["kv_bytes"])] if d["rows"] else ["- no file timed"]
+    return out + [f"- {n}" for n in d["notes"]]
 
 
 def tokenizer(path: Path):
@@ -670,6 +697,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     tok = tokenizer(path)
     check(config_counts(path), o)  # the plan, refused before any weight is read
     check_formats(path, o.formats, tok, per_layer=o.per_layer)
+    check_decode(path, o, world)
     beh = behaviour(tok, o)  # a behaviour file that does not parse: refused here
     ref = load(path)
     counts = layer_counts(ref)  # the counts the derived layouts hold (verified on a probe)
@@ -682,15 +710,19 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     base = judge(ref, ref, t, beh)
     phase("judging the unpruned model")
     ctx = Context(ref, t, beh, base, o, phases["judging the unpruned model"] / 2)  # it ran the model twice
+    peers = _peers_costed(ctx, path, tok, out / "peers", phase) if o.decode_contexts else {}
     tried, kept, model = search(ctx, scores, counts, kind, kmax)
     phase("the cuts, recovered and judged")
     sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
     writes = model is not None and rank == 0  # one rank writes: the ranks hold the same model
     saved = save(model, path, out / "model", t, o.per_layer) if writes else []
     phase("saving and reading back")
-    formats = write_formats(model, ref, tok, out / "model", t, o.formats) if writes else []
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers) if writes else []
     if formats:
         phase("the formats, written and read back")
+    decode = decode_speed(model, ref, formats, peers, o) if writes and peers else None
+    if decode is not None:
+        phase("decoding timed against the peers")
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
          "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
          "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
@@ -703,6 +735,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
                     "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
          "sizes": sizes_of,
          "saved": saved, "formats": formats, "formats_failed": [f["failed"] for f in formats if "failed" in f],
+         "decode": decode,
          "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases, "peak_rss_mib": peak_rss_mib(),
          "peak_rss_mib_by_phase": peaks}
     if rank == 0:
@@ -753,6 +786,10 @@ def summary(r: dict) -> list[str]:
                      f"parameters {s1['parameters'] / s0['parameters']:.4f}")
         lines += r["saved"]
         lines += [f"{f['format']}: {f.get('path', '')} {'; '.join(f['checks'])}" for f in r["formats"]]
+        for row in (r.get("decode") or {}).get("rows", []):
+            lines.append(f"{row['format']} at {row['context']} tokens of context: decode "
+                         f"{row['pruned']['decode_tps']['median']:.1f} tok/s against the peer's "
+                         f"{row['peer']['decode_tps']['median']:.1f}, {row['speedup']:.2f}x (bound {row['bound']:.2f}x)")
     lines.append(f"peak resident memory {r['peak_rss_mib']:.0f} MiB; {r['seconds']:.0f} s")
     return lines
 
@@ -804,25 +841,31 @@ def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
     return f.perplexity / f.reference_perplexity
 
 
-def _q4_k_m(f16: Path, dst: Path) -> str:
-    """``f16`` quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``, where
-    ``make decoder-llama-cpp`` built it): the line it says."""
+def _quantize(f16: Path, dst: Path, dtype: str) -> str:
+    """``f16`` quantized to ``dtype`` (q4_k_m, q8_0) by llama.cpp's own quantizer (llama-cpp-python's
+    ``llama_model_quantize``, where ``make decoder-llama-cpp`` built it): the line it says."""
     import ctypes
 
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = {"q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[dtype]
     if llama_cpp.llama_model_quantize(str(f16).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp's quantizer failed on {f16}")
-    return f"{dst.name}: llama.cpp's quantizer (llama_model_quantize, Q4_K_M) from {f16.name}"
+    return f"{dst.name}: llama.cpp's quantizer (llama_model_quantize, {dtype.upper()}) from {f16.name}"
 
 
-def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str]) -> list[dict]:
+def _q4_k_m(f16: Path, dst: Path) -> str:
+    return _quantize(f16, dst, "q4_k_m")
+
+
+def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str],
+                  peers: Mapping[str, Path] | None = None) -> list[dict]:
     """Each format in ``formats`` written into ``folder`` (``gguf/model-<dtype>.gguf``, ``genai-<precision>/``) and
     read back: f16 and fp32 files must give the cut model's greedy tokens and logits within their rounding; a
     quantized GGUF file is judged by what quantizing cost its perplexity on the held-out text, beside the cost of
-    the same quantization to the unpruned model (written the same way into a temporary folder). GenAI int4: the
+    the same quantization to the unpruned model (its file in ``peers``, :func:`write_peers`, else written the same
+    way into a temporary folder). GenAI int4: the
     greedy tokens that agree (its perplexity is not measured). Returns a row a format; one whose file did not read
     back, or whose quantization costs more than twice the unpruned model's plus 0.5%, has "failed"."""
     rows, ids = [], t.held_out[0]["input_ids"][:1, :16]  # (1, L) a held-out prompt
@@ -831,7 +874,7 @@ def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, fo
         try:
             row = _written(cut, tok, folder, name, ids)
             if "path" in row and FORMATS[name] in (("gguf", "q8_0"), ("gguf", "q4_k_m")):
-                _cost_beside_unpruned(row, cut, ref, t, ids)
+                _cost_beside_unpruned(row, cut, ref, t, ids, (peers or {}).get(name))
         except (ValueError, RuntimeError) as e:  # a file that did not read back: said, the others still written
             row = {"format": name, "checks": [], "failed": f"{name}: {str(e).splitlines()[0]}"}
         if "path" in row:
@@ -867,23 +910,172 @@ def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
     return {"format": name, "path": str(folder / "gguf" / "model-q4_k_m.gguf"), "checks": [said]}
 
 
-def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor) -> None:
-    """A quantized GGUF row's perplexity cost, and the same quantization's cost to the unpruned model (its file
-    written the same way into a temporary folder); "failed" when the cut's is more than twice it plus 0.5%."""
+def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor,
+                          peer: Path | None = None) -> None:
+    """A quantized GGUF row's perplexity cost, and the same quantization's cost to the unpruned model (``peer``, its
+    file, else written the same way into a temporary folder); "failed" when the cut's is more than twice it plus
+    0.5%."""
     import tempfile
 
     from multihead.deploy.gguf import export_gguf
 
     dtype = FORMATS[row["format"]][1]
     row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
-    with tempfile.TemporaryDirectory() as d:
-        if dtype == "q4_k_m":
-            export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
-            _q4_k_m(Path(d) / "unpruned-f16.gguf", Path(d) / "unpruned.gguf")
-        else:
-            export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
-        row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
+    if peer is not None:
+        row["unpruned_cost"] = _quantization_cost(peer, ref, t)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            if dtype == "q4_k_m":
+                export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
+                _q4_k_m(Path(d) / "unpruned-f16.gguf", Path(d) / "unpruned.gguf")
+            else:
+                export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
+            row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
     row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
     if not row["within"]:
         row["failed"] = (f"{row['format']}: quantizing costs the cut model's perplexity {row['cost']:.4f}x, more "
                          f"than twice the unpruned model's {row['unpruned_cost']:.4f}x plus 0.5%")
+
+
+# --- where the cut pays: decoding timed in each format's runtime against its peer ---
+
+
+def vocab_size(model: nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _runtime(name: str) -> str:
+    return "llama.cpp" if FORMATS[name][0] == "gguf" else "genai"
+
+
+def check_decode(path: Path, o: DecoderOptions, world: int) -> None:
+    """``--decode-contexts`` refused in one line (ValueError) before any work: without ``--formats`` (the files it
+    times), under torchrun (the runtimes are timed in one process), a context the model's positions cannot hold or
+    not above the tokens decoded, rounds below 1."""
+    if not o.decode_contexts:
+        return
+    if not o.formats:
+        raise ValueError("--decode-contexts times the files --formats writes against their peers: give --formats "
+                         "(e.g. gguf-q8_0,genai-int4).")
+    if world > 1:
+        raise ValueError("--decode-contexts times the runtimes in one process: run the command without torchrun to "
+                         "time them (the recovery alone runs on the ranks).")
+    if isinstance(o.decode_rounds, bool) or not isinstance(o.decode_rounds, int) or o.decode_rounds < 1:
+        raise ValueError(f"--decode-rounds must be a whole number >= 1; got {o.decode_rounds!r}.")
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    positions = getattr(cfg, "max_position_embeddings", None)
+    for n in o.decode_contexts:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= o.decode_tokens:
+            raise ValueError(f"--decode-contexts {n}: a context must be a whole number of tokens above the "
+                             f"{o.decode_tokens} decoded (the prompt is the context less them).")
+        if positions is not None and n > positions:
+            raise ValueError(f"--decode-contexts {n}: longer than the model's {positions} positions "
+                             f"(max_position_embeddings); give contexts up to {positions}.")
+
+
+def write_peers(ref: nn.Module, src: Path, tok, folder: Path, t: Text, formats: Sequence[str]) -> dict[str, Path]:
+    """The peers the decode table times each format against: the unpruned model made into each format by the
+    runtime's own tools, into ``folder``. GGUF: f16 by :func:`multihead.deploy.gguf.export_gguf` (what llama.cpp's
+    convert_hf_to_gguf.py writes, the vocabulary from the tokenizer), Q8_0 and Q4_K_M by llama.cpp's own quantizer
+    from it where llama.cpp is built (Q8_0 by the gguf writer where it is not; Q4_K_M then has no file on either
+    side); GenAI: its builder on the checkpoint folder (:func:`multihead.deploy.genai.standard_genai`) at the
+    precision. {format: path}, formats without a file left out."""
+    import importlib.util
+
+    from multihead.deploy.genai import standard_genai
+    from multihead.deploy.gguf import export_gguf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    built = importlib.util.find_spec("llama_cpp") is not None
+    ids = t.held_out[0]["input_ids"][:1, : int(t.held_out[0]["attention_mask"][0].sum())][:, :16]  # (1, L) a prompt
+    out: dict[str, Path] = {}
+    f16 = folder / "model-f16.gguf"
+    for name in formats:
+        runtime, dtype = FORMATS[name]
+        if runtime == "genai":
+            out[name] = standard_genai(src, folder / f"genai-{dtype}", precision=dtype)
+            continue
+        if dtype == "q4_k_m" and not built:
+            continue
+        if (dtype != "q8_0" or built) and not f16.exists():
+            export_gguf(ref, f16, dtype="f16", tokenizer=tok, prompt_ids=ids)
+        if dtype == "f16":
+            out[name] = f16
+        elif built:
+            _quantize(f16, folder / f"model-{dtype}.gguf", dtype)
+            out[name] = folder / f"model-{dtype}.gguf"
+        else:
+            out[name] = export_gguf(ref, folder / f"model-{dtype}.gguf", dtype=dtype, tokenizer=tok,
+                                    prompt_ids=ids).path
+    return out
+
+
+def _peers_costed(ctx: Context, path: Path, tok, folder: Path, phase: Callable[[str], None]) -> dict[str, Path]:
+    """The peers written (:func:`write_peers`) and timed once, ``ctx.after_s`` set from what both took."""
+    began = time.monotonic()
+    peers = write_peers(ctx.reference, path, tok, folder, ctx.text, ctx.options.formats)
+    phase("the peers, written")
+    ctx.after_s = after_cuts_s(peers, time.monotonic() - began, ctx.options, ctx.judge_s, vocab_size(ctx.reference))
+    phase("the peers, timed once (the plan's estimate)")
+    return peers
+
+
+def after_cuts_s(peers: Mapping[str, Path], written_s: float, o: DecoderOptions, judge_s: float, vocab: int) -> float:
+    """Seconds to keep after the cuts, measured: the kept model's files take what the peers' took (``written_s``),
+    each quantized GGUF's cost two judgements more; each peer is timed once here at every context, so the decode
+    table's rounds (each peer and its pruned file, which runs no slower) take ``decode_rounds`` x 2 x that."""
+    import importlib.util
+
+    from multihead.deploy.decoding import measure
+
+    once = 0.0
+    for name, peer in peers.items():
+        if _runtime(name) == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+            continue
+        for n in o.decode_contexts:
+            began = time.monotonic()
+            measure(_runtime(name), peer, n - o.decode_tokens, decode=o.decode_tokens, vocab=vocab, threads=THREADS)
+            once += time.monotonic() - began
+    quantized = sum(FORMATS[f] in (("gguf", "q8_0"), ("gguf", "q4_k_m")) for f in o.formats)
+    return written_s + 2 * judge_s * quantized + o.decode_rounds * 2 * once
+
+
+#: threads the runtimes are timed with (both runtimes, every file)
+THREADS = 2
+
+
+def decode_speed(cut: nn.Module, ref: nn.Module, formats: Sequence[dict], peers: Mapping[str, Path],
+                 o: DecoderOptions) -> dict:
+    """Each written file timed against its peer in its runtime (:func:`multihead.deploy.decoding.decode_table`),
+    beside the bound of the work removed and each side's KV-cache bytes a token (llama.cpp's default f16 cache,
+    GenAI's fp32 on the CPU). {"rows", "kv_bytes", "notes"}."""
+    import importlib.util
+
+    from multihead.deploy.decoding import decode_macs, decode_table
+
+    cfg = ref.config
+    shape = {"E": cfg.hidden_size, "F": cfg.intermediate_size, "V": vocab_size(ref),
+             "D": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    before, after = list(layer_counts(ref).values()), list(layer_counts(cut).values())
+    s0, s1 = sizes(ref)["kv_bytes_per_token_f16"], sizes(cut)["kv_bytes_per_token_f16"]
+    pairs, kv, notes = {}, {}, []
+    for f in formats:
+        name = f["format"]
+        if "path" not in f or "failed" in f or name not in peers:
+            notes.append(f"{name}: not timed (no file{' to time' if 'path' in f else ''} on both sides)")
+            continue
+        if _runtime(name) == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+            notes.append(f"{name}: not timed: llama.cpp is not built here (make decoder-llama-cpp builds it)")
+            continue
+        pairs[name] = (_runtime(name), peers[name], Path(f["path"]))
+        kv[name] = (s0, s1) if _runtime(name) == "llama.cpp" else (2 * s0, 2 * s1)  # GenAI's cache: fp32
+    rows = decode_table(pairs, list(o.decode_contexts), vocab=shape["V"], rounds=o.decode_rounds,
+                        decode=o.decode_tokens, threads=THREADS,
+                        bound=lambda n: decode_macs(shape, before, n) / decode_macs(shape, after, n),
+                        progress=(lambda line: print(line, file=sys.stderr, flush=True)) if o.progress else None
+                        ) if pairs else []
+    return {"rows": rows, "kv_bytes": kv, "notes": notes, "threads": THREADS, "rounds": o.decode_rounds,
+            "decode": o.decode_tokens}
