@@ -195,6 +195,27 @@ def test_genai_builds_the_pruned_model_and_generates_its_tokens(tmp_path):
     cfg = json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["decoder"]
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (2, 1, 16)
     assert served.tokens == _greedy(m) and served.max_logit_diff <= 1e-4  # int4: test_decoder_prune's formats test
+    _genai_model_scores_text_as_the_torch_model(served.path, m)
+
+
+def _genai_model_scores_text_as_the_torch_model(folder, m):
+    """genai_model: the folder called like the torch model on a right-padded batch (each row's real tokens run by
+    onnxruntime_genai): every real position's logits within fp32 rounding of the torch model's (what the formats'
+    perplexity cost is measured with); padded positions zeros; a folder that is not GenAI's refused."""
+    from multihead.deploy.check import TOLERANCE
+    from multihead.deploy.genai import genai_model
+
+    ids = torch.cat([IDS, IDS.flip(1)])  # (2, L)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # the second row: 3 padded positions
+    got = genai_model(folder)(input_ids=ids, attention_mask=mask).logits  # (2, L, V)
+    with torch.no_grad():
+        want0, want1 = m(input_ids=ids[:1]).logits[0], m(input_ids=ids[1:, :-3]).logits[0]  # (L, V), (L - 3, V)
+    tol = TOLERANCE["fp32"] * max(1.0, float(want0.abs().max()))
+    assert (got[0] - want0).abs().max() <= tol and (got[1, :-3] - want1).abs().max() <= tol
+    assert not got[1, -3:].any()
+    with pytest.raises(ValueError, match="holds no genai_config.json"):
+        genai_model(folder.parent)
 
 
 def test_genais_peer_is_its_builder_on_the_unpruned_checkpoint_made_once(tmp_path):

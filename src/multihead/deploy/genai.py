@@ -24,13 +24,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import Tensor, nn
 
 from multihead.deploy.check import QUANTIZED, TOLERANCE, Served, _compare, _greedy, _prompt
 from multihead.deploy.llama import _check, standard_folder
 from multihead.extras import require
 
-__all__ = ["GENAI_PRECISIONS", "export_genai", "standard_genai"]
+__all__ = ["GENAI_PRECISIONS", "export_genai", "genai_model", "standard_genai"]
 
 
 GENAI_PRECISIONS = ("fp32", "int4")
@@ -101,6 +102,48 @@ def _genai_greedy(og, folder: Path, ids: Tensor, n: int) -> tuple[np.ndarray, li
         gen.generate_next_token()
         tokens.append(int(gen.get_next_tokens()[0]))
     return last, tokens
+
+
+class _GenAIModel(nn.Module):
+    """A GenAI folder called like a transformers causal LM for scoring text: ``forward(input_ids, attention_mask)``
+    gives ``.logits`` (B, L, V), each row's real tokens (a right-padded batch) run as one prompt by
+    ``onnxruntime_genai``; the padded positions' logits are zeros (nothing scores them)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        og = require("onnxruntime_genai", "multihead.deploy.genai.genai_model")
+        self.folder, self._og, self._model = folder, og, og.Model(str(folder))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None):
+        from types import SimpleNamespace
+
+        B, L = input_ids.shape
+        lens = attention_mask.sum(-1).tolist() if attention_mask is not None else [L] * B
+        rows = []
+        for b in range(B):
+            n = int(lens[b])
+            params = self._og.GeneratorParams(self._model)
+            params.set_search_options(max_length=n + 1, do_sample=False)
+            gen = self._og.Generator(self._model, params)
+            gen.append_tokens(input_ids[b:b + 1, :n].numpy().astype(np.int32))  # (1, n) the row's real tokens
+            got = np.asarray(gen.get_output("logits"), dtype=np.float32)[0]  # (n, V)
+            if got.shape[0] != n:
+                raise RuntimeError(f"genai_model: {self.folder} gave logits for {got.shape[0]} of the prompt's {n} "
+                                   "positions; it scores text only where it returns every position's.")
+            rows.append(torch.nn.functional.pad(torch.from_numpy(got), (0, 0, 0, L - n)))  # (L, V)
+        return SimpleNamespace(logits=torch.stack(rows))  # (B, L, V)
+
+
+def genai_model(folder: str | Path) -> nn.Module:
+    """A GenAI folder (:func:`export_genai`, :func:`standard_genai`) as a module scoring text like the torch model:
+    ``genai_model(folder)(input_ids=..., attention_mask=...).logits`` is (B, L, V), each row run by
+    ``onnxruntime_genai`` on its real tokens (so :func:`multihead.apps.prune.causal.fidelity` measures what
+    quantizing cost the file's perplexity)."""
+    folder = Path(folder)
+    if not (folder / "genai_config.json").is_file():
+        raise ValueError(f"genai_model: {folder} holds no genai_config.json; give a folder export_genai or "
+                         "standard_genai wrote.")
+    return _GenAIModel(folder)
 
 
 def standard_genai(src: str | Path, out: str | Path, precision: str = "fp32") -> Path:

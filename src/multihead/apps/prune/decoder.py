@@ -58,6 +58,8 @@ IMPORTANCE_TEMPLATES, JUDGED_TEMPLATES = slice(0, 4), slice(4, 8)
 BEHAVIOUR_SHARE = 0.95
 
 
+#: the quantized dtypes, whose files are judged by what quantizing cost their perplexity
+QUANTIZED_DTYPES = ("q8_0", "q4_k_m", "int4")
 #: what ``--formats`` writes beside the transformers folder: {name: (runtime, the writer's dtype)}
 FORMATS = {"gguf-f16": ("gguf", "f16"), "gguf-q8_0": ("gguf", "q8_0"), "gguf-q4_k_m": ("gguf", "q4_k_m"),
            "genai-fp32": ("genai", "fp32"), "genai-int4": ("genai", "int4")}
@@ -717,7 +719,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     writes = model is not None and rank == 0  # one rank writes: the ranks hold the same model
     saved = save(model, path, out / "model", t, o.per_layer) if writes else []
     phase("saving and reading back")
-    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers) if writes else []
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers, path) if writes else []
     if formats:
         phase("the formats, written and read back")
     decode = decode_speed(model, ref, formats, peers, o) if writes and peers else None
@@ -833,11 +835,13 @@ def check_formats(path: Path, formats: Sequence[str], tok, *, per_layer: bool = 
 
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
-    """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost."""
+    """The file's perplexity on the held-out text over ``model``'s (its float32 source): what quantizing cost. A
+    GGUF file runs in transformers' reader (dequantized), a GenAI folder in onnxruntime_genai."""
     from multihead.apps.prune import causal
+    from multihead.deploy.genai import genai_model
     from multihead.deploy.gguf import gguf_model
 
-    f = causal.fidelity(gguf_model(file), model, t.held_out)
+    f = causal.fidelity(genai_model(file) if Path(file).is_dir() else gguf_model(file), model, t.held_out)
     return f.perplexity / f.reference_perplexity
 
 
@@ -860,21 +864,22 @@ def _q4_k_m(f16: Path, dst: Path) -> str:
 
 
 def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str],
-                  peers: Mapping[str, Path] | None = None) -> list[dict]:
+                  peers: Mapping[str, Path] | None = None, src: Path | None = None) -> list[dict]:
     """Each format in ``formats`` written into ``folder`` (``gguf/model-<dtype>.gguf``, ``genai-<precision>/``) and
     read back: f16 and fp32 files must give the cut model's greedy tokens and logits within their rounding; a
-    quantized GGUF file is judged by what quantizing cost its perplexity on the held-out text, beside the cost of
+    quantized file (GGUF Q8_0 and Q4_K_M in transformers' reader, GenAI int4 in onnxruntime_genai, with the greedy
+    tokens that agree) is judged by what quantizing cost its perplexity on the held-out text, beside the cost of
     the same quantization to the unpruned model (its file in ``peers``, :func:`write_peers`, else written the same
-    way into a temporary folder). GenAI int4: the
-    greedy tokens that agree (its perplexity is not measured). Returns a row a format; one whose file did not read
-    back, or whose quantization costs more than twice the unpruned model's plus 0.5%, has "failed"."""
+    way into a temporary folder; GenAI's builder on ``src``, the checkpoint folder). Returns a row a format; one
+    whose file did not read back, or whose quantization costs more than twice the unpruned model's plus 0.5%, has
+    "failed"."""
     rows, ids = [], t.held_out[0]["input_ids"][:1, :16]  # (1, L) a held-out prompt
     ids = ids[:, : int(t.held_out[0]["attention_mask"][0].sum())]
     for name in formats:
         try:
             row = _written(cut, tok, folder, name, ids)
-            if "path" in row and FORMATS[name] in (("gguf", "q8_0"), ("gguf", "q4_k_m")):
-                _cost_beside_unpruned(row, cut, ref, t, ids, (peers or {}).get(name))
+            if "path" in row and FORMATS[name][1] in QUANTIZED_DTYPES:
+                _cost_beside_unpruned(row, cut, ref, t, ids, (peers or {}).get(name), src)
         except (ValueError, RuntimeError) as e:  # a file that did not read back: said, the others still written
             row = {"format": name, "checks": [], "failed": f"{name}: {str(e).splitlines()[0]}"}
         if "path" in row:
@@ -911,26 +916,30 @@ def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
 
 
 def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor,
-                          peer: Path | None = None) -> None:
-    """A quantized GGUF row's perplexity cost, and the same quantization's cost to the unpruned model (``peer``, its
-    file, else written the same way into a temporary folder); "failed" when the cut's is more than twice it plus
-    0.5%."""
+                          peer: Path | None = None, src: Path | None = None) -> None:
+    """A quantized row's perplexity cost, and the same quantization's cost to the unpruned model (``peer``, its
+    file, else written the same way into a temporary folder: GenAI's builder on ``src``, the checkpoint folder);
+    "failed" when the cut's is more than twice it plus 0.5%."""
     import tempfile
 
+    from multihead.deploy.genai import standard_genai
     from multihead.deploy.gguf import export_gguf
 
-    dtype = FORMATS[row["format"]][1]
+    runtime, dtype = FORMATS[row["format"]]
     row["cost"] = _quantization_cost(Path(row["path"]), cut, t)
     if peer is not None:
         row["unpruned_cost"] = _quantization_cost(peer, ref, t)
     else:
         with tempfile.TemporaryDirectory() as d:
-            if dtype == "q4_k_m":
+            if runtime == "genai":
+                row["unpruned_cost"] = _quantization_cost(standard_genai(src, Path(d) / "unpruned", dtype), ref, t)
+            elif dtype == "q4_k_m":
                 export_gguf(ref, Path(d) / "unpruned-f16.gguf", dtype="f16", prompt_ids=ids)
                 _q4_k_m(Path(d) / "unpruned-f16.gguf", Path(d) / "unpruned.gguf")
             else:
                 export_gguf(ref, Path(d) / "unpruned.gguf", dtype=dtype, prompt_ids=ids)
-            row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
+            if runtime == "gguf":
+                row["unpruned_cost"] = _quantization_cost(Path(d) / "unpruned.gguf", ref, t)
     row["within"] = row["cost"] - 1 <= 2 * max(row["unpruned_cost"] - 1, 0.0) + 0.005
     if not row["within"]:
         row["failed"] = (f"{row['format']}: quantizing costs the cut model's perplexity {row['cost']:.4f}x, more "
