@@ -28,7 +28,12 @@ change (source run - base run), summed over positions, averaged over the batch. 
 run's (alpha = 0, 1/steps, ..., (steps-1)/steps: ``steps=1`` is EAP). Gradients are kept only where read (the readers'
 q/k/v, the MLPs' outputs and the final residual). ``direction="denoise"`` (default, TransformerLens' convention): the
 base run is the corrupted input, so a score estimates how much patching that edge from the clean run moves the
-metric. :func:`patch_edges` computes that exactly for chosen edges (batched: ``chunk`` edges a forward).
+metric; ``"noise"``: the clean run is the base (MIB's EAP). A gradient is only as good as the run it is taken at:
+where the base run is sure of itself (a head giving one key all its weight, an answer of probability near 1) it
+vanishes, and EAP scores the edges behind it (those setting a saturated head's key) near zero whatever patching them
+does -- on the models the tests train, noising's 5% circuits keep 11-56% of the metric where circuits of that size
+keep 98% or more; EAP-IG's points off the base run and denoising's base see them. :func:`patch_edges` computes a
+patch exactly for chosen edges (batched: ``chunk`` edges a forward).
 ``method="atp*"`` (Kramár et al. 2024's AtP*): the edges into queries and keys scored with the softmax recomputed
 exactly (right where a saturated head makes EAP's gradient vanish), and GradDrop against cancelling paths;
 :func:`node_attribution` scores the nodes (heads, MLPs, the embedding) as the sums of their edges.
