@@ -583,4 +583,20 @@ def test_gemma3_refused_in_one_line_where_a_runtime_would_compute_another_model(
                                          "Gemma 3 config") as e:
         export_genai(_tiny_gemma(V, 2), tmp_path / "genai", tokenizer=_tokenizer())
     assert "\n" not in str(e.value)
+    # a BPE with byte fallback llama.cpp's SentencePiece tokenizer would read otherwise
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    def byte_fallback(normalizer, decoder):
+        t = Tokenizer(models.BPE({"<unk>": 0, "a": 1, "<0x61>": 2}, [], unk_token="<unk>", byte_fallback=True))
+        t.normalizer, t.decoder = normalizer, decoder
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+
+    sentencepiece = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    for tok, message in [(byte_fallback(normalizers.NFKC(), sentencepiece), "normalizer NFKC .* is not what "
+                                                                            "llama.cpp's SentencePiece tokenizer"),
+                         (byte_fallback(None, decoders.ByteFallback()), "whose decoder is ByteFallback, not "
+                                                                        "SentencePiece's sequence")]:
+        with pytest.raises(ValueError, match=message) as e:
+            export_gguf(_tiny_gemma(V, 2), tmp_path / "g.gguf", tokenizer=tok)
+        assert "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []

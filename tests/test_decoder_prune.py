@@ -348,7 +348,7 @@ def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe
                                                      "Qwen2ForCausalLM is refused"),
              ([str(tmp_path / "gemma"), "--formats", "gguf-f16,genai-int4"],
               "--formats genai-int4: ONNX Runtime GenAI's builder (onnxruntime-genai"),
-             ([str(scaled), "--formats", "gguf-f16"], "Gemma 3 with query_pre_attn_scalar=256 with head_dim=24"),
+             ([str(scaled), "--formats", "gguf-f16"], "Gemma 3: query_pre_attn_scalar=256 with head_dim=24"),
              ([str(tmp_path / "gemma"), "--formats", "gguf-f16", "--per-layer"],
               "gemma3 graph makes every layer at one head count")]
     for argv, message in cases:

@@ -113,6 +113,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     os.replace(tmp, path)
 
     checks, reader = _read_back(gguf, path, written, _expected_fields(model, counts))
+    del written  # the arrays as written (Gemma 3's embedding alone: 335 MB at f16), not needed to run the file
     if any(k == "tokenizer.ggml.model" and v == "llama" for k, v, *_ in vocab_fields) and tokenizer is not None:
         checks.append(_tokenized_back(path, tokenizer))
     if uneven:
@@ -277,7 +278,7 @@ def _check_gemma3(cfg, what: str, counts: list[tuple[int, int, int]] | None = No
     ]
     for refused, why in refusals:
         if refused:
-            raise ValueError(f"{what}: Gemma 3 with {why}.")
+            raise ValueError(f"{what}: Gemma 3: {why}.")
 
 
 def _gguf_header(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str):
@@ -432,6 +433,11 @@ def _vocabulary(tokenizer, vocab_size: int) -> tuple[str, dict]:
                          "the model's own tokenizer.")
     if not model.get("byte_fallback"):
         return "gpt2", j
+    decoder = (j.get("decoder") or {}).get("type")
+    if decoder != "Sequence":  # gguf's LlamaHfVocab reads SentencePiece's: "▁" to a space, byte fallback, fuse
+        raise ValueError(f"export_gguf: tokenizer= is a BPE with byte fallback whose decoder is {decoder}, not "
+                         "SentencePiece's sequence (gguf's LlamaHfVocab reads that one only): give vocab= the GGUF "
+                         "file the model came from instead.")
     _space_prefix(j)  # its ValueError: a normalizer llama.cpp does not apply
     return "llama", j
 
