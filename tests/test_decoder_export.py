@@ -378,3 +378,246 @@ def test_missing_extra_names_what_installs_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
     with pytest.raises(ImportError, match=r"multihead\[decoder\]"):
         export_genai(_pruned(), tmp_path / "g", tokenizer=_tokenizer())
+
+
+# --- Gemma 3: llama.cpp's gemma3 architecture, and a SentencePiece-style vocabulary ---
+
+
+def _sentencepiece_bpe(size: int = 1500):
+    """A BPE with byte fallback laid out as Gemma's tokenizer.json is (SentencePiece's kind: spaces as "▁", no prefix
+    space, the specials then the newline -- an added token matched whole, inside the vocabulary -- then the 256 byte
+    tokens <0x00>..<0xFF>, BOS added), trained here in a second on the language reference and the IOI set's words (one
+    token each, with their "▁"): what export_gguf writes as llama.cpp's llama vocabulary. Gemma's own (262,144 tokens)
+    takes a minute to write: checked by hand."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from multihead.apps.common import ioi
+    from multihead.apps.common.data import sentences
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    t.normalizer = normalizers.Replace(" ", "▁")
+    t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # merges inside words only, as SentencePiece
+    words = " " + " ".join([*ioi.NAMES, *ioi.PLACES, *ioi.OBJECTS])
+    t.train_from_iterator([*sentences(), *ioi.TEMPLATES, *[words] * 50],
+                          trainers.BpeTrainer(vocab_size=size, special_tokens=specials, show_progress=False))
+    trained = json.loads(t.to_str())["model"]
+    vocab = {s: i for i, s in enumerate([*specials, "\n", *(f"<0x{b:02X}>" for b in range(256))])}
+    for piece, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    bpe.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")  # Gemma's: nothing left to split
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    bpe.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B:1",
+                                                       special_tokens=[("<bos>", 2)])
+    bpe.add_special_tokens(specials)
+    bpe.add_tokens([AddedToken("\n", normalized=False)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>", eos_token="<eos>",
+                                                unk_token="<unk>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def spm():
+    return _sentencepiece_bpe()
+
+
+def _tiny_gemma(vocab_size: int, layers: int = 6, **kw):
+    """A random tiny Gemma 3: 4 query heads sharing 1 key/value head of Gemma's size (256, the query scale), five
+    sliding layers (a window of 4 tokens) in every six, the norms drawn around 0 so that llama.cpp's weight = 1 +
+    Gemma's matters."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=4, max_position_embeddings=64,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0), **kw})
+    m = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return m
+
+
+def _pruned_gemma(vocab_size: int, **kw):
+    """The tiny Gemma 3 with query heads 1 and 3 of its one group cut in every layer (H 4 -> 2, Hkv 1)."""
+    m = mh.attach(_tiny_gemma(vocab_size, **kw))
+    heads.prune(m, {n: [1, 3] for n in mh.attention_modules(m)})
+    return m
+
+
+def test_gguf_of_a_pruned_gemma3_is_gemma3_at_the_pruned_size_with_its_tokenizer_and_reads_back(tmp_path, spm):
+    """llama.cpp's gemma3 architecture as convert_hf_to_gguf.py writes Gemma 3: the pruned counts, its norms plus one,
+    q/k rows as transformers keeps them (NEOX rotary), the full layers' RoPE base and the window; read back by
+    transformers on its own (a prompt longer than the window: the sliding layers see only their last 4 tokens), its
+    logits within f16's rounding and its greedy tokens the pruned model's. The vocabulary from the model's own BPE
+    with byte fallback (Gemma's kind) as llama.cpp's llama (SentencePiece) one: every token by id, byte tokens typed
+    byte, the specials control, the newline (an added token inside the vocabulary) user-defined, each merge's token
+    scored minus its rank (llama.cpp merges the highest score first, BPE the lowest rank), no prefix space, BOS added,
+    padded to the model's rows; tokenized back alike by transformers' reader of the file (and by llama.cpp where it
+    is built: the check's line names it)."""
+    n = len(spm)
+    m = _pruned_gemma(n + 3)
+    ids = torch.tensor([spm("When Mary and John went to the store, John gave a drink to")["input_ids"]])  # (1, L)
+    assert ids.shape[1] > 4
+    served = export_gguf(m, tmp_path / "g.gguf", dtype="f16", tokenizer=spm, prompt_ids=ids, new_tokens=6)
+    assert served.counts == (2, 1, 256) and served.max_logit_diff <= served.tolerance
+    assert any(c.startswith("transformers' GGUF tokenizer") and "3 texts tokenized as the tokenizer does" in c
+               for c in served.checks)
+    r = gguf.GGUFReader(str(served.path))
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["general.architecture"] == "gemma3" and f["gemma3.block_count"] == 6
+    assert (f["gemma3.attention.head_count"], f["gemma3.attention.head_count_kv"]) == (2, 1)
+    assert f["gemma3.attention.key_length"] == f["gemma3.attention.value_length"] == 256
+    assert f["gemma3.attention.sliding_window"] == 4 and f["gemma3.rope.freq_base"] == 1e6
+    assert "gemma3.rope.dimension_count" not in f
+    tensors = {t.name: np.asarray(t.data) for t in r.tensors}
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}  # GGUF order: (in, out)
+    assert shapes["blk.0.attn_q.weight"] == (64, 512) and shapes["blk.0.attn_k.weight"] == (64, 256)
+    assert shapes["blk.0.attn_output.weight"] == (512, 64) and shapes["blk.0.attn_q_norm.weight"] == (256,)
+    assert "output.weight" not in tensors  # tied: llama.cpp reads token_embd twice
+    layer = m.model.layers[5]
+    for name, norm in (("blk.5.attn_k_norm.weight", layer.self_attn.k_norm), ("output_norm.weight", m.model.norm),
+                       ("blk.5.post_ffw_norm.weight", layer.post_feedforward_layernorm)):
+        np.testing.assert_array_equal(tensors[name], norm.weight.detach().numpy() + np.float32(1))
+    q = layer.self_attn.q_proj.weight.detach().numpy()  # (H*D, E): HF's rows, unpermuted
+    np.testing.assert_array_equal(tensors["blk.5.attn_q.weight"], q.astype(np.float16))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="g.gguf", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM" and back.config.layer_types == m.config.layer_types
+    assert (back.config.num_attention_heads, back.config.num_key_value_heads, back.config.sliding_window) == (2, 1, 4)
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits - m(input_ids=ids).logits).abs().max().item() <= 2e-2
+    seq, want = ids, []
+    with torch.no_grad():
+        for _ in range(6):
+            want.append(int(m(input_ids=seq).logits[0, -1].argmax()))
+            seq = torch.cat([seq, torch.tensor([[want[-1]]])], dim=1)  # (1, L + step)
+    assert served.tokens == want
+    # the vocabulary
+    tokens, scores, types = (f[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    assert f["tokenizer.ggml.model"] == "llama" and len(tokens) == len(scores) == len(types) == n + 3
+    assert tokens[:n] == spm.convert_ids_to_tokens(list(range(n))) and tokens[n:] == [f"[PAD{i}]" for i in range(n, n + 3)]
+    T = gguf.TokenType
+    assert [types[i] for i in (2, 4, 5 + 0x41, n - 1, n)] == [T.CONTROL, T.USER_DEFINED, T.BYTE, T.NORMAL, T.UNUSED]
+    merges = json.loads(spm.backend_tokenizer.to_str())["model"]["merges"]
+    first = {}
+    for r, (a, b) in enumerate(x.split(" ") if isinstance(x, str) else x for x in merges):
+        first.setdefault(a + b, r)
+    assert len(first) > 1000 and all(scores[spm.convert_tokens_to_ids(t)] == -r for t, r in first.items())
+    assert scores[spm.convert_tokens_to_ids("▁")] == -len(merges)  # made by no merge: below every merge
+    assert f["tokenizer.ggml.add_space_prefix"] is False and f["tokenizer.ggml.add_bos_token"] is True
+    assert (f["tokenizer.ggml.bos_token_id"], f["tokenizer.ggml.eos_token_id"]) == (2, 1)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="g.gguf")
+    text = "When Mary and John went to the park,\nJohn gave a ring to Mary. 東京"
+    assert tok(text)["input_ids"] == spm(text)["input_ids"]
+
+
+def test_a_sentencepiece_vocabulary_that_tokenizes_otherwise_is_caught_and_deleted(tmp_path, spm, monkeypatch):
+    """Two tokens' texts swapped in the vocabulary written: transformers' reader of the file tokenizes the first of
+    TOKENIZER_TEXTS otherwise, and the file is deleted."""
+    import multihead.deploy.gguf as g
+
+    a, b = spm("When Mary", add_special_tokens=False)["input_ids"][:2]
+    real = g._llama_fields
+
+    def swapped(*args):
+        out = real(*args)
+        for key, value, *_ in out:
+            if key == "tokenizer.ggml.tokens":
+                value[a], value[b] = value[b], value[a]
+        return out
+
+    monkeypatch.setattr(g, "_llama_fields", swapped)
+    with pytest.raises(ValueError, match=r"tokenizes 'When Mary.*the vocabulary written is not the tokenizer's; the "
+                                         r"file was deleted") as e:
+        export_gguf(_pruned_gemma(len(spm)), tmp_path / "g.gguf", tokenizer=spm, prompt_ids=[2, 40, 41])
+    assert "\n" not in str(e.value) and not (tmp_path / "g.gguf").exists()
+
+
+def test_llama_cpp_runs_the_pruned_gemma3_file_at_its_size(tmp_path, spm, monkeypatch):
+    """Where llama.cpp is built (make decoder-llama-cpp): the pruned Gemma 3 file loads at 2 query heads and gives the
+    pruned model's greedy tokens, and export_gguf's check tokenizes in llama.cpp too -- which catches gguf's
+    LlamaHfVocab's scores alone (-1000 for every token: llama.cpp would merge from the left), that transformers'
+    reader of the file (which orders merges by position) lets through."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:  # out of make test: a C++ build of an hour on 2 cores
+        pytest.skip("llama.cpp is not built here (make decoder-llama-cpp builds it)")
+    import llama_cpp
+
+    import multihead.deploy.gguf as g
+
+    m = _pruned_gemma(len(spm))
+    ids = spm("When Mary and John went to the store, John gave a drink to")["input_ids"]
+    served = export_gguf(m, tmp_path / "g.gguf", dtype="f16", tokenizer=spm, prompt_ids=ids, new_tokens=6)
+    assert any(c.startswith("transformers' GGUF tokenizer and llama.cpp:") for c in served.checks)
+    llm = llama_cpp.Llama(model_path=str(served.path), n_ctx=64, n_threads=2, verbose=False)
+    assert llama_cpp.llama_model_n_head(llm.model) == 2 and llama_cpp.llama_model_n_head_kv(llm.model) == 1
+    tokens = []
+    for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        tokens.append(int(t))
+        if len(tokens) == 6:
+            break
+    llm.close()
+    assert tokens == served.tokens
+    real = g._llama_fields
+
+    def flat(*args):
+        return [(k, [-1000.0] * len(v) if k == "tokenizer.ggml.scores" else v, *rest) for k, v, *rest in real(*args)]
+
+    monkeypatch.setattr(g, "_llama_fields", flat)
+    with pytest.raises(ValueError, match="llama.cpp tokenizes .* the file was deleted"):
+        export_gguf(m, tmp_path / "flat.gguf", tokenizer=spm, prompt_ids=ids)
+
+
+def test_gemma3_refused_in_one_line_where_a_runtime_would_compute_another_model(tmp_path):
+    """Before any work: what llama.cpp's gemma3 graph, or transformers' GGUF reader of the file (the read-back),
+    would compute otherwise -- and GenAI's builder, which fails on transformers 5's Gemma 3 config."""
+    uneven = mh.attach(_tiny_gemma(V, layers=2))
+    heads.prune(uneven, {next(iter(mh.attention_modules(uneven))): [1, 3]})  # layer 0 cut, layer 1 whole
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    cases = [
+        (uneven, r"the cut differs between layers \(layers \[0\] H=2, Hkv=1; layers \[1\] H=4, Hkv=1\); llama.cpp's "
+                 "gemma3 graph makes every layer's tensors at one head count"),
+        (_tiny_gemma(V, 2, head_dim=32), "query_pre_attn_scalar=256 with head_dim=32; llama.cpp's gemma3 graph "
+                                         r"scales queries by 1/sqrt\(head_dim\)"),
+        (_tiny_gemma(V, 2, head_dim=32, query_pre_attn_scalar=32), "query_pre_attn_scalar=32; transformers' GGUF "
+                                                                   r"reader \(the read-back\) does not read it"),
+        (_tiny_gemma(V, 2, attn_logit_softcapping=50.0), "attention-logit softcapping; llama.cpp's gemma3 graph has "
+                                                         "none"),
+        (_tiny_gemma(V, 2, final_logit_softcapping=30.0), "final-logit softcapping; transformers' GGUF reader"),
+        (_tiny_gemma(V, 2, layer_types=["full_attention", "sliding_attention"]), "sliding layers other than five in "
+                                                                                 "every six"),
+        (_tiny_gemma(V, 2, rope_parameters={**rope, "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 2e4}}),
+         "a sliding-window RoPE base of 20000"),
+        (_tiny_gemma(V, 2, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+         "RoPE of type 'linear' in the full_attention layers; this export writes the default RoPE only"),
+    ]
+    for model, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            export_gguf(model, tmp_path / "g.gguf")
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="GenAI's builder .* fails on Gemma3ForCausalLM: it reads transformers 4's "
+                                         "Gemma 3 config") as e:
+        export_genai(_tiny_gemma(V, 2), tmp_path / "genai", tokenizer=_tokenizer())
+    assert "\n" not in str(e.value)
+    # a BPE with byte fallback llama.cpp's SentencePiece tokenizer would read otherwise
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    def byte_fallback(normalizer, decoder):
+        t = Tokenizer(models.BPE({"<unk>": 0, "a": 1, "<0x61>": 2}, [], unk_token="<unk>", byte_fallback=True))
+        t.normalizer, t.decoder = normalizer, decoder
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+
+    sentencepiece = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    for tok, message in [(byte_fallback(normalizers.NFKC(), sentencepiece), "normalizer NFKC .* is not what "
+                                                                            "llama.cpp's SentencePiece tokenizer"),
+                         (byte_fallback(None, decoders.ByteFallback()), "whose decoder is ByteFallback, not "
+                                                                        "SentencePiece's sequence")]:
+        with pytest.raises(ValueError, match=message) as e:
+            export_gguf(_tiny_gemma(V, 2), tmp_path / "g.gguf", tokenizer=tok)
+        assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []

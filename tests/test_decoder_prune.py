@@ -323,12 +323,76 @@ def _decode_table_times_each_file_against_its_peer(r: dict, out: Path, src: Path
     assert "| genai-int4 | genai | 40 | pruned |" in text and f"| {kv1:,} |" in text
 
 
-def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe, capsys):
+def test_a_gemma3_cut_by_the_command_loads_at_the_pruned_size_in_transformers_and_llama_cpp(tmp_path):
+    """The goal's last sentence on a tiny Gemma 3 (Gemma's head size, five sliding layers in six, a BPE with byte
+    fallback as Gemma's tokenizer is): the command cuts 2 of the 4 query heads of its one group in every layer and
+    writes gguf-f16 as llama.cpp's gemma3 architecture with the model's own vocabulary; the folder loads in
+    transformers as it is and the file through transformers' GGUF reader, both at 2 query heads, logits within f16's
+    rounding; where llama.cpp is built, it loads the file at 2 query heads and gives the folder's greedy tokens."""
+    import importlib.util
+
+    from test_decoder_export import _sentencepiece_bpe, _tiny_gemma
+
+    spm, src = _sentencepiece_bpe(), tmp_path / "src"
+    _tiny_gemma(len(spm)).save_pretrained(src)
+    spm.save_pretrained(src)
+    r = decoder.run(src, tmp_path / "out", decoder.DecoderOptions(fraction=0.5, recover=0, formats=("gguf-f16",),
+                                                                  held_out=8, prompts=4, seq=16, batch=2))
+    (row,) = r["formats"]
+    assert "failed" not in row and row["path"].endswith("gguf/model-f16.gguf"), row
+    assert any("3 texts tokenized as the tokenizer does" in c for c in row["checks"])
+    folder = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").eval()
+    path = Path(row["path"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+    for m in (folder, back):
+        assert (m.config.num_attention_heads, m.config.num_key_value_heads, m.config.head_dim) == (2, 1, 256)
+    ids = spm("When Mary and John went to the store, John gave a drink to")["input_ids"]
+    with torch.no_grad():
+        want = folder(input_ids=torch.tensor([ids])).logits  # (1, L, V)
+        assert (back(input_ids=torch.tensor([ids])).logits - want).abs().max() <= 2e-2 * max(1.0, want.abs().max())
+    if importlib.util.find_spec("llama_cpp") is None:  # out of make test: make decoder-llama-cpp builds it
+        return
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, verbose=False)
+    assert llama_cpp.llama_model_n_head(llm.model) == 2 and llama_cpp.llama_model_n_head_kv(llm.model) == 1
+    got, seq = [], torch.tensor([ids])
+    for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        got.append(int(t))
+        if len(got) == 4:
+            break
+    llm.close()
+    with torch.no_grad():
+        for _ in range(4):
+            seq = torch.cat([seq, folder(input_ids=seq).logits[:, -1:].argmax(-1)], dim=1)  # (1, L + step)
+    assert got == seq[0, len(ids):].tolist()
+
+
+def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe, tok, capsys):
+    """Qwen2 (no writer), Gemma 3 in GenAI (its builder fails on transformers 5's config), a Gemma 3 llama.cpp's
+    gemma3 graph scales otherwise (head_dim 24, query_pre_attn_scalar 256), a per-layer Gemma 3 cut as GGUF: one line
+    each, before any work."""
+    from test_decoder_export import _sentencepiece_bpe, _tiny_gemma
+
     src = _tiny(tmp_path / "src", bpe, "qwen2")
+    scaled = _tiny(tmp_path / "scaled", tok, "gemma3")
+    spm = _sentencepiece_bpe()
+    _tiny_gemma(len(spm), layers=2).save_pretrained(tmp_path / "gemma")
+    spm.save_pretrained(tmp_path / "gemma")
     capsys.readouterr()
-    assert main(["prune", "--hf", str(src), "--formats", "gguf-q8_0", "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "hold LlamaForCausalLM only; Qwen2ForCausalLM is refused" in err[0]
+    cases = [([str(src), "--formats", "gguf-q8_0"], "hold LlamaForCausalLM, Gemma3ForCausalLM only; "
+                                                     "Qwen2ForCausalLM is refused"),
+             ([str(tmp_path / "gemma"), "--formats", "gguf-f16,genai-int4"],
+              "--formats genai-int4: ONNX Runtime GenAI's builder (onnxruntime-genai"),
+             ([str(scaled), "--formats", "gguf-f16"], "Gemma 3: query_pre_attn_scalar=256 with head_dim=24"),
+             ([str(tmp_path / "gemma"), "--formats", "gguf-f16", "--per-layer"],
+              "gemma3 graph makes every layer at one head count")]
+    for argv, message in cases:
+        assert main(["prune", "--hf", *argv, "--out", str(tmp_path / "o")]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (argv, err)
+        assert not (tmp_path / "o").exists()
     with pytest.raises(SystemExit):
         main(["prune", "--hf", str(src), "--formats", "gguf-q2"])
     assert "unknown format(s) ['gguf-q2']" in capsys.readouterr().err

@@ -323,8 +323,8 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-layer", action="store_true", default=None,
                    help="causal LMs: as many units over the model as the even cut, placed where they matter least, so "
                         "layers may keep different counts (still whole groups, or even inside each group); the folder "
-                        "then loads with multihead.hf.load only (transformers reads one count per model), GGUF holds "
-                        "the counts (llama.cpp's per-layer layout), GenAI is refused")
+                        "then loads with multihead.hf.load only (transformers reads one count per model), a Llama's "
+                        "GGUF holds the counts (llama.cpp's per-layer layout), GenAI and Gemma 3's GGUF are refused")
     p.add_argument("--fsdp", action="store_true", default=None,
                    help="causal LMs under torchrun: the recovery fully sharded over the ranks (FSDP2: each rank its "
                         "share of the weights and AdamW's moments) instead of data parallel (DDP)")
@@ -333,9 +333,9 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         '{"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} (answers one token each; '
                         "half the pairs choose the cut, the other half judge it)")
     p.add_argument("--formats", type=_formats, default=None, metavar="LIST",
-                   help="causal LMs (Llama): the runtimes' files written beside OUT/model, each read back: "
-                        f"{','.join(DECODER_FORMATS)} (gguf: llama.cpp's; q4_k_m needs llama.cpp built: make "
-                        "decoder-llama-cpp; genai: ONNX Runtime GenAI's builder)")
+                   help="causal LMs (Llama; Gemma 3: gguf only): the runtimes' files written beside OUT/model, each "
+                        f"read back: {','.join(DECODER_FORMATS)} (gguf: llama.cpp's; q4_k_m needs llama.cpp built: "
+                        "make decoder-llama-cpp; genai: ONNX Runtime GenAI's builder)")
     p.add_argument("--decode-contexts", type=_contexts, default=None, metavar="LIST",
                    help="causal LMs with --formats: time each file written against its peer (the unpruned model "
                         "made into the same format by the runtime's own tools, in OUT/peers) in llama.cpp or ONNX "

@@ -6,7 +6,9 @@ The ``decoder`` extra.
     genai.export_genai(model, "genai", tokenizer=tokenizer)  # ONNX Runtime GenAI's builder, then generate
 
 It takes a ``LlamaForCausalLM``; GenAI's builder holds one head count for every layer, so ``export_genai`` refuses a
-cut that differs between layers, naming the layers. The model is read back through ``onnxruntime_genai`` and compared
+cut that differs between layers, naming the layers. A ``Gemma3ForCausalLM`` is refused in one line: the builder has a
+Gemma 3 class, but it reads transformers 4's Gemma 3 config and fails on the one transformers 5 writes
+(:func:`_builder_refusal`). The model is read back through ``onnxruntime_genai`` and compared
 with the torch model before it is returned (:mod:`multihead.deploy.check`: the prompt's logits within fp32 rounding,
 greedy tokens equal); a model that differs is deleted and a ValueError says by how much.
 
@@ -37,20 +39,42 @@ __all__ = ["GENAI_PRECISIONS", "export_genai", "genai_model", "standard_genai"]
 GENAI_PRECISIONS = ("fp32", "int4")
 
 
+def _builder_refusal(architecture: str) -> str | None:
+    """Why GenAI's builder cannot build a folder of ``architecture`` as transformers writes it, or None. Gemma 3: the
+    builder's Gemma3Model reads ``rope_theta``/``rope_local_base_freq`` and ``rope_parameters["rope_type"]``
+    (transformers 4's config); transformers 5 holds ``rope_parameters`` per kind of layer, and the builder stops on
+    it (KeyError 'rope_type', onnxruntime-genai 0.18.0 with transformers 5.24)."""
+    if architecture != "Gemma3ForCausalLM":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        built = f"onnxruntime-genai {version('onnxruntime-genai')}, transformers {version('transformers')}"
+    except PackageNotFoundError:
+        built = "not installed"
+    return (f"ONNX Runtime GenAI's builder ({built}) fails on Gemma3ForCausalLM: it reads transformers 4's Gemma 3 "
+            "config (rope_theta, rope_local_base_freq), transformers 5 writes rope_parameters per kind of layer "
+            "(KeyError 'rope_type'); write gguf-* or keep the transformers folder")
+
+
 def export_genai(model: nn.Module, folder: str | Path, *, tokenizer, precision: str = "fp32", prompt_ids=None,
                  new_tokens: int = 8) -> Served:
-    """Write ``model`` (a LlamaForCausalLM, pruned or not) as ONNX Runtime GenAI's model folder (model.onnx with
-    GroupQueryAttention, genai_config.json, the tokenizer) with GenAI's own builder
-    (``python -m onnxruntime_genai.models.builder``, CPU) run on :func:`standard_folder`'s plain transformers folder
-    at the pruned size. ``tokenizer``: the model's transformers tokenizer (the builder copies it). ``precision``:
-    "fp32" (the one a comparison can hold to the weights' rounding) or "int4" (the builder's MatMulNBits int4, what
-    GenAI's CPU users run: its greedy tokens and last logits' difference are reported, :data:`QUANTIZED`).
+    """Write ``model`` (a LlamaForCausalLM, pruned or not; a Gemma 3 is refused, :func:`_builder_refusal`) as ONNX
+    Runtime GenAI's model folder (model.onnx with GroupQueryAttention, genai_config.json, the tokenizer) with GenAI's
+    own builder (``python -m onnxruntime_genai.models.builder``, CPU) run on :func:`standard_folder`'s plain
+    transformers folder at the pruned size. ``tokenizer``: the model's transformers tokenizer (the builder copies
+    it). ``precision``: "fp32" (the one a comparison can hold to the weights' rounding) or "int4" (the builder's
+    MatMulNBits int4, what GenAI's CPU users run: its greedy tokens and last logits' difference are reported,
+    :data:`QUANTIZED`).
 
     Checked before it is returned (else deleted, ValueError): ``onnxruntime_genai`` runs ``prompt_ids`` (default:
     16 fixed random ids) with greedy search: the prompt's last logits within fp32 rounding and ``new_tokens`` greedy
     tokens equal to the torch model's (fewer when GenAI stops at the end-of-text token, the torch model's token
     there being the same)."""
     counts = _check(model, "export_genai")
+    why = _builder_refusal(type(model).__name__)
+    if why is not None:
+        raise ValueError(f"export_genai: {why}.")
     if precision not in GENAI_PRECISIONS:
         raise ValueError(f"export_genai: precision={precision!r}; use one of {GENAI_PRECISIONS}.")
     if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):

@@ -2,28 +2,37 @@
 layout, written with the ``gguf`` package). The ``decoder`` extra.
 
     from multihead.deploy import gguf
-    gguf.export_gguf(model, "model.gguf", vocab="source.gguf")  # read back by gguf and by transformers
+    gguf.export_gguf(model, "model.gguf", tokenizer=tokenizer)  # read back by gguf and by transformers
 
-It takes a ``LlamaForCausalLM`` (SmolLM2 and Llama 2/3 checkpoints are this class): each layer's counts are read from
-its projections (:func:`multihead.deploy.llama.layer_counts`), and a cut the same in every layer is written as the
-standard configuration every runtime loads. A cut that differs between layers (an uneven cut) keeps each layer's
-counts: llama.cpp's ``deci`` architecture (DeciLM's Llama body) reads per-layer head-count arrays, and ``export_gguf``
-says in one line that the file loads in llama.cpp, not in transformers' GGUF reader. No file is ever written at full
-size with zeros.
+It takes a ``LlamaForCausalLM`` (SmolLM2 and Llama 2/3 checkpoints are this class) or a ``Gemma3ForCausalLM`` (Gemma 3
+270M): each layer's counts are read from its projections (:func:`multihead.deploy.llama.layer_counts`), and a cut the
+same in every layer is written as the standard configuration every runtime loads: llama.cpp's ``llama`` or ``gemma3``
+architecture. A Llama cut that differs between layers (an uneven cut) keeps each layer's counts: llama.cpp's ``deci``
+architecture (DeciLM's Llama body) reads per-layer head-count arrays, and ``export_gguf`` says in one line that the
+file loads in llama.cpp, not in transformers' GGUF reader. llama.cpp's ``gemma3`` graph makes every layer's tensors at
+one head count, so a Gemma 3 cut unevenly is refused. No file is ever written at full size with zeros.
+
+The vocabulary comes from the model's own transformers tokenizer (:func:`tokenizer_fields`) or is copied from the GGUF
+file the model came from: a byte-level BPE (SmolLM2's, Llama 3's) is written as llama.cpp's ``gpt2`` vocabulary, a BPE
+with byte fallback (SentencePiece-style: Gemma's, Llama 2's ``tokenizer.json``) as its ``llama`` (SentencePiece) one.
 
 The file is read back and compared with the torch model before it is returned (:mod:`multihead.deploy.check`): through
 ``gguf``'s reader (each tensor, the head counts) and through transformers (``AutoModelForCausalLM.from_pretrained(folder,
-gguf_file=...)``: logits within the file's rounding, greedy tokens equal). A deci file, which transformers' reader
-refuses, is run by :func:`gguf_model` instead: a Llama built at the file's per-layer counts, each tensor dequantized
-by ``gguf`` and its q/k rows put back in transformers' order by transformers' own GGUF tensor processor. A file that
-differs is deleted and a ValueError says by how much.
+gguf_file=...)``: logits within the file's rounding, greedy tokens equal); a SentencePiece vocabulary must tokenize
+:data:`TOKENIZER_TEXTS` as the tokenizer does, read by transformers (``AutoTokenizer.from_pretrained(folder,
+gguf_file=...)``) and by llama.cpp where it is built. A deci file, which transformers' reader refuses, is run by
+:func:`gguf_model` instead: a Llama built at the file's per-layer counts, each tensor dequantized by ``gguf`` and its
+q/k rows put back in transformers' order by transformers' own GGUF tensor processor. A file that differs is deleted
+and a ValueError says by how much.
 
 The peer's file is the unpruned model through the same writer (:func:`export_gguf`, f16 or f32): what llama.cpp's
-``convert_hf_to_gguf.py`` writes for a Llama.
+``convert_hf_to_gguf.py`` writes for a Llama or a Gemma 3.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import tempfile
 import warnings
@@ -34,13 +43,19 @@ import torch
 from torch import Tensor, nn
 
 from multihead.deploy.check import QUANTIZED, TOLERANCE, Served, _compare, _greedy, _prompt
-from multihead.deploy.llama import _check_layers, _layers, _uneven, layer_counts
+from multihead.deploy.llama import _check_layers, _layers, _rope_kinds, _uneven, layer_counts
 from multihead.extras import require
 
 __all__ = ["export_gguf", "gguf_model", "tokenizer_fields"]
 
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
+
+#: texts a vocabulary written from a SentencePiece-style tokenizer must tokenize as the tokenizer does: spaces and a
+#: run of them, a tab, a newline, digits, accents, another script and an emoji (byte fallback)
+TOKENIZER_TEXTS = ("When Mary and John went to the store, John gave a drink to Mary.",
+                   "  two  spaces,\ttabs and a newline\nin 2024: 3.14159 -- naïve café",
+                   "東京タワーは高い。 Ünïcödé 🙂 <b>tags</b>")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -51,13 +66,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab: str | Path | None = None,
                 tokenizer=None, prompt_ids=None, new_tokens: int = 8) -> Served:
-    """Write ``model`` (a LlamaForCausalLM, pruned or not) as a GGUF file of llama.cpp's ``llama`` architecture, as
-    llama.cpp's ``convert_hf_to_gguf.py`` writes a Llama: its tensor names (``token_embd``, ``blk.N.attn_q`` ...,
-    ``output``, left out when tied), q/k rows permuted to GGML's rotary layout, the head counts, head size
-    (``rope.dimension_count``, ``attention.key_length``/``value_length``: a pruned model's H*D differs from its
-    width), 1-D tensors in f32 and the matrices in ``dtype`` ("f32" or "f16").
+    """Write ``model`` (a LlamaForCausalLM or a Gemma3ForCausalLM, pruned or not) as a GGUF file of llama.cpp's
+    ``llama`` or ``gemma3`` architecture, as llama.cpp's ``convert_hf_to_gguf.py`` writes the model: its tensor names
+    (``token_embd``, ``blk.N.attn_q`` ..., ``output``, left out when tied), the head counts, head size
+    (``attention.key_length``/``value_length``: a pruned model's H*D differs from its width), 1-D tensors in f32 and
+    the matrices in ``dtype`` ("f32" or "f16"). A Llama's q/k rows are permuted to GGML's interleaved rotary layout
+    (and ``rope.dimension_count`` written); Gemma 3's RoPE is GGML's NEOX kind, which keeps transformers' rows, and
+    every norm weight is written plus one (Gemma's RMSNorm multiplies by 1 + weight, llama.cpp's by the weight),
+    with ``rope.freq_base`` the full-attention layers' base and ``attention.sliding_window`` the window.
 
-    A cut that differs between layers (an uneven cut) is written in llama.cpp's ``deci`` architecture instead, as
+    A Llama cut that differs between layers (an uneven cut) is written in llama.cpp's ``deci`` architecture, as
     convert_hf_to_gguf.py writes a DeciLM / Llama-3.1-Nemotron-NAS model: a Llama body whose
     ``deci.attention.head_count`` and ``head_count_kv`` are arrays, one count per layer, each layer's q/k/v/o tensors
     at its own size; a layer with every head cut is written as deci's attention-free layer (counts 0, no attention
@@ -65,15 +83,18 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     (llama-cpp-python 0.3.36, checked by ``bench/gguf_uneven.py``); transformers' GGUF reader does not (it reads one
     head count per model), so a UserWarning says so in one line and the file is run by :func:`gguf_model` (a Llama
     built at the file's per-layer counts) instead.
-    Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count).
+    Refused: an uneven cut whose layer 0 has every head cut (llama.cpp takes the head size from layer 0's count); a
+    Gemma 3, in one line each, where llama.cpp's ``gemma3`` graph or transformers' reader of it (the read-back)
+    would compute another model: an uneven cut (the graph makes every layer at one head count), a
+    ``query_pre_attn_scalar`` other than the head size and 256, attention-logit or final-logit softcapping,
+    bidirectional attention, sliding layers other than five in every six, a sliding RoPE base other than 10000.
 
     ``vocab``: a GGUF file (the one the model came from) whose ``tokenizer.*`` fields are copied unchanged, so
-    llama.cpp tokenizes as before; or the model's own transformers ``tokenizer`` (a byte-level BPE, as SmolLM2's,
-    Llama 3's and Qwen's are), written as convert_hf_to_gguf.py writes a ``gpt2`` vocabulary (tokens, types,
-    merges, special ids; no ``tokenizer.ggml.pre``: llama.cpp then splits words by its default expression); neither
-    writes none (transformers and gguf read the file; llama.cpp needs one). ``dtype`` "q8_0": the matrices in
-    blocks of 32 at 8 bits (gguf's quantizer), the file's greedy tokens and logit difference reported
-    (:data:`QUANTIZED`).
+    llama.cpp tokenizes as before; or the model's own transformers ``tokenizer`` (:func:`tokenizer_fields`: a
+    byte-level BPE as a ``gpt2`` vocabulary, a BPE with byte fallback as a ``llama`` SentencePiece one, then checked
+    to tokenize :data:`TOKENIZER_TEXTS` alike); neither writes none (transformers and gguf read the file; llama.cpp
+    needs one). ``dtype`` "q8_0": the matrices in blocks of 32 at 8 bits (gguf's quantizer), the file's greedy
+    tokens and logit difference reported (:data:`QUANTIZED`).
 
     Checked before it is returned (else deleted, ValueError): read back with ``gguf.GGUFReader`` (every tensor equal
     to the weights as written, the counts), then loaded by ``AutoModelForCausalLM.from_pretrained(folder,
@@ -84,18 +105,17 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     uneven = len(set(counts)) > 1
     ids = _prompt(model, prompt_ids, new_tokens, "export_gguf")
     gguf = require("gguf", "multihead.deploy.gguf.export_gguf")
-    if vocab is not None and tokenizer is not None:
-        raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
-                         "both.")
-    vocab_fields = (_vocab_fields(gguf, vocab) if vocab is not None else
-                    tokenizer_fields(gguf, tokenizer, int(model.config.vocab_size)) if tokenizer is not None else [])
+    vocab_fields = _vocabulary_fields(gguf, model, vocab, tokenizer)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
     written = _write_gguf(gguf, model, tmp, counts, dtype, vocab_fields)
     os.replace(tmp, path)
 
-    checks, reader = _read_back(gguf, path, written, counts)
+    checks, reader = _read_back(gguf, path, written, _expected_fields(model, counts))
+    del written  # the arrays as written (Gemma 3's embedding alone: 335 MB at f16), not needed to run the file
+    if any(k == "tokenizer.ggml.model" and v == "llama" for k, v, *_ in vocab_fields) and tokenizer is not None:
+        checks.append(_tokenized_back(path, tokenizer))
     if uneven:
         where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
                  f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama) and multihead's gguf_model, not in "
@@ -122,6 +142,7 @@ def _gguf_model(path: Path, reader=None) -> nn.Module:
     reader = reader if reader is not None else gguf.GGUFReader(str(path))
     if reader.fields["general.architecture"].contents() == "deci":
         return _deci_model(gguf, transformers, reader)
+    # llama and gemma3: transformers' own reader (its tensor processors undo the q/k permutation, Gemma's norm + 1)
     with tempfile.TemporaryDirectory() as d:  # transformers reads the file from a folder: link it there
         os.symlink(path.resolve(), Path(d) / path.name)
         return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32).eval()
@@ -201,7 +222,9 @@ def _run_back(model: nn.Module, path: Path, dtype: str, ids: Tensor, new_tokens:
 def _gguf_args(model: nn.Module, path: str | Path, dtype: str, vocab, new_tokens) -> tuple[list, Path]:
     """export_gguf's refusals, before any work: returns the (H, Hkv, D) of every layer and the path."""
     counts = _check_layers(model, "export_gguf")
-    if len(set(counts)) > 1 and counts[0][0] == 0:
+    if _arch(model, counts) == "gemma3":
+        _check_gemma3(model.config, "export_gguf", counts)
+    elif len(set(counts)) > 1 and counts[0][0] == 0:
         raise ValueError(f"export_gguf: layer 0 has every head cut ({_uneven(counts)}); llama.cpp's deci graph takes "
                          "the head size from layer 0's head count, so the file would not load: keep a head in layer 0.")
     if dtype not in GGUF_DTYPES:
@@ -216,26 +239,75 @@ def _gguf_args(model: nn.Module, path: str | Path, dtype: str, vocab, new_tokens
     return counts, path
 
 
+def _arch(model: nn.Module, counts: list[tuple[int, int, int]]) -> str:
+    """llama.cpp's architecture for ``model``: gemma3 for a Gemma 3, deci for a Llama whose layers' counts differ,
+    else llama."""
+    if type(model).__name__ == "Gemma3ForCausalLM":
+        return "gemma3"
+    return "deci" if len(set(counts)) > 1 else "llama"
+
+
+def _check_gemma3(cfg, what: str, counts: list[tuple[int, int, int]] | None = None) -> None:
+    """A Gemma 3 config (and its layers' (H, Hkv, D), given) refused in one line (ValueError) where llama.cpp's
+    gemma3 graph, or transformers' GGUF reader of the file (the read-back: Gemma3TextConfig's defaults for what a
+    file converted as convert_hf_to_gguf.py converts Gemma 3 does not say), would compute another model."""
+    D, n, scalar = int(cfg.head_dim), int(cfg.num_hidden_layers), cfg.query_pre_attn_scalar
+    H = counts[0][0] if counts else int(cfg.num_attention_heads)
+    local = _rope_kinds(cfg).get("sliding_attention", {}).get("rope_theta", 10000.0)
+    every_sixth = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    reader = "transformers' GGUF reader (the read-back) does not read it"
+    refusals = [
+        (counts is not None and len(set(counts)) > 1,
+         f"the cut differs between layers ({_uneven(counts or [])}); llama.cpp's gemma3 graph makes every layer's "
+         "tensors at one head count: cut the same heads in every layer, or keep it as a transformers folder "
+         "(multihead.hf.save)"),
+        (scalar != D, f"query_pre_attn_scalar={scalar} with head_dim={D}; llama.cpp's gemma3 graph scales queries by "
+                      "1/sqrt(head_dim)"),
+        (n == 62 and scalar != cfg.hidden_size / max(H, 1),
+         f"query_pre_attn_scalar={scalar} at 62 layers; llama.cpp's gemma3 graph scales Gemma 3 27B's queries by "
+         "1/sqrt(hidden_size / query heads), which a cut changes"),
+        (scalar != 256, f"query_pre_attn_scalar={scalar}; {reader} (it takes 256)"),
+        (cfg.attn_logit_softcapping is not None, "attention-logit softcapping; llama.cpp's gemma3 graph has none"),
+        (cfg.final_logit_softcapping is not None, f"final-logit softcapping; {reader}"),
+        (bool(getattr(cfg, "use_bidirectional_attention", False)),
+         "bidirectional attention (EmbeddingGemma's); llama.cpp's gemma3 graph is causal"),
+        (list(cfg.layer_types) != every_sixth,
+         f"layer_types {list(cfg.layer_types)}: sliding layers other than five in every six; {reader} (it takes that "
+         "pattern, as llama.cpp does from a file converted by convert_hf_to_gguf.py)"),
+        (float(local) != 10000.0, f"a sliding-window RoPE base of {local:g}; {reader} (it takes 10000)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{what}: Gemma 3: {why}.")
+
+
 def _gguf_header(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str):
-    """A GGUFWriter on ``tmp`` holding the model's fields: llama's, or deci's with per-layer head-count arrays."""
+    """A GGUFWriter on ``tmp`` holding the model's fields as convert_hf_to_gguf.py writes them: llama's, deci's (per-layer
+    head-count arrays) or gemma3's (no rotary dimension: NEOX rotary over the whole head; the full-attention layers'
+    RoPE base; the sliding window)."""
     cfg = model.config
     layers = _layers(model)
-    uneven = len(set(counts)) > 1
+    arch = _arch(model, counts)
+    uneven = arch == "deci"
     D = counts[0][2]
-    w = gguf.GGUFWriter(str(tmp), "deci" if uneven else "llama")
+    w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(str(getattr(cfg, "_name_or_path", "") or "multihead").rstrip("/").split("/")[-1] or "multihead")
     w.add_vocab_size(int(cfg.vocab_size))
     w.add_context_length(int(cfg.max_position_embeddings))
     w.add_embedding_length(int(cfg.hidden_size))
     w.add_block_count(len(layers))
     w.add_feed_forward_length(int(layers[0].mlp.gate_proj.weight.shape[0]))
-    w.add_rope_dimension_count(D)
+    if arch != "gemma3":
+        w.add_rope_dimension_count(D)
     w.add_head_count([c[0] for c in counts] if uneven else counts[0][0])
     w.add_head_count_kv([c[1] for c in counts] if uneven else counts[0][1])
     w.add_key_length(D)
     w.add_value_length(D)
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    rope = _rope_kinds(cfg)
+    w.add_rope_freq_base(float(rope.get("full_attention", rope.get("all", {})).get("rope_theta", 10000.0)))
+    if arch == "gemma3":
+        w.add_sliding_window(int(cfg.sliding_window))
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     return w
@@ -249,11 +321,11 @@ _ATTENTION_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self
 def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, int]], dtype: str,
                 vocab_fields: list[tuple]) -> dict[str, np.ndarray]:
     """Write the GGUF file ``tmp`` as convert_hf_to_gguf.py writes a Llama (a DeciLM when the counts differ between
-    layers); returns {tensor name: array written}."""
+    layers) or a Gemma 3; returns {tensor name: array written}."""
     cfg = model.config
     layers = _layers(model)
-    arch = gguf.MODEL_ARCH.DECI if len(set(counts)) > 1 else gguf.MODEL_ARCH.LLAMA
-    names = gguf.get_tensor_name_map(arch, len(layers))
+    arch = _arch(model, counts)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), len(layers))
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     state = model.state_dict()
     cut = {f"model.layers.{i}.{t}" for i, c in enumerate(counts) if c[0] == 0 for t in _ATTENTION_TENSORS}
@@ -261,14 +333,16 @@ def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, 
                if not (tied and n == "lm_head.weight") and n not in cut]  # tied: llama.cpp reads token_embd twice
     unnamed = [n for name, n, _ in tensors if name is None]
     if unnamed:
-        raise ValueError(f"export_gguf: {unnamed[:3]} have no name in llama.cpp's Llama layout.")
+        raise ValueError(f"export_gguf: {unnamed[:3]} have no name in llama.cpp's {arch} layout.")
     w = _gguf_header(gguf, model, tmp, counts, dtype)
     for key, val, vtype, sub in vocab_fields:
         w.add_key_value(key, val, vtype, sub_type=sub)
     written = {}
     for name, hf_name, t in tensors:
         data = t.detach().float().cpu().numpy()
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + weight, llama.cpp's by the weight
+        elif arch != "gemma3" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             H, Hkv, _ = counts[int(hf_name.split(".")[2])]  # model.layers.<i>.self_attn...
             # (H*D, E) or (Hkv*D, E), each head's rows in GGML's rotary order
             data = _permute(data, H if hf_name.endswith("q_proj.weight") else Hkv)
@@ -287,6 +361,16 @@ def _write_gguf(gguf, model: nn.Module, tmp: Path, counts: list[tuple[int, int, 
     return written
 
 
+def _vocabulary_fields(gguf, model: nn.Module, vocab, tokenizer) -> list[tuple]:
+    """The ``tokenizer.*`` fields export_gguf writes: ``vocab``'s (a GGUF file), ``tokenizer``'s, or none."""
+    if vocab is not None and tokenizer is not None:
+        raise ValueError("export_gguf: give vocab= (a GGUF file's vocabulary) or tokenizer= (the model's own), not "
+                         "both.")
+    if vocab is not None:
+        return _vocab_fields(gguf, vocab)
+    return tokenizer_fields(gguf, tokenizer, int(model.config.vocab_size)) if tokenizer is not None else []
+
+
 def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
     """(key, value, type, sub_type) of every ``tokenizer.*`` field of the GGUF file ``vocab``."""
     reader = gguf.GGUFReader(str(vocab))
@@ -303,32 +387,26 @@ def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
 
 
 def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
-    """(key, value, type, sub_type) of a ``gpt2`` GGUF vocabulary from a transformers byte-level BPE tokenizer:
-    every token by id, its type (control: the special tokens; user-defined: other added ones), the merges, and the
-    special tokens' ids; a model whose embedding has more rows than the tokenizer has tokens gets ``[PAD<i>]``
-    tokens marked unused up to ``vocab_size``, as convert_hf_to_gguf.py pads. ValueError for a tokenizer of another
-    kind (naming it), or with more tokens than the model's vocabulary."""
-    import json
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    model = json.loads(backend.to_str())["model"] if backend is not None else {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ValueError(f"export_gguf: tokenizer= is a {model.get('type', type(tokenizer).__name__)} tokenizer"
-                         f"{' with byte fallback (SentencePiece-style)' if model.get('byte_fallback') else ''}; "
-                         "this writes byte-level BPE vocabularies (gpt2) only: give vocab= the GGUF file the model "
-                         "came from instead.")
+    """(key, value, type, sub_type) of the GGUF vocabulary of a transformers tokenizer, as convert_hf_to_gguf.py writes
+    it: a byte-level BPE (SmolLM2's, Llama 3's) as a ``gpt2`` vocabulary -- every token by id, its type (control: the
+    special tokens; user-defined: other added ones), the merges, and the special tokens' ids; a BPE with byte
+    fallback (SentencePiece-style: Gemma's, Llama 2's ``tokenizer.json``) as a ``llama`` (SentencePiece) vocabulary --
+    tokens, scores and types (:func:`_llama_fields`). A model whose embedding has more rows than the tokenizer has
+    tokens gets ``[PAD<i>]`` tokens marked unused up to ``vocab_size``, as convert_hf_to_gguf.py pads. ValueError, in
+    one line, for a tokenizer of another kind (naming it), one whose normalizer llama.cpp's SentencePiece tokenizer
+    does not apply, or with more tokens than the model's vocabulary."""
+    kind, j = _vocabulary(tokenizer, vocab_size)
+    if kind == "llama":
+        return _llama_fields(gguf, tokenizer, vocab_size, j)
     T = gguf.GGUFValueType
     n = len(tokenizer)
-    if n > vocab_size:
-        raise ValueError(f"export_gguf: the tokenizer has {n} tokens, the model's vocabulary {vocab_size} rows: give "
-                         "the model's own tokenizer.")
     added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
     tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
     types = [int(gguf.TokenType.CONTROL if added.get(t) else gguf.TokenType.USER_DEFINED if t in added
                  else gguf.TokenType.NORMAL) for t in tokens]
     tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]  # the embedding's rows past the tokenizer's tokens
     types += [int(gguf.TokenType.UNUSED)] * (vocab_size - n)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"].get("merges", [])]
     out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
            ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32), ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
     for key, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
@@ -338,20 +416,156 @@ def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     return out
 
 
-def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int]]) -> tuple[list[str], object]:
-    """The file read back by ``gguf``'s reader and compared with what was written: (the check's line, the reader)."""
-    uneven = len(set(counts)) > 1
-    arch = "deci" if uneven else "llama"
-    H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if uneven else counts[0][:2]
+def _vocabulary(tokenizer, vocab_size: int) -> tuple[str, dict]:
+    """("gpt2" or "llama": the GGUF vocabulary llama.cpp tokenizes ``tokenizer`` with, its ``tokenizer.json`` as a
+    dict), or ValueError in one line (see :func:`tokenizer_fields`). Cheap: ``multihead prune`` asks it before any
+    work."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    j = json.loads(backend.to_str()) if backend is not None else {}
+    model = j.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"export_gguf: tokenizer= is a {model.get('type', type(tokenizer).__name__)} tokenizer; this "
+                         "writes byte-level BPE vocabularies (gpt2) and BPE ones with byte fallback (SentencePiece's "
+                         "llama): give vocab= the GGUF file the model came from instead.")
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise ValueError(f"export_gguf: the tokenizer has {n} tokens, the model's vocabulary {vocab_size} rows: give "
+                         "the model's own tokenizer.")
+    if not model.get("byte_fallback"):
+        return "gpt2", j
+    decoder = (j.get("decoder") or {}).get("type")
+    if decoder != "Sequence":  # gguf's LlamaHfVocab reads SentencePiece's: "▁" to a space, byte fallback, fuse
+        raise ValueError(f"export_gguf: tokenizer= is a BPE with byte fallback whose decoder is {decoder}, not "
+                         "SentencePiece's sequence (gguf's LlamaHfVocab reads that one only): give vocab= the GGUF "
+                         "file the model came from instead.")
+    _space_prefix(j)  # its ValueError: a normalizer llama.cpp does not apply
+    return "llama", j
+
+
+def _space_prefix(j: dict) -> bool:
+    """Whether llama.cpp's SentencePiece tokenizer must put a space before the text (``add_space_prefix``) to
+    tokenize as the tokenizer whose ``tokenizer.json`` is ``j``: its normalizer prepends "▁" (Llama 2's) or its
+    Metaspace pre-tokenizer does; Gemma's only turns spaces into "▁". ValueError, in one line, for a normalizer or
+    pre-tokenizer step llama.cpp's tokenizer does not take (it turns spaces into "▁" and may prefix one, nothing
+    else)."""
+    def steps(x: dict | None, key: str) -> list[dict]:
+        return [] if not x else list(x.get(key) or []) if x.get("type") == "Sequence" else [x]
+
+    normalizers, prefix, spaces = steps(j.get("normalizer"), "normalizers"), False, False
+    for n in normalizers:
+        if n.get("type") == "Prepend" and n.get("prepend") == "▁":
+            prefix = True
+        elif n.get("type") == "Replace" and n.get("pattern") == {"String": " "} and n.get("content") == "▁":
+            spaces = True
+        else:
+            raise ValueError(f"export_gguf: tokenizer='s normalizer {n.get('type')} ({json.dumps(n)[:80]}) is not what "
+                             "llama.cpp's SentencePiece tokenizer applies (spaces to '▁', a prefix space): give vocab= "
+                             "the GGUF file the model came from instead.")
+    for p in steps(j.get("pre_tokenizer"), "pretokenizers"):
+        if p.get("type") == "Metaspace" and p.get("replacement") == "▁" and not p.get("split", True):
+            prefix = prefix or p.get("prepend_scheme", "always") != "never"
+        elif not (p.get("type") == "Split" and p.get("pattern") == {"String": " "} and spaces):  # Gemma's: no-op
+            raise ValueError(f"export_gguf: tokenizer='s pre-tokenizer {p.get('type')} ({json.dumps(p)[:80]}) splits "
+                             "text where llama.cpp's SentencePiece tokenizer does not: give vocab= the GGUF file the "
+                             "model came from instead.")
+    return prefix
+
+
+def _llama_fields(gguf, tokenizer, vocab_size: int, j: dict) -> list[tuple]:
+    """A ``llama`` (SentencePiece) GGUF vocabulary from a BPE tokenizer with byte fallback, as convert_hf_to_gguf.py's
+    ``_set_vocab_llama_hf`` writes one: gguf's own ``LlamaHfVocab`` (every token by id, ``<0xNN>`` typed byte, the
+    special tokens control) and ``SpecialVocab`` (special ids, whether BOS/EOS are added) on the tokenizer's saved
+    files, with what ``LlamaHfVocab`` leaves out. The added tokens inside the vocabulary typed as transformers holds
+    them (special: control; else user-defined, which llama.cpp matches whole: Gemma's newline runs, ``[multimodal]``).
+    The scores: llama.cpp's SentencePiece tokenizer merges first the adjacent pair whose result scores highest, BPE
+    the pair whose merge ranks first, so a token scores minus the rank of the first merge that makes it and tokens no
+    merge makes score below every merge (``LlamaHfVocab``'s -1000 for all would merge from the left instead).
+    ``add_space_prefix`` from the normalizer (:func:`_space_prefix`)."""
+    T = gguf.TokenType
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        vocab = gguf.LlamaHfVocab(Path(d))
+        special = gguf.SpecialVocab(Path(d), load_merges=False, n_vocab=vocab_size)
+    tokens, _, types = (list(x) for x in zip(*vocab.all_tokens()))
+    texts = [t.decode("utf-8") for t in tokens]
+    if texts != tokenizer.convert_ids_to_tokens(list(range(len(texts)))):
+        raise ValueError("export_gguf: gguf's LlamaHfVocab lists the tokenizer's tokens out of id order (added tokens "
+                         "between the vocabulary's); give vocab= the GGUF file the model came from instead.")
+    for i, added in tokenizer.added_tokens_decoder.items():
+        if i < len(types) and types[i] != T.BYTE:
+            types[i] = T.CONTROL if added.special else T.USER_DEFINED
+    merges = j["model"].get("merges", [])
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, r)
+    scores = [-float(rank.get(t, len(merges))) for t in texts]  # ranks < 2^24: exact in the file's float32
+    pad = vocab_size - len(tokens)  # the embedding's rows past the tokenizer's tokens
+    tokens += [f"[PAD{i}]".encode() for i in range(len(tokens), vocab_size)]
+    scores += [-float(len(merges))] * pad
+    types += [T.UNUSED] * pad
+    w = gguf.GGUFWriter(None, "llama")  # no file: the writer's own keys and types, gathered
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_add_space_prefix(_space_prefix(j))
+    special.add_to_gguf(w, quiet=True)
+    return [(k, v.value, v.type, v.sub_type) for k, v in w.kv_data[0].items() if k.startswith("tokenizer.")]
+
+
+def _tokenized_back(path: Path, tokenizer) -> str:
+    """The file's vocabulary read by transformers (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``) and,
+    where llama.cpp is built (``llama_cpp`` imports), by llama.cpp (the vocabulary only): each must tokenize
+    :data:`TOKENIZER_TEXTS` as ``tokenizer`` does (its special tokens added and recognised as it does them), else
+    the file is deleted and a ValueError names the reader and the text. Returns the check's line."""
+    transformers = require("transformers", "multihead.deploy.gguf.export_gguf")
+    want = [list(tokenizer(t)["input_ids"]) for t in TOKENIZER_TEXTS]
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(path.resolve(), Path(d) / path.name)
+        back = transformers.AutoTokenizer.from_pretrained(d, gguf_file=path.name)
+    got = {"transformers' GGUF tokenizer": [list(back(t)["input_ids"]) for t in TOKENIZER_TEXTS]}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        got["llama.cpp"] = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in TOKENIZER_TEXTS]
+        llm.close()
+    for who, ids in got.items():
+        for text, a, b in zip(TOKENIZER_TEXTS, ids, want):
+            if a != b:
+                path.unlink()
+                raise ValueError(f"export_gguf: {who} tokenizes {text!r} as {a[:16]}, the tokenizer as {b[:16]}: the "
+                                 "vocabulary written is not the tokenizer's; the file was deleted.")
+    return (f"{' and '.join(got)}: {len(TOKENIZER_TEXTS)} texts tokenized as the tokenizer does "
+            f"({sum(map(len, want))} tokens)")
+
+
+def _expected_fields(model: nn.Module, counts: list[tuple[int, int, int]]) -> dict:
+    """The fields the file must hold: its architecture, head counts (a deci file: one a layer), head size, layers and
+    (gemma3) sliding window."""
+    arch = _arch(model, counts)
+    H, Hkv = ([c[0] for c in counts], [c[1] for c in counts]) if arch == "deci" else counts[0][:2]
     D = counts[0][2]
+    out = {"general.architecture": arch, f"{arch}.attention.head_count": H, f"{arch}.attention.head_count_kv": Hkv,
+           f"{arch}.attention.key_length": D, f"{arch}.block_count": len(counts)}
+    if arch == "gemma3":
+        out[f"{arch}.attention.sliding_window"] = int(model.config.sliding_window)
+    else:
+        out[f"{arch}.rope.dimension_count"] = D
+    return out
+
+
+def _read_back(gguf, path: Path, written: dict, meta: dict) -> tuple[list[str], object]:
+    """The file read back by ``gguf``'s reader and compared with what was written (``meta``: its fields, tensors
+    byte for byte): (the check's line, the reader)."""
     reader = gguf.GGUFReader(str(path))
 
     def field(key):
         f = reader.fields.get(key)
         return None if f is None else f.contents()
 
-    meta = {"general.architecture": arch, f"{arch}.attention.head_count": H, f"{arch}.attention.head_count_kv": Hkv,
-            f"{arch}.rope.dimension_count": D, f"{arch}.attention.key_length": D, f"{arch}.block_count": len(counts)}
     wrong = {k: (field(k), v) for k, v in meta.items() if field(k) != v}
     tensors = {t.name: t for t in reader.tensors}
     if wrong or set(tensors) != set(written):
@@ -365,5 +579,7 @@ def _read_back(gguf, path: Path, written: dict, counts: list[tuple[int, int, int
             path.unlink()
             raise ValueError(f"export_gguf: tensor {name} read back differs from the weights written "
                              f"({got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}); it was deleted.")
-    return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count {H}, "
-            f"head_count_kv {Hkv}, head size {D}"], reader
+    arch = meta["general.architecture"]
+    return [f"gguf reader: {len(written)} tensors equal to the weights written; architecture {arch}, head_count "
+            f"{meta[f'{arch}.attention.head_count']}, head_count_kv {meta[f'{arch}.attention.head_count_kv']}, head "
+            f"size {meta[f'{arch}.attention.key_length']}"], reader

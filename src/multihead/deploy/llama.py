@@ -1,9 +1,10 @@
-"""A Llama decoder as the decoder runtimes read it (:mod:`multihead.deploy.gguf`, :mod:`multihead.deploy.genai`): each
-layer's query heads H, key/value heads Hkv and head size D read from its projections (:func:`layer_counts`: not from
-the config, which a prune leaves at the original counts), everything a decoder export refuses (:func:`_check_layers`;
-:func:`_check` also refuses an uneven cut), and the model at its pruned size as a plain transformers folder with the
-standard configuration (:func:`standard_folder`: ``num_attention_heads=H``, ``num_key_value_heads=Hkv``,
-``head_dim=D``) every runtime's converter loads.
+"""A decoder as the decoder runtimes read it (:mod:`multihead.deploy.gguf`, :mod:`multihead.deploy.genai`): a Llama, or
+a Gemma 3 (the same projections, with query/key norms, norms after attention and MLP, sliding-window layers and one
+RoPE base per kind of layer). Each layer's query heads H, key/value heads Hkv and head size D read from its
+projections (:func:`layer_counts`: not from the config, which a prune leaves at the original counts), everything a
+decoder export refuses (:func:`_check_layers`; :func:`_check` also refuses an uneven cut), and the model at its pruned
+size as a plain transformers folder with the standard configuration (:func:`standard_folder`:
+``num_attention_heads=H``, ``num_key_value_heads=Hkv``, ``head_dim=D``) every runtime's converter loads.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from multihead.hf.attention import PreTrainedModel
 __all__ = ["ARCHITECTURES", "layer_counts", "standard_folder"]
 
 
-#: the model classes these exports write (llama.cpp's ``llama`` architecture; GenAI's ``LlamaForCausalLM``)
-ARCHITECTURES = ("LlamaForCausalLM",)
+#: the model classes these exports write: llama.cpp's ``llama`` (``deci`` for an uneven cut) and ``gemma3`` graphs;
+#: GenAI's builder takes the Llama (its Gemma 3 class fails on transformers 5's config: multihead.deploy.genai)
+ARCHITECTURES = ("LlamaForCausalLM", "Gemma3ForCausalLM")
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers: give a LlamaForCausalLM.")
+        raise ValueError(f"{type(model).__name__} has no model.layers: give one of {', '.join(ARCHITECTURES)}.")
     return list(layers)
 
 
@@ -54,7 +56,8 @@ def _check_layers(model: nn.Module, what: str) -> list[tuple[int, int, int]]:
     cfg = model.config
     archs = getattr(cfg, "architectures", None) or [type(model).__name__]
     if type(model).__name__ not in ARCHITECTURES:
-        raise ValueError(f"{what} writes {', '.join(ARCHITECTURES)} (llama.cpp's llama graph, GenAI's Llama builder); "
+        raise ValueError(f"{what} writes {', '.join(ARCHITECTURES)} (llama.cpp's llama and gemma3 graphs, GenAI's "
+                         "builder for the Llama); "
                          f"got {type(model).__name__} ({archs[0]}): save it as a transformers folder with "
                          "multihead.hf.save instead.")
     for name, m in model.named_modules():
@@ -65,25 +68,35 @@ def _check_layers(model: nn.Module, what: str) -> list[tuple[int, int, int]]:
     counts = layer_counts(model)
     if all(H == 0 for H, _, _ in counts):
         raise ValueError(f"{what}: every layer has every head cut (H=0): a model with no attention head is not a "
-                         "Llama.")
+                         f"{type(model).__name__}.")
     for i, layer in enumerate(_layers(model)):
         a, mlp = layer.self_attn, layer.mlp
         with_bias = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if getattr(a, n).bias is not None]
         with_bias += [n for n in ("gate_proj", "up_proj", "down_proj") if getattr(mlp, n).bias is not None]
         if with_bias:
             raise ValueError(f"{what}: layer {i}'s {with_bias} have biases (a mean-compensated prune, or a model with "
-                             "attention biases); this export writes bias-free Llama projections only: prune without "
+                             "attention biases); this export writes bias-free projections only: prune without "
                              "mean_outputs.")
         if mlp.gate_proj.weight.shape[0] != _layers(model)[0].mlp.gate_proj.weight.shape[0]:
-            raise ValueError(f"{what}: the feed-forward widths differ between layers (layer {i}); a Llama holds one "
-                             "intermediate_size.")
+            raise ValueError(f"{what}: the feed-forward widths differ between layers (layer {i}); the config holds "
+                             "one intermediate_size.")
         if counts[i][2] != counts[0][2]:
             raise ValueError(f"{what}: the head size differs between layers (layer {i}: {counts[i][2]}, layer 0: "
-                             f"{counts[0][2]}); a Llama holds one head_dim.")
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{what}: RoPE of type {rope.get('rope_type')!r}; this export writes the default RoPE only.")
+                             f"{counts[0][2]}); the config holds one head_dim.")
+    for kind, rope in _rope_kinds(cfg).items():
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{what}: RoPE of type {rope.get('rope_type')!r}"
+                             f"{'' if kind == 'all' else ' in the ' + kind + ' layers'}; this export writes the "
+                             "default RoPE only.")
     return counts
+
+
+def _rope_kinds(cfg) -> dict[str, dict]:
+    """{kind of layer: its RoPE parameters}: Gemma 3's ``rope_parameters`` hold one entry per kind
+    ("full_attention", "sliding_attention"), a Llama's one for every layer (returned as "all")."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    kinds = {k: dict(v) for k, v in rope.items() if isinstance(v, dict)}
+    return kinds or {"all": rope}
 
 
 def _uneven(counts: list[tuple[int, int, int]]) -> str:

@@ -801,9 +801,11 @@ def summary(r: dict) -> list[str]:
 
 def check_formats(path: Path, formats: Sequence[str], tok, *, per_layer: bool = False) -> None:
     """``formats`` refused in one line before any work: an unknown name, a family the runtime's writer cannot
-    hold, a missing extra (naming its install line), (GGUF) a tokenizer its vocabulary writer cannot write, or
-    (``per_layer``) GenAI, whose builder holds one head count for every layer."""
-    from multihead.deploy.gguf import tokenizer_fields
+    hold (GenAI: Gemma 3, whose config its builder cannot read; GGUF: what llama.cpp's gemma3 graph cannot hold), a
+    missing extra (naming its install line), (GGUF) a tokenizer its vocabulary writer cannot write, or
+    (``per_layer``) GenAI, whose builder holds one head count for every layer, and Gemma 3's GGUF."""
+    from multihead.deploy.genai import _builder_refusal
+    from multihead.deploy.gguf import _check_gemma3, _vocabulary
     from multihead.deploy.llama import ARCHITECTURES
     from multihead.extras import require
 
@@ -821,17 +823,24 @@ def check_formats(path: Path, formats: Sequence[str], tok, *, per_layer: bool = 
         raise ValueError(f"--formats {','.join(formats)}: the GGUF and GenAI writers hold "
                          f"{', '.join(ARCHITECTURES)} only; {archs[0]} is refused (the transformers "
                          "folder is written either way: leave --formats out).")
+    if genai and _builder_refusal(archs[0]):
+        raise ValueError(f"--formats {','.join(genai)}: {_builder_refusal(archs[0])}.")
     try:
         for runtime in {FORMATS[f][0] for f in formats}:
             require("gguf" if runtime == "gguf" else "onnxruntime_genai", f"--formats {runtime}")
     except ImportError as e:
         raise ValueError(str(e).splitlines()[0]) from None
-    if any(FORMATS[f][0] == "gguf" for f in formats):
-        import gguf
+    ggufs = [f for f in formats if FORMATS[f][0] == "gguf"]
+    if ggufs:
         import transformers
 
-        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-        tokenizer_fields(gguf, tok, int(vocab))  # its ValueError names the tokenizer's kind
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        if archs[0] == "Gemma3ForCausalLM":
+            if per_layer:
+                raise ValueError(f"--formats {','.join(ggufs)}: llama.cpp's gemma3 graph makes every layer at one "
+                                 "head count; --per-layer cuts of Gemma 3 are kept as the transformers folder only.")
+            _check_gemma3(cfg, f"--formats {','.join(ggufs)}")
+        _vocabulary(tok, int(cfg.vocab_size))  # its ValueError names the tokenizer's kind
 
 
 def _quantization_cost(file: Path, model: nn.Module, t: Text) -> float:
