@@ -717,14 +717,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     phase("the cuts, recovered and judged")
     sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
     writes = model is not None and rank == 0  # one rank writes: the ranks hold the same model
-    saved = save(model, path, out / "model", t, o.per_layer) if writes else []
-    phase("saving and reading back")
-    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers, path) if writes else []
-    if formats:
-        phase("the formats, written and read back")
-    decode = decode_speed(model, ref, formats, peers, o) if writes and peers else None
-    if decode is not None:
-        phase("decoding timed against the peers")
+    saved, formats, decode = _written_files(model, ctx, path, tok, out, peers, phase) if writes else ([], [], None)
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
          "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
          "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
@@ -732,10 +725,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
          "kept_counts": None if model is None else {n: list(c) for n, c in layer_counts(model).items()},
          "target": list(o.target) if o.target else None, "behaviour": beh.name,
          "unpruned": asdict(base), "kept": kept, "met": kept is not None,
-         "tried": [{"k": c.k, "removed": c.removed, "zero_shot": asdict(c.zero_shot),
-                    "recovered": None if c.recovered is None else asdict(c.recovered), "meets": c.final.meets(o.target),
-                    "curve": c.curve, "steps": c.steps, "seconds": c.seconds} for c in tried],
-         "sizes": sizes_of,
+         "tried": [_tried(c, o) for c in tried], "sizes": sizes_of,
          "saved": saved, "formats": formats, "formats_failed": [f["failed"] for f in formats if "failed" in f],
          "decode": decode,
          "notes": t.notes, "seconds": time.monotonic() - started, "phases": phases, "peak_rss_mib": peak_rss_mib(),
@@ -745,6 +735,28 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
         (out / "report.json").write_text(json.dumps(r, indent=1))
         (out / "report.md").write_text(markdown(r))
     return r
+
+
+def _tried(c: Candidate, o: DecoderOptions) -> dict:
+    return {"k": c.k, "removed": c.removed, "zero_shot": asdict(c.zero_shot),
+            "recovered": None if c.recovered is None else asdict(c.recovered), "meets": c.final.meets(o.target),
+            "curve": c.curve, "steps": c.steps, "seconds": c.seconds}
+
+
+def _written_files(model: nn.Module, ctx: Context, path: Path, tok, out: Path, peers: dict,
+                   phase: Callable[[str], None]) -> tuple[list[str], list[dict], dict | None]:
+    """The kept model's folder saved and read back, its formats written and read back, and (peers given) its
+    decode table: (the folder's lines, the formats' rows, the decode table or None)."""
+    o, t, ref = ctx.options, ctx.text, ctx.reference
+    saved = save(model, path, out / "model", t, o.per_layer)
+    phase("saving and reading back")
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers, path)
+    if formats:
+        phase("the formats, written and read back")
+    decode = decode_speed(model, ref, formats, peers, o) if peers else None
+    if decode is not None:
+        phase("decoding timed against the peers")
+    return saved, formats, decode
 
 
 def _ranks(o: DecoderOptions) -> tuple[int, int]:
