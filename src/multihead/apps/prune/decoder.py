@@ -717,7 +717,7 @@ def run(path: str | Path, out: Path, o: DecoderOptions, command: str = "") -> di
     phase("the cuts, recovered and judged")
     sizes_of = {"unpruned": sizes(ref), **({"kept": sizes(model)} if model is not None else {})}
     writes = model is not None and rank == 0  # one rank writes: the ranks hold the same model
-    saved, formats, decode = _written_files(model, ctx, path, tok, out, peers, phase) if writes else ([], [], None)
+    saved, formats, decode = _written_files(model, ctx, path, tok, out, peers=peers, phase=phase) if writes else ([], [], None)
     r = {"model": path.name, "command": command or f"multihead prune --hf {path}", "cpu_flags": cpu_flags(),
          "torch": torch.__version__, "threads": torch.get_num_threads(), "unit": kind,
          "unit_words": "whole key/value groups" if kind == "group" else "query heads evenly inside every group",
@@ -743,14 +743,14 @@ def _tried(c: Candidate, o: DecoderOptions) -> dict:
             "curve": c.curve, "steps": c.steps, "seconds": c.seconds}
 
 
-def _written_files(model: nn.Module, ctx: Context, path: Path, tok, out: Path, peers: dict,
+def _written_files(model: nn.Module, ctx: Context, path: Path, tok, out: Path, *, peers: dict,
                    phase: Callable[[str], None]) -> tuple[list[str], list[dict], dict | None]:
     """The kept model's folder saved and read back, its formats written and read back, and (peers given) its
     decode table: (the folder's lines, the formats' rows, the decode table or None)."""
     o, t, ref = ctx.options, ctx.text, ctx.reference
     saved = save(model, path, out / "model", t, o.per_layer)
     phase("saving and reading back")
-    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers, path)
+    formats = write_formats(model, ref, tok, out / "model", t, o.formats, peers=peers, src=path)
     if formats:
         phase("the formats, written and read back")
     decode = decode_speed(model, ref, formats, peers, o) if peers else None
@@ -884,7 +884,7 @@ def _q4_k_m(f16: Path, dst: Path) -> str:
     return _quantize(f16, dst, "q4_k_m")
 
 
-def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str],
+def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, formats: Sequence[str], *,
                   peers: Mapping[str, Path] | None = None, src: Path | None = None) -> list[dict]:
     """Each format in ``formats`` written into ``folder`` (``gguf/model-<dtype>.gguf``, ``genai-<precision>/``) and
     read back: f16 and fp32 files must give the cut model's greedy tokens and logits within their rounding; a
@@ -900,7 +900,7 @@ def write_formats(cut: nn.Module, ref: nn.Module, tok, folder: Path, t: Text, fo
         try:
             row = _written(cut, tok, folder, name, ids)
             if "path" in row and FORMATS[name][1] in QUANTIZED_DTYPES:
-                _cost_beside_unpruned(row, cut, ref, t, ids, (peers or {}).get(name), src)
+                _cost_beside_unpruned(row, cut, ref, t, ids, peer=(peers or {}).get(name), src=src)
         except (ValueError, RuntimeError) as e:  # a file that did not read back: said, the others still written
             row = {"format": name, "checks": [], "failed": f"{name}: {str(e).splitlines()[0]}"}
         if "path" in row:
@@ -936,7 +936,7 @@ def _written(cut: nn.Module, tok, folder: Path, name: str, ids: Tensor) -> dict:
     return {"format": name, "path": str(folder / "gguf" / "model-q4_k_m.gguf"), "checks": [said]}
 
 
-def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor,
+def _cost_beside_unpruned(row: dict, cut: nn.Module, ref: nn.Module, t: Text, ids: Tensor, *,
                           peer: Path | None = None, src: Path | None = None) -> None:
     """A quantized row's perplexity cost, and the same quantization's cost to the unpruned model (``peer``, its
     file, else written the same way into a temporary folder: GenAI's builder on ``src``, the checkpoint folder);
