@@ -51,6 +51,7 @@ SLOW: list[tuple[tuple[str, ...], float]] = [
     (("tests/test_decoder_prune.py::test_the_formats_users_run_are_written_and_each_read_back",), 120),
     (("tests/test_readme.py::test_readme_command_lines_run[Cut a decoder language model: prune 1]",), 90),
     (("tests/test_readme.py::test_readme_command_lines_run[Cut a decoder language model: prune 0]",), 31),
+    (("tests/test_readme.py::test_readme_command_lines_run[Cut a decoder language model: prune 2]",), 50),
     (("tests/test_platforms.py::test_gradescope_autograder_grades_as_check_does",), 60),
     (("tests/test_platforms.py::test_github_classroom_workflow_reports_the_points_check_gives",), 54),
     (("tests/test_platforms.py::test_prairielearn_question_grades_as_check_does",), 47),
