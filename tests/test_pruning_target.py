@@ -278,7 +278,7 @@ def test_prune_hf_with_its_runtime_files_ends_within_a_tight_time_budget(bert, t
 
     d, corpus = bert
     args = ["prune", "--hf", str(d), "--target-cosine", "0.5", "--fraction", "0.5", "--step", "0.25", "--recover",
-            "10", "--quantize", "int8", "--corpus", str(corpus), "--sentences", "16", "32", "--unseen-sentences",
+            "40", "--quantize", "int8", "--corpus", str(corpus), "--sentences", "16", "32", "--unseen-sentences",
             "16", "--passages", "0", "--max-seconds", "0.2", "--runtimes", "onnx"]
 
     def seconds(text: str) -> float:  # 1m05s or 45s

@@ -24,9 +24,10 @@ from multihead.deploy.session import openvino_model, ort_session
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_eager", "onnx_optimized", "onnx_eager_optimized"), ort_session),
-            ("ONNX Runtime int8", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_eager", "onnx_optimized", "onnx_attention", "onnx_eager_optimized"),
              ort_session),
+            ("ONNX Runtime int8", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_attention_int8",
+                                   "onnx_eager_optimized_int8"), ort_session),
             ("OpenVINO fp32", ("openvino", "openvino_pt"), openvino_model),
             ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), openvino_model))
 
