@@ -229,7 +229,8 @@ def test_a_missing_extra_is_named(tmp_path, monkeypatch):
                                           r"'multihead\[openvino\]'"):
         mhf.export(model, tmp_path / "m", openvino=True)
     assert set(mhf.export(model, tmp_path / "n")) == {"onnx", "onnx_int8", "onnx_eager", "onnx_eager_int8", "onnx_optimized",
-                                                      "onnx_optimized_int8", "serve", "serve_int8"}  # ONNX only
+                                                      "onnx_optimized_int8", "onnx_attention", "onnx_attention_int8",
+                                                      "serve", "serve_int8"}  # ONNX only
 
 
 def test_a_layer_with_every_head_cut_is_exported_at_its_size(tmp_path):
@@ -269,8 +270,8 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
     transformers graph users export: unpruned, the same operators as ``torch.onnx.export`` of the sdpa model (the
     peer, peers.standard_files); pruned, the same operators at the pruned size. The optimized file is the eager graph
     ONNX Runtime's optimizer fuses each layer's attention in (the peer's eager candidate's operators), each layer's
-    Attention op at its own head count. Each file (fp32, optimized, int8) equals the torch model within its
-    rounding."""
+    Attention op at its own head count; the attention form is that file with the GELU left unfused. Each file (fp32,
+    optimized, int8) equals the torch model within its rounding."""
     import json
 
     from multihead.deploy import peers
@@ -307,16 +308,26 @@ def test_the_export_is_the_standard_graph_at_the_pruned_size(tmp_path):
         return [o for o in _ops(f) if o in ("MatMul", "Softmax", "Attention", "MultiHeadAttention")]
 
     assert compute(cut["onnx_eager"]) == compute(std["onnx_eager"]) and "Softmax" in compute(std["onnx_eager"])
-    for key, op in (("onnx_optimized", "Attention"), ("onnx_optimized_int8", "QAttention")):
+    for key, op in (("onnx_optimized", "Attention"), ("onnx_optimized_int8", "QAttention"),
+                    ("onnx_attention", "Attention"), ("onnx_attention_int8", "QAttention")):
         fused = [n for n in onnx.load(str(cut[key])).graph.node if n.op_type == op]
         assert [onnx.helper.get_attribute_value(a) for n in fused for a in n.attribute if a.name == "num_heads"] == [2, 3]
+    # the fused-attention form without the GELU fusion: the optimized file's operators, each layer's fused GELU
+    # (BiasGelu) back as the exported bias Add and Gelu's Erf arithmetic; nothing else differs
+    attention_ops, optimized_ops = _ops(cut["onnx_attention"]), _ops(cut["onnx_optimized"])
+    assert "BiasGelu" in optimized_ops and "BiasGelu" not in attention_ops and "Erf" in attention_ops
+    assert [o for o in attention_ops if o not in ("Add", "Div", "Erf", "Mul")] == \
+        [o for o in optimized_ops if o not in ("Add", "Div", "Erf", "Mul", "BiasGelu")]
+    meta = json.loads((tmp_path / "p" / ONNX_DIR / EXPORT_JSON).read_text())
+    assert meta["attention_form"]["written"] and meta["attention_form"]["fused"]["Attention"] == 2
     g = torch.Generator().manual_seed(3)
     ids, am = torch.randint(3, 100, (3, 13), generator=g), torch.ones(3, 13, dtype=torch.long)
     am[2, 5:] = 0
     feed = {"input_ids": ids.numpy(), "attention_mask": am.numpy(), "token_type_ids": torch.zeros_like(ids).numpy()}
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).last_hidden_state[am.bool()]  # (N, E) the real tokens
-    for key in ("onnx", "onnx_optimized", "onnx_eager", "onnx_int8", "onnx_optimized_int8", "onnx_eager_int8"):
+    for key in ("onnx", "onnx_optimized", "onnx_eager", "onnx_attention", "onnx_int8", "onnx_optimized_int8",
+                "onnx_eager_int8", "onnx_attention_int8"):
         got = torch.from_numpy(ort.InferenceSession(str(cut[key])).run(None, feed)[0])[am.bool()]
         err = float((got - want).abs().max())
         # fp32: float rounding; int8: weights rounded to 1/254 of each channel's range, activations per call
@@ -354,7 +365,9 @@ def test_the_runtime_table_times_the_pruned_file_against_the_standard_export(tmp
             # each a median of the rounds' ratios: within what the two sides' extremes allow
             assert r["peer_ms"]["min_ms"] / other["max_ms"] - 1e-3 <= got <= r["peer_ms"]["max_ms"] / other["min_ms"] + 1e-3
         assert r["range"][0] - 1e-3 <= r["speedup"] <= r["range"][1] + 1e-3  # its 95% interval holds it
-        assert r["bound"] > 1 and r["pruned_file"] in ("onnx", "onnx_optimized", "onnx_int8", "onnx_optimized_int8")
+        keys = next(keys for label, keys, _ in compare.RUNTIMES if label == r["runtime"])
+        assert set(r["forms"]) == {k for k in keys if k in files}  # every pruned form timed, the file to serve one
+        assert r["bound"] > 1 and r["pruned_file"] in r["forms"] and "onnx_attention" in files
     table = compare.markdown(rows)
     assert "peer: the standard export" in table and "torch.onnx.export" in table
     # every standard file's time, not only the fastest one's: the plain export and the optimized one side by side

@@ -262,6 +262,64 @@ def test_a_time_budget_that_cannot_hold_one_candidate_is_refused_before_any_work
     assert not out.exists() or not any(out.iterdir())  # no work: nothing written
 
 
+def test_prune_hf_with_its_runtime_files_ends_within_a_tight_time_budget(bert, tmp_path, capsys):
+    """Issue 80: `prune --hf <MiniLM> --target-cosine 0.95 --recover 400 --quantize int8 --time-budget 20m` ran 32
+    minutes: the runtime files, their table and the speed table came after a search that had left them a guessed 75 s.
+    Now they are measured before the search, which leaves them that. A budget shorter than the command's least is
+    refused in one line before any pruning, with the budget it needs -- once from the pruning's cost, then, with what
+    follows the search measured, from that too (the runtime files named). Given a budget half way from that least to
+    the whole plan's (tight: the search cannot try every candidate it would), the command ends within it, the report
+    giving each phase's time beside what the plan gave it. The margin is the plan's own arithmetic: the search ends where the phases after
+    it, at their measured least, still fit; those may run over what one call of each measured by what the machine's
+    load moved (a quarter of their share here), never by what the search took."""
+    import re
+
+    from multihead.apps.prune.runtimes import FIDELITY, KEPT_FILES, SAVING, SPEED, STANDARD, TABLE
+
+    d, corpus = bert
+    args = ["prune", "--hf", str(d), "--target-cosine", "0.5", "--fraction", "0.5", "--step", "0.25", "--recover",
+            "40", "--quantize", "int8", "--corpus", str(corpus), "--sentences", "16", "32", "--unseen-sentences",
+            "16", "--passages", "0", "--max-seconds", "0.2", "--runtimes", "onnx"]
+
+    def seconds(text: str) -> float:  # 1m05s or 45s
+        m, s = re.fullmatch(r"(?:(\d+)m)?(\d+)s", text).groups()
+        return 60 * int(m or 0) + int(s)
+
+    budget, said = 1.0, []
+    for attempt in range(5):  # each refusal names the budget the command's plan needs; the machine's load moves it
+        out = tmp_path / f"b{attempt}"
+        started = time.monotonic()
+        code = main([*args, "--time-budget", f"{math.ceil(budget)}s", "--out", str(out)])
+        took = time.monotonic() - started
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("multihead prune:")]
+        if code != 2:
+            break
+        assert len(err) == 1 and "give --time-budget " in err[0] and not any(out.iterdir() if out.exists() else ())
+        said.append(err[0])
+        least, whole = (seconds(x) for x in re.search(r"give --time-budget (\S+) or more \((\S+) for the whole plan",
+                                                      err[0]).groups())
+        # the pruning's least first (what follows the search still unmeasured: refused again, naming it), then half
+        # way to the whole plan
+        budget = least + (whole - least) / 2 if "what follows the search:" in err[0] else least
+    assert code == 0, err
+    assert said[0].startswith("multihead prune: --time-budget 1s cannot hold one candidate: about ")
+    runtime = [s for s in said if "cannot hold one candidate and what follows the search" in s]
+    assert runtime and STANDARD in runtime[0] and KEPT_FILES in runtime[0] and TABLE in runtime[0]
+    report = json.loads((out / "report.json").read_text())
+    t = report["time"]
+    assert t["budget_s"] == math.ceil(budget) < whole  # less than the whole plan: the budget binds the search
+    phases = list(t["phases"])
+    assert phases[:4] == ["loading and costing the plan", STANDARD, "multihead's export of the unpruned model",
+                          "one call of each file and model"]
+    assert [p for p in phases if p in t["planned"]][-6:] == [SAVING, KEPT_FILES, TABLE, FIDELITY, SPEED, "the report"]
+    after = {k: t["planned"][k] for k in phases[phases.index(SAVING):]}
+    upto_search = sum(t["phases"][k] for k in phases[:phases.index(SAVING)])
+    assert upto_search <= t["budget_s"] - sum(after.values()) + 2.0  # the search left them their share (a step over)
+    assert took <= t["budget_s"] + 0.25 * sum(after.values()), (took, t)
+    text = (out / "report.md").read_text()
+    assert "## Time" in text and f"| {TABLE} | {target.seconds_text(t['planned'][TABLE])} |" in text
+
+
 def test_recovery_runs_the_steps_the_deadline_leaves_and_says_so(bert, tmp_path):
     """Past the plan (an estimate), a recovery that meets the deadline stops there and the report says so."""
     from multihead.apps.prune import hf_models, pruning

@@ -369,14 +369,18 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
                         "one asked for whose extra is missing is refused before any work")
     p.add_argument("--no-runtime-files", action="store_true",
                    help="--hf encoders: write no ONNX Runtime or OpenVINO files of the kept model (OUT/model/onnx, "
-                        "OUT/model/openvino: an export and its checks, ~15 s), only its transformers directory; no "
-                        "runtime table either (report.md says so)")
+                        "OUT/model/openvino: an export and its checks, about a minute and a half for MiniLM on 2 "
+                        "cores), only its transformers directory; no runtime table either (report.md says so)")
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
-                   help="the whole command's time (300, 300s, 5m, 1h30m). The run is costed before any work (printed "
-                        "as 'plan:'); a budget that cannot hold one candidate with its recovery is refused. Default: "
-                        "4m30s, grown to the plan's cost when the plan needs more. The heads are re-ranked after every "
-                        "step only if that leaves the speed table 30 s, and the table gets what is left. Causal LMs: "
-                        "default 15m, the recovery cut short to fit it, a budget that leaves no time beyond it refused")
+                   help="the whole command's time (300, 300s, 5m, 1h30m), the runtime files and tables included. "
+                        "The run is costed before any work (printed as 'plan:'): what follows the search (the runtime "
+                        "files, their table, the speed table) from the unpruned model's files made and timed before "
+                        "the search; a budget that cannot hold one candidate with its recovery and what follows it is "
+                        "refused, naming the budget needed. Default: 4m30s, grown to the plan's cost when the plan "
+                        "needs more. The heads are re-ranked after every step, and the search tries another candidate, "
+                        "only if that leaves what follows the search its time; report.md gives each phase's time. "
+                        "Causal LMs: default 15m, the recovery cut short to fit it, a budget that leaves no time beyond "
+                        "it refused")
     p.add_argument("--out", default="out/prune", help="output folder: new, empty, or one a prune wrote before")
     p.add_argument("--force", action="store_true", help="write into --out even though it holds other files")
 

@@ -24,9 +24,10 @@ from multihead.deploy.session import openvino_model, ort_session
 
 #: (label, the keys of :func:`multihead.hf.export`'s result that run there -- each a way of making the file, the
 #: faster counts --, how a file is opened)
-RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_eager", "onnx_optimized", "onnx_eager_optimized"), ort_session),
-            ("ONNX Runtime int8", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_eager_optimized_int8"),
+RUNTIMES = (("ONNX Runtime fp32", ("onnx", "onnx_eager", "onnx_optimized", "onnx_attention", "onnx_eager_optimized"),
              ort_session),
+            ("ONNX Runtime int8", ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_attention_int8",
+                                   "onnx_eager_optimized_int8"), ort_session),
             ("OpenVINO fp32", ("openvino", "openvino_pt"), openvino_model),
             ("OpenVINO int8", ("openvino_int8", "openvino_pt_int8"), openvino_model))
 
@@ -187,9 +188,12 @@ def _row(label: str, B: int, sides: dict, per: dict, *, bound: float, busy: dict
 def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """{runtime: {kind: mean cosine}}: each file's mean-pooled, normalised output against the torch model ``full``'s
     on every batch of every kind of text (a pruned file against the unpruned model: what the cut and the runtime's
-    rounding cost together)."""
+    rounding cost together). The torch model runs once per batch, whatever the number of files."""
     from multihead.deploy.serve import FORMS
 
+    with torch.no_grad():
+        want = {kind: [pooled(full, b["input_ids"], b["attention_mask"]) for b in batches]  # (B, E) each
+                for kind, batches in kinds.items()}
     out = {}
     for label, keys, make in RUNTIMES:
         for key in keys:
@@ -198,9 +202,8 @@ def fidelity(full: nn.Module, files: dict[str, Path], kinds: dict[str, list[dict
             m = make(files[key])
             with torch.no_grad():
                 out[f"{label}, {FORMS.get(key, key)} ({Path(files[key]).name})"] = {
-                    kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"])
-                                            * pooled(full, b["input_ids"], b["attention_mask"])).sum(-1)
-                                           for b in batches]).mean())
+                    kind: float(torch.cat([(pooled(m, b["input_ids"], b["attention_mask"]) * w).sum(-1)
+                                           for b, w in zip(batches, want[kind])]).mean())
                     for kind, batches in kinds.items()}
     return out
 

@@ -24,11 +24,15 @@ and fastembed read, each file made in its runtime's room (:mod:`multihead.deploy
                                         its bias, ...; ONNX Runtime only), and quantized the same way: written where
                                         the optimizer knows the model's type, from the eager-attention graph with each
                                         layer's head count written (the form it fuses attention in), else model.onnx
+    DIR/onnx/model_attention.onnx       the same optimizer on the eager graph with its GELU fusions off (attention,
+    DIR/onnx/model_attention_int8.onnx  layer norms, embeddings fused; the GELU as exported), and quantized the same
+                                        way: written where it fuses attention
     DIR/onnx/serve.onnx                 the file to serve in each runtime: the fastest of that runtime's forms above
     DIR/onnx/serve_int8.onnx            on this machine (:mod:`multihead.deploy.serve`; a hard link to it, else a
     DIR/openvino/serve.xml, serve_int8.xml  copy), at ``serve_batch`` or by the geometric mean over batch 1, 16, 64
     DIR/onnx/export.json                the attention model.onnx holds ("sdpa" or "multihead"), the graph the
-                                        optimizer was given, what it fused (op: count) and what it could not, how
+                                        optimizer was given, what it fused (op: count) and what it could not (and in
+                                        model_attention.onnx: "attention_form"), how
                                         the OpenVINO files were made, which form each serving file is, each form's
                                         time and the CPU's flags ("serve")
 
@@ -51,6 +55,7 @@ from multihead.deploy.onnx import (
     ONNX_DIR,
     ONNX_FILE,
     ONNX_INT8_FILE,
+    _attention_form,
     _eager,
     _optimized,
     _written_and_checked,
@@ -70,7 +75,8 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     on two padded batches and must equal the torch model on the real tokens (float rounding), else it is
     deleted and RuntimeError says by how much. Returns a dict of paths: ``"onnx"`` and ``"onnx_int8"`` always,
     ``"onnx_eager"`` and ``"onnx_eager_int8"`` where the eager graph can be written, ``"onnx_optimized"`` and
-    ``"onnx_optimized_int8"`` where ONNX Runtime's optimizer applies, ``"openvino"`` and ``"openvino_int8"`` where
+    ``"onnx_optimized_int8"`` where ONNX Runtime's optimizer applies (``"onnx_attention"``, ``"onnx_attention_int8"``
+    where it fuses attention in the eager graph), ``"openvino"`` and ``"openvino_int8"`` where
     those are written, and with ``serve`` the files to serve: ``"serve"``, ``"serve_int8"`` (``onnx/serve.onnx``,
     ``onnx/serve_int8.onnx``), ``"openvino_serve"``, ``"openvino_serve_int8"`` where OpenVINO's are written. A plain
     ``onnxruntime.InferenceSession(path)`` runs a file on the tokenizer's outputs. ``openvino``: None writes the
@@ -105,8 +111,11 @@ def export(model: nn.Module, folder: str | Path, *, calibration: list[dict] | No
     written |= eager
     optimized, fused = _optimized(model, f, eager.get("onnx_eager"), check)
     written |= optimized
+    attention_form, attention_fused = _attention_form(model, eager.get("onnx_eager"), check)
+    written |= attention_form
     (folder / ONNX_DIR / EXPORT_JSON).write_text(json.dumps({"attention": attention, "fallback": fallback,
-                                                             "eager": no_eager, "optimizer": fused}, indent=2))
+                                                             "eager": no_eager, "optimizer": fused,
+                                                             "attention_form": attention_fused}, indent=2))
     if openvino is not False:
         written |= _openvino_files(model, f, folder, names, calibration, example, required=bool(openvino))
     if serve:

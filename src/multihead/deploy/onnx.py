@@ -41,6 +41,8 @@ from multihead.hf.layouts import probe_inputs
 ONNX_DIR, ONNX_FILE, ONNX_INT8_FILE = "onnx", "model.onnx", "model_int8.onnx"
 ONNX_OPT_FILE, ONNX_OPT_INT8_FILE, EXPORT_JSON = "model_optimized.onnx", "model_optimized_int8.onnx", "export.json"
 ONNX_EAGER_FILE, ONNX_EAGER_INT8_FILE = "model_eager.onnx", "model_eager_int8.onnx"
+#: ONNX Runtime's fused attention without its GELU fusion (:func:`_attention_form`)
+ONNX_ATTENTION_FILE, ONNX_ATTENTION_INT8_FILE = "model_attention.onnx", "model_attention_int8.onnx"
 #: the files to serve: the fastest of the fp32 and of the int8 forms on the machine that wrote them (deploy/serve.py)
 ONNX_SERVE_FILE, ONNX_SERVE_INT8_FILE = "serve.onnx", "serve_int8.onnx"
 
@@ -180,6 +182,33 @@ def _optimized(model: nn.Module, f: Path, eager: Path | None, check) -> tuple[di
                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
 
 
+def _attention_form(model: nn.Module, eager: Path | None, check) -> tuple[dict[str, Path], dict]:
+    """The eager graph ``eager`` through ONNX Runtime's optimizer with every fusion but GELU's (:func:`optimize`,
+    ``fuse_gelu=False``: each layer's attention one ``Attention`` op, its layer norms and the embeddings fused, the GELU
+    left as exported), checked (``check(path)``) and quantized like the plain one: ({"onnx_attention",
+    "onnx_attention_int8": path} or {}, what the optimizer fused and what it could not). On all-MiniLM-L6-v2 pruned 31%,
+    int8, on an Intel Xeon (avx512_vnni, 2 threads; ``bench/results/issue80_minilm_xeon/serve_forms_run*.md``), the
+    fused GELU made the fused-attention file 6-9% slower at batch 16 and 64; without it that file is the fastest form
+    at batch 1. Written only where attention is fused (else it would repeat the eager graph); optional like the other
+    optimized file."""
+    if eager is None or ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
+        return {}, {"written": False, "fused": {}, "note": "no eager graph, or no optimizer pass for the model type"}
+    out, out_int8 = eager.with_name(ONNX_ATTENTION_FILE), eager.with_name(ONNX_ATTENTION_INT8_FILE)
+    try:
+        fused = optimize(model, eager, out, fuse_gelu=False)
+        if not fused["written"] or not sum(v for k, v in fused["fused"].items() if "Attention" in k):
+            out.unlink(missing_ok=True)
+            return {}, fused | {"written": False}
+        check(out)
+        quantize_standard(out, out_int8, matmul_only=True)
+        return {"onnx_attention": out, "onnx_attention_int8": out_int8}, fused
+    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
+        for name in (out, out_int8):
+            name.unlink(missing_ok=True)
+        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"}
+
+
 def _eager_fused(model: nn.Module, f: Path, eager: Path | None, out: Path) -> dict:
     """``out``: the eager graph ``eager`` (its head counts written) through :func:`optimize` where that fuses attention,
     else the file ``f`` through it; :func:`optimize`'s record with "graph" (which of the two) added."""
@@ -271,13 +300,15 @@ def quantize_standard(source: Path, out: Path, *, matmul_only: bool = False) -> 
     return out
 
 
-def optimize(model: nn.Module, source: Path, out: Path, *, heads_from_config: bool = False) -> dict:
+def optimize(model: nn.Module, source: Path, out: Path, *, heads_from_config: bool = False,
+             fuse_gelu: bool = True) -> dict:
     """``source`` through ONNX Runtime's transformer optimizer (``onnxruntime.transformers.optimizer``, the model type
     from the config: :data:`ORT_MODEL_TYPES`), written to ``out`` when the optimizer knows the type: {"model_type",
     "fused": {op: count}, "written": bool, "note": what it could not fuse (None when attention was fused too)}. The
     attention fusion reads each layer's head count from the graph's reshapes (``num_heads=0``; a -1 there fuses
     nothing: :func:`write_head_counts`); ``heads_from_config``: the config's ``num_attention_heads`` and
-    ``hidden_size`` stand for a -1, as optimum passes them (right for an unpruned model only)."""
+    ``hidden_size`` stand for a -1, as optimum passes them (right for an unpruned model only); ``fuse_gelu``: False
+    leaves the GELU as exported (the optimizer's GELU fusions, with and without the bias, off: ``FusionOptions``)."""
     from multihead.extras import quiet_logs
 
     cfg = model.config
@@ -286,10 +317,14 @@ def optimize(model: nn.Module, source: Path, out: Path, *, heads_from_config: bo
         return {"model_type": getattr(cfg, "model_type", None), "fused": {}, "written": False,
                 "note": f"ONNX Runtime's transformer optimizer has no pass for model type {cfg.model_type!r}"}
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
+    options = FusionOptions(kind)
+    options.enable_gelu = options.enable_bias_gelu = fuse_gelu
     with quiet_logs("onnxruntime"), quiet_logs(""):
         heads = (int(cfg.num_attention_heads), int(cfg.hidden_size)) if heads_from_config else (0, 0)
-        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=heads[0], hidden_size=heads[1])
+        opt = optimizer.optimize_model(str(source), model_type=kind, num_heads=heads[0], hidden_size=heads[1],
+                                       optimization_options=options)
         fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
         graph = opt.model.graph  # constants the fused ops no longer read: ONNX Runtime warns of each on every load
         used = {i for n in graph.node for i in n.input}

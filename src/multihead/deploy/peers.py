@@ -63,11 +63,12 @@ def standard_files(model, example: dict, calibration: list[dict] | None = None, 
 _STANDARD: dict[str, tuple[dict[str, Path], tuple[bool, bool]]] = {}  # fingerprint -> (files, (openvino, its int8))
 
 
-def peers(model, example: dict, log=None, calibration: list[dict] | None = None) -> dict[str, RuntimeModel]:
+def peers(model, example: dict, log=None, calibration: list[dict] | None = None, *, openvino: bool = True
+          ) -> dict[str, RuntimeModel]:
     """{name: runtime model} of the unpruned transformers encoder ``model`` (as loaded, not attached) in every runtime
     whose extra is installed, from its standard files (:func:`standard_files`: made as users make them, once); a
     missing extra is told to ``log`` when given. ``calibration``: batches for OpenVINO's int8 model (static
-    quantization; without them it is not made)."""
+    quantization; without them it is not made); ``openvino``: False leaves OpenVINO's files out."""
     from multihead.extras import require
 
     try:
@@ -76,7 +77,7 @@ def peers(model, example: dict, log=None, calibration: list[dict] | None = None)
         if log is not None:
             log(f"  no other runtime timed: {e}")
         return {}
-    files = standard_files(model, example, calibration, log=log)
+    files = standard_files(model, example, calibration, openvino=openvino, log=log)
     labels = [("onnx_int8", "ONNX Runtime int8"), ("onnx_eager_int8", "ONNX Runtime int8, eager attention"),
               ("onnx_optimized_int8", "ONNX Runtime int8, ORT optimizer"),
               ("onnx_eager_optimized_int8", "ONNX Runtime int8, eager + ORT optimizer"),

@@ -1,5 +1,6 @@
 """The file to serve, chosen where it runs: of the forms :func:`multihead.deploy.folder.export` writes for a runtime
-(the SDPA graph, the eager graph, ONNX Runtime's fused attention; each fp32 and int8), the one that runs fastest on
+(the SDPA graph, the eager graph, ONNX Runtime's fused attention with and without its GELU fusion; each fp32 and
+int8), the one that runs fastest on
 this machine, written under one fixed name per runtime (:data:`SERVE`: ``onnx/serve_int8.onnx`` for ONNX Runtime
 int8, ...) beside the others, which are kept. Fastest at the batch size the user serves (``serve_batch``), or by
 default the best geometric mean over batch 1, 16 and 64 (:data:`SERVE_BATCHES`); where the fastest form differs by
@@ -24,9 +25,10 @@ from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_SERVE_FILE, OPENVIN
 
 #: per runtime (the runtime table's labels): the file to serve, relative to the folder, and the forms (keys of
 #: :func:`multihead.deploy.folder.export`'s result) it is chosen among
-SERVE = {"ONNX Runtime fp32": (f"{ONNX_DIR}/{ONNX_SERVE_FILE}", ("onnx", "onnx_eager", "onnx_optimized")),
+SERVE = {"ONNX Runtime fp32": (f"{ONNX_DIR}/{ONNX_SERVE_FILE}", ("onnx", "onnx_eager", "onnx_optimized",
+                                                                 "onnx_attention")),
          "ONNX Runtime int8": (f"{ONNX_DIR}/{ONNX_SERVE_INT8_FILE}",
-                               ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8")),
+                               ("onnx_int8", "onnx_eager_int8", "onnx_optimized_int8", "onnx_attention_int8")),
          "OpenVINO fp32": (f"{OPENVINO_DIR}/{OPENVINO_SERVE_FILE}", ("openvino",)),
          "OpenVINO int8": (f"{OPENVINO_DIR}/{OPENVINO_SERVE_INT8_FILE}", ("openvino_int8",))}
 #: each runtime's serving file's key in :func:`multihead.deploy.folder.export`'s result
@@ -37,7 +39,9 @@ SERVE_BATCHES = (1, 16, 64)
 #: each form, as the report labels it
 FORMS = {"onnx": "SDPA graph", "onnx_int8": "SDPA graph, int8", "onnx_eager": "eager graph",
          "onnx_eager_int8": "eager graph, int8", "onnx_optimized": "fused attention (ORT optimizer)",
-         "onnx_optimized_int8": "fused attention (ORT optimizer), int8", "openvino": "OpenVINO IR",
+         "onnx_optimized_int8": "fused attention (ORT optimizer), int8",
+         "onnx_attention": "fused attention, GELU unfused (ORT optimizer)",
+         "onnx_attention_int8": "fused attention, GELU unfused (ORT optimizer), int8", "openvino": "OpenVINO IR",
          "openvino_int8": "OpenVINO IR, NNCF int8"}
 
 

@@ -164,25 +164,20 @@ def _runtime_table(path, pruned, tok, held_out: list[str], *, calibration: list[
     except ImportError as e:
         log(f"  no runtime table: {e}")
         return None
+    from multihead.deploy import onnx as d_onnx
+    from multihead.deploy import openvino as d_ov
     from multihead.deploy import peers
-    from multihead.deploy.onnx import (
-        ONNX_DIR,
-        ONNX_EAGER_FILE,
-        ONNX_EAGER_INT8_FILE,
-        ONNX_FILE,
-        ONNX_INT8_FILE,
-        ONNX_OPT_FILE,
-        ONNX_OPT_INT8_FILE,
-    )
-    from multihead.deploy.openvino import OPENVINO_DIR, OPENVINO_FILE, OPENVINO_INT8_FILE
 
     full = mhf.attach(transformers.AutoModel.from_pretrained(path).eval())
     kept = mhf.load(pruned, quantized=False)
-    written = (("onnx", ONNX_DIR, ONNX_FILE), ("onnx_int8", ONNX_DIR, ONNX_INT8_FILE),
-               ("onnx_eager", ONNX_DIR, ONNX_EAGER_FILE), ("onnx_eager_int8", ONNX_DIR, ONNX_EAGER_INT8_FILE),
-               ("onnx_optimized", ONNX_DIR, ONNX_OPT_FILE), ("onnx_optimized_int8", ONNX_DIR, ONNX_OPT_INT8_FILE),
-               ("openvino", OPENVINO_DIR, OPENVINO_FILE), ("openvino_int8", OPENVINO_DIR, OPENVINO_INT8_FILE))
-    files = {key: Path(pruned) / d / name for key, d, name in written if (Path(pruned) / d / name).is_file()}
+    names = {"onnx": d_onnx.ONNX_FILE, "onnx_int8": d_onnx.ONNX_INT8_FILE, "onnx_eager": d_onnx.ONNX_EAGER_FILE,
+             "onnx_eager_int8": d_onnx.ONNX_EAGER_INT8_FILE, "onnx_optimized": d_onnx.ONNX_OPT_FILE,
+             "onnx_optimized_int8": d_onnx.ONNX_OPT_INT8_FILE, "onnx_attention": d_onnx.ONNX_ATTENTION_FILE,
+             "onnx_attention_int8": d_onnx.ONNX_ATTENTION_INT8_FILE}
+    written = {k: Path(pruned) / d_onnx.ONNX_DIR / n for k, n in names.items()} | {
+        k: Path(pruned) / d_ov.OPENVINO_DIR / n for k, n in (("openvino", d_ov.OPENVINO_FILE),
+                                                            ("openvino_int8", d_ov.OPENVINO_INT8_FILE))}
+    files = {k: f for k, f in written.items() if f.is_file()}
     with tempfile.TemporaryDirectory(prefix="multihead-") as made:  # this table's own files: removed after it
         if "onnx" not in files:
             files = mhf.export(kept, Path(made) / "pruned", calibration=calibration, serve=False)

@@ -265,38 +265,58 @@ def _goal(args):
 
 
 def _within_budget(setup, options, budget: float | None, started: float):
-    """``options`` with the command's deadline and the plan's estimate of one candidate: the run is costed first
-    (:func:`multihead.apps.prune.pruning.plan`, printed as one line); a ``budget`` (seconds from ``started``) that cannot
-    hold the least run is refused (ValueError, one line); without one the default grows to the whole plan."""
+    """``options`` with the command's deadline, the plan's estimate of one candidate and what was made ready before
+    the search. The run is costed in two steps (:func:`multihead.apps.prune.pruning.plan`): the pruning from a few
+    measured calls, a ``budget`` (seconds from ``started``) that cannot hold its least refused at once (ValueError,
+    one line); then what follows the search, from the work it needs made before the search and timed (the runtime
+    files' groundwork: :func:`multihead.apps.prune.runtimes.groundwork`), a budget that cannot hold the least run with
+    it refused naming those figures. The plan is printed as one line; without a budget the default grows to it."""
     import dataclasses
 
-    from multihead.apps.prune import pruning
+    from multihead.apps.prune import pruning, runtimes
     from multihead.apps.prune.target import seconds_text
 
     p = pruning.plan(setup, options)
     spent = time.monotonic() - started
+    if budget is not None and spent + p.least > budget:
+        raise ValueError(f"--time-budget {seconds_text(budget)} cannot hold one candidate: {p} (loading took "
+                         f"{seconds_text(spent)}); give --time-budget {seconds_text(spent + p.least)} or "
+                         f"more ({seconds_text(spent + p.total)} for the whole plan, and what follows the search), or "
+                         "fewer --recover steps")
+    gw = runtimes.groundwork(setup, options)
+    p = dataclasses.replace(p, after=gw.after)
+    spent = time.monotonic() - started
+    made = f"; made before the search: {gw}" if gw.made else ""
     if budget is None:
         budget = max(DEFAULT_BUDGET_S, spent + p.total)
-        print(f"plan: {p}; time budget {seconds_text(budget)} (the default, grown to the plan where it needs more; "
-              "--time-budget sets another)")
+        print(f"plan: {p}{made}; time budget {seconds_text(budget)} (the default, grown to the plan where it needs "
+              "more; --time-budget sets another)")
     else:
         if spent + p.least > budget:
-            raise ValueError(f"--time-budget {seconds_text(budget)} cannot hold one candidate: {p} (loading took "
-                             f"{seconds_text(spent)}); give --time-budget {seconds_text(spent + p.least)} or "
-                             f"more ({seconds_text(spent + p.total)} for the whole plan), or fewer --recover steps")
-        print(f"plan: {p}; time budget {seconds_text(budget)}" + (
+            fewer = ", --runtimes onnx, --no-runtime-peers or --no-runtime-files" if gw.own else ""
+            raise ValueError(f"--time-budget {seconds_text(budget)} cannot hold one candidate and what follows the "
+                             f"search: {p} (loading and costing took {seconds_text(spent)}{made}); give --time-budget "
+                             f"{seconds_text(spent + p.least)} or more ({seconds_text(spent + p.total)} for the whole "
+                             f"plan), or fewer --recover steps{fewer}")
+        print(f"plan: {p}{made}; time budget {seconds_text(budget)}" + (
             "" if spent + p.total <= budget else
             f" (the whole plan needs {seconds_text(spent + p.total)}: the search may end before it is settled)"))
-    return dataclasses.replace(options, deadline=started + budget, candidate_s=p.candidate_s)
+    return dataclasses.replace(options, deadline=started + budget, candidate_s=p.candidate_s, groundwork=gw,
+                               started=started, planned=tuple(p.phases(options.target is not None).items()))
 
 
 def _print_report(report: dict, out: Path) -> None:
     """What ``multihead prune`` prints at the end: the kept model, the speed table, the runtime files and table."""
-    from multihead.apps.prune import pruning
+    from multihead.apps.prune import pruning, runtimes
+    from multihead.apps.prune.target import seconds_text
 
+    t = report.get("time") or {}
+    took = ([f"time: {seconds_text(t['seconds'])}" + (f" of a budget of {seconds_text(t['budget_s'])}"
+                                                      if t.get("budget_s") is not None else "")
+             + " (" + ", ".join(f"{k} {seconds_text(v)}" for k, v in t["phases"].items()) + ")"] if t else [])
     lines = [*pruning.summary(report), pruning.speed_table(report["speed"], report.get("bound")),
-             *pruning.runtime_section(report.get("runtimes"))[2:],  # the files and the runtime table
-             *[f"note: {note}" for note in report["timing_notes"]],
+             *runtimes.runtime_section(report.get("runtimes"))[2:],  # the files and the runtime table
+             *[f"note: {note}" for note in report["timing_notes"]], *took,
              f"report: {out / 'report.md'}; pruned model: {out / 'model'}"]
     print("\n".join(lines))
 

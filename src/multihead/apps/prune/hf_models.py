@@ -336,7 +336,8 @@ def hf_setup(path: str | Path, corpus: list[str] | None = None, n_importance: in
     setup.metric_kind = "kl" if causal else "cosine"  # what --target-kl / --target-cosine judge
     setup.held_out_kinds = kinds if len(kinds) > 1 else None
 
-    setup.more_peers = (lambda: []) if causal else (lambda: runtime_peers(peer, speed[16][0], _calibration(imp)))
+    setup.more_peers = ((lambda openvino=True: []) if causal else
+                        (lambda openvino=True: runtime_peers(peer, speed[16][0], _calibration(imp), openvino=openvino)))
     setup.ffn_fn = lambda m, fraction: _cut_ffn(m, fraction, imp)
     if not causal:
         _for_runtimes(setup, imp, runtime_texts(tok, kinds, held_out, long, limit), peer, speed[16][0])
@@ -357,8 +358,8 @@ def _for_runtimes(setup: Setup, imp: list, texts: tuple[dict, dict], peer: nn.Mo
 
     calibration = _calibration(imp)
     setup.export_fn = lambda m, folder, openvino=None: _export(m, folder, calibration, openvino)
-    setup.standard_fn = lambda: peers.standard_files(peer, {"input_ids": example[0], "attention_mask": example[1]},
-                                                     calibration)
+    setup.standard_fn = lambda openvino=True: peers.standard_files(
+        peer, {"input_ids": example[0], "attention_mask": example[1]}, calibration, openvino=openvino)
     setup.runtime_texts = texts
     setup.serve_fn = mhf.serve
 
@@ -390,7 +391,7 @@ def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit
     """The runtime table's text (:mod:`multihead.deploy.compare`), from every held-out kind (the split's sentences, the
     other kind's, the passages): ({batch size: batches}, {kind: batches}). At each batch size, each kind with
     enough items gives ``sizes[B]`` batches (default :data:`RUNTIME_BATCHES`; a kind with fewer than the batch size
-    is left out there);
+    is left out there, and a batch size no kind fills is left out);
     each kind's fidelity batches (16 items each) hold all its items."""
     texts, start = {}, 0
     for kind in kinds:
@@ -407,20 +408,23 @@ def runtime_texts(tok, kinds: tuple, held_out: list[str], long: list[str], limit
 
     inputs = {}
     for B, n in (sizes or RUNTIME_BATCHES).items():
-        inputs[B] = [b for items, cap in texts.values() if len(items) >= B for b in batch(items[: B * n], B, cap)]
+        batches = [b for items, cap in texts.values() if len(items) >= B for b in batch(items[: B * n], B, cap)]
+        if batches:  # a batch size no kind fills is left out
+            inputs[B] = batches
     return inputs, {kind: batch(items, 16, cap) for kind, (items, cap) in texts.items()}
 
 
-def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | None = None
+def runtime_peers(model: nn.Module, example: tuple, calibration: list[dict] | None = None, *, openvino: bool = True
                   ) -> list[tuple[str, object, Callable]]:
-    """The unpruned transformers encoder ``model`` in ONNX Runtime and OpenVINO, from its standard files
-    (:func:`multihead.deploy.peers.standard_files`, exported once with the (ids, am) ``example``), those whose extra
-    (onnx, openvino) is installed: [(name, model, run_fn)]."""
+    """The unpruned transformers encoder ``model`` in ONNX Runtime and OpenVINO (``openvino``: False leaves it out), from
+    its standard files (:func:`multihead.deploy.peers.standard_files`, exported once with the (ids, am) ``example``),
+    those whose extra (onnx, openvino) is installed: [(name, model, run_fn)]."""
     from multihead.deploy import peers
 
     ids, am = example
     return [(name, m, lambda m, x: m(input_ids=x[0], attention_mask=x[1]))
-            for name, m in peers.peers(model, {"input_ids": ids, "attention_mask": am}, None, calibration).items()]
+            for name, m in peers.peers(model, {"input_ids": ids, "attention_mask": am}, None, calibration,
+                                       openvino=openvino).items()]
 
 
 def recover(pruned: nn.Module, batches: list, steps: int, causal: bool, *, lr: float = 3e-5,

@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multihead import heads, timing
+from multihead.apps.prune import runtimes
+from multihead.apps.prune.runtimes import Groundwork
 from multihead.apps.prune.target import (
     RESERVE_S,
     TABLE_MIN_S,
@@ -59,7 +60,9 @@ class Setup:
     pruned: nn.Module | None = None  # after run(): the pruned model, as saved
     recover_fn: Callable | None = None  # recover_fn(model, steps, quantize=) -> losses: distil a pruned model to the unpruned
     quantize_fn: Callable | None = None  # quantize_fn(model, dtype) -> a quantized copy (save_fn takes quantize=)
-    more_peers: Callable | None = None  # () -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8)
+    #: more_peers(openvino=True) -> [(name, model, run_fn)] timed beside the peer (e.g. ONNX Runtime int8; ``openvino``:
+    #: False leaves OpenVINO's out)
+    more_peers: Callable | None = None
     scores_fn: Callable | None = None  # scores_fn(model) -> (n,) per held-out item, metric = their mean (a cosine)
     held_out_kinds: tuple[tuple, ...] | None = None  # the held-out items' consecutive kinds (name, count[, unit])
     #: export_fn(model, folder, openvino) -> {key: path}: the kept model's runtime files (multihead.hf.export) in its
@@ -71,8 +74,9 @@ class Setup:
     ffn_fn: Callable | None = None
     #: serve_fn(model) -> the kept model rebuilt lean for prediction (multihead.hf.serve), timed beside it
     serve_fn: Callable | None = None
-    #: standard_fn() -> {key: path}: the unpruned model made into each runtime's files as users make them
-    #: (:func:`multihead.deploy.peers.standard_files`): the runtime table's peer
+    #: standard_fn(openvino=True) -> {key: path}: the unpruned model made into each runtime's files as users make them
+    #: (:func:`multihead.deploy.peers.standard_files`; ``openvino``: False leaves OpenVINO's out): the runtime table's
+    #: peer
     standard_fn: Callable | None = None
     #: (clean inputs, corrupted inputs, metric(output) -> (B,)): the activation-patching experiment of the importance
     #: methods' comparison (:mod:`multihead.apps.prune.methods`)
@@ -117,6 +121,13 @@ class Options:
     openvino: bool | None = None
     #: the plan's estimate of one candidate of a target search, in seconds (:func:`plan`), until one is timed
     candidate_s: float = 0.0
+    #: what was made and measured before the search (:func:`multihead.apps.prune.runtimes.groundwork`: the runtime
+    #: files' groundwork, the phases after the search costed); None: :func:`run` makes it
+    groundwork: Groundwork | None = None
+    #: the command's start (``time.monotonic()``, loading included) and its plan's parts in seconds (:class:`RunPlan`):
+    #: the report gives each phase's time beside them
+    started: float | None = None
+    planned: tuple[tuple[str, float], ...] = ()
 
 
 #: how a transformers model's recovery recovers (the report's words)
@@ -287,43 +298,39 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
     meets it), saved (safetensors; with ``quantize``, so that ``multihead.hf.load`` returns it quantized),
     a speed table and ``report.md`` in ``out``. Under a deadline the heads are ranked once when re-ranking
     would leave the speed table too little, recovery runs the steps that fit, and the speed table gets
-    what is left (at least 3 rounds a batch size); the report says which medians did not settle."""
+    what is left (at least 3 rounds a batch size); the report says which medians did not settle. What follows the
+    search is made ready and costed before it (``options.groundwork``, else made here:
+    :func:`multihead.apps.prune.runtimes.groundwork`): the search leaves those phases their measured time, and the
+    report gives each phase's time."""
     o = options
     check_options(setup, o)
     out.mkdir(parents=True, exist_ok=True)
-    budget = Budget(o.deadline)
+    begun = time.monotonic()
+    gw = o.groundwork if o.groundwork is not None else runtimes.groundwork(setup, o, measure=o.deadline is not None)
+    budget = Budget(o.deadline, **({"after_s": gw.after_s} if gw.after else {}))
+    phase = _Phases(begun)
+    if o.groundwork is None:
+        phase("what follows the search, made ready and costed")
     imp, reestimate, notes = _importance(setup, o, budget, out)
+    phase("importance")
     snapshots: list[nn.Module] = []
     rows = heads.pruning_curve(setup.model, setup.batches, setup.loss_fn, budget.timed(setup.metric_fn), step=o.step,
                                max_fraction=o.fraction, method=setup.method, reestimate=reestimate,
                                mean_replacement=setup.mean_replacement, progress=o.progress,
                                on_step=lambda row, m: snapshots.append(copy.deepcopy(m).eval()), initial=imp)
+    phase("the curve")
     kept, search = _keep(setup, rows, snapshots, o, budget)
+    phase("the search" if search is not None else "the kept step finished")
     setup.pruned = kept.kept
     said = setup.save_fn(kept.model, out / "model", **({"quantize": o.quantize} if o.quantize else {}))
     model_note = said if isinstance(said, str) else None  # what the saved directory cannot do, in one line
-    deployed = _deployed(setup, kept.model, snapshots[0], out / "model", o)
-    names = [f"{r['fraction']:.0%} pruned" for r in rows]
-    models = dict(zip(names, snapshots))
-    kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
-    suffix = (f" + {o.ffn:.0%} of neurons" if o.ffn else "") + (f" + {o.quantize}" if o.quantize else "")
-    if suffix:  # the model with its neurons cut, or quantized, is timed beside the curve's
-        kname += suffix
-        models[kname] = kept.kept
-    served = _served(setup, kept.kept)
-    if served is not None:  # multihead's own runtime at its leanest: the row a batch-1 caller should read
-        models[f"{kname} served"] = served
-    timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress,
-                                                   runtime_peers=o.runtime_peers)
-    for row, n in zip(rows, names):
-        row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
+    phase(runtimes.SAVING)
+    deployed = runtimes.deployed(setup, kept.model, snapshots[0], out / "model", o=o, gw=gw, budget=budget,
+                                 phase=phase)
+    speeds, timing_notes, extra_metric = _speed_table(setup, o, rows, snapshots, kept)
+    phase(runtimes.SPEED)
     heads.save_curve(rows, out / "curve.json")
     heads.plot_curve(rows, out / "curve.png", metric_name=setup.metric_name)
-    label = f"pruned {rows[kept.index]['fraction']:.0%}" + kname[len(names[kept.index]):]  # "pruned 50% + int8"
-    speeds = {"unpruned (multihead)": timings[names[0]], f"{label} (multihead)": timings[kname]}
-    if served is not None:
-        speeds[f"{label} (multihead served)"] = timings[f"{kname} served"]
-    speeds |= {n: timings[n] for n in timings if n not in models}  # the peers
     report = {
         "model": setup.name, "metric": setup.metric_name, "method": setup.method,
         "mean_replacement": setup.mean_replacement, "reestimate": reestimate, "curve": rows,
@@ -338,9 +345,37 @@ def run(setup: Setup, out: Path, options: Options) -> dict:
         "recovery_kind": setup.recovery_kind, "cpu_flags": timing.cpu_flags(), "threads": torch.get_num_threads(),
         "notes": notes,
     }
+    phase(runtimes.REPORT)
+    report["time"] = _time_record(o, gw, phase.seconds, begun)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report, imp))
     return report
+
+
+def _speed_table(setup: Setup, o: Options, rows: list[dict], snapshots: list[nn.Module], kept) -> tuple[dict, list, dict]:
+    """Every step of the curve, the kept model (as quantized or cut, and served) and the peers timed together
+    (:func:`_timings`); each row of the curve given its speeds. ({model: {batch: timing}} as the report shows them: the
+    unpruned and the kept model, then the peers; the timing notes; {peer: metric})."""
+    names = [f"{r['fraction']:.0%} pruned" for r in rows]
+    models = dict(zip(names, snapshots))
+    kname = names[kept.index]  # recovery changes no shape: the step's own timing is the kept float model's
+    suffix = (f" + {o.ffn:.0%} of neurons" if o.ffn else "") + (f" + {o.quantize}" if o.quantize else "")
+    if suffix:  # the model with its neurons cut, or quantized, is timed beside the curve's
+        kname += suffix
+        models[kname] = kept.kept
+    served = _served(setup, kept.kept)
+    if served is not None:  # multihead's own runtime at its leanest: the row a batch-1 caller should read
+        models[f"{kname} served"] = served
+    timings, timing_notes, extra_metric = _timings(setup, models, o.max_seconds, o.deadline, o.progress,
+                                                   runtime_peers=o.runtime_peers, openvino=o.openvino is not False)
+    for row, n in zip(rows, names):
+        row["speed_ms"] = {b: round(v["median_ms"], 2) for b, v in timings[n].items()}
+    label = f"pruned {rows[kept.index]['fraction']:.0%}" + kname[len(names[kept.index]):]  # "pruned 50% + int8"
+    speeds = {"unpruned (multihead)": timings[names[0]], f"{label} (multihead)": timings[kname]}
+    if served is not None:
+        speeds[f"{label} (multihead served)"] = timings[f"{kname} served"]
+    speeds |= {n: timings[n] for n in timings if n not in models}  # the peers
+    return speeds, timing_notes, extra_metric
 
 
 def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options, budget: Budget):
@@ -356,28 +391,46 @@ def _keep(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o: Options
                                or None), search
 
 
-#: seconds an export of one model's runtime files takes, about (MiniLM: ONNX, int8, OpenVINO; ~15-25 s on 2 cores)
-EXPORT_S = 25.0
-
-
 @dataclass(frozen=True)
 class RunPlan:
     """What ``multihead prune`` will cost, costed before any work from a few measured calls (:func:`plan`): seconds
-    per part (``parts``), the candidates a full target search evaluates and one candidate's seconds. ``least`` is
-    the shortest run that finishes one candidate with its recovery (heads ranked once); ``total`` the whole plan."""
+    per part up to the search (``parts``), the candidates a full target search evaluates and one candidate's seconds,
+    and the phases after the search (``after``: saving, the runtime files and tables, the speed table, the report;
+    measured on the unpruned model before the search, :func:`multihead.apps.prune.runtimes.after`; empty until then).
+    ``least`` is the shortest run that finishes one candidate with its recovery (heads ranked once) and everything
+    after it; ``total`` the whole plan."""
 
     parts: dict[str, float]
     candidates: int
     candidate_s: float
-    least: float
+    after: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        return sum(self.parts.values()) + sum(self.after.values())
+
+    @property
+    def least(self) -> float:
+        """No re-ranking, one candidate, the phases after the search at their least."""
+        return (sum(v for k, v in self.parts.items() if k != "re-ranking" and "candidate" not in k) + self.candidate_s
+                + sum(self.after.values()))
+
+    def phases(self, search: bool) -> dict[str, float]:
+        """The parts up to the search as :func:`run` names its phases (``search``: a target search, else the kept
+        step finished), in seconds."""
+        rest = {k: v for k, v in self.parts.items() if k not in ("importance", "curve", "re-ranking")}
+        return {"importance": self.parts["importance"],
+                "the curve": self.parts["curve"] + self.parts.get("re-ranking", 0.0),
+                "the search" if search else "the kept step finished": sum(rest.values())}
 
     def __str__(self) -> str:
-        return (f"about {seconds_text(self.total)} in all ({', '.join(f'{k} {seconds_text(v)}' for k, v in self.parts.items())}"
-                f"); the least that finishes one candidate: {seconds_text(self.least)}")
+        then = f", then {_parts_text(self.after)}" if self.after else ""
+        return (f"about {seconds_text(self.total)} in all ({_parts_text(self.parts)}{then}); the least that finishes "
+                f"one candidate: {seconds_text(self.least)}")
+
+
+def _parts_text(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {seconds_text(v)}" for k, v in parts.items())
 
 
 def plan(setup: Setup, o: Options) -> RunPlan:
@@ -385,8 +438,8 @@ def plan(setup: Setup, o: Options) -> RunPlan:
     steps (on a copy) are timed, and every part of the run is counted from them -- importance (ablation: one pass
     per head; gradient: a forward and a backward), the curve (one evaluation per step, and the heads ranked again
     after each when ``o.reestimate``), the target search's candidates (:func:`multihead.apps.prune.target.search_length`;
-    each ``o.recover`` recovery steps and its evaluations) or the one step kept, the runtime files and the speed
-    table's least share."""
+    each ``o.recover`` recovery steps and its evaluations) or the one step kept. The phases after the search are
+    costed apart, from work made before the search (:func:`multihead.apps.prune.runtimes.groundwork`: ``after``)."""
     from multihead.apps.prune.target import fidelity
     from multihead.heads.gates import attention_modules
     from multihead.layer.hooks import num_heads
@@ -422,12 +475,7 @@ def plan(setup: Setup, o: Options) -> RunPlan:
     if goal_ is not None:
         parts["the unpruned model"] = (1 + q) * t_eval
     parts[f"{n} candidate{'s' if n > 1 else ''}"] = n * candidate
-    if setup.export_fn is not None and o.runtime_files:
-        parts["runtime files"] = EXPORT_S * (3 if o.runtime_peers else 1)  # the kept; the standard and ours unpruned
-    parts["speed table"] = TABLE_MIN_S + RESERVE_S
-    # the least run: no re-ranking, one candidate, the speed table's 3 rounds in whatever is left
-    least = sum(v for k, v in parts.items() if k not in ("re-ranking",) and "candidate" not in k)
-    return RunPlan(parts, n, candidate, least + candidate)  # a search tries a cut only while the table keeps its share
+    return RunPlan(parts, n, candidate)  # a search tries a cut only while the phases after it keep their share
 
 
 def recovery_too_long(setup: Setup, o: Options) -> str | None:
@@ -478,69 +526,6 @@ def _recover_curve(setup: Setup, rows: list[dict], snapshots: list[nn.Module], o
                            "metric_after": row["metric_recovered"], "loss_first": losses[0], "loss_last": losses[-1]}
         out.append(model)
     rows[0]["metric_recovered"] = rows[0]["metric"]
-    return out
-
-
-#: the report's note when the runtime files were not asked for (``Options.runtime_files``)
-_NO_RUNTIME_FILES = ("no runtime files written, as asked (--no-runtime-files): `model/` holds the model's own directory "
-                    "only, and there is no runtime table")
-
-
-def _deployed(setup: Setup, kept: nn.Module, unpruned: nn.Module, folder: Path, o: Options) -> dict | None:
-    """The kept float model written where users run it (``setup.export_fn``: ``folder``/onnx, ``folder``/openvino)
-    and, with the runtime peers on, its files timed in each runtime against the unpruned model's standard files
-    (``setup.standard_fn``: exported as users export it; the faster way of making each is the peer) with
-    multihead's own export of the unpruned model as a row (:func:`multihead.deploy.compare.compare`, each speed-up
-    beside its bound), and scored per kind of text: {"files", "rows", "fidelity", "optimizer"} or {"note"} (a
-    missing extra), None when the setup exports nothing. "optimizer" says what ONNX Runtime's optimizer fused in the
-    pruned file, and what it could not."""
-    if setup.export_fn is None:
-        return None
-    if not o.runtime_files:
-        return {"note": _NO_RUNTIME_FILES}
-    from multihead.deploy import compare, serve
-
-    try:
-        files = setup.export_fn(kept, folder, o.openvino)
-    except ImportError as e:  # the onnx extra
-        return {"note": f"no runtime files written: {e}"}
-    out = {"files": {k: str(Path(v).relative_to(folder)) for k, v in files.items()}, "cpu_flags": timing.cpu_flags()}
-    if not o.runtime_peers or setup.runtime_texts is None:  # no table: the forms timed alone, briefly
-        inputs = setup.runtime_texts[0] if setup.runtime_texts is not None else serve.synthetic_batches(kept)
-        out["serve"] = serve.write(folder, files, serve.measure(files, inputs), o.serve_batch,
-                                   measured_on="the held-out text, the forms alone (no runtime table)")
-        return _with_served(out, folder)
-    from multihead.deploy.onnx import EXPORT_JSON, ONNX_DIR
-
-    exported = folder / ONNX_DIR / EXPORT_JSON
-    if exported.is_file():
-        out["optimizer"] = json.loads(exported.read_text()).get("optimizer")
-    inputs, kinds = setup.runtime_texts
-    standard = setup.standard_fn() if setup.standard_fn is not None else None
-    if not standard:
-        out["note"] = "no standard export of the unpruned model to time against (setup.standard_fn)"
-        return out
-    import multihead.hf as mhf
-
-    # multihead's own export of the unpruned model, a column beside the peer: ONNX Runtime's files (OpenVINO's are
-    # converted from the same graph, so their column would only repeat the standard one's)
-    with tempfile.TemporaryDirectory(prefix="multihead-") as d:  # only for the table: removed after it
-        base = mhf.export(unpruned, Path(d), openvino=False, serve=False)
-        seconds, _ = _allowed(o.max_seconds, o.deadline, 3)
-        out["rows"] = compare.compare(unpruned, kept, standard, base, files, inputs,
-                                     max_seconds=seconds / len(inputs) * 3, log=print if o.progress else None,
-                                     serve_batch=o.serve_batch)
-    out["serve"] = serve.write(folder, files, serve.from_rows(out["rows"]), o.serve_batch,
-                               measured_on="the runtime table's held-out text")
-    out["fidelity"] = compare.fidelity(unpruned, files, kinds)
-    return _with_served(out, folder)
-
-
-def _with_served(out: dict, folder: Path) -> dict:
-    """``out`` (:func:`_deployed`'s) with the files to serve listed among its files."""
-    from multihead.deploy import serve
-
-    out["files"] |= {k: str(p.relative_to(folder)) for k, p in serve.served(folder, out["serve"]).items()}
     return out
 
 
@@ -598,7 +583,8 @@ def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[he
                            if setup.mean_replacement else None)
     notes = list(setup.notes)
     reestimate = o.reestimate
-    if reestimate and (why := _no_time_to_reestimate(time.monotonic() - started, o.fraction, o.step, o.deadline)):
+    if reestimate and (why := _no_time_to_reestimate(time.monotonic() - started, o.fraction, o.step, o.deadline,
+                                                     budget.after_s)):
         reestimate = False
         notes.append(why)
     (out / "importance.json").write_text(json.dumps(imp.to_json(), indent=2))
@@ -606,15 +592,16 @@ def _importance(setup: Setup, o: Options, budget: Budget, out: Path) -> tuple[he
     return imp, reestimate, notes
 
 
-def _no_time_to_reestimate(took: float, fraction: float, step: float, deadline: float | None) -> str | None:
+def _no_time_to_reestimate(took: float, fraction: float, step: float, deadline: float | None,
+                           after_s: float = TABLE_MIN_S + RESERVE_S) -> str | None:
     """Why the heads are ranked once (the re-estimates after every step, each costing what the first
-    importance ``took`` times the share of heads left, would leave the speed table less than
-    TABLE_MIN_S before the deadline), or None."""
+    importance ``took`` times the share of heads left, would leave the phases after the search less than
+    their ``after_s`` before the deadline), or None."""
     if deadline is None:
         return None
     steps = int(round(fraction / step))
     cost = took * sum(1 - s * step for s in range(1, steps))
-    if time.monotonic() + cost + TABLE_MIN_S <= deadline:
+    if time.monotonic() + cost + after_s <= deadline:
         return None
     return (f"heads ranked once: re-ranking them after every step would take about {cost:.0f} s more, past the time "
             "budget (--time-budget; --no-reestimate says it at once)")
@@ -631,16 +618,18 @@ def _allowed(max_seconds: float, deadline: float | None, sizes_left: int) -> tup
 
 
 def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float, deadline: float | None = None,
-             progress: bool = False, *, runtime_peers: bool = True) -> tuple[dict, list[str], dict]:
-    """Every model and the peers timed together (interleaved rounds, per batch size):
-    ({name: {batch: timing}} per batch of b, the notes (a busy machine, medians that did not
-    settle, the time budget), {peer: metric})."""
+             progress: bool = False, *, runtime_peers: bool = True, openvino: bool = True
+             ) -> tuple[dict, list[str], dict]:
+    """Every model and the peers timed together (interleaved rounds, per batch size; ``runtime_peers``: the setup's
+    other runtimes too, OpenVINO's only with ``openvino``): ({name: {batch: timing}} per batch of b, the notes (a busy
+    machine, medians that did not settle, the time budget), {peer: metric})."""
     models = dict(models)
     runs = {n: setup.run_fn for n in models}
     if setup.peer is not None:
         models[setup.peer[0]], runs[setup.peer[0]] = setup.peer[1], setup.peer[2]
     extra_metric = {}
-    for name, m, fn in (setup.more_peers() if setup.more_peers is not None and runtime_peers else []):
+    peers = setup.more_peers(openvino=openvino) if setup.more_peers is not None and runtime_peers else []
+    for name, m, fn in peers:
         models[name], runs[name] = m, fn
         extra_metric[name] = float(setup.metric_fn(m))
     timings: dict[str, dict[str, dict]] = {n: {} for n in models}
@@ -665,6 +654,50 @@ def _timings(setup: Setup, models: dict[str, nn.Module], max_seconds: float, dea
 def _run_all(model, run_fn, inputs: list) -> None:
     for x in inputs:
         run_fn(model, x)
+
+
+class _Phases:
+    """Each phase's seconds, in order (``seconds``): calling it with a phase's name ends that phase."""
+
+    def __init__(self, since: float):
+        self.seconds: dict[str, float] = {}
+        self._since = since
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._since, 1)
+        self._since = now
+
+
+def _time_record(o: Options, gw: Groundwork, seconds: dict[str, float], begun: float) -> dict:
+    """report.json's "time": the budget (seconds from the command's start, None without one), the seconds taken in
+    all, each phase's seconds in order -- before :func:`run`, loading and costing the plan and what follows the search
+    made ready (the groundwork's parts) -- and what the plan gave each (its least share, for the phases after the
+    search)."""
+    start = o.started if o.started is not None else begun
+    before = {}
+    if o.groundwork is not None:  # the command made it, after loading and costing the plan
+        made = sum(gw.made.values())
+        before = {"loading and costing the plan": round(max(0.0, begun - start - made), 1),
+                  **{k: round(v, 1) for k, v in gw.made.items()}}
+    return {"budget_s": None if o.deadline is None else round(o.deadline - start, 1),
+            "seconds": round(time.monotonic() - start, 1), "phases": before | seconds,
+            "planned": {k: round(v, 1) for k, v in o.planned} | {k: round(v, 1) for k, v in gw.after.items()}}
+
+
+def time_lines(t: dict | None) -> list[str]:
+    """report.md's lines on the command's time: the budget, the time taken, and each phase's seconds beside what the
+    plan gave it (the phases after the search at their least: the search left them that)."""
+    if not t:
+        return []
+    budget = f" of a budget of {seconds_text(t['budget_s'])}" if t.get("budget_s") is not None else ""
+    lines = ["## Time", "", f"{seconds_text(t['seconds'])} in all{budget}; each phase, and what the plan gave it "
+             "(costed before any work; the phases after the search at their least, measured on the unpruned model):",
+             "", "| phase | planned | took |", "|---|---:|---:|"]
+    for k, v in t["phases"].items():
+        planned = t.get("planned", {}).get(k)
+        lines.append(f"| {k} | {seconds_text(planned) if planned is not None else '-'} | {seconds_text(v)} |")
+    return lines + [""]
 
 
 def _heatmap(imp: heads.Importance, path: Path) -> None:
@@ -774,7 +807,7 @@ def _markdown(r: dict, imp: heads.Importance) -> str:
         "",
         "The pruned model is in `model/` (safetensors; it rebuilds itself from its config).",
         "",
-        *runtime_section(r.get("runtimes")),
+        *runtimes.runtime_section(r.get("runtimes")), *time_lines(r.get("time")),
     ])
 
 
@@ -787,33 +820,3 @@ def _served(setup: Setup, model: nn.Module) -> nn.Module | None:
         return setup.serve_fn(model)
     except (TypeError, ValueError):
         return None
-
-
-def runtime_section(d: dict | None) -> list[str]:
-    """report.md's lines on the runtime files (``report["runtimes"]``): where they are, the table of each runtime's
-    pruned file against its unpruned one beside the bound, the pruned files' fidelity per kind of text."""
-    if not d:
-        return []
-    if "note" in d:
-        return [f"Note: {d['note']}", ""]
-    from multihead.deploy import compare
-
-    lines = ["## Where prediction happens", "", "The kept model written for other runtimes, in `model/`: " +
-             ", ".join(f"`{p}`" for p in d["files"].values()) + " (inputs `input_ids`, `attention_mask`"
-             " and the token types where the model has them; output `last_hidden_state`).", ""]
-    if (d.get("optimizer") or {}).get("note"):
-        lines += [f"Note: {d['optimizer']['note']} (the table is measured all the same).", ""]
-    from multihead.deploy import serve
-
-    lines += serve.lines(d.get("serve"))
-    if d.get("rows"):
-        lines += ["Each runtime's pruned file to serve against the peer: the unpruned transformers model made into that "
-                  "runtime's file as its documentation does it (`torch.onnx.export` of the SDPA and of the eager model, "
-                  "ONNX Runtime's `quantize_dynamic` per channel, its transformer optimizer; OpenVINO's `convert_model`, "
-                  "NNCF), the fastest way being the peer; multihead's own export of the unpruned model is a column, "
-                  "never the baseline. Timed in the same interleaved rounds on the held-out text of every kind (ms per "
-                  "batch, median and min-max) on a CPU with "
-                  f"{' '.join(d.get('cpu_flags') or []) or 'unknown flags'}; the bound is the ratio of the "
-                  "floating-point work of the padded call (what these runtimes compute), the most a cut of that work "
-                  "could give.", "", compare.markdown(d["rows"], d.get("fidelity"))]
-    return lines

@@ -28,8 +28,8 @@ __all__ = ["Budget", "Fidelity", "Finished", "Goal", "choose", "fidelity", "fini
 
 #: seconds kept back from the deadline for what follows the speed table (the curve's plot, the report)
 RESERVE_S = 5.0
-#: the least time the speed table should keep when something before it (re-ranking the heads, recovery,
-#: one more candidate of a target search) decides how much it takes
+#: the speed table's share of a :class:`Budget` whose phases after the search were not measured (``after_s`` not
+#: given); ``prune`` measures them (:mod:`multihead.apps.prune.runtimes`)
 TABLE_MIN_S = 30.0
 #: the normal quantile of a two-sided 95% interval
 Z95 = 1.959964
@@ -102,12 +102,14 @@ def fidelity(setup, model: nn.Module) -> Fidelity:
 
 
 class Budget:
-    """The command's time: a ``time.monotonic()`` deadline (None: no limit), and what one fidelity
-    evaluation costs (``eval_s``, measured as the curve runs) so that the steps before the speed table
-    can leave it :data:`TABLE_MIN_S` and the evaluations that follow them."""
+    """The command's time: a ``time.monotonic()`` deadline (None: no limit), the seconds the phases after the search
+    need (``after_s``: measured before it, :mod:`multihead.apps.prune.runtimes`; by default :data:`TABLE_MIN_S` and
+    :data:`RESERVE_S`), and what one fidelity evaluation costs (``eval_s``, measured as the curve runs), so that the
+    steps before the phases after the search leave them their time and the evaluations that follow the steps."""
 
-    def __init__(self, deadline: float | None):
+    def __init__(self, deadline: float | None, after_s: float = TABLE_MIN_S + RESERVE_S):
         self.deadline = deadline
+        self.after_s = after_s
         self.eval_s = 0.0
 
     def left(self) -> float:
@@ -123,11 +125,15 @@ class Budget:
         return timed_metric
 
     def until(self, evals_after: int) -> float | None:
-        """The time a step must end by to leave the speed table :data:`TABLE_MIN_S`, ``evals_after``
-        fidelity evaluations and :data:`RESERVE_S` (None without a deadline)."""
+        """The time a step must end by to leave the phases after the search ``after_s`` and ``evals_after``
+        fidelity evaluations (None without a deadline)."""
         if self.deadline is None:
             return None
-        return self.deadline - TABLE_MIN_S - RESERVE_S - evals_after * self.eval_s
+        return self.deadline - self.after_s - evals_after * self.eval_s
+
+    def spare(self, later_s: float) -> float:
+        """Seconds left beyond ``later_s`` (what must still follow; inf without a deadline, never below 0)."""
+        return max(0.0, self.left() - later_s)
 
 
 @dataclass
@@ -293,7 +299,7 @@ def choose(setup, rows: list[dict], snapshots: list[nn.Module], *, target: Goal 
         return max(pruned) if pruned else candidate_s
 
     def affordable() -> bool:
-        return budget.left() - cost() > TABLE_MIN_S + RESERVE_S
+        return budget.left() - cost() > budget.after_s
 
     lo, hi = 0, last  # the furthest passing step is in [lo, hi] (lo: the furthest known to pass, or 0)
     passes(0)  # a miss here (quantization, a task accuracy above the model's) does not end the search: a recovered
