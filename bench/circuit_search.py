@@ -23,50 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from multihead import MultiHeadAttention, heads, masks
-
-
-class AttentionOnly(nn.Module):  # the how-to page's model: embedding + learned positions, two causal layers
-    def __init__(self, V=32, E=32, H=4, L=32):
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(L, E) * 0.02)
-        self.layers = nn.ModuleList(MultiHeadAttention(E, H, bias=True) for _ in range(2))
-        self.out = nn.Linear(E, V)
-
-    def forward(self, ids):
-        x = self.embed(ids) + self.pos[: ids.shape[1]]  # (B, L, E)
-        for layer in self.layers:
-            x = x + layer(x, mask=masks.Causal())
-        return self.out(x)  # (B, L, V)
-
-
-def repeated(g, B, n=16):  # (B, 2n): n random tokens, then the same again
-    half = torch.randint(0, 32, (B, n), generator=g)
-    return torch.cat([half, half], 1)
-
-
-def repeat_loss(logits, ids, n=16):  # (B,): the loss of predicting the repeated half
-    return F.cross_entropy(logits[:, n:-1].transpose(1, 2), ids[:, n + 1:], reduction="none").mean(-1)
-
-
-def trained() -> AttentionOnly:
-    """The how-to page's training, step for step (seed 0, until the loss is under 0.08 or 3000 steps)."""
-    torch.manual_seed(0)
-    model = AttentionOnly()
-    model(torch.zeros(1, 32, dtype=torch.long))
-    opt, g = torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(0)
-    for _ in range(3000):
-        ids = repeated(g, 64)
-        loss = repeat_loss(model(ids), ids).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.08:
-            break
-    return model.eval()
+from multihead import heads
+from multihead.models.induction import repeat_loss, repeated, train_induction
 
 
 def owners(graph, reader: str) -> list[str]:
@@ -128,7 +87,7 @@ def main(argv: list[str] | None = None) -> str:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.monotonic()
-    model = trained()
+    model = train_induction()  # the how-to page's training, step for step
     clean = repeated(torch.Generator().manual_seed(9), 8)  # the how-to page's batch and corruption
     corrupted = clean.clone()
     corrupted[:, :16] = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(5))

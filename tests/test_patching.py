@@ -9,11 +9,13 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import multihead
-from multihead import MultiHeadAttention, heads, masks
+from multihead import MultiHeadAttention, heads
+from multihead.models.induction import AttentionOnly, train_induction
+from multihead.models.induction import repeat_loss as _repeat_loss
+from multihead.models.induction import repeated as _repeated
 
 
 class TwoLayers(nn.Module):
@@ -196,51 +198,16 @@ def test_bad_input_is_refused_before_any_patched_forward():
         heads.patch(model, a, a, _logit_diff, direction="both")
 
 
-class AttentionOnly(nn.Module):
-    """Olsson et al.'s 2-layer attention-only transformer: embedding + learned positions, two causal layers."""
-
-    def __init__(self, V=32, E=32, H=4, L=32):
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(L, E) * 0.02)
-        self.layers = nn.ModuleList(MultiHeadAttention(E, H, bias=True) for _ in range(2))
-        self.out = nn.Linear(E, V)
-
-    def forward(self, ids):
-        x = self.embed(ids) + self.pos[: ids.shape[1]]  # (B, L, E)
-        for layer in self.layers:
-            x = x + layer(x, mask=masks.Causal())
-        return self.out(x)  # (B, L, V)
-
-
-def _repeated(g, B, n=16, V=32):
-    half = torch.randint(0, V, (B, n), generator=g)
-    return torch.cat([half, half], 1)  # (B, 2n): n random tokens, then the same again
-
-
-def _repeat_loss(logits, ids, n=16):
-    """(B,): the loss of predicting the repeated half (each token from the one before it)."""
-    return F.cross_entropy(logits[:, n:-1].transpose(1, 2), ids[:, n + 1:], reduction="none").mean(-1)
-
-
 @functools.lru_cache(maxsize=1)
 def _trained_induction() -> AttentionOnly:
-    """Olsson et al.'s 2-layer attention-only model trained on random tokens repeated once, once per process (the
-    circuits tests read the same model): a fresh copy is returned to each caller."""
-    torch.manual_seed(0)
-    model = AttentionOnly()
-    model(torch.zeros(1, 32, dtype=torch.long))  # builds the lazy layers
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3000):
-        ids = _repeated(g, 64)
-        loss = _repeat_loss(model(ids), ids).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.08:
-            break
-    assert loss.item() < 0.15, "the induction circuit did not form"
-    return model.eval()
+    """Olsson et al.'s 2-layer attention-only model trained on random tokens repeated once
+    (:func:`multihead.models.induction.train_induction`), once per process (the circuits tests read the same model):
+    a fresh copy is returned to each caller."""
+    model = train_induction()
+    ids = _repeated(torch.Generator().manual_seed(1), 64)
+    with torch.no_grad():
+        assert _repeat_loss(model(ids), ids).mean().item() < 0.15, "the induction circuit did not form"
+    return model
 
 
 def trained_induction() -> AttentionOnly:

@@ -1,6 +1,7 @@
 """Models built from multihead modules: BERT (loads the pretrained MiniLM), an
 encoder-decoder Transformer and a ViT; pretrained decoders from the registry as transformers folders
-(:func:`smollm2_path`, :func:`gemma3_path`)."""
+(:func:`smollm2_path`, :func:`gemma3_path`); Olsson et al.'s attention-only induction model
+(:mod:`multihead.models.induction`)."""
 
 from multihead.models.bert import Bert, BertConfig, SentenceEncoder, minilm_path
 from multihead.models.checkpoint import load, save
