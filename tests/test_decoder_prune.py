@@ -157,6 +157,39 @@ def test_plan_removes_the_least_important_groups_or_the_same_heads_in_every_grou
     assert decoder.plan(scores, counts, "query", 1) == {"a": [1, 2, 4], "b": [0, 3, 4]}  # each group's least
 
 
+@pytest.mark.parametrize("family, kind", [("llama", "group"), ("gemma3", "query")])
+def test_each_units_importance_is_what_cutting_it_costs(tmp_path, tok, family, kind):
+    """The importance the cut is chosen by is measured, not estimated: each unit's cost (a key/value group, or one
+    query head where the layer has one key/value head) equals the next-token KL from the unpruned model on the
+    importance windows and the fall of the behaviour's logit difference of the model with that unit cut by
+    heads.prune (float rounding); importance() sums the two normalised over the model, a group's cost spread over
+    its query heads."""
+    import copy
+
+    path = _tiny(tmp_path / "m", tok, family)
+    o = decoder.DecoderOptions(fraction=0.34, recover=1, held_out=8, prompts=8)
+    t, beh, ref = decoder.text(tok, o), decoder.behaviour(tok, o), decoder.load(path)
+    counts = decoder.layer_counts(ref)
+    text_cost, task_cost = decoder.unit_costs(ref, t, beh, counts, kind)
+    with torch.no_grad():
+        reference = decoder._logprobs(ref, t)
+        base = decoder._measures(ref, t, beh, reference)
+    assert base[0] == pytest.approx(0, abs=1e-6) and len(t.select) * 2 == decoder.IMPORTANCE_WINDOWS
+    for name, (H, Hkv) in counts.items():
+        G = H // Hkv if kind == "group" else 1
+        for first in range(0, H, G):
+            cut = copy.deepcopy(ref)
+            heads.prune(cut, {name: list(range(first, first + G))})
+            with torch.no_grad():
+                kl, diff = decoder._measures(cut, t, beh, reference)
+            assert float(text_cost[name][first:first + G].sum()) == pytest.approx(kl, abs=1e-5) and kl > 0
+            assert float(task_cost[name][first:first + G].sum()) == pytest.approx(base[1] - diff, abs=1e-4)
+            assert len(set(text_cost[name][first:first + G].tolist())) == 1  # spread evenly over the unit's heads
+    scores = decoder.importance(ref, t, beh, counts, kind)
+    a, b = torch.stack(list(text_cost.values())), torch.stack(list(task_cost.values()))
+    assert torch.allclose(torch.stack(list(scores.values())).double(), a / a.abs().sum() + b / b.abs().sum(), atol=1e-6)
+
+
 def test_units_and_fractions_that_cannot_be_cut_evenly_are_refused_naming_what_can():
     with pytest.raises(ValueError, match=r"cuts 0 of the 3 key/value groups .*0\.33 cuts 1, 0\.67 cuts 2"):
         decoder.units_cut(0.1, 3, "group")
@@ -432,7 +465,7 @@ def test_per_layer_cut_is_kept_per_layer_in_the_folder_and_the_gguf_and_runs_as_
 
     src = _tiny(tmp_path / "src", bpe, "llama")
 
-    def scored(model, t, beh):  # layer 0's heads far less important than layer 1's
+    def scored(model, t, beh, counts, kind):  # layer 0's heads far less important than layer 1's
         names = list(mhf.attention_modules(model))
         return {n: torch.arange(1.0, 7.0) * (1e-3 if i == 0 else 1.0) for i, n in enumerate(names)}
 
