@@ -515,3 +515,21 @@ def test_per_layer_refuses_genai_before_any_work(tmp_path, bpe, capsys):
     assert len(err) == 1 and "GenAI's builder holds one head count for every layer" in err[0]
     assert main(["prune", "--model", "toy", "--per-layer", "--out", str(tmp_path / "t")]) == 2
     assert "--per-layer applies to causal language models" in capsys.readouterr().err
+
+
+def test_the_decode_bound_reads_only_a_sliding_layers_window():
+    """The bound of the work removed counts a sliding-window layer's attention over its window, not the whole cache:
+    Gemma 3's layer types (five sliding layers to a full one) from its config; every layer full where the config
+    names no layer types; a window list of the wrong length refused naming both counts."""
+    from multihead.deploy.decoding import attention_windows, decode_macs
+
+    cfg = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=512)
+    windows = attention_windows(cfg)
+    assert windows == [512] * 5 + [None]
+    assert attention_windows(transformers.LlamaConfig(num_hidden_layers=3)) == [None] * 3
+    shape, counts = {"E": 640, "F": 2048, "V": 1000, "D": 256}, [(4, 1)] * 6
+    full, windowed = decode_macs(shape, counts, 8192), decode_macs(shape, counts, 8192, windows)
+    assert full - windowed == 5 * 2 * (8192 - 512) * 4 * 256  # five layers read 512 keys and values, not 8192
+    assert decode_macs(shape, counts, 300, windows) == decode_macs(shape, counts, 300)  # inside the window: the same
+    with pytest.raises(ValueError, match=r"windows: 2 given for 6 layers"):
+        decode_macs(shape, counts, 100, [None, 512])

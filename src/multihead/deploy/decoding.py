@@ -14,7 +14,8 @@ the pruned file alternate within each round (their order swapped every round), e
 round; a row gives the median over rounds and the spread (min-max), and the speed-up is the ratio of the medians.
 
 The bound (:func:`decode_macs`): a decoded token's multiply-adds -- per layer the projections E*(H*D) + 2*E*(Hkv*D)
-+ (H*D)*E, the MLP 3*E*F, attention over a cache of n tokens 2*n*H*D -- plus the output head E*V; "of bound" is the
++ (H*D)*E, the MLP 3*E*F, attention over a cache of n tokens 2*n*H*D (a sliding-window layer's over its last
+w: :func:`attention_windows`) -- plus the output head E*V; "of bound" is the
 measured gain's share of the bound's gain ((speed-up - 1) / (bound - 1)).
 """
 
@@ -30,18 +31,37 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["RUNTIMES", "decode_macs", "decode_table", "markdown", "measure"]
+__all__ = ["RUNTIMES", "attention_windows", "decode_macs", "decode_table", "markdown", "measure"]
 
 #: the runtimes a decoder file is timed in: {name: the Python module that runs it}
 RUNTIMES = {"llama.cpp": "llama_cpp", "genai": "onnxruntime_genai"}
 
 
-def decode_macs(shape: Mapping[str, int], counts: Sequence[tuple[int, int]], n: int) -> float:
+def decode_macs(shape: Mapping[str, int], counts: Sequence[tuple[int, int]], n: int,
+                windows: Sequence[int | None] | None = None) -> float:
     """Multiply-adds of one decoded token at a cache of ``n`` tokens, the output head included, for a decoder of
     ``shape`` ({"E", "F", "V", "D"}: width, MLP width, vocabulary, head size) whose layers keep ``counts``: one
-    (H, Hkv) a layer, query and key/value heads."""
+    (H, Hkv) a layer, query and key/value heads. ``windows``: a layer's sliding window (it attends to the last w
+    tokens: min(n, w) of the cache), None for a full layer; one a layer (Gemma 3: five sliding layers to a full one),
+    None: every layer full."""
     E, F, V, D = (shape[k] for k in ("E", "F", "V", "D"))
-    return sum(E * H * D + 2 * E * Hkv * D + H * D * E + 3 * E * F + 2 * n * H * D for H, Hkv in counts) + E * V
+    windows = [None] * len(counts) if windows is None else list(windows)
+    if len(windows) != len(counts):
+        raise ValueError(f"windows: {len(windows)} given for {len(counts)} layers; give one a layer (None: full).")
+    spans = [n if w is None else min(n, w) for w in windows]
+    return sum(E * H * D + 2 * E * Hkv * D + H * D * E + 3 * E * F + 2 * m * H * D
+               for (H, Hkv), m in zip(counts, spans)) + E * V
+
+
+def attention_windows(config) -> list[int | None]:
+    """Each layer's sliding window from a transformers config whose ``layer_types`` name its sliding layers
+    ("sliding_attention": Gemma 3's, llama.cpp's ``gemma3`` architecture too), None for a layer that attends to the
+    whole cache. A config without ``layer_types`` counts every layer full (Mistral's ``sliding_window``: its GGUF is
+    llama.cpp's ``llama`` architecture, which attends to the whole cache)."""
+    w, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not types:
+        return [None] * config.num_hidden_layers
+    return [w if t == "sliding_attention" and w else None for t in types]
 
 
 def measure(runtime: str, path: str | Path, n: int, *, decode: int, vocab: int, threads: int) -> dict:

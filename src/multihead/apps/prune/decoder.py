@@ -1133,12 +1133,13 @@ def decode_speed(cut: nn.Module, ref: nn.Module, formats: Sequence[dict], peers:
     GenAI's fp32 on the CPU). {"rows", "kv_bytes", "notes"}."""
     import importlib.util
 
-    from multihead.deploy.decoding import decode_macs, decode_table
+    from multihead.deploy.decoding import attention_windows, decode_macs, decode_table
 
     cfg = ref.config
     shape = {"E": cfg.hidden_size, "F": cfg.intermediate_size, "V": vocab_size(ref),
              "D": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
     before, after = list(layer_counts(ref).values()), list(layer_counts(cut).values())
+    w = attention_windows(cfg)  # Gemma 3's sliding layers read only their window of the cache
     s0, s1 = sizes(ref)["kv_bytes_per_token_f16"], sizes(cut)["kv_bytes_per_token_f16"]
     pairs, kv, notes = {}, {}, []
     for f in formats:
@@ -1153,7 +1154,7 @@ def decode_speed(cut: nn.Module, ref: nn.Module, formats: Sequence[dict], peers:
         kv[name] = (s0, s1) if _runtime(name) == "llama.cpp" else (2 * s0, 2 * s1)  # GenAI's cache: fp32
     rows = decode_table(pairs, list(o.decode_contexts), vocab=shape["V"], rounds=o.decode_rounds,
                         decode=o.decode_tokens, threads=THREADS,
-                        bound=lambda n: decode_macs(shape, before, n) / decode_macs(shape, after, n),
+                        bound=lambda n: decode_macs(shape, before, n, w) / decode_macs(shape, after, n, w),
                         progress=(lambda line: print(line, file=sys.stderr, flush=True)) if o.progress else None
                         ) if pairs else []
     return {"rows": rows, "kv_bytes": kv, "notes": notes, "threads": THREADS, "rounds": o.decode_rounds,
