@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,6 +162,27 @@ def _eager(model: nn.Module, f: Path, example: dict | None, check) -> tuple[dict
         return {}, f"the eager graph could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
 
 
+def _optimizer_pair(make: Callable[[], dict], out: Path, out_int8: Path, keys: tuple[str, str], check,
+                    failed: str = "") -> tuple[dict[str, Path], dict]:
+    """``make()`` writes ``out`` through ONNX Runtime's optimizer and returns its record; where it wrote the file,
+    ``out`` is checked (``check(path)``) and quantized like the plain one into ``out_int8``: ({keys[0]: out, keys[1]:
+    out_int8} or {}, the record). The optimizer is optional: its failure removes both files and is said in the
+    record's note (``failed`` appended)."""
+    try:
+        fused = make()
+        if not fused.get("written"):
+            out.unlink(missing_ok=True)
+            return {}, fused | {"written": False}
+        check(out)
+        quantize_standard(out, out_int8, matmul_only=True)
+        return dict(zip(keys, (out, out_int8))), fused
+    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
+        for name in (out, out_int8):
+            name.unlink(missing_ok=True)
+        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}){failed}"}
+
+
 def _optimized(model: nn.Module, f: Path, eager: Path | None, check) -> tuple[dict[str, Path], dict]:
     """The optimized files beside the fp32 file ``f``, checked (``check(path)``) and quantized like the plain one:
     ({"onnx_optimized", "onnx_optimized_int8": path} or {}, what the optimizer fused). First the eager-attention
@@ -168,18 +190,8 @@ def _optimized(model: nn.Module, f: Path, eager: Path | None, check) -> tuple[di
     ``Attention`` op per layer; where it fuses no attention there (or there is no such graph), ``f`` itself through
     the optimizer. The optimizer is optional: its failure leaves the plain files and is said in the record."""
     out, out_int8 = f.with_name(ONNX_OPT_FILE), f.with_name(ONNX_OPT_INT8_FILE)
-    try:
-        fused = _eager_fused(model, f, eager, out)
-        if not fused.get("written"):
-            return {}, fused
-        check(out)
-        quantize_standard(out, out_int8, matmul_only=True)
-        return {"onnx_optimized": out, "onnx_optimized_int8": out_int8}, fused
-    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
-        for name in (out, out_int8):
-            name.unlink(missing_ok=True)
-        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the plain files are written"}
+    return _optimizer_pair(lambda: _eager_fused(model, f, eager, out), out, out_int8,
+                           ("onnx_optimized", "onnx_optimized_int8"), check, "; the plain files are written")
 
 
 def _attention_form(model: nn.Module, eager: Path | None, check) -> tuple[dict[str, Path], dict]:
@@ -194,19 +206,13 @@ def _attention_form(model: nn.Module, eager: Path | None, check) -> tuple[dict[s
     if eager is None or ORT_MODEL_TYPES.get(getattr(model.config, "model_type", "")) is None:
         return {}, {"written": False, "fused": {}, "note": "no eager graph, or no optimizer pass for the model type"}
     out, out_int8 = eager.with_name(ONNX_ATTENTION_FILE), eager.with_name(ONNX_ATTENTION_INT8_FILE)
-    try:
+
+    def make() -> dict:
         fused = optimize(model, eager, out, fuse_gelu=False)
-        if not fused["written"] or not sum(v for k, v in fused["fused"].items() if "Attention" in k):
-            out.unlink(missing_ok=True)
-            return {}, fused | {"written": False}
-        check(out)
-        quantize_standard(out, out_int8, matmul_only=True)
-        return {"onnx_attention": out, "onnx_attention_int8": out_int8}, fused
-    except Exception as e:  # noqa: BLE001 - the optimizer's failures share no base class
-        for name in (out, out_int8):
-            name.unlink(missing_ok=True)
-        return {}, {"written": False, "fused": {}, "note": f"ONNX Runtime's optimizer failed on this graph "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"}
+        attention = sum(v for k, v in fused["fused"].items() if "Attention" in k)
+        return fused if fused["written"] and attention else fused | {"written": False}
+
+    return _optimizer_pair(make, out, out_int8, ("onnx_attention", "onnx_attention_int8"), check)
 
 
 def _eager_fused(model: nn.Module, f: Path, eager: Path | None, out: Path) -> dict:
