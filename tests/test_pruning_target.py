@@ -269,9 +269,9 @@ def test_prune_hf_with_its_runtime_files_ends_within_a_tight_time_budget(bert, t
     refused in one line before any pruning, with the budget it needs -- once from the pruning's cost, then, with what
     follows the search measured, from that too (the runtime files named). Given a budget half way from that least to
     the whole plan's (tight: the search cannot try every candidate it would), the command ends within it, the report
-    giving each phase's time beside what the plan gave it. The margin is the plan's own arithmetic: the search ends where the phases after
-    it, at their measured least, still fit; those may run over what one call of each measured by what the machine's
-    load moved (a quarter of their share here), never by what the search took."""
+    giving each phase's time beside what the plan gave it. The margin is the plan's own arithmetic: the search ends
+    where the phases after it, at their measured least, still fit; those may run over what one call of each measured
+    by what the machine's load moved (a quarter of their share here), never by what the search took."""
     import re
 
     from multihead.apps.prune.runtimes import FIDELITY, KEPT_FILES, SAVING, SPEED, STANDARD, TABLE
