@@ -224,3 +224,22 @@ def test_the_decode_measurements_worker_loads_neither_torch_nor_multihead():
     assert run.stdout.split() == ["[]"]
     with pytest.raises(ValueError, match="the decoder runtimes are llama.cpp, genai"):
         decoding.measure("vllm", path, 8, decode=1, vocab=10, threads=1)
+
+
+def test_a_decode_measurement_is_one_over_its_median_step(monkeypatch):
+    """decoding's worker times each decoded token: tokens/s is one over the median step, so one step slowed by
+    another process on the machine does not move it (over the total of 16 steps it would read 4.4 tokens/s here)."""
+    from multihead.deploy import decoding
+
+    steps = [0.1] * 15 + [2.5]  # one step 25x slower: the machine briefly busy
+    seen = {}
+
+    def fake_genai(path, ids, decode, threads):
+        seen.update(path=path, n=len(ids), decode=decode, threads=threads)
+        return 0.5, steps
+
+    monkeypatch.setattr(decoding, "_genai", fake_genai)
+    m = decoding._worker("genai", "model-dir", 40, 16, 1000, 2)
+    assert seen == {"path": "model-dir", "n": 40, "decode": 16, "threads": 2}
+    assert m["decode_tps"] == pytest.approx(10.0) and m["prefill_ms"] == pytest.approx(500.0)
+    assert 16 / sum(steps) < 5  # what the total would have said

@@ -9,9 +9,11 @@ time, peak memory, beside the bound of the work removed.
 
 Each measurement is one fresh process (this file run by its path: it imports neither torch nor multihead, so the
 runtime alone is in it and its peak resident memory, its VmHWM, is the runtime's): load, one untimed warm-up, then
-the prompt (random ids, seeded by n) prefilled, then ``decode`` tokens decoded one at a time, greedy. The peer and
-the pruned file alternate within each round (their order swapped every round), every format and context in every
-round; a row gives the median over rounds and the spread (min-max), and the speed-up is the ratio of the medians.
+the prompt (random ids, seeded by n) prefilled, then ``decode`` tokens decoded one at a time, greedy, each step timed;
+a measurement's tokens/s is one over its median step (a step slowed by another process on the machine does not move
+it, where the total over ``decode`` steps would). The peer and the pruned file alternate within each round (their
+order swapped every round), every format and context in every round; a row gives the median over rounds and the
+spread (min-max), and the speed-up is the ratio of the medians.
 
 The bound (:func:`decode_macs`): a decoded token's multiply-adds -- per layer the projections E*(H*D) + 2*E*(Hkv*D)
 + (H*D)*E, the MLP 3*E*F, attention over a cache of n tokens 2*n*H*D (a sliding-window layer's over its last
@@ -156,7 +158,7 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, float]:
+def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, list[float]]:
     import onnxruntime_genai as og
 
     cfg = og.Config(path)
@@ -176,13 +178,15 @@ def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, float]:
     t = time.perf_counter()
     gen.append_tokens(ids[None])  # (1, n)
     prefill = time.perf_counter() - t
-    t = time.perf_counter()
+    steps = []
     for _ in range(decode):
+        t = time.perf_counter()
         gen.generate_next_token()
-    return prefill, time.perf_counter() - t
+        steps.append(time.perf_counter() - t)
+    return prefill, steps
 
 
-def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float, float]:
+def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float, list[float]]:
     import llama_cpp
     import numpy as np
     from llama_cpp import Llama
@@ -194,21 +198,23 @@ def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float
     t = time.perf_counter()
     llm.eval(ids.tolist())
     prefill = time.perf_counter() - t
-    t = time.perf_counter()
+    steps = []
     for _ in range(decode):
+        t = time.perf_counter()
         # the last token's logits from the context (without logits_all, 0.3.36 keeps none in llm.scores)
         tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
         llm.eval([tok])
-    return prefill, time.perf_counter() - t
+        steps.append(time.perf_counter() - t)
+    return prefill, steps
 
 
 def _worker(runtime: str, path: str, n: int, decode: int, vocab: int, threads: int) -> dict:
     import numpy as np
 
     ids = np.random.default_rng(n).integers(100, vocab, n).astype(np.int32)  # (n,) the prompt
-    prefill, dec = (_genai(path, ids, decode, threads) if runtime == "genai"
-                    else _llama(path, ids, decode, threads, vocab))
-    return {"prefill_ms": prefill * 1e3, "decode_tps": decode / dec, "peak_mb": _peak_mb()}
+    prefill, steps = (_genai(path, ids, decode, threads) if runtime == "genai"
+                      else _llama(path, ids, decode, threads, vocab))
+    return {"prefill_ms": prefill * 1e3, "decode_tps": 1 / statistics.median(steps), "peak_mb": _peak_mb()}
 
 
 if __name__ == "__main__":  # one measurement: runtime path n decode vocab threads
