@@ -4,6 +4,7 @@ gguf and by transformers) and as ONNX Runtime GenAI's model (its builder; run by
 between layers written as llama.cpp's deci GGUF (per-layer head counts; read back by gguf and run at its per-layer
 counts by gguf_model here, run in llama.cpp by bench/gguf_uneven.py)."""
 
+import importlib.util
 import json
 import sys
 
@@ -164,6 +165,9 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
     assert f["tokenizer.ggml.merges"].contents() == [" ".join(x) if not isinstance(x, str) else x
                                                      for x in model["merges"]]
     assert f["tokenizer.ggml.eos_token_id"].contents() == tok.eos_token_id
+    # llama.cpp's name for GPT-2's split (without it llama.cpp splits " --" as " ", "--"); no BOS added, as tok adds none
+    assert f["tokenizer.ggml.pre"].contents() == "gpt-2" and f["tokenizer.ggml.add_bos_token"].contents() is False
+    assert any("tokenized as the tokenizer does" in c for c in served.checks)
     back = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="p.gguf")
     text = "When Mary and John went to the store, John gave a drink to Mary."
     assert back(text)["input_ids"][-12:] == tok(text)["input_ids"][-12:]
@@ -176,6 +180,54 @@ def test_gguf_vocabulary_written_from_the_models_own_tokenizer(tmp_path):
     fields = {k: v for k, v, *_ in tokenizer_fields(gguf, real, len(real) + 8)}
     assert fields["tokenizer.ggml.tokens"][:len(real)] == real.convert_ids_to_tokens(list(range(len(real))))
     assert len(fields["tokenizer.ggml.merges"]) > 40000 and fields["tokenizer.ggml.eos_token_id"] == real.eos_token_id
+    assert fields["tokenizer.ggml.pre"] == "gpt-2"  # SmolLM2's tokenizer.json: GPT-2's byte-level split alone
+
+
+def _split_bpe(pre):
+    """A byte-level BPE of 600 tokens trained here on the language reference behind the pre-tokenizer ``pre``, with a
+    BOS it puts before every text (Llama 3's way)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from multihead.apps.common.data import sentences
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(sentences(), trainer)
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    t.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+
+
+def test_a_byte_level_split_is_named_as_llama_cpp_names_it_or_refused(tmp_path):
+    """Llama 3's split (a Split of its regex, then bytes) is written as llama.cpp's ``llama-bpe`` with the BOS the
+    tokenizer adds, and the file tokenizes the check texts (digits, punctuation runs, Unicode) as the tokenizer does
+    in transformers' reader and, where it is built, llama.cpp; a split llama.cpp has no name for is refused in one
+    line before anything is written."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from multihead.deploy.gguf import LLAMA3_SPLIT
+
+    tok = _split_bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = mh.attach(transformers.LlamaForCausalLM(cfg).eval())
+    served = export_gguf(m, tmp_path / "l3.gguf", tokenizer=tok, prompt_ids=IDS)
+    f = gguf.GGUFReader(str(served.path)).fields
+    assert f["tokenizer.ggml.pre"].contents() == "llama-bpe" and f["tokenizer.ggml.add_bos_token"].contents() is True
+    line = next(c for c in served.checks if "tokenized as the tokenizer does" in c)
+    assert "transformers' GGUF tokenizer" in line
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert "llama.cpp" in line
+    other = _split_bpe(pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False)]))
+    with pytest.raises(ValueError, match=r"^export_gguf: tokenizer='s pre-tokenizer \(\{\"type\": \"Sequence\".* is "
+                                         r"not one llama.cpp names here .*give vocab= the GGUF file"):
+        export_gguf(m, tmp_path / "other.gguf", tokenizer=other, prompt_ids=IDS)
+    assert not (tmp_path / "other.gguf").exists() and not (tmp_path / "other.gguf.part").exists()
 
 
 def test_standard_folder_loads_at_the_pruned_size(tmp_path):

@@ -13,13 +13,14 @@ file loads in llama.cpp, not in transformers' GGUF reader. llama.cpp's ``gemma3`
 one head count, so a Gemma 3 cut unevenly is refused. No file is ever written at full size with zeros.
 
 The vocabulary comes from the model's own transformers tokenizer (:func:`tokenizer_fields`) or is copied from the GGUF
-file the model came from: a byte-level BPE (SmolLM2's, Llama 3's) is written as llama.cpp's ``gpt2`` vocabulary, a BPE
-with byte fallback (SentencePiece-style: Gemma's, Llama 2's ``tokenizer.json``) as its ``llama`` (SentencePiece) one.
+file the model came from: a byte-level BPE (SmolLM2's, Llama 3's) is written as llama.cpp's ``gpt2`` vocabulary with
+the name llama.cpp gives its split (``gpt-2``, ``llama-bpe``; another split is refused), a BPE with byte fallback
+(SentencePiece-style: Gemma's, Llama 2's ``tokenizer.json``) as its ``llama`` (SentencePiece) one.
 
 The file is read back and compared with the torch model before it is returned (:mod:`multihead.deploy.check`): through
 ``gguf``'s reader (each tensor, the head counts) and through transformers (``AutoModelForCausalLM.from_pretrained(folder,
-gguf_file=...)``: logits within the file's rounding, greedy tokens equal); a SentencePiece vocabulary must tokenize
-:data:`TOKENIZER_TEXTS` as the tokenizer does, read by transformers (``AutoTokenizer.from_pretrained(folder,
+gguf_file=...)``: logits within the file's rounding, greedy tokens equal); a vocabulary written from a tokenizer must
+tokenize :data:`TOKENIZER_TEXTS` as the tokenizer does, read by transformers (``AutoTokenizer.from_pretrained(folder,
 gguf_file=...)``) and by llama.cpp where it is built. A deci file, which transformers' reader refuses, is run by
 :func:`gguf_model` instead: a Llama built at the file's per-layer counts, each tensor dequantized by ``gguf`` and its
 q/k rows put back in transformers' order by transformers' own GGUF tensor processor. A file that differs is deleted
@@ -56,6 +57,11 @@ GGUF_DTYPES = ("f32", "f16", "q8_0")
 TOKENIZER_TEXTS = ("When Mary and John went to the store, John gave a drink to Mary.",
                    "  two  spaces,\ttabs and a newline\nin 2024: 3.14159 -- naïve café",
                    "東京タワーは高い。 Ünïcödé 🙂 <b>tags</b>")
+
+
+#: Llama 3's pre-tokenizer split (its ``tokenizer.json``'s Split regex), which llama.cpp runs as ``llama-bpe``
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -114,7 +120,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
 
     checks, reader = _read_back(gguf, path, written, _expected_fields(model, counts))
     del written  # the arrays as written (Gemma 3's embedding alone: 335 MB at f16), not needed to run the file
-    if any(k == "tokenizer.ggml.model" and v == "llama" for k, v, *_ in vocab_fields) and tokenizer is not None:
+    if tokenizer is not None:
         checks.append(_tokenized_back(path, tokenizer))
     if uneven:
         where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
@@ -389,12 +395,13 @@ def _vocab_fields(gguf, vocab: str | Path) -> list[tuple]:
 def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     """(key, value, type, sub_type) of the GGUF vocabulary of a transformers tokenizer, as convert_hf_to_gguf.py writes
     it: a byte-level BPE (SmolLM2's, Llama 3's) as a ``gpt2`` vocabulary -- every token by id, its type (control: the
-    special tokens; user-defined: other added ones), the merges, and the special tokens' ids; a BPE with byte
+    special tokens; user-defined: other added ones), the merges, the special tokens' ids, whether the tokenizer adds
+    its BOS and EOS, and llama.cpp's name for its split (:func:`_bpe_pre`); a BPE with byte
     fallback (SentencePiece-style: Gemma's, Llama 2's ``tokenizer.json``) as a ``llama`` (SentencePiece) vocabulary --
     tokens, scores and types (:func:`_llama_fields`). A model whose embedding has more rows than the tokenizer has
     tokens gets ``[PAD<i>]`` tokens marked unused up to ``vocab_size``, as convert_hf_to_gguf.py pads. ValueError, in
     one line, for a tokenizer of another kind (naming it), one whose normalizer llama.cpp's SentencePiece tokenizer
-    does not apply, or with more tokens than the model's vocabulary."""
+    does not apply, a byte-level split llama.cpp has no name for, or with more tokens than the model's vocabulary."""
     kind, j = _vocabulary(tokenizer, vocab_size)
     if kind == "llama":
         return _llama_fields(gguf, tokenizer, vocab_size, j)
@@ -407,12 +414,18 @@ def tokenizer_fields(gguf, tokenizer, vocab_size: int) -> list[tuple]:
     tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]  # the embedding's rows past the tokenizer's tokens
     types += [int(gguf.TokenType.UNUSED)] * (vocab_size - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"].get("merges", [])]
-    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", _bpe_pre(j), T.STRING, None),
+           ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
            ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32), ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
     for key, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
                      ("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
         if tid is not None:
             out.append((f"tokenizer.ggml.{key}_token_id", int(tid), T.UINT32, None))
+    ids = list(tokenizer("a")["input_ids"])  # whether the tokenizer puts its BOS and EOS around a text
+    out += [("tokenizer.ggml.add_bos_token", tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id],
+             T.BOOL, None),
+            ("tokenizer.ggml.add_eos_token", tokenizer.eos_token_id is not None and len(ids) > 1
+             and ids[-1:] == [tokenizer.eos_token_id], T.BOOL, None)]
     return out
 
 
@@ -432,6 +445,7 @@ def _vocabulary(tokenizer, vocab_size: int) -> tuple[str, dict]:
         raise ValueError(f"export_gguf: the tokenizer has {n} tokens, the model's vocabulary {vocab_size} rows: give "
                          "the model's own tokenizer.")
     if not model.get("byte_fallback"):
+        _bpe_pre(j)  # its ValueError: a split llama.cpp has no name for
         return "gpt2", j
     decoder = (j.get("decoder") or {}).get("type")
     if decoder != "Sequence":  # gguf's LlamaHfVocab reads SentencePiece's: "▁" to a space, byte fallback, fuse
@@ -440,6 +454,26 @@ def _vocabulary(tokenizer, vocab_size: int) -> tuple[str, dict]:
                          "file the model came from instead.")
     _space_prefix(j)  # its ValueError: a normalizer llama.cpp does not apply
     return "llama", j
+
+
+def _bpe_pre(j: dict) -> str:
+    """The name llama.cpp gives the pre-tokenizer of the byte-level BPE whose ``tokenizer.json`` is ``j``
+    (``tokenizer.ggml.pre``: without it llama.cpp splits text its own default way, which differs on punctuation):
+    GPT-2's byte-level regex alone (SmolLM2's) is ``gpt-2``; Llama 3's Split then a byte-level step without its regex
+    is ``llama-bpe``. ValueError, in one line, naming any other split: llama.cpp would tokenize another way."""
+    pre = j.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True) \
+            and not steps[0].get("add_prefix_space"):
+        return "gpt-2"
+    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[0].get("pattern") == {"Regex": LLAMA3_SPLIT} \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert") \
+            and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True) \
+            and not steps[1].get("add_prefix_space"):
+        return "llama-bpe"
+    raise ValueError(f"export_gguf: tokenizer='s pre-tokenizer ({json.dumps(pre)[:100]}) is not one llama.cpp names "
+                     "here (GPT-2's byte-level split, Llama 3's): llama.cpp would split text another way; give vocab= "
+                     "the GGUF file the model came from instead.")
 
 
 def _space_prefix(j: dict) -> bool:
