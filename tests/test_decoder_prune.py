@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -361,7 +362,8 @@ def test_a_gemma3_cut_by_the_command_loads_at_the_pruned_size_in_transformers_an
     fallback as Gemma's tokenizer is): the command cuts 2 of the 4 query heads of its one group in every layer and
     writes gguf-f16 as llama.cpp's gemma3 architecture with the model's own vocabulary; the folder loads in
     transformers as it is and the file through transformers' GGUF reader, both at 2 query heads, logits within f16's
-    rounding; where llama.cpp is built, it loads the file at 2 query heads and gives the folder's greedy tokens."""
+    rounding; where llama.cpp is built, it loads the file at 2 query heads and gives the folder's logits within
+    that rounding at every position."""
     import importlib.util
 
     from test_decoder_export import _sentencepiece_bpe, _tiny_gemma
@@ -388,18 +390,13 @@ def test_a_gemma3_cut_by_the_command_loads_at_the_pruned_size_in_transformers_an
         return
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
     assert llama_cpp.llama_model_n_head(llm.model) == 2 and llama_cpp.llama_model_n_head_kv(llm.model) == 1
-    got, seq = [], torch.tensor([ids])
-    for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-        got.append(int(t))
-        if len(got) == 4:
-            break
+    llm.eval(ids)
+    got = torch.from_numpy(np.array(llm.scores[:len(ids)]))  # (L, V) llama.cpp's logits at every position
     llm.close()
-    with torch.no_grad():
-        for _ in range(4):
-            seq = torch.cat([seq, folder(input_ids=seq).logits[:, -1:].argmax(-1)], dim=1)  # (1, L + step)
-    assert got == seq[0, len(ids):].tolist()
+    # within f16's rounding at every position (a random tiny model's greedy token can flip on a near-tie there)
+    assert (got - want[0]).abs().max() <= 2e-2 * max(1.0, want.abs().max())
 
 
 def test_formats_a_runtime_cannot_hold_are_refused_before_any_work(tmp_path, bpe, tok, capsys):

@@ -121,7 +121,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, dtype: str = "f32", vocab
     checks, reader = _read_back(gguf, path, written, _expected_fields(model, counts))
     del written  # the arrays as written (Gemma 3's embedding alone: 335 MB at f16), not needed to run the file
     if tokenizer is not None:
-        checks.append(_tokenized_back(path, tokenizer))
+        checks.append(_tokenized_back(path, tokenizer, deci=uneven))
     if uneven:
         where = (f"export_gguf: {path.name} is llama.cpp's deci architecture (per-layer head counts: "
                  f"{_uneven(counts)}): it loads in llama.cpp (llama_cpp.Llama) and multihead's gguf_model, not in "
@@ -549,17 +549,20 @@ def _llama_fields(gguf, tokenizer, vocab_size: int, j: dict) -> list[tuple]:
     return [(k, v.value, v.type, v.sub_type) for k, v in w.kv_data[0].items() if k.startswith("tokenizer.")]
 
 
-def _tokenized_back(path: Path, tokenizer) -> str:
-    """The file's vocabulary read by transformers (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``) and,
-    where llama.cpp is built (``llama_cpp`` imports), by llama.cpp (the vocabulary only): each must tokenize
-    :data:`TOKENIZER_TEXTS` as ``tokenizer`` does (its special tokens added and recognised as it does them), else
-    the file is deleted and a ValueError names the reader and the text. Returns the check's line."""
+def _tokenized_back(path: Path, tokenizer, *, deci: bool = False) -> str:
+    """The file's vocabulary read by transformers (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``; not a
+    ``deci`` file, whose architecture its reader refuses) and, where llama.cpp is built (``llama_cpp`` imports), by
+    llama.cpp (the vocabulary only): each must tokenize :data:`TOKENIZER_TEXTS` as ``tokenizer`` does (its special
+    tokens added and recognised as it does them), else the file is deleted and a ValueError names the reader and the
+    text. Returns the check's line (a deci file where llama.cpp is not built: that it was not tokenized back)."""
     transformers = require("transformers", "multihead.deploy.gguf.export_gguf")
     want = [list(tokenizer(t)["input_ids"]) for t in TOKENIZER_TEXTS]
-    with tempfile.TemporaryDirectory() as d:
-        os.symlink(path.resolve(), Path(d) / path.name)
-        back = transformers.AutoTokenizer.from_pretrained(d, gguf_file=path.name)
-    got = {"transformers' GGUF tokenizer": [list(back(t)["input_ids"]) for t in TOKENIZER_TEXTS]}
+    got = {}
+    if not deci:
+        with tempfile.TemporaryDirectory() as d:
+            os.symlink(path.resolve(), Path(d) / path.name)
+            back = transformers.AutoTokenizer.from_pretrained(d, gguf_file=path.name)
+        got["transformers' GGUF tokenizer"] = [list(back(t)["input_ids"]) for t in TOKENIZER_TEXTS]
     if importlib.util.find_spec("llama_cpp") is not None:
         import llama_cpp
 
@@ -572,6 +575,9 @@ def _tokenized_back(path: Path, tokenizer) -> str:
                 path.unlink()
                 raise ValueError(f"export_gguf: {who} tokenizes {text!r} as {a[:16]}, the tokenizer as {b[:16]}: the "
                                  "vocabulary written is not the tokenizer's; the file was deleted.")
+    if not got:
+        return ("vocabulary not tokenized back: transformers' GGUF reader refuses a deci file and llama.cpp is not "
+                "built here (make decoder-llama-cpp builds it)")
     return (f"{' and '.join(got)}: {len(TOKENIZER_TEXTS)} texts tokenized as the tokenizer does "
             f"({sum(map(len, want))} tokens)")
 
