@@ -530,3 +530,21 @@ def test_the_decode_bound_reads_only_a_sliding_layers_window():
     assert decode_macs(shape, counts, 300, windows) == decode_macs(shape, counts, 300)  # inside the window: the same
     with pytest.raises(ValueError, match=r"windows: 2 given for 6 layers"):
         decode_macs(shape, counts, 100, [None, 512])
+
+
+def test_a_decode_cell_whose_rounds_spread_wide_is_said_unsettled():
+    """The decode table's cells whose rounds spread over 20% of their median (either side) get one line each in the
+    report's notes, naming the format, the context and each wide side's spread; a cell within it gets none. The
+    rows are issue 78's second run at 8192 tokens (Q8_0's peer 12.6-16.4 tok/s about 14.9)."""
+    def row(fmt, peer, pruned):
+        stats = [{"decode_tps": {"median": m, "min": lo, "max": hi}} for m, lo, hi in (peer, pruned)]
+        return {"format": fmt, "context": 8192, "peer": stats[0], "pruned": stats[1]}
+
+    said = decoder.unsettled([row("gguf-q8_0", (14.9, 12.6, 16.4), (16.7, 16.0, 18.3)),
+                              row("genai-int4", (11.4, 7.5, 11.6), (12.4, 11.9, 13.7)),
+                              row("gguf-q4_k_m", (10.0, 9.5, 11.5), (12.0, 11.0, 12.0))])
+    assert said == [
+        "gguf-q8_0 at 8192 tokens: the machine was busy: decode tok/s spread over the rounds by the peer's 26% of "
+        "the median (> 20%); that speed-up is not settled (more --decode-rounds, or a quieter machine)",
+        "genai-int4 at 8192 tokens: the machine was busy: decode tok/s spread over the rounds by the peer's 36% of "
+        "the median (> 20%); that speed-up is not settled (more --decode-rounds, or a quieter machine)"]

@@ -1127,6 +1127,26 @@ def after_cuts_s(peers: Mapping[str, Path], written_s: float, o: DecoderOptions,
 THREADS = 2
 
 
+#: a decode cell whose rounds spread wider than this share of their median is said to be unsettled (the encoder's
+#: runtime table says the same of its batches)
+SPREAD = 0.2
+
+
+def unsettled(rows: Sequence[dict]) -> list[str]:
+    """One line for each row of the decode table whose peer's or pruned file's decode tokens/s spread over the
+    rounds (max - min) by more than :data:`SPREAD` of its median: the machine was busy, that speed-up is not
+    settled."""
+    out = []
+    for r in rows:
+        wide = [f"the {side}'s {(s['max'] - s['min']) / s['median']:.0%}" for side in ("peer", "pruned")
+                for s in (r[side]["decode_tps"],) if s["max"] - s["min"] > SPREAD * s["median"]]
+        if wide:
+            out.append(f"{r['format']} at {r['context']} tokens: the machine was busy: decode tok/s spread over the "
+                       f"rounds by {' and '.join(wide)} of the median (> {SPREAD:.0%}); that speed-up is not settled "
+                       "(more --decode-rounds, or a quieter machine)")
+    return out
+
+
 def decode_speed(cut: nn.Module, ref: nn.Module, formats: Sequence[dict], peers: Mapping[str, Path],
                  o: DecoderOptions) -> dict:
     """Each written file timed against its peer in its runtime (:func:`multihead.deploy.decoding.decode_table`),
@@ -1158,5 +1178,6 @@ def decode_speed(cut: nn.Module, ref: nn.Module, formats: Sequence[dict], peers:
                         bound=lambda n: decode_macs(shape, before, n, w) / decode_macs(shape, after, n, w),
                         progress=(lambda line: print(line, file=sys.stderr, flush=True)) if o.progress else None
                         ) if pairs else []
+    notes += unsettled(rows)
     return {"rows": rows, "kv_bytes": kv, "notes": notes, "threads": THREADS, "rounds": o.decode_rounds,
             "decode": o.decode_tokens}
