@@ -1127,15 +1127,12 @@ def after_cuts_s(peers: Mapping[str, Path], written_s: float, o: DecoderOptions,
 THREADS = 2
 
 
-#: a decode cell whose rounds spread wider than this share of their median is said to be unsettled (the encoder's
-#: runtime table says the same of its batches)
-SPREAD = 0.2
-
-
 def unsettled(rows: Sequence[dict]) -> list[str]:
     """One line for each row of the decode table whose peer's or pruned file's decode tokens/s spread over the
-    rounds (max - min) by more than :data:`SPREAD` of its median: the machine was busy, that speed-up is not
-    settled."""
+    rounds (max - min) by more than :data:`multihead.timing.BUSY_SPREAD` of its median (the encoder's runtime table's
+    rule): the machine was busy, that speed-up is not settled."""
+    from multihead.timing import BUSY_SPREAD as SPREAD
+
     out = []
     for r in rows:
         wide = [f"the {side}'s {(s['max'] - s['min']) / s['median']:.0%}" for side in ("peer", "pruned")
