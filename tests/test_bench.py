@@ -236,10 +236,58 @@ def test_a_decode_measurement_is_one_over_its_median_step(monkeypatch):
 
     def fake_genai(path, ids, decode, threads):
         seen.update(path=path, n=len(ids), decode=decode, threads=threads)
-        return 0.5, steps
+        return 0.5, iter(steps).__next__
 
     monkeypatch.setattr(decoding, "_genai", fake_genai)
     m = decoding._worker("genai", "model-dir", 40, 16, 1000, 2)
     assert seen == {"path": "model-dir", "n": 40, "decode": 16, "threads": 2}
     assert m["decode_tps"] == pytest.approx(10.0) and m["prefill_ms"] == pytest.approx(500.0)
     assert 16 / sum(steps) < 5  # what the total would have said
+
+
+def test_a_decode_pair_steps_in_alternation_and_its_speed_up_is_the_median_paired_ratio(monkeypatch):
+    """measure_pair prefills the two files one after the other (``first`` first), then steps them in alternation,
+    the order swapped every step, and the speed-up is the median over steps of the peer's step over the pruned
+    file's beside it: a load that comes and goes on the machine (here every other two pairs of steps 3x slower, both
+    sides of each pair alike) leaves it at the true 1.25x."""
+    from multihead.deploy import decoding
+
+    calls = []
+
+    class FakeStepper:
+        def __init__(self, runtime, path, n, decode, vocab, threads, log):
+            self.side, self.i = path, 0
+            self.prefill_ms = 10.0 if path == "peer.gguf" else 8.0
+            calls.append(("prefill", path, n, decode, vocab, threads))
+
+        def step(self):
+            load = 3.0 if self.i % 4 in (2, 3) else 1.0  # a load on steps 2, 3, 6, 7, ... of each side
+            self.i += 1
+            calls.append(("step", self.side))
+            return load * (0.10 if self.side == "peer.gguf" else 0.08)
+
+        def end(self):
+            return 100.0 if self.side == "peer.gguf" else 90.0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(decoding, "_Stepper", FakeStepper)
+    m = decoding.measure_pair("llama.cpp", "peer.gguf", "pruned.gguf", 40, decode=8, vocab=1000, threads=2,
+                              first="pruned")
+    assert calls[:2] == [("prefill", "pruned.gguf", 40, 8, 1000, 2), ("prefill", "peer.gguf", 40, 8, 1000, 2)]
+    assert [c[1] for c in calls[2:6]] == ["pruned.gguf", "peer.gguf", "peer.gguf", "pruned.gguf"]
+    assert m["speedup"] == pytest.approx(1.25)
+    assert m["peer"]["prefill_ms"] == 10.0 and m["pruned"]["peak_mb"] == 90.0
+    with pytest.raises(ValueError, match="first='both'; give 'peer' or 'pruned'"):
+        decoding.measure_pair("genai", "a", "b", 40, decode=8, vocab=1000, threads=2, first="both")
+
+
+def test_a_decode_worker_that_fails_is_named(tmp_path):
+    """A file the runtime cannot load: the pair's worker exits, and the error names that file and what it said."""
+    pytest.importorskip("onnxruntime_genai")
+    from multihead.deploy import decoding
+
+    with pytest.raises(RuntimeError, match=f"the worker on {tmp_path / 'missing'} failed: .+"):
+        decoding.measure_pair("genai", tmp_path / "missing", tmp_path / "missing2", 40, decode=4, vocab=1000,
+                              threads=1)

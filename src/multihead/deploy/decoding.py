@@ -7,13 +7,19 @@ time, peak memory, beside the bound of the work removed.
                         bound=bound)
     print(markdown(rows))
 
-Each measurement is one fresh process (this file run by its path: it imports neither torch nor multihead, so the
-runtime alone is in it and its peak resident memory, its VmHWM, is the runtime's): load, one untimed warm-up, then
-the prompt (random ids, seeded by n) prefilled, then ``decode`` tokens decoded one at a time, greedy, each step timed;
-a measurement's tokens/s is one over its median step (a step slowed by another process on the machine does not move
-it, where the total over ``decode`` steps would). The peer and the pruned file alternate within each round (their
-order swapped every round), every format and context in every round; a row gives the median over rounds and the
-spread (min-max), and the speed-up is the ratio of the medians.
+Each file runs in a fresh process of its own (this file run by its path: it imports neither torch nor multihead, so
+the runtime alone is in it and its peak resident memory, its VmHWM, is the runtime's): load, one untimed warm-up,
+then the prompt (random ids, seeded by n) prefilled, then ``decode`` tokens decoded one at a time, greedy, each step
+timed; a file's tokens/s is one over its median step (a step slowed by another process on the machine does not move
+it, where the total over ``decode`` steps would).
+
+The peer and the pruned file are timed as a pair (:func:`measure_pair`): both processes loaded and prefilled, one
+after the other, then their decode steps in alternation (peer, pruned, pruned, peer, ...), one step at a time, so
+each step of one has a step of the other beside it under the same load on the machine. The pair's speed-up is the
+median over the decode steps of the peer's step over the pruned file's: a load that comes and goes slows both sides
+of a pair alike, where two measurements a minute apart (a prefill of 8192 tokens takes that) see different loads.
+Every format and context is measured in every round, the pair's order swapped every round; a row gives the medians
+over rounds with their spread (min-max), the speed-up the median of the rounds' paired speed-ups with theirs.
 
 The bound (:func:`decode_macs`): a decoded token's multiply-adds -- per layer the projections E*(H*D) + 2*E*(Hkv*D)
 + (H*D)*E, the MLP 3*E*F, attention over a cache of n tokens 2*n*H*D (a sliding-window layer's over its last
@@ -33,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["RUNTIMES", "attention_windows", "decode_macs", "decode_table", "markdown", "measure"]
+__all__ = ["RUNTIMES", "attention_windows", "decode_macs", "decode_table", "markdown", "measure", "measure_pair"]
 
 #: the runtimes a decoder file is timed in: {name: the Python module that runs it}
 RUNTIMES = {"llama.cpp": "llama_cpp", "genai": "onnxruntime_genai"}
@@ -80,14 +86,93 @@ def measure(runtime: str, path: str | Path, n: int, *, decode: int, vocab: int, 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+_MARK = "@multihead.decoding "
+
+
+class _Stepper:
+    """One file in its worker process (``serve`` mode), prefilled, stepped one decoded token at a time on request."""
+
+    def __init__(self, runtime: str, path: str | Path, n: int, decode: int, vocab: int, threads: int, log: Path):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        self.path, self.err = path, log.open("w+")
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", runtime, str(path), str(n), str(decode),
+                                      str(vocab), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, env=env)
+        self.prefill_ms = self._read()["prefill_ms"]  # loaded, warmed up and prefilled
+
+    def _read(self):
+        for line in self.proc.stdout:  # the runtime's own prints pass by: the worker's lines carry its mark
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):])
+        self.proc.wait()
+        self.err.seek(0)
+        raise RuntimeError(f"the worker on {self.path} failed: {self.err.read().strip()[-600:]}")
+
+    def step(self) -> float:
+        """Seconds of one decode step, timed in the worker."""
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self._read()["step_s"]
+
+    def end(self) -> float:
+        """The worker's peak resident memory in MB; it exits."""
+        self.proc.stdin.write("end\n")
+        self.proc.stdin.flush()
+        peak = self._read()["peak_mb"]
+        self.proc.wait()
+        self.err.close()
+        return peak
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+
+
+def measure_pair(runtime: str, peer: str | Path, pruned: str | Path, n: int, *, decode: int, vocab: int,
+                 threads: int, first: str = "peer") -> dict:
+    """The peer and the pruned file, each in a fresh process of its own, prefilled one after the other (``first``
+    first) with the same prompt of ``n`` tokens, then decoding ``decode`` tokens in alternation, one step at a time
+    (the pair's order swapped every step: peer, pruned, pruned, peer, ...). {"peer": m, "pruned": m, "speedup"}:
+    each m {"prefill_ms", "decode_tps" (one over the median step), "peak_mb" (that process's own)}; the speed-up is
+    the median over the steps of the peer's step over the pruned file's beside it. RuntimeError naming the file when
+    a worker fails."""
+    import tempfile
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime={runtime!r}; the decoder runtimes are {', '.join(RUNTIMES)}.")
+    if first not in ("peer", "pruned"):
+        raise ValueError(f"first={first!r}; give 'peer' or 'pruned'.")
+    files = {"peer": peer, "pruned": pruned}
+    order = (first, "pruned" if first == "peer" else "peer")
+    workers: dict[str, _Stepper] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for side in order:  # one prefill at a time: the other process waits, idle
+                workers[side] = _Stepper(runtime, files[side], n, decode, vocab, threads, Path(tmp) / side)
+            steps: dict[str, list[float]] = {"peer": [], "pruned": []}
+            for i in range(decode):
+                for side in (order if i % 2 == 0 else order[::-1]):
+                    steps[side].append(workers[side].step())
+            peaks = {side: workers[side].end() for side in order}
+        finally:
+            for w in workers.values():
+                w.kill()
+    out = {side: {"prefill_ms": workers[side].prefill_ms, "decode_tps": 1 / statistics.median(steps[side]),
+                  "peak_mb": peaks[side]} for side in ("peer", "pruned")}
+    out["speedup"] = statistics.median(a / b for a, b in zip(steps["peer"], steps["pruned"]))
+    return out
+
+
 def decode_table(pairs: Mapping[str, tuple[str, Path, Path]], contexts: Sequence[int], *, vocab: int,
                  bound: Callable[[int], float], rounds: int = 3, decode: int = 16, threads: int = 2,
                  progress: Callable[[str], None] | None = None) -> list[dict]:
     """``pairs``: {label: (runtime, the peer's file, the pruned file)} timed at every context of ``contexts`` (the
     cache's length when the last of ``decode`` tokens is decoded: a prompt of n - ``decode`` tokens) for ``rounds``
-    interleaved rounds (:func:`measure`); ``bound(n)``: the work removed at a cache of n tokens, as a speed-up
-    (unpruned multiply-adds over pruned). Returns a row a label and context: the medians and spreads of both, the
-    speed-up, the bound and its share."""
+    rounds, each file beside its peer (:func:`measure_pair`); ``bound(n)``: the work removed at a cache of n tokens,
+    as a speed-up (unpruned multiply-adds over pruned). Returns a row a label and context: the medians and spreads of
+    both, the speed-up (the median of the rounds' paired speed-ups) and its spread, the bound and its share."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a whole number >= 1; got {rounds!r}.")
     if isinstance(decode, bool) or not isinstance(decode, int) or decode < 1:
@@ -95,26 +180,27 @@ def decode_table(pairs: Mapping[str, tuple[str, Path, Path]], contexts: Sequence
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n <= decode for n in contexts):
         raise ValueError(f"contexts must be whole numbers of tokens above decode={decode} (the prompt is n - decode); "
                          f"got {list(contexts)!r}.")
-    got: dict[tuple[str, int, str], list[dict]] = {}
+    got: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
-        order = ("peer", "pruned") if r % 2 == 0 else ("pruned", "peer")
         for n in contexts:
             for label, (runtime, peer, pruned) in pairs.items():
-                for variant in order:
-                    m = measure(runtime, peer if variant == "peer" else pruned, n - decode, decode=decode,
-                                vocab=vocab, threads=threads)
-                    got.setdefault((label, n, variant), []).append(m)
-                    if progress is not None:
-                        progress(f"round {r + 1} {label} {variant} {n}: {m['decode_tps']:.1f} tok/s, "
-                                 f"prefill {m['prefill_ms']:.0f} ms")
+                m = measure_pair(runtime, peer, pruned, n - decode, decode=decode, vocab=vocab, threads=threads,
+                                 first="peer" if r % 2 == 0 else "pruned")
+                got.setdefault((label, n), []).append(m)
+                if progress is not None:
+                    progress(f"round {r + 1} {label} {n}: the peer {m['peer']['decode_tps']:.1f} tok/s, pruned "
+                             f"{m['pruned']['decode_tps']:.1f} tok/s, paired {m['speedup']:.2f}x; prefill "
+                             f"{m['peer']['prefill_ms']:.0f} and {m['pruned']['prefill_ms']:.0f} ms")
     rows = []
     for label, (runtime, _, _) in pairs.items():
         for n in contexts:
-            p, q = got[label, n, "peer"], got[label, n, "pruned"]
-            speed = (statistics.median(x["decode_tps"] for x in q) / statistics.median(x["decode_tps"] for x in p))
-            b = float(bound(n))
+            ms = got[label, n]
+            speeds = [m["speedup"] for m in ms]
+            speed, b = statistics.median(speeds), float(bound(n))
             rows.append({"format": label, "runtime": runtime, "context": n, "rounds": rounds, "decode": decode,
-                         "threads": threads, "peer": _stats(p), "pruned": _stats(q), "speedup": speed, "bound": b,
+                         "threads": threads, "peer": _stats([m["peer"] for m in ms]),
+                         "pruned": _stats([m["pruned"] for m in ms]), "speedup": speed,
+                         "speedup_spread": {"min": min(speeds), "max": max(speeds)}, "bound": b,
                          "of_bound": (speed - 1) / (b - 1) if b > 1 else None})
     return rows
 
@@ -137,7 +223,9 @@ def markdown(rows: Sequence[dict], kv_bytes: Mapping[str, tuple[int, int]] | Non
         kv = (kv_bytes or {}).get(r["format"])
         for i, variant in enumerate(("peer", "pruned")):
             s = r[variant]
-            extra = (f"{r['speedup']:.2f}x | {r['bound']:.2f}x | "
+            spread = r.get("speedup_spread")
+            rng = "" if not spread else f" ({spread['min']:.2f}-{spread['max']:.2f})"
+            extra = (f"{r['speedup']:.2f}x{rng} | {r['bound']:.2f}x | "
                      + ("" if r["of_bound"] is None else f"{r['of_bound']:.0%}")) if variant == "pruned" else " | | "
             out.append(f"| {r['format']} | {r['runtime']} | {r['context']} | "
                        f"{'the peer (unpruned)' if variant == 'peer' else 'pruned'} | {cell(s, 'decode_tps', '.1f')} | "
@@ -158,7 +246,8 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, list[float]]:
+def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, Callable[[], float]]:
+    """Loaded, warmed up and ``ids`` prefilled: (the prefill's seconds, one decode step returning its seconds)."""
     import onnxruntime_genai as og
 
     cfg = og.Config(path)
@@ -178,15 +267,16 @@ def _genai(path: str, ids, decode: int, threads: int) -> tuple[float, list[float
     t = time.perf_counter()
     gen.append_tokens(ids[None])  # (1, n)
     prefill = time.perf_counter() - t
-    steps = []
-    for _ in range(decode):
+
+    def step() -> float:
         t = time.perf_counter()
         gen.generate_next_token()
-        steps.append(time.perf_counter() - t)
-    return prefill, steps
+        return time.perf_counter() - t
+    return prefill, step
 
 
-def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float, list[float]]:
+def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float, Callable[[], float]]:
+    """As :func:`_genai`, in llama.cpp."""
     import llama_cpp
     import numpy as np
     from llama_cpp import Llama
@@ -198,25 +288,45 @@ def _llama(path: str, ids, decode: int, threads: int, vocab: int) -> tuple[float
     t = time.perf_counter()
     llm.eval(ids.tolist())
     prefill = time.perf_counter() - t
-    steps = []
-    for _ in range(decode):
+
+    def step() -> float:
         t = time.perf_counter()
         # the last token's logits from the context (without logits_all, 0.3.36 keeps none in llm.scores)
         tok = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
         llm.eval([tok])
-        steps.append(time.perf_counter() - t)
-    return prefill, steps
+        return time.perf_counter() - t
+    return prefill, step
 
 
-def _worker(runtime: str, path: str, n: int, decode: int, vocab: int, threads: int) -> dict:
+def _prepare(runtime: str, path: str, n: int, decode: int, vocab: int, threads: int):
     import numpy as np
 
     ids = np.random.default_rng(n).integers(100, vocab, n).astype(np.int32)  # (n,) the prompt
-    prefill, steps = (_genai(path, ids, decode, threads) if runtime == "genai"
-                      else _llama(path, ids, decode, threads, vocab))
+    return _genai(path, ids, decode, threads) if runtime == "genai" else _llama(path, ids, decode, threads, vocab)
+
+
+def _worker(runtime: str, path: str, n: int, decode: int, vocab: int, threads: int) -> dict:
+    prefill, step = _prepare(runtime, path, n, decode, vocab, threads)
+    steps = [step() for _ in range(decode)]
     return {"prefill_ms": prefill * 1e3, "decode_tps": 1 / statistics.median(steps), "peak_mb": _peak_mb()}
 
 
-if __name__ == "__main__":  # one measurement: runtime path n decode vocab threads
-    rt, p, n_, d_, v_, t_ = sys.argv[1:7]
-    print(json.dumps(_worker(rt, p, int(n_), int(d_), int(v_), int(t_))))
+def _serve(runtime: str, path: str, n: int, decode: int, vocab: int, threads: int) -> None:
+    """:class:`_Stepper`'s side: prefilled, then one line in, one line out: "step" (its seconds), "end" (the peak)."""
+    prefill, step = _prepare(runtime, path, n, decode, vocab, threads)
+    print(_MARK + json.dumps({"prefill_ms": prefill * 1e3}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            print(_MARK + json.dumps({"step_s": step()}), flush=True)
+        elif line.strip() == "end":
+            print(_MARK + json.dumps({"peak_mb": _peak_mb()}), flush=True)
+            return
+
+
+if __name__ == "__main__":  # one measurement: runtime path n decode vocab threads; or "serve" and the same
+    if sys.argv[1] == "serve":
+        rt, p, n_, d_, v_, t_ = sys.argv[2:8]
+        _serve(rt, p, int(n_), int(d_), int(v_), int(t_))
+    else:
+        rt, p, n_, d_, v_, t_ = sys.argv[1:7]
+        print(json.dumps(_worker(rt, p, int(n_), int(d_), int(v_), int(t_))))

@@ -83,7 +83,7 @@ class DecoderOptions:
     per layer (:func:`plan_per_layer`). ``fsdp``: under torchrun, the recovery fully sharded (FSDP2) rather than
     data parallel (DDP). ``decode_contexts``: each format's file timed against its peer (:func:`write_peers`) in its
     runtime (:mod:`multihead.deploy.decoding`), decoding ``decode_tokens`` tokens up to each context, in
-    ``decode_rounds`` interleaved rounds (:func:`decode_speed`)."""
+    ``decode_rounds`` rounds, each file stepped in alternation with its peer (:func:`decode_speed`)."""
 
     fraction: float | None = None
     unit: str = "auto"
@@ -102,7 +102,7 @@ class DecoderOptions:
     fsdp: bool = False
     decode_contexts: tuple[int, ...] = ()
     decode_rounds: int = 3
-    decode_tokens: int = 16
+    decode_tokens: int = 32
 
 
 @dataclass
@@ -671,8 +671,10 @@ def decode_lines(d: dict | None) -> list[str]:
                     "its peer in its runtime"]
     out = ["", f"Decoding where the cut pays: each file against its peer, the unpruned model made into the same "
                f"format by the runtime's own tools (OUT/peers), batch 1, {d['decode']} tokens decoded up to each "
-               f"context after a prompt of the rest, {d['threads']} threads, {d['rounds']} interleaved rounds (median "
-               "and min-max); the bound: the multiply-adds of a decoded token removed (multihead.deploy.decoding).",
+               f"context after a prompt of the rest, {d['threads']} threads, {d['rounds']} rounds (median and "
+               "min-max); each file and its peer in two processes decoding in alternation, one step each in turn, "
+               "the speed-up the median of the paired steps' ratios; the bound: the multiply-adds of a decoded token "
+               "removed (multihead.deploy.decoding).",
            ""]
     out += [table(d["rows"], d["kv_bytes"])] if d["rows"] else ["- no file timed"]
     return out + [f"- {n}" for n in d["notes"]]
@@ -1128,19 +1130,19 @@ THREADS = 2
 
 
 def unsettled(rows: Sequence[dict]) -> list[str]:
-    """One line for each row of the decode table whose peer's or pruned file's decode tokens/s spread over the
-    rounds (max - min) by more than :data:`multihead.timing.BUSY_SPREAD` of its median (the encoder's runtime table's
-    rule): the machine was busy, that speed-up is not settled."""
+    """One line for each row of the decode table whose paired speed-up spread over the rounds (max - min) by more
+    than :data:`multihead.timing.BUSY_SPREAD` of its median (the encoder's runtime table's rule): the machine's load
+    moved even the pairs, that speed-up is not settled."""
     from multihead.timing import BUSY_SPREAD as SPREAD
 
     out = []
     for r in rows:
-        wide = [f"the {side}'s {(s['max'] - s['min']) / s['median']:.0%}" for side in ("peer", "pruned")
-                for s in (r[side]["decode_tps"],) if s["max"] - s["min"] > SPREAD * s["median"]]
-        if wide:
-            out.append(f"{r['format']} at {r['context']} tokens: the machine was busy: decode tok/s spread over the "
-                       f"rounds by {' and '.join(wide)} of the median (> {SPREAD:.0%}); that speed-up is not settled "
-                       "(more --decode-rounds, or a quieter machine)")
+        s = r.get("speedup_spread")
+        if s and s["max"] - s["min"] > SPREAD * r["speedup"]:
+            out.append(f"{r['format']} at {r['context']} tokens: the machine was busy: the paired speed-up spread over "
+                       f"the rounds from {s['min']:.2f}x to {s['max']:.2f}x, {(s['max'] - s['min']) / r['speedup']:.0%}"
+                       f" of its median (> {SPREAD:.0%}); that speed-up is not settled (more --decode-rounds, or a "
+                       "quieter machine)")
     return out
 
 
