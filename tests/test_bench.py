@@ -274,7 +274,7 @@ def test_a_decode_pair_steps_in_alternation_and_its_speed_up_is_the_median_paire
 
     monkeypatch.setattr(decoding, "_Stepper", FakeStepper)
     m = decoding.measure_pair("llama.cpp", "peer.gguf", "pruned.gguf", 40, decode=8, vocab=1000, threads=2,
-                              first="pruned")
+                              first="pruned", gap=0.0)
     assert calls[:2] == [("prefill", "pruned.gguf", 40, 8, 1000, 2), ("prefill", "peer.gguf", 40, 8, 1000, 2)]
     assert [c[1] for c in calls[2:6]] == ["pruned.gguf", "peer.gguf", "peer.gguf", "pruned.gguf"]
     assert m["speedup"] == pytest.approx(1.25)

@@ -88,6 +88,13 @@ def measure(runtime: str, path: str | Path, n: int, *, decode: int, vocab: int, 
 
 _MARK = "@multihead.decoding "
 
+#: seconds between one process's decode step and the other's: a runtime's threads spin a while after their work
+#: (llama.cpp's OpenMP threads: libgomp's 300,000 spins), which would take the other process's cores. Measured with
+#: a file paired with itself (SmolLM2's Q8_0 and GenAI int4, 2048 tokens, 2 threads, 2 rounds): with no gap llama.cpp
+#: read 1.23x and 1.22x, at 48-65 tok/s where the file alone ran 68-81; with 50 ms, 1.000x and 0.995x at 69-73
+#: tok/s; GenAI 1.01x and 1.00x at 52-54 tok/s (alone 94), with 50 ms 1.00x and 0.99x at 85-90
+GAP = 0.05
+
 
 class _Stepper:
     """One file in its worker process (``serve`` mode), prefilled, stepped one decoded token at a time on request."""
@@ -131,13 +138,14 @@ class _Stepper:
 
 
 def measure_pair(runtime: str, peer: str | Path, pruned: str | Path, n: int, *, decode: int, vocab: int,
-                 threads: int, first: str = "peer") -> dict:
+                 threads: int, first: str = "peer", gap: float = GAP) -> dict:
     """The peer and the pruned file, each in a fresh process of its own, prefilled one after the other (``first``
     first) with the same prompt of ``n`` tokens, then decoding ``decode`` tokens in alternation, one step at a time
     (the pair's order swapped every step: peer, pruned, pruned, peer, ...). {"peer": m, "pruned": m, "speedup"}:
     each m {"prefill_ms", "decode_tps" (one over the median step), "peak_mb" (that process's own)}; the speed-up is
-    the median over the steps of the peer's step over the pruned file's beside it. RuntimeError naming the file when
-    a worker fails."""
+    the median over the steps of the peer's step over the pruned file's beside it. ``gap``: seconds waited before each
+    step (:data:`GAP`), so that the other process's threads, spinning a while after its step, are asleep when this
+    one runs. RuntimeError naming the file when a worker fails."""
     import tempfile
 
     if runtime not in RUNTIMES:
@@ -154,6 +162,7 @@ def measure_pair(runtime: str, peer: str | Path, pruned: str | Path, n: int, *, 
             steps: dict[str, list[float]] = {"peer": [], "pruned": []}
             for i in range(decode):
                 for side in (order if i % 2 == 0 else order[::-1]):
+                    time.sleep(gap)  # the other process's threads, spinning after its step, gone to sleep
                     steps[side].append(workers[side].step())
             peaks = {side: workers[side].end() for side in order}
         finally:
