@@ -255,7 +255,7 @@ def test_a_decode_pair_steps_in_alternation_and_its_speed_up_is_the_median_paire
     calls = []
 
     class FakeStepper:
-        def __init__(self, runtime, path, n, decode, vocab, threads, log):
+        def __init__(self, runtime, path, n, *, decode, vocab, threads, log):
             self.side, self.i = path, 0
             self.prefill_ms = 10.0 if path == "peer.gguf" else 8.0
             calls.append(("prefill", path, n, decode, vocab, threads))

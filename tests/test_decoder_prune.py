@@ -270,7 +270,7 @@ def test_the_command_refuses_bad_input_in_one_line_before_any_work(tmp_path, tok
              (["--hf", str(src), "--formats", "genai-fp32", "--decode-contexts", "64,512"],
               "--decode-contexts 512: longer than the model's 256 positions"),
              (["--hf", str(src), "--formats", "genai-fp32", "--decode-contexts", "16"],
-              "above the 16 decoded")]
+              "above the 32 decoded")]
     for argv, message in cases:
         out = tmp_path / "o"
         assert main(["prune", *argv, "--out", str(out)]) == 2, argv

@@ -141,8 +141,8 @@ def _decoder_fill(tmp_path) -> dict[str, str]:
     pair = {"clean": clean, "answer": answer, "wrong": wrong,
             "corrupted": "When Mary and John went to the store, Mary gave a drink to"}
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for _ in range(4)))
-    # the contexts the page times SmolLM2 at, scaled into the tiny model's 256 positions
-    return {"DIR": str(lm), "FILE": str(tmp_path / "pairs.jsonl"), "256,2048,8192": "32,64,128"}
+    # the contexts the page times SmolLM2 at, scaled into the tiny model's 256 positions (above the 32 decoded)
+    return {"DIR": str(lm), "FILE": str(tmp_path / "pairs.jsonl"), "256,2048,8192": "48,64,128"}
 
 
 def _tiny_bert(tmp_path) -> Path:

@@ -99,7 +99,7 @@ GAP = 0.05
 class _Stepper:
     """One file in its worker process (``serve`` mode), prefilled, stepped one decoded token at a time on request."""
 
-    def __init__(self, runtime: str, path: str | Path, n: int, decode: int, vocab: int, threads: int, log: Path):
+    def __init__(self, runtime: str, path: str | Path, n: int, *, decode: int, vocab: int, threads: int, log: Path):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
         self.path, self.err = path, log.open("w+")
         self.proc = subprocess.Popen([sys.executable, __file__, "serve", runtime, str(path), str(n), str(decode),
@@ -126,15 +126,19 @@ class _Stepper:
         self.proc.stdin.write("end\n")
         self.proc.stdin.flush()
         peak = self._read()["peak_mb"]
-        self.proc.wait()
-        self.err.close()
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)  # it returns after that line
+        self.kill()
         return peak
 
     def kill(self) -> None:
+        """The worker ended (killed if it still runs), its pipes and log closed."""
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
-        self.err.close()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.err):
+            if not f.closed:
+                f.close()
 
 
 def measure_pair(runtime: str, peer: str | Path, pruned: str | Path, n: int, *, decode: int, vocab: int,
@@ -158,7 +162,8 @@ def measure_pair(runtime: str, peer: str | Path, pruned: str | Path, n: int, *, 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for side in order:  # one prefill at a time: the other process waits, idle
-                workers[side] = _Stepper(runtime, files[side], n, decode, vocab, threads, Path(tmp) / side)
+                workers[side] = _Stepper(runtime, files[side], n, decode=decode, vocab=vocab, threads=threads,
+                                         log=Path(tmp) / side)
             steps: dict[str, list[float]] = {"peer": [], "pruned": []}
             for i in range(decode):
                 for side in (order if i % 2 == 0 else order[::-1]):
