@@ -1,7 +1,8 @@
 """Models built from multihead modules: BERT (loads the pretrained MiniLM), an
 encoder-decoder Transformer and a ViT; pretrained decoders from the registry as transformers folders
 (:func:`smollm2_path`, :func:`gemma3_path`); Olsson et al.'s attention-only induction model
-(:mod:`multihead.models.induction`)."""
+(:mod:`multihead.models.induction`); models whose circuits are small by construction
+(:mod:`multihead.models.sparse_circuits`)."""
 
 from multihead.models.bert import Bert, BertConfig, SentenceEncoder, minilm_path
 from multihead.models.checkpoint import load, save
