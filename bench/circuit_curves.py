@@ -9,7 +9,7 @@ the logits counts), direction
 EAP-IG's greedy circuit): f at each budget (MIB's count, rounded down), CPR and CMD, every f by exact patching
 (``heads.faithfulness_curve``).
 
-    .venv/bin/python bench/circuit_curves.py   # writes bench/results/circuit_curves.md (about a minute)
+    .venv/bin/python bench/circuit_curves.py   # writes bench/results/circuit_curves.md (seconds)
 """
 
 from __future__ import annotations

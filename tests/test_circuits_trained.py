@@ -95,7 +95,7 @@ def test_eap_circuits_of_five_percent_that_hold_together(trained, direction, req
     file's models (seed 1) -- induction noising: pruned 0.23, greedy 0.21; look-back denoising 0.74, noising 0.11
     (both) -- and kept as expected failures (strict: a change that meets the goal turns them into failures to update),
     not lowered. Look-back denoising is at the edge: the models trained on an AMD EPYC (Zen 4, avx512_bf16 besides)
-    gave 0.93 there (induction denoising 0.90, noising 0.25 and 0.23), so that one expected failure is not strict.
+    gave 0.93 there (induction denoising 0.90; noising 0.25 induction, 0.23 look-back), so that one expected failure is not strict.
     Not the constructions but EAP's scores (measured in the next test): the task head's saturated
     attention leaves the edges into its key no first-order score when noising, and when denoising on the look-back
     gets their signs wrong (layer-0 heads 2-4 into the key and the embedding into their values: EAP -0.14 to -0.25,
@@ -148,9 +148,9 @@ def test_atp_star_corrects_the_saturated_key_but_not_the_edges_behind_it(trained
     an edge *into* a query or key, so the edge into the task head's key ranks within its top 3 (second, measured);
     but an edge whose effect reaches the logits *through* that saturated key keeps EAP's vanishing gradient. On the
     induction task that is exact patching's largest effect, embed -> head 0's value (-6.30; AtP* ranks it 25th,
-    outside the 12-edge budget); its 5% circuits' f stays below 0.8 (measured with GradDrop, the default: 0.33
-    induction, 0.67 look-back, both constructions; signed, without it: 0.25 and 0.87 --
-    bench/results/circuit_curves.md). In a 2-layer model GradDrop scores an edge into layer 0 with layer 1's
+    outside the 12-edge budget). With GradDrop (the default) its 5% circuits' f stays below 0.8 (measured 0.33
+    induction, 0.67 look-back, both constructions); signed, without GradDrop, 0.25 induction and 0.87 look-back
+    (bench/results/circuit_curves.md). In a 2-layer model GradDrop scores an edge into layer 0 with layer 1's
     gradient dropped, so only the edge's direct path to the logits counts."""
     model, clean, corrupted, metric, known, _ = trained
     atp = heads.edge_attribution(model, clean, corrupted, metric, method="atp*", direction="noise")
