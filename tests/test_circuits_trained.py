@@ -95,8 +95,8 @@ def test_eap_circuits_of_five_percent_that_hold_together(trained, direction, req
     file's models (seed 1) -- induction noising: pruned 0.23, greedy 0.21; look-back denoising 0.74, noising 0.11
     (both) -- and kept as expected failures (strict: a change that meets the goal turns them into failures to update),
     not lowered. Look-back denoising is at the edge: the models trained on an AMD EPYC (Zen 4, avx512_bf16 besides)
-    gave 0.93 there (induction denoising 0.90; noising 0.25 induction, 0.23 look-back), so that one expected failure is not strict.
-    Not the constructions but EAP's scores (measured in the next test): the task head's saturated
+    gave 0.93 there (induction denoising 0.90; noising 0.25 induction, 0.23 look-back), so that one expected failure
+    is not strict. Not the constructions but EAP's scores (measured in the next test): the task head's saturated
     attention leaves the edges into its key no first-order score when noising, and when denoising on the look-back
     gets their signs wrong (layer-0 heads 2-4 into the key and the embedding into their values: EAP -0.14 to -0.25,
     exact patching +0.40 to +0.85), so the 12-edge budget misses a path (the raw top 13, one edge more, gives 0.95)."""

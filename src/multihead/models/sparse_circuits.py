@@ -126,8 +126,9 @@ def two_back_loss(logits: Tensor, ids: Tensor) -> Tensor:
 def copy_two_back() -> nn.Module:
     """A 2-layer GPT-2 (4 heads a layer, E 32, MLPs: 110 edges) trained to copy the token two back, once per process
     (150 Adam steps, ~5 s on one thread), in transformers' own attention: attach it (:func:`multihead.hf.attach`)
-    before scoring its circuit. Each call returns the same object, and attaching changes it in place: attach it once. The circuit runs embed -> a layer-0 head's value -> the head -> layer 0's MLP -> the
-    logits, beside the heads' own edges into the logits."""
+    before scoring its circuit. Each call returns the same object, and attaching changes it in place: attach it once.
+    The circuit runs embed -> a layer-0 head's value -> the head -> layer 0's MLP -> the logits, beside the heads' own
+    edges into the logits."""
     import transformers as T
 
     torch.manual_seed(0)
